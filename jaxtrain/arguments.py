@@ -1,0 +1,308 @@
+"""TrainingArguments: every knob of a run, validated on construction.
+
+Each field is read somewhere in the code; the docstring of a field says what it does.
+Arguments round-trip through YAML/JSON and accept `--field value` overrides from the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
+SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
+PROGRESS_BARS = ("rich", "tqdm", "json", "none")
+EVALUATION_STRATEGIES = ("no", "steps", "epoch")
+TRUNCATION_MODES = ("keep_end", "keep_start")
+
+
+class ArgumentError(ValueError):
+    """An invalid TrainingArguments value; the message names the field and the fix."""
+
+
+@dataclasses.dataclass
+class TrainingArguments:
+    # Where everything of the run goes: arguments.json, metrics.jsonl, checkpoints/.
+    output_dir: str = "runs/jaxtrain"
+    # Refuse to write into an output_dir that already holds checkpoints unless True
+    # (then the old checkpoints are deleted first).
+    overwrite_output_dir: bool = False
+    seed: int = 0
+
+    # Optimisation.
+    learning_rate: float = 3e-4
+    optimizer: str = "adamw"
+    scheduler: str = "cosine"
+    warmup_steps: int = 0
+    # Final learning rate of decaying schedules, as a fraction of learning_rate.
+    min_lr_ratio: float = 0.0
+    # wsd: fraction of the run spent in the final linear decay.
+    wsd_decay_fraction: float = 0.1
+    # Decoupled weight decay; never applied to norms and biases (params with ndim < 2).
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    # Momentum of sgd.
+    momentum: float = 0.9
+    # Global-norm gradient clipping; None or 0 disables it.
+    clip_grad: float | None = 1.0
+
+    # Length of the run: max_steps > 0 wins over num_train_epochs.
+    num_train_epochs: int = 1
+    max_steps: int = -1
+
+    # Global sequences per optimizer update, across devices and micro-batches.
+    total_batch_size: int = 32
+    # Micro-batches per update; each holds total_batch_size / gradient_accumulation_steps rows.
+    gradient_accumulation_steps: int = 1
+    # Rows per eval batch; None means the training micro-batch size.
+    eval_batch_size: int | None = None
+    max_sequence_length: int = 512
+    # Which end of an over-long sequence survives truncation.
+    truncation_mode: str = "keep_end"
+    # Column holding raw text, tokenized with processing_class when input_ids is absent.
+    text_column: str = "text"
+    shuffle_train: bool = True
+    # Batches prepared ahead by a background thread.
+    prefetch_batches: int = 2
+
+    # Mixed precision: compute in dtype, keep master parameters in param_dtype.
+    # None keeps what the model was built with.
+    dtype: str | None = None
+    param_dtype: str | None = None
+    # Rematerialisation policy of each decoder layer.
+    gradient_checkpointing: str = "none"
+
+    # Cadences (in optimizer steps).
+    logging_steps: int = 10
+    evaluation_strategy: str = "steps"
+    eval_steps: int = 100
+    # Cap on eval batches per evaluation (None = the whole eval set).
+    max_eval_batches: int | None = None
+    # Periodic checkpoint every save_steps (None = only the final save).
+    save_steps: int | None = None
+    # Keep at most this many checkpoints (None = keep all).
+    save_total_limit: int | None = None
+    # Write a checkpoint when training ends.
+    save_final: bool = True
+    progress_bar: str = "rich"
+
+    def __post_init__(self) -> None:
+        self.optimizer = self.optimizer.lower()
+        self.scheduler = self.scheduler.lower().replace("-", "_")
+        _validate(self)
+
+    # ----- derived values -----
+    @property
+    def micro_batch_size(self) -> int:
+        return self.total_batch_size // self.gradient_accumulation_steps
+
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        return self.eval_batch_size or self.micro_batch_size
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Number of optimizer updates of the run."""
+        if self.max_steps > 0:
+            return self.max_steps
+        return steps_per_epoch * self.num_train_epochs
+
+    # ----- serialisation -----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "arguments") -> TrainingArguments:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, known, n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ArgumentError(
+                f"Unknown TrainingArguments field(s) in {source}: {', '.join(hints)}. "
+                "Remove them or fix the spelling."
+            )
+        hints_by_name = typing.get_type_hints(cls)
+        coerced = {
+            k: coerce_value(hints_by_name[k], v, field=k, source=source) for k, v in values.items()
+        }
+        return cls(**coerced)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> TrainingArguments:
+        """Read YAML or JSON; overrides win over the file."""
+        values = read_config_file(path)
+        values.update(overrides)
+        return cls.from_dict(values, source=str(path))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ArgumentError(f"Config file {path} does not exist. Check the path.")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ArgumentError(f"Config file {path} is not valid YAML/JSON: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ArgumentError(f"Config file {path} must hold a mapping of field: value at top level.")
+    return data
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def coerce_value(annotation: Any, value: Any, *, field: str, source: str = "arguments") -> Any:
+    """Convert `value` (often a CLI string) to the field's annotated type, or explain why not."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return coerce_value(option, value, field=field, source=source)
+            except ArgumentError as err:
+                errors.append(str(err))
+        raise ArgumentError(errors[0] if errors else f"{field}: cannot parse {value!r}")
+    if origin is Literal:
+        return value
+    bad = ArgumentError(
+        f"{field} in {source} must be {getattr(annotation, '__name__', annotation)}, got {value!r}."
+    )
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad
+    if annotation is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if annotation is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    return value
+
+
+def _choice(args: TrainingArguments, name: str, options: tuple[str, ...]) -> None:
+    value = getattr(args, name)
+    if value not in options:
+        close = difflib.get_close_matches(str(value), options, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ArgumentError(
+            f"TrainingArguments.{name}={value!r} is not supported.{hint} "
+            f"Choose one of: {', '.join(options)}."
+        )
+
+
+def _positive(args: TrainingArguments, name: str, *, allow_zero: bool = False) -> None:
+    value = getattr(args, name)
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ArgumentError(f"TrainingArguments.{name} must be {bound}, got {value}.")
+
+
+def _validate(args: TrainingArguments) -> None:
+    _choice(args, "optimizer", OPTIMIZERS)
+    _choice(args, "scheduler", SCHEDULERS)
+    for name in ("dtype", "param_dtype"):
+        if getattr(args, name) is not None:
+            _choice(args, name, DTYPES)
+    _choice(args, "gradient_checkpointing", REMAT_POLICIES)
+    _choice(args, "progress_bar", PROGRESS_BARS)
+    _choice(args, "evaluation_strategy", EVALUATION_STRATEGIES)
+    _choice(args, "truncation_mode", TRUNCATION_MODES)
+    if not args.learning_rate > 0:
+        raise ArgumentError(
+            f"TrainingArguments.learning_rate must be > 0, got {args.learning_rate}. "
+            "Pass a positive value such as --learning_rate 3e-4."
+        )
+    for name in ("total_batch_size", "gradient_accumulation_steps", "max_sequence_length"):
+        _positive(args, name)
+    for name in ("logging_steps", "eval_steps", "num_train_epochs"):
+        _positive(args, name)
+    for name in ("warmup_steps", "weight_decay", "adam_epsilon", "prefetch_batches"):
+        _positive(args, name, allow_zero=True)
+    if args.total_batch_size % args.gradient_accumulation_steps:
+        raise ArgumentError(
+            f"TrainingArguments.total_batch_size={args.total_batch_size} is not divisible by "
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: every micro-batch "
+            "must hold the same number of rows. Pick a total_batch_size that is a multiple of "
+            "gradient_accumulation_steps."
+        )
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise ArgumentError(
+            f"TrainingArguments.max_steps must be > 0, or -1 to train for num_train_epochs; "
+            f"got {args.max_steps}."
+        )
+    for name in ("adam_beta1", "adam_beta2", "momentum", "min_lr_ratio"):
+        value = getattr(args, name)
+        if not 0 <= value < 1 and not (name == "min_lr_ratio" and value == 1):
+            raise ArgumentError(f"TrainingArguments.{name} must lie in [0, 1), got {value}.")
+    if not 0 < args.wsd_decay_fraction <= 1:
+        raise ArgumentError(
+            f"TrainingArguments.wsd_decay_fraction must lie in (0, 1], got {args.wsd_decay_fraction}."
+        )
+    if args.clip_grad is not None and args.clip_grad < 0:
+        raise ArgumentError(
+            f"TrainingArguments.clip_grad must be >= 0 or None, got {args.clip_grad}."
+        )
+    for name in ("eval_batch_size", "max_eval_batches", "save_steps", "save_total_limit"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ArgumentError(
+                f"TrainingArguments.{name} must be > 0 or None (disabled), got {value}."
+            )
+    if args.scheduler == "warmup_cosine" and args.warmup_steps == 0:
+        raise ArgumentError(
+            "TrainingArguments.scheduler='warmup_cosine' needs warmup_steps > 0. "
+            "Set --warmup_steps, or use scheduler 'cosine'."
+        )
+    if not args.output_dir:
+        raise ArgumentError("TrainingArguments.output_dir must be a non-empty path.")

@@ -1,0 +1,259 @@
+"""`jaxtrain train | eval | sample`: the command line.
+
+`jaxtrain train` with no arguments trains the demo model on the embedded corpus.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+USAGE = """usage:
+  jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
+  jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
+  jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T]
+
+Every TrainingArguments field can be set in the config file or as --field value.
+With no config, `jaxtrain train` trains a small Llama on the embedded corpus (the demo).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    from jaxtrain.arguments import ArgumentError
+    from jaxtrain.data import DatasetError
+    from jaxtrain.training.checkpoint import CheckpointError
+
+    commands = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample}
+    if command not in commands:
+        print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return commands[command](rest)
+    except (ArgumentError, DatasetError, CheckpointError) as err:
+        print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _split_positional(tokens: list[str]) -> tuple[str | None, list[str]]:
+    if tokens and not tokens[0].startswith("--"):
+        return tokens[0], tokens[1:]
+    return None, tokens
+
+
+# ---------------------------------------------------------------- building
+def build_model(model_section: dict[str, Any], tokenizer, *, seed: int):
+    from flax import nnx
+
+    from jaxtrain.arguments import coerce_value
+    from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+
+    hints = typing.get_type_hints(LlamaConfig)
+    values = {
+        k: coerce_value(hints[k], v, field=f"model.{k}", source="config") if k in hints else v
+        for k, v in model_section.items()
+    }
+    if tokenizer is not None:
+        values.setdefault("vocab_size", len(tokenizer))
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, name, None) is not None:
+                values.setdefault(name, getattr(tokenizer, name))
+    config = LlamaConfig.from_dict(values)
+    if tokenizer is not None and config.vocab_size < len(tokenizer):
+        from jaxtrain.arguments import ArgumentError
+
+        raise ArgumentError(
+            f"model.vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({len(tokenizer)}). Set --model.vocab_size {len(tokenizer)} or larger."
+        )
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+
+
+def build_data(data: dict[str, Any], seq_len: int):
+    """-> (train dataset, eval dataset, tokenizer) from the `data` section."""
+    from jaxtrain.arguments import ArgumentError
+
+    source = data.get("source", "default")
+    if source == "default":
+        from jaxtrain.data import chunk_dataset, load_default_corpus
+
+        kwargs = {k: data[k] for k in ("max_train_bytes", "vocab_size") if k in data}
+        corpus = load_default_corpus(**kwargs)
+        train = chunk_dataset(corpus.train, corpus.tokenizer, seq_len)
+        evaluation = chunk_dataset(corpus.eval, corpus.tokenizer, seq_len)
+        return train, evaluation, corpus.tokenizer
+    if source == "files":
+        if "train_files" not in data:
+            raise ArgumentError("data.source='files' needs data.train_files (a path or glob).")
+        tokenizer = None
+        if data.get("tokenizer"):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"], local_files_only=True)
+        train = _load_files(data["train_files"], "data.train_files")
+        evaluation = (
+            _load_files(data["eval_files"], "data.eval_files") if data.get("eval_files") else None
+        )
+        return train, evaluation, tokenizer
+    raise ArgumentError(f"data.source={source!r} is not supported; use 'default' or 'files'.")
+
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+
+def _load_files(pattern: str, field: str):
+    import glob
+
+    import datasets
+
+    from jaxtrain.data import DatasetError
+
+    paths = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).is_file() else [])
+    if not paths:
+        raise DatasetError(f"{field}={pattern!r} matches no file. Check the path or glob.")
+    suffix = Path(paths[0]).suffix
+    if suffix not in _FORMATS:
+        raise DatasetError(
+            f"{field}: cannot read {paths[0]} (suffix {suffix!r}); supported: {', '.join(_FORMATS)}."
+        )
+    return datasets.load_dataset(_FORMATS[suffix], data_files=paths, split="train")
+
+
+def _load_run(run_dir: str):
+    """Model, tokenizer, args, data and sample sections of a finished run directory."""
+    from transformers import AutoTokenizer
+
+    from jaxtrain.arguments import read_config_file
+    from jaxtrain.run_config import split_config
+
+    config = read_config_file(Path(run_dir) / "config.yaml")
+    args, model_section, data, sample = split_config(config)
+    tokenizer_dir = Path(run_dir) / "tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir.is_dir() else None
+    return args, model_section, data, sample, tokenizer
+
+
+def _latest_checkpoint(run_dir: str) -> str:
+    from jaxtrain.training.checkpoint import CheckpointError, checkpoints_root
+
+    root = checkpoints_root(run_dir)
+    steps = sorted(int(p.name) for p in root.glob("*") if p.name.isdigit()) if root.is_dir() else []
+    if not steps:
+        raise CheckpointError(f"{run_dir} has no checkpoints under {root}.")
+    return str(root / str(steps[-1]))
+
+
+# ---------------------------------------------------------------- commands
+def cmd_train(tokens: list[str]) -> int:
+    from jaxtrain.run_config import parse_overrides, resolve_config, save_config, split_config
+
+    path, rest = _split_positional(tokens)
+    config = resolve_config(path, parse_overrides(rest))
+    args, model_section, data, sample = split_config(config)
+
+    from jaxtrain import Trainer
+
+    train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
+    model = build_model(model_section, tokenizer, seed=args.seed)
+    trainer = Trainer(
+        arguments=args,
+        model=model,
+        dataset_train=train,
+        dataset_eval=evaluation,
+        processing_class=tokenizer,
+    )
+    resolved = {**args.to_dict(), "model": model.config.to_dict(), "data": data, "sample": sample}
+    output = trainer.train()
+    save_config(resolved, args.output_dir)
+    summary = ", ".join(
+        f"{k}={output.metrics[k]:.4f}" for k in ("loss", "eval/loss") if k in output.metrics
+    )
+    print(f"done: {summary}; checkpoint: {output.checkpoint_path}")
+    if sample and tokenizer is not None:
+        _print_sample(trainer.model, tokenizer, sample)
+    return 0
+
+
+def _print_sample(model, tokenizer, sample: dict[str, Any]) -> None:
+    from jaxtrain.models import generate
+
+    prompt = sample.get("prompt", "")
+    ids = tokenizer(prompt)["input_ids"] or [tokenizer.eos_token_id]
+    new = generate(
+        model,
+        ids,
+        max_new_tokens=sample.get("max_new_tokens", 64),
+        temperature=sample.get("temperature", 0.0),
+        top_k=sample.get("top_k"),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    print("--- sample " + "-" * 50)
+    print(prompt + tokenizer.decode(list(new)))
+    print("-" * 61)
+
+
+def cmd_eval(tokens: list[str]) -> int:
+    from jaxtrain import Trainer
+    from jaxtrain.run_config import parse_overrides
+
+    run_dir, rest = _split_positional(tokens)
+    if run_dir is None:
+        print(USAGE, file=sys.stderr)
+        return 2
+    overrides = parse_overrides(rest)
+    checkpoint = overrides.pop("checkpoint", None) or _latest_checkpoint(run_dir)
+    args, model_section, data, _, tokenizer = _load_run(run_dir)
+    if "max_eval_batches" in overrides:
+        args.max_eval_batches = int(overrides.pop("max_eval_batches"))
+    if overrides:
+        from jaxtrain.arguments import ArgumentError
+
+        raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
+    _, evaluation, _ = build_data(data, args.max_sequence_length)
+    model = build_model(model_section, tokenizer, seed=args.seed)
+    trainer = Trainer(arguments=args, model=model, dataset_eval=evaluation)
+    state = trainer.load_checkpoint(checkpoint)
+    metrics = trainer.evaluate(state)
+    print(f"checkpoint: {checkpoint}")
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    return 0
+
+
+def cmd_sample(tokens: list[str]) -> int:
+    from jaxtrain import Trainer
+    from jaxtrain.run_config import SAMPLE_KEYS, parse_overrides, resolve_config, split_config
+
+    run_dir, rest = _split_positional(tokens)
+    if run_dir is None:
+        print(USAGE, file=sys.stderr)
+        return 2
+    overrides = parse_overrides(rest)
+    checkpoint = overrides.pop("checkpoint", None) or _latest_checkpoint(run_dir)
+    args, model_section, data, sample, tokenizer = _load_run(run_dir)
+    config = resolve_config(None, {f"sample.{k}": v for k, v in overrides.items()}, base={})
+    sample = {**sample, **split_config({**args.to_dict(), **config})[3]}
+    unknown = set(overrides) - set(SAMPLE_KEYS)
+    if unknown or tokenizer is None:
+        from jaxtrain.arguments import ArgumentError
+
+        raise ArgumentError(
+            f"jaxtrain sample: unknown option(s) {sorted(unknown)}"
+            if unknown
+            else f"{run_dir} has no tokenizer/ directory to encode the prompt."
+        )
+    model = build_model(model_section, tokenizer, seed=args.seed)
+    trainer = Trainer(arguments=args, model=model)
+    state = trainer.load_checkpoint(checkpoint)
+    _print_sample(trainer.model_from_state(state), tokenizer, sample)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

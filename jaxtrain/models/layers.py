@@ -1,0 +1,278 @@
+"""Shared transformer pieces: projections, RMSNorm, rotary embeddings, attention, SwiGLU.
+
+Conventions
+- Activations are [B, T, ...]; attention heads use the [B, T, N, H] layout that
+  ``jax.nn.dot_product_attention`` expects.
+- Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are
+  used, so bf16 compute keeps fp32 master weights.
+- Every nnx.Param carries ``logical_axes`` (one name per dim) for the sharding rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.models.config import LlamaConfig
+
+Array = jax.Array
+DType = Any
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, param_dtype: DType) -> Array:
+    return nnx.initializers.normal(stddev=std)(rngs.params(), shape, param_dtype)
+
+
+class Projection(nnx.Module):
+    """A linear map written as one einsum over a (possibly multi-dim) kernel.
+
+    Multi-dim kernels (e.g. the fused q/k/v kernel (embed, kv_heads, qkv, head_dim)) let
+    one matmul produce several outputs while every dim keeps its own logical axis.
+    """
+
+    def __init__(
+        self,
+        kernel_shape: tuple[int, ...],
+        kernel_axes: tuple[str | None, ...],
+        equation: str,
+        *,
+        bias_ndim: int | None = None,
+        std: float,
+        dtype: DType,
+        param_dtype: DType,
+        rngs: nnx.Rngs,
+    ):
+        """``bias_ndim``: None for no bias, else the bias covers the last ``bias_ndim`` dims."""
+        self.equation = equation
+        self.dtype = dtype
+        self.kernel = nnx.Param(
+            _normal(rngs, kernel_shape, std, param_dtype), logical_axes=tuple(kernel_axes)
+        )
+        if bias_ndim is None:
+            self.bias = None
+        else:
+            self.bias = nnx.Param(
+                jnp.zeros(kernel_shape[-bias_ndim:], param_dtype),
+                logical_axes=tuple(kernel_axes[-bias_ndim:]),
+            )
+
+    def __call__(self, x: Array) -> Array:
+        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embedding(nnx.Module):
+    """Token embedding table (vocab, embed); ``attend`` gives tied output logits."""
+
+    def __init__(
+        self,
+        vocab: int,
+        embed: int,
+        *,
+        std: float,
+        dtype: DType,
+        param_dtype: DType,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = dtype
+        self.embedding = nnx.Param(
+            _normal(rngs, (vocab, embed), std, param_dtype), logical_axes=("vocab", "embed")
+        )
+
+    def __call__(self, ids: Array) -> Array:
+        # Gather first, cast after: casting the whole table each step would copy it.
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: Array) -> Array:
+        return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(self.dtype))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 (stable for bf16 inputs), output in the compute dtype."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: DType, param_dtype: DType):
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("embed",))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
+        # Same order as HF: normalise in fp32, cast, then scale in the compute dtype.
+        return self.weight[...].astype(self.dtype) * y
+
+
+# ------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None = None
+) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float32) incl. "linear" and "llama3" scaling.
+
+    Computed with numpy at trace time: they are constants of the config, not parameters.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv_freq = 1.0 / (float(rope_theta) ** exponents)
+    rope_type = "default"
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(rope_scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low = float(rope_scaling["low_freq_factor"])
+        high = float(rope_scaling["high_freq_factor"])
+        old_len = float(rope_scaling["original_max_position_embeddings"])
+        wavelen = 2 * np.pi / inv_freq
+        # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept,
+        # and the band in between is interpolated smoothly.
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported.")
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: Array, inv_freq: np.ndarray, dtype: DType) -> tuple[Array, Array]:
+    """cos and sin [B, T, head_dim] for explicit integer positions [B, T].
+
+    Angles are formed in float32 (bf16 positions would lose precision past 256), then
+    cast. The half-split layout matches HF's rotate_half convention.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate x [B, T, ..., H] by cos/sin [B, T, H] (any number of head dims between)."""
+    extra = x.ndim - cos.ndim
+    shape = cos.shape[:2] + (1,) * extra + cos.shape[2:]
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+# -------------------------------------------------------------------------- attention
+def causal_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    segment_ids: Array | None = None,
+    sliding_window: int | None = None,
+    implementation: str | None = None,
+) -> Array:
+    """Causal (grouped-query) attention. q [B,T,N,H]; k, v [B,T,K,H] with N % K == 0.
+
+    - segment_ids [B, T]: a token attends only to earlier tokens of its own segment, so
+      packed documents stay independent.
+    - sliding_window w: token i attends to j only when i - j < w (HF Mistral semantics),
+      i.e. a left window of w - 1 in jax's inclusive ``local_window_size``.
+    With neither, only ``is_causal`` is passed so a backend can pick a fused kernel.
+    """
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, :, :]
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=True,
+        local_window_size=window,
+        implementation=implementation,
+    )
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with one fused q/k/v kernel (embed, kv_heads, q_per_kv + 2, head_dim).
+
+    Slot g < q_per_kv of kv head k is query head k * q_per_kv + g (HF's GQA grouping), slot
+    q_per_kv is the key and q_per_kv + 1 the value. Sharding kv_heads therefore splits q, k
+    and v consistently for tensor parallelism.
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype: DType, param_dtype: DType, rngs: nnx.Rngs):
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.q_per_kv = c.num_queries_per_kv
+        self.head_dim = c.head_dim
+        self.sliding_window = c.sliding_window
+        kw = dict(std=c.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.qkv_proj = Projection(
+            (c.hidden_size, c.num_key_value_heads, self.q_per_kv + 2, c.head_dim),
+            ("embed", "kv_heads", "qkv", "head_dim"),
+            "btd,dkgh->btkgh",
+            bias_ndim=3 if c.attention_bias else None,
+            **kw,
+        )
+        self.o_proj = Projection(
+            (c.num_attention_heads, c.head_dim, c.hidden_size),
+            ("heads", "head_dim", "embed"),
+            "btnh,nhd->btd",
+            **kw,
+        )
+
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        segment_ids: Array | None = None,
+        implementation: str | None = None,
+    ) -> Array:
+        b, t = x.shape[:2]
+        g = self.q_per_kv
+        qkv = self.qkv_proj(x)  # [B, T, K, G + 2, H]
+        qk = apply_rope(qkv[..., : g + 1, :], cos, sin)  # rotate q and k in one op
+        q = qk[..., :g, :].reshape(b, t, self.num_heads, self.head_dim)
+        k = qk[..., g, :]
+        v = qkv[..., g + 1, :]
+        out = causal_attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            sliding_window=self.sliding_window,
+            implementation=implementation,
+        )
+        return self.o_proj(out)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused in one (embed, 2, mlp) kernel."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: DType, param_dtype: DType, rngs: nnx.Rngs):
+        c = config
+        kw = dict(std=c.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_up_proj = Projection(
+            (c.hidden_size, 2, c.intermediate_size),
+            ("embed", "gate_up", "mlp"),
+            "btd,dcf->btcf",
+            bias_ndim=2 if c.mlp_bias else None,
+            **kw,
+        )
+        self.down_proj = Projection(
+            (c.intermediate_size, c.hidden_size),
+            ("mlp", "embed"),
+            "btf,fd->btd",
+            bias_ndim=1 if c.mlp_bias else None,
+            **kw,
+        )
+
+    def __call__(self, x: Array) -> Array:
+        gate_up = self.gate_up_proj(x)  # [B, T, 2, F]
+        return self.down_proj(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])

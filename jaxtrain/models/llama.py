@@ -1,0 +1,236 @@
+"""LlamaForCausalLM in Flax NNX (Llama 2/3, Mistral sliding window, Qwen2 q/k/v bias).
+
+The attribute tree mirrors Hugging Face (model.embed_tokens, model.layers[i].self_attn,
+.mlp, .input_layernorm, .post_attention_layernorm, model.norm, lm_head) so weight import is
+a rename plus reshape; q/k/v and gate/up are fused (see layers.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.layers import (
+    MLP,
+    Attention,
+    Embedding,
+    Projection,
+    RMSNorm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+Array = jax.Array
+DType = Any
+
+REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
+
+
+def _checkpoint_policy(name: str):
+    """Map a REMAT_POLICIES name to a jax.checkpoint policy.
+
+    "dots_saveable" keeps the outputs of matmuls WITHOUT batch dims (the weight
+    projections) and recomputes the batched attention einsums, whose [B, N, T, T] scores
+    are the memory that grows with sequence length. That is
+    ``dots_with_no_batch_dims_saveable``, the usual "save the projections" choice.
+    """
+    policies = jax.checkpoint_policies
+    if name == "nothing_saveable":
+        return policies.nothing_saveable
+    if name == "dots_saveable":
+        return policies.dots_with_no_batch_dims_saveable
+    if name == "everything_saveable":
+        return policies.everything_saveable
+    raise ValueError(f"remat_policy={name!r} is not one of {REMAT_POLICIES}; pick one of them.")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype: DType, param_dtype: DType, rngs: nnx.Rngs):
+        norm_kw = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm_kw)
+        self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm_kw)
+        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        segment_ids: Array | None = None,
+        implementation: str | None = None,
+    ) -> Array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, implementation)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _run_layer(
+    layer: DecoderLayer,
+    x: Array,
+    cos: Array,
+    sin: Array,
+    segment_ids: Array | None,
+    implementation: str | None,
+) -> Array:
+    return layer(x, cos, sin, segment_ids, implementation)
+
+
+class LlamaModel(nnx.Module):
+    """The decoder stack without the output head (HF's ``LlamaModel``)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: DType, param_dtype: DType, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            std=config.initializer_range,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
+        )
+
+    def __call__(
+        self,
+        input_ids: Array,
+        positions: Array,
+        segment_ids: Array | None = None,
+        *,
+        remat_policy: str = "none",
+        implementation: str | None = None,
+    ) -> Array:
+        c = self.config
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)  # shared by all layers
+        x = self.embed_tokens(input_ids)
+        run = _run_layer
+        if remat_policy != "none":
+            # static_argnums: the implementation string is not an array.
+            run = nnx.remat(_run_layer, policy=_checkpoint_policy(remat_policy), static_argnums=5)
+        # A plain loop (not scan): simple compiles, per-layer params stay separate arrays.
+        for layer in self.layers:
+            x = run(layer, x, cos, sin, segment_ids, implementation)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder-only LM. ``model(input_ids, positions=None, segment_ids=None)`` -> logits.
+
+    Attributes read at call time (plain Python values, part of the static graph):
+    - ``remat_policy``: one of REMAT_POLICIES; rematerialises each decoder layer.
+    - ``attention_implementation``: None (JAX chooses), "xla" or "cudnn", passed to
+      ``jax.nn.dot_product_attention``.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype: DType = jnp.float32,
+        param_dtype: DType = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(config, LlamaConfig):
+            raise ValueError(
+                f"config must be a LlamaConfig, got {type(config).__name__}; build one with "
+                "LlamaConfig(...) or LlamaConfig.from_dict(d)."
+            )
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.remat_policy = "none"
+        self.attention_implementation: str | None = None
+        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Projection(
+                (config.hidden_size, config.vocab_size),
+                ("embed", "vocab"),
+                "btd,dv->btv",
+                std=config.initializer_range,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+
+    def __call__(
+        self,
+        input_ids: Array,
+        *,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+    ) -> Array:
+        """input_ids [B, T] int -> logits [B, T, vocab] in the compute dtype.
+
+        positions [B, T] default to 0..T-1 per row; with packing pass per-document
+        positions together with ``segment_ids`` so each document restarts at 0.
+        """
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}; "
+                "set model.remat_policy to one of them."
+            )
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}.")
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        h = self.model(
+            input_ids,
+            positions,
+            segment_ids,
+            remat_policy=self.remat_policy,
+            implementation=self.attention_implementation,
+        )
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(h)
+        return self.lm_head(h)
+
+
+def logical_axes(state_or_model: nnx.State | nnx.Module) -> nnx.State:
+    """Logical-axis tuples for every nnx.Param, in a State shaped like the Param State.
+
+    Accepts a module (its Params are taken) or a State whose leaves are nnx.Variables.
+    The tuples are pytree nodes themselves: map over them with
+    ``jax.tree.map(f, params, axes, is_leaf=lambda x: isinstance(x, nnx.Variable))``
+    (params first), or flatten with ``is_leaf=lambda x: isinstance(x, tuple)``.
+    """
+    if isinstance(state_or_model, nnx.Module):
+        state = nnx.state(state_or_model, nnx.Param)
+    else:
+        state = state_or_model
+
+    def axes_of(path: tuple[Any, ...], var: Any) -> tuple[str | None, ...]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        if not isinstance(var, nnx.Variable):
+            raise ValueError(
+                f"logical_axes: leaf {name!r} is a {type(var).__name__}, not an nnx.Variable; "
+                "pass the model or the State from nnx.split/nnx.state, not raw arrays."
+            )
+        axes = var.get_metadata().get("logical_axes")
+        ndim = len(var.shape) if hasattr(var, "shape") else jnp.ndim(var[...])
+        if axes is None or len(axes) != ndim:
+            raise ValueError(
+                f"logical_axes: parameter {name!r} of shape {tuple(var.shape)} has "
+                f"logical_axes={axes!r}; create it as nnx.Param(value, logical_axes=(...)) with "
+                "one name (or None) per dimension."
+            )
+        return tuple(axes)
+
+    return jax.tree_util.tree_map_with_path(
+        axes_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )

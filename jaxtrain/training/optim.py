@@ -1,0 +1,285 @@
+"""Learning-rate schedules and optimizers, each a small entry in a name -> builder registry.
+
+* Steps count optimizer updates (optax's ``count``); the first update is step 0.
+* Warmup never wastes an update: step ``s < W`` (W = warmup_steps) uses ``lr * (s + 1) / W``, so
+  step 0 gives ``lr / W`` (not 0) and step ``W - 1`` the peak. Decay starts at step W and reaches
+  ``min_lr_ratio * lr`` at step ``total_steps``.
+* Weight decay is decoupled and multiplied by the scheduled lr (optax ``adamw`` style) for every
+  optimizer. It applies to every parameter with ndim >= 2, embeddings included (large matrices
+  that drift without it), and never to ndim < 2 ones: norm scales and biases.
+* ``params``: an ``nnx.State`` of ``nnx.Param``, or any pytree of arrays or ShapeDtypeStructs
+  (only shapes are read, so abstract params from ``jax.eval_shape`` work).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers
+
+SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
+
+# Muon scales each orthogonalised matrix update to this RMS, the typical RMS of an AdamW update
+# ("Muon is Scalable for LLM Training", 2025), so one schedule serves the muon matrices and the
+# Adam-handled rest of the model without a second learning rate.
+MUON_CONSISTENT_RMS = 0.2
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _canonical(name: Any, valid: tuple[str, ...], kind: str) -> str:
+    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else None
+    _require(key in valid, f"unknown {kind} {name!r}; valid names: {', '.join(valid)}")
+    return key
+
+
+# ----------------------------------------------------------------------------------- schedules
+
+
+class _Plan(NamedTuple):
+    peak: float
+    floor: float  # min_lr_ratio * peak
+    min_lr_ratio: float
+    total_steps: int
+    decay_steps: int  # from the end of warmup to total_steps
+    wsd_decay_fraction: float
+
+
+def _wsd(p: _Plan) -> optax.Schedule:
+    decay = max(1, round(p.wsd_decay_fraction * p.total_steps))
+    stable, warmup = p.decay_steps - decay, p.total_steps - p.decay_steps
+    _require(
+        stable >= 0,
+        f"wsd: warmup_steps ({warmup}) + decay steps ({decay} = wsd_decay_fraction * "
+        f"total_steps) exceed total_steps ({p.total_steps}); lower warmup_steps or the fraction",
+    )
+    decay_part = optax.linear_schedule(p.peak, p.floor, decay)
+    return optax.join_schedules([optax.constant_schedule(p.peak), decay_part], [stable])
+
+
+# name -> the schedule after warmup
+_SCHEDULES: dict[str, Callable[[_Plan], optax.Schedule]] = {
+    "constant": lambda p: optax.constant_schedule(p.peak),
+    "linear": lambda p: optax.linear_schedule(p.peak, p.floor, p.decay_steps),
+    "cosine": lambda p: optax.cosine_decay_schedule(p.peak, p.decay_steps, p.min_lr_ratio),
+    "warmup_cosine": lambda p: _SCHEDULES["cosine"](p),
+    "wsd": _wsd,
+}
+
+
+def build_schedule(
+    name: str,
+    *,
+    learning_rate: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.0,
+    wsd_decay_fraction: float = 0.1,
+) -> optax.Schedule:
+    """Return ``step -> learning rate`` for one of ``SCHEDULERS`` (see the module docstring)."""
+    key = _canonical(name, SCHEDULERS, "scheduler")
+    ok_total = isinstance(total_steps, int) and total_steps > 0
+    _require(ok_total, f"total_steps must be an int > 0 (optimizer updates), got {total_steps!r}")
+    ok_warmup = isinstance(warmup_steps, int) and warmup_steps >= 0
+    _require(ok_warmup, f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    ok_lr = math.isfinite(learning_rate) and learning_rate >= 0
+    _require(ok_lr, f"learning_rate must be a finite number >= 0, got {learning_rate!r}")
+    _require(0 <= min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    ok_fraction = 0 < wsd_decay_fraction <= 1
+    _require(ok_fraction, f"wsd_decay_fraction must be in (0, 1], got {wsd_decay_fraction}")
+    _require(
+        key != "warmup_cosine" or warmup_steps > 0,
+        "warmup_cosine needs warmup_steps > 0; set warmup_steps or use 'cosine'",
+    )
+    _require(
+        key == "constant" or warmup_steps < total_steps,
+        f"{key}: warmup_steps ({warmup_steps}) must be < total_steps ({total_steps}) to leave "
+        "steps to decay; lower warmup_steps or raise total_steps",
+    )
+    peak = float(learning_rate)
+    decay_steps = total_steps - warmup_steps
+    plan = _Plan(
+        peak, peak * min_lr_ratio, min_lr_ratio, total_steps, decay_steps, wsd_decay_fraction
+    )
+    main = _SCHEDULES[key](plan)
+    if warmup_steps == 0:
+        return main
+    # (s + 1) / W ramp: from lr/W at step 0 to lr at step W - 1 (W = 1 is flat at lr).
+    ramp = optax.linear_schedule(peak / warmup_steps, peak, max(warmup_steps - 1, 1))
+    return optax.join_schedules([ramp, main], [warmup_steps])
+
+
+def learning_rate_at(schedule: optax.ScalarOrSchedule, step: int) -> float:
+    """The learning rate used by update ``step`` (for logging)."""
+    return float(schedule(step)) if callable(schedule) else float(schedule)
+
+
+# ---------------------------------------------------------------------------------- optimizers
+
+
+class _Hyper(NamedTuple):
+    weight_decay: float
+    b1: float
+    b2: float
+    eps: float
+    momentum: float
+    logical_axes: Any
+
+
+def _decay_mask(tree: Any) -> Any:
+    """True for ndim >= 2 leaves. A callable, so it also fits the partial trees optax masks."""
+    return jax.tree.map(lambda x: len(x.shape) >= 2, tree, is_leaf=_is_variable)
+
+
+def _times_lr(lr: optax.ScalarOrSchedule, factor: float) -> optax.ScalarOrSchedule:
+    return (lambda step: factor * lr(step)) if callable(lr) else factor * lr
+
+
+def _is_axes(x: Any) -> bool:
+    names = isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+    return x is None or names or _is_variable(x)
+
+
+def _muon_spec(shape: tuple[int, ...], axes: tuple | None) -> MuonDimensionNumbers | None:
+    ndim = len(shape)
+    if ndim < 2 or (axes is not None and "vocab" in axes):
+        return None  # vectors and embeddings/unembeddings go to Adam
+    if axes is not None and axes[0] == "embed":  # x @ W: reduce over the input features
+        return MuonDimensionNumbers(reduction_axis=0, output_axis=tuple(range(1, ndim)))
+    if axes is not None and axes[-1] == "embed":  # fused inputs (heads, head_dim) -> embed
+        return MuonDimensionNumbers(reduction_axis=tuple(range(ndim - 1)), output_axis=ndim - 1)
+    return MuonDimensionNumbers(reduction_axis=0, output_axis=1) if ndim == 2 else None
+
+
+def muon_dimension_numbers(params: Any, logical_axes: Any = None) -> Any:
+    """A prefix tree of ``params``: per parameter ``MuonDimensionNumbers`` (orthogonalised) or
+    None (Adam). ``logical_axes``: axis-name tuples matching ``params``; when None, each
+    ``nnx.Variable``'s own ``logical_axes`` metadata, and without either, 2-D means matrix.
+    Any "vocab" axis or ndim < 2 -> Adam; first axis "embed" -> reduce axis 0, output the rest;
+    last axis "embed" -> reduce the others, output the last. No axis is a batch axis: a fused
+    kernel is orthogonalised as one (fan_in, fan_out) matrix.
+    """
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)
+    if logical_axes is None:
+        axes_list = [getattr(leaf, "logical_axes", None) for _, leaf in with_paths]
+    else:
+        axes_list = jax.tree.leaves(logical_axes, is_leaf=_is_axes)
+        axes_list = [a.get_value() if _is_variable(a) else a for a in axes_list]
+        _require(
+            len(axes_list) == len(with_paths),
+            f"logical_axes has {len(axes_list)} entries but params has {len(with_paths)} "
+            "parameters; pass one axis-name tuple per parameter, in the params structure",
+        )
+    specs = []
+    for (path, leaf), axes in zip(with_paths, axes_list):
+        _require(
+            axes is None or len(axes) == len(leaf.shape),
+            f"logical_axes{jax.tree_util.keystr(path)} = {axes} does not match the parameter "
+            f"shape {tuple(leaf.shape)}; give one name (or None) per dimension",
+        )
+        specs.append(_muon_spec(tuple(leaf.shape), axes))
+    return treedef.unflatten(specs)
+
+
+def _adamw(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
+    return optax.adamw(lr, h.b1, h.b2, h.eps, weight_decay=h.weight_decay, mask=_decay_mask)
+
+
+def _lion(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
+    # b1/b2 are passed through as given; the Lion paper uses b2=0.99.
+    return optax.lion(lr, h.b1, h.b2, weight_decay=h.weight_decay, mask=_decay_mask)
+
+
+def _sgd(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
+    # Decay after the momentum trace, so it is decoupled from the momentum buffer.
+    trace = optax.trace(decay=h.momentum, nesterov=False) if h.momentum else optax.identity()
+    decay = optax.add_decayed_weights(h.weight_decay, mask=_decay_mask)
+    return optax.chain(trace, decay, optax.scale_by_learning_rate(lr))
+
+
+def _adafactor(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
+    # Absolute step sizes like adamw (no parameter scaling); optax adds the decay after the lr
+    # scaling, so the rate follows the schedule. b1/b2/eps are Adam knobs, unused here.
+    rate = _times_lr(lr, h.weight_decay) if h.weight_decay else None
+    return optax.adafactor(
+        lr, multiply_by_parameter_scale=False, weight_decay_rate=rate, weight_decay_mask=_decay_mask
+    )
+
+
+def _muon(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
+    specs = muon_dimension_numbers(params, h.logical_axes)
+    tx = optax.contrib.muon(
+        lr,
+        beta=h.momentum,
+        eps=h.eps,
+        weight_decay=h.weight_decay,  # muon branch: matrices only, so no mask is needed
+        adam_b1=h.b1,
+        adam_b2=h.b2,
+        adam_weight_decay=0.0,  # optax's Adam branch has no mask; decay handled below
+        muon_weight_dimension_numbers=specs,
+        consistent_rms=MUON_CONSISTENT_RMS,
+    )
+    if not h.weight_decay:
+        return tx
+    # Adam-handled params with ndim >= 2 (embeddings) still get decoupled decay, -wd * lr * p,
+    # added after muon's own update; norms and biases stay undecayed.
+    is_spec = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
+    mask = jax.tree.map(
+        lambda s, p: s is None and len(p.shape) >= 2, specs, params, is_leaf=is_spec
+    )
+    decay = optax.add_decayed_weights(_times_lr(lr, -h.weight_decay), mask=mask)
+    return optax.chain(tx, decay)
+
+
+_OPTIMIZERS: dict[str, Callable[[Any, Any, _Hyper], optax.GradientTransformation]] = {
+    "adamw": _adamw,
+    "adafactor": _adafactor,
+    "lion": _lion,
+    "sgd": _sgd,
+    "muon": _muon,
+}
+
+
+def build_optimizer(
+    name: str,
+    schedule: optax.ScalarOrSchedule,
+    params: Any,
+    *,
+    weight_decay: float = 0.0,
+    clip_grad: float | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    momentum: float = 0.9,
+    logical_axes: Any = None,
+) -> optax.GradientTransformation:
+    """Build one of ``OPTIMIZERS`` for ``params``; ``clip_grad`` (global norm) runs first.
+
+    ``momentum`` is SGD's momentum and Muon's ``beta``; ``b1``/``b2``/``eps`` drive AdamW, Lion
+    (b1, b2) and Muon's Adam branch. ``logical_axes`` only matters for muon.
+    """
+    key = _canonical(name, OPTIMIZERS, "optimizer")
+    _require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+    ok_clip = clip_grad is None or clip_grad >= 0
+    _require(ok_clip, f"clip_grad must be None/0 (off) or a positive global norm, got {clip_grad}")
+    for field, value in (("b1", b1), ("b2", b2), ("momentum", momentum)):
+        _require(0 <= value < 1, f"{field} must be in [0, 1), got {value}")
+    _require(eps > 0, f"eps must be > 0, got {eps}")
+    hyper = _Hyper(float(weight_decay), b1, b2, eps, momentum, logical_axes)
+    tx = _OPTIMIZERS[key](schedule, params, hyper)
+    if clip_grad:
+        tx = optax.chain(optax.clip_by_global_norm(clip_grad), tx)
+    return tx

@@ -1,0 +1,133 @@
+"""Pure train and eval steps. Everything here runs inside `jax.jit`.
+
+Loss normalisation is token-weighted: the loss of an update is the sum of per-token losses
+over every micro-batch divided by the number of target tokens of the whole global batch.
+The mean of per-micro-batch means, which peers use, weights a token of a short (heavily
+padded) micro-batch more than a token of a long one; this never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain.training.state import TrainState
+
+IGNORE_INDEX = -100
+
+# (model, batch, rng) -> dict of sums over the batch; must hold "loss_sum" and "tokens".
+LossSumsFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], dict[str, jax.Array]]
+
+
+def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+    """Sums of next-token cross-entropy and accuracy; labels are aligned with the inputs.
+
+    logits[:, t] predicts labels[:, t + 1]; positions labelled IGNORE_INDEX do not count.
+    """
+    logits_BxTxV = logits[:, :-1].astype(jnp.float32)
+    targets_BxT = labels[:, 1:]
+    mask_BxT = targets_BxT != IGNORE_INDEX
+    safe_targets = jnp.where(mask_BxT, targets_BxT, 0)
+    log_norm = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+    target_logit = jnp.take_along_axis(logits_BxTxV, safe_targets[..., None], axis=-1)[..., 0]
+    nll_BxT = (log_norm - target_logit) * mask_BxT
+    correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) & mask_BxT
+    return {
+        "loss_sum": nll_BxT.sum(),
+        "correct": correct_BxT.sum().astype(jnp.float32),
+        "tokens": mask_BxT.sum().astype(jnp.float32),
+    }
+
+
+def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
+    """Default loss of the Trainer: a causal LM called as model(input_ids, ...) -> logits."""
+    del rng  # the Llama family has no dropout; custom losses may use it
+    logits = model(
+        batch["input_ids"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
+    )
+    return causal_lm_sums(logits, batch["labels"])
+
+
+def count_target_tokens(batch: dict[str, jax.Array]) -> jax.Array:
+    """Number of tokens that carry a loss in a (possibly [A, M, T]) causal LM batch."""
+    return (batch["labels"][..., 1:] != IGNORE_INDEX).sum().astype(jnp.float32)
+
+
+def make_train_step(
+    *,
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    seed: int,
+    loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
+    normalizer_fn: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens,
+) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
+    """Build `train_step(state, batch)`; batch leaves have a leading micro-batch axis [A, ...]."""
+
+    def micro_loss(params, micro_batch, rng, normalizer):
+        model = nnx.merge(graphdef, params, rest)
+        sums = loss_sums_fn(model, micro_batch, rng)
+        return sums["loss_sum"] / normalizer, sums
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        normalizer = jnp.maximum(normalizer_fn(batch), 1.0)
+        step_key = jax.random.fold_in(jax.random.key(seed), state.step)
+        num_micro = jax.tree.leaves(batch)[0].shape[0]
+
+        if num_micro == 1:
+            micro = jax.tree.map(lambda x: x[0], batch)
+            grads, sums = grad_fn(state.params, micro, step_key, normalizer)
+        else:
+
+            def accumulate(carry, inputs):
+                grads_acc, sums_acc = carry
+                index, micro = inputs
+                micro_key = jax.random.fold_in(step_key, index)
+                grads, sums = grad_fn(state.params, micro, micro_key, normalizer)
+                grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
+                sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+                return (grads_acc, sums_acc), None
+
+            first = jax.tree.map(lambda x: x[0], batch)
+            grads_shape, sums_shape = jax.eval_shape(
+                grad_fn, state.params, first, step_key, normalizer
+            )
+            grads0 = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), grads_shape)
+            sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_shape)
+            (grads, sums), _ = jax.lax.scan(
+                accumulate, (grads0, sums0), (jnp.arange(num_micro), batch)
+            )
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(sums)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(
+    *,
+    graphdef: nnx.GraphDef,
+    rest: nnx.State,
+    loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
+) -> Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]]:
+    """Build `eval_step(params, batch) -> sums`, the same reduction as training."""
+
+    def eval_step(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        return loss_sums_fn(model, batch, jax.random.key(0))
+
+    return eval_step

@@ -1,0 +1,119 @@
+"""generate(): greedy equals a hand-written argmax loop, eos/length rules, one compile."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+
+CFG = LlamaConfig(
+    vocab_size=53,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.3,  # peaked logits: argmax is not decided by rounding noise
+)
+
+TRACES: list[int] = []
+
+
+class CountingLM(nnx.Module):
+    """Wraps a model and records each time its call is traced (a Python side effect)."""
+
+    def __init__(self, inner: nnx.Module):
+        self.inner = inner
+
+    def __call__(self, input_ids, **kwargs):
+        TRACES.append(1)
+        return self.inner(input_ids, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(CFG, rngs=nnx.Rngs(3))
+
+
+def prompt(length: int, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, CFG.vocab_size, size=(length,))
+
+
+def argmax_loop(model, prompt_ids: np.ndarray, steps: int) -> list[int]:
+    fwd = nnx.jit(lambda m, x: m(x))
+    tokens = list(prompt_ids)
+    for _ in range(steps):
+        logits = fwd(model, jnp.asarray([tokens]))
+        tokens.append(int(jnp.argmax(logits[0, -1])))
+    return tokens[len(prompt_ids) :]
+
+
+def test_greedy_matches_a_step_by_step_argmax_loop(model):
+    p = prompt(5)
+    expected = argmax_loop(model, p, 6)
+    got = generate(model, p, max_new_tokens=6)
+    assert got.dtype == np.int32 and got.shape == (6,)
+    assert got.tolist() == expected
+    # Degenerate output would make the comparison meaningless.
+    assert len(set(expected)) > 1
+
+
+def test_stops_at_eos_and_drops_what_follows(model):
+    p = prompt(4, seed=1)
+    full = generate(model, p, max_new_tokens=10).tolist()
+    stop = 3
+    eos = full[stop]
+    first = full.index(eos)  # eos may already occur earlier in the continuation
+    got = generate(model, p, max_new_tokens=10, eos_token_id=eos).tolist()
+    assert got == full[: first + 1]
+    # A list of eos ids works too (Llama 3 configs carry several).
+    assert generate(model, p, max_new_tokens=10, eos_token_id=[999, eos]).tolist() == got
+
+
+def test_batched_prompts_match_single_prompts(model):
+    rows = np.stack([prompt(6, seed=2), prompt(6, seed=3)])
+    out = generate(model, rows, max_new_tokens=5)
+    assert out.shape == (2, 5)
+    for row, gen in zip(rows, out):
+        assert gen.tolist() == generate(model, row, max_new_tokens=5).tolist()
+
+
+def test_same_length_prompts_compile_once(model):
+    wrapped = CountingLM(model)
+    TRACES.clear()
+    a = generate(wrapped, prompt(6, seed=4), max_new_tokens=6)
+    traces_after_first = len(TRACES)
+    b = generate(wrapped, prompt(6, seed=5), max_new_tokens=6)
+    assert traces_after_first >= 1
+    assert len(TRACES) == traces_after_first, "second call re-traced the decode loop"
+    assert a.tolist() != b.tolist()
+    # Shorter prompt with more new tokens: same buffer length, still no new compile.
+    generate(wrapped, prompt(4, seed=6), max_new_tokens=8)
+    assert len(TRACES) == traces_after_first
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(model):
+    p = prompt(5, seed=7)
+    greedy = generate(model, p, max_new_tokens=6)
+    s1 = generate(model, p, max_new_tokens=6, temperature=1.5, seed=1)
+    assert s1.tolist() == generate(model, p, max_new_tokens=6, temperature=1.5, seed=1).tolist()
+    draws = {tuple(generate(model, p, max_new_tokens=6, temperature=1.5, seed=s)) for s in range(4)}
+    assert len(draws) > 1
+    top1 = generate(model, p, max_new_tokens=6, temperature=1.5, top_k=1, seed=2)
+    assert top1.tolist() == greedy.tolist()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 2, "temperature": -1.0}, "temperature"),
+        ({"max_new_tokens": 2, "top_k": 0}, "top_k"),
+    ],
+)
+def test_bad_arguments_are_rejected(model, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        generate(model, prompt(3), **kwargs)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        generate(model, np.zeros((1, 2, 3), np.int32), max_new_tokens=2)

@@ -1,0 +1,85 @@
+import json
+
+import pytest
+
+from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.run_config import parse_overrides, resolve_config, split_config
+
+
+def test_defaults_are_valid_and_derived_values():
+    args = TrainingArguments(total_batch_size=16, gradient_accumulation_steps=4)
+    assert args.micro_batch_size == 4
+    assert args.resolved_eval_batch_size == 4
+    assert args.total_steps(steps_per_epoch=10) == 10
+    assert TrainingArguments(max_steps=7).total_steps(steps_per_epoch=10) == 7
+    assert TrainingArguments(num_train_epochs=3).total_steps(steps_per_epoch=10) == 30
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"learning_rate": -1.0}, ["learning_rate", "> 0"]),
+        ({"learning_rate": 0.0}, ["learning_rate"]),
+        (
+            {"total_batch_size": 10, "gradient_accumulation_steps": 4},
+            ["total_batch_size=10", "gradient_accumulation_steps=4", "multiple"],
+        ),
+        ({"optimizer": "adamm"}, ["optimizer", "adamw", "Did you mean"]),
+        ({"scheduler": "exponential"}, ["scheduler", "wsd"]),
+        ({"dtype": "float8"}, ["dtype", "bfloat16"]),
+        ({"gradient_checkpointing": "all"}, ["gradient_checkpointing", "nothing_saveable"]),
+        ({"progress_bar": "fancy"}, ["progress_bar", "tqdm"]),
+        ({"max_steps": 0}, ["max_steps"]),
+        ({"scheduler": "warmup_cosine"}, ["warmup_steps"]),
+        ({"save_steps": 0}, ["save_steps"]),
+        ({"adam_beta2": 1.5}, ["adam_beta2"]),
+    ],
+)
+def test_invalid_arguments_name_the_field(kwargs, words):
+    with pytest.raises(ArgumentError) as info:
+        TrainingArguments(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_scheduler_spelling_is_normalised():
+    assert TrainingArguments(scheduler="Warmup-Cosine", warmup_steps=5).scheduler == "warmup_cosine"
+
+
+def test_from_dict_coerces_strings_and_rejects_unknown_keys():
+    args = TrainingArguments.from_dict(
+        {"learning_rate": "1e-3", "max_steps": "20", "clip_grad": "none", "shuffle_train": "false"}
+    )
+    assert args.learning_rate == 1e-3 and args.max_steps == 20
+    assert args.clip_grad is None and args.shuffle_train is False
+    with pytest.raises(ArgumentError, match="learning_rat.*did you mean 'learning_rate'"):
+        TrainingArguments.from_dict({"learning_rat": 1e-3})
+    with pytest.raises(ArgumentError, match="max_steps.*int"):
+        TrainingArguments.from_dict({"max_steps": "ten"})
+
+
+def test_yaml_and_json_round_trip(tmp_path):
+    args = TrainingArguments(learning_rate=1e-3, max_steps=5, dtype="bfloat16", clip_grad=None)
+    args.save(tmp_path / "a.json")
+    assert TrainingArguments.load(tmp_path / "a.json") == args
+    (tmp_path / "a.yaml").write_text("learning_rate: 1e-3\nmax_steps: 5\ndtype: bfloat16\n")
+    loaded = TrainingArguments.load(tmp_path / "a.yaml", max_steps=9)
+    assert loaded.learning_rate == 1e-3 and loaded.max_steps == 9 and loaded.dtype == "bfloat16"
+    assert json.loads((tmp_path / "a.json").read_text())["clip_grad"] is None
+
+
+def test_cli_overrides_win_over_file_and_reach_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.01\nmodel:\n  hidden_size: 64\n  num_hidden_layers: 3\n")
+    overrides = parse_overrides(["--learning_rate", "1e-3", "--model.hidden_size=32"])
+    config = resolve_config(str(path), overrides)
+    args, model, data, sample = split_config(config)
+    assert args.learning_rate == 1e-3
+    assert model["hidden_size"] == 32 and model["num_hidden_layers"] == 3
+    assert data["source"] == "default" and "prompt" in sample
+    with pytest.raises(ArgumentError, match="section"):
+        resolve_config(None, {"optim.lr": "1"})
+    with pytest.raises(ArgumentError, match="needs a value"):
+        parse_overrides(["--learning_rate"])
+    with pytest.raises(ArgumentError, match="sample"):
+        split_config({**config, "sample": {"promt": "x"}})

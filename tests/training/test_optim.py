@@ -1,0 +1,278 @@
+"""Schedules and optimizers of jaxtrain.training.optim on a tiny real NNX model (CPU, fast)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers
+
+from jaxtrain.training.optim import (
+    OPTIMIZERS,
+    SCHEDULERS,
+    build_optimizer,
+    build_schedule,
+    learning_rate_at,
+    muon_dimension_numbers,
+)
+
+LR, TOTAL, WARMUP, MIN_RATIO = 2.0, 100, 10, 0.1
+FLOOR = LR * MIN_RATIO
+
+# ----------------------------------------------------------------------------------- schedules
+
+
+def _values(schedule, steps):
+    return [learning_rate_at(schedule, s) for s in steps]
+
+
+def _build(name, **kw):
+    args = dict(learning_rate=LR, total_steps=TOTAL, warmup_steps=WARMUP, min_lr_ratio=MIN_RATIO)
+    return build_schedule(name, **{**args, **kw})
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_warmup_is_linear_from_lr_over_w_to_peak(name):
+    # step s < W uses lr * (s + 1) / W: step 0 = lr/10, midpoint (step 4) = lr/2, step 9 = peak.
+    got = _values(_build(name), [0, 4, 9, 10])
+    np.testing.assert_allclose(got, [LR / 10, LR / 2, LR, LR], rtol=1e-6)
+
+
+def test_constant_is_flat_after_warmup():
+    np.testing.assert_allclose(_values(_build("constant"), [50, 100, 500]), [LR] * 3, rtol=1e-6)
+
+
+def test_linear_decays_to_min_lr_at_total_steps():
+    # 90 decay steps from step 10; step 55 is halfway: floor + (peak - floor) / 2.
+    got = _values(_build("linear"), [55, 100, 200])
+    np.testing.assert_allclose(got, [FLOOR + (LR - FLOOR) / 2, FLOOR, FLOOR], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["cosine", "warmup_cosine", "warmup-cosine"])
+def test_cosine_follows_the_formula(name):
+    # step 40 is 1/3 of the way: floor + (peak - floor) * (1 + cos(pi / 3)) / 2.
+    third = FLOOR + (LR - FLOOR) * 0.5 * (1 + math.cos(math.pi / 3))
+    mid = FLOOR + (LR - FLOOR) * 0.5
+    np.testing.assert_allclose(_values(_build(name), [40, 55, 100]), [third, mid, FLOOR], rtol=1e-5)
+
+
+def test_wsd_is_stable_then_decays_in_the_last_fraction():
+    sched = _build("wsd", wsd_decay_fraction=0.2)  # decay over steps 80..100
+    got = _values(sched, [50, 79, 80, 90, 100, 120])
+    mid = FLOOR + (LR - FLOOR) / 2
+    np.testing.assert_allclose(got, [LR, LR, LR, mid, FLOOR, FLOOR], rtol=1e-6)
+
+
+def test_no_warmup_starts_at_peak_and_min_ratio_zero_reaches_zero():
+    sched = build_schedule("cosine", learning_rate=1.0, total_steps=10)
+    np.testing.assert_allclose(_values(sched, [0, 5, 10]), [1.0, 0.5, 0.0], atol=1e-6)
+
+
+def test_schedule_runs_under_jit():
+    sched = _build("wsd")
+    np.testing.assert_allclose(jax.jit(sched)(jnp.int32(4)), LR / 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="warmup_cosine", warmup_steps=0), "warmup_steps > 0"),
+        (dict(name="cosine", warmup_steps=100), "warmup_steps"),
+        (dict(name="wsd", warmup_steps=95, wsd_decay_fraction=0.1), "wsd_decay_fraction"),
+        (dict(name="linear", min_lr_ratio=1.5), "min_lr_ratio"),
+        (dict(name="wsd", wsd_decay_fraction=0.0), "wsd_decay_fraction"),
+        (dict(name="constant", total_steps=0), "total_steps"),
+        (dict(name="constant", total_steps=10.5), "total_steps"),
+        (dict(name="constant", learning_rate=-1.0), "learning_rate"),
+    ],
+)
+def test_bad_schedule_arguments_raise(kwargs, match):
+    args = dict(learning_rate=LR, total_steps=TOTAL, warmup_steps=WARMUP) | kwargs
+    with pytest.raises(ValueError, match=match):
+        build_schedule(args.pop("name"), **args)
+
+
+def test_unknown_scheduler_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names: constant, linear, cosine") as err:
+        build_schedule("step", learning_rate=1.0, total_steps=10)
+    assert "wsd" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------- optimizers
+
+QKV_SHAPE = (4, 2, 3, 2)  # (embed, kv_heads, qkv, head_dim), fused like the Llama qkv kernel
+
+
+class Tiny(nnx.Module):
+    """Embedding, RMSNorm-like scale, a fused 4-D kernel and a Linear (kernel + bias)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        normal = jax.nn.initializers.normal(0.5)
+        self.embedding = nnx.Param(normal(rngs.params(), (10, 4)), logical_axes=("vocab", "embed"))
+        self.norm = nnx.Param(jnp.ones((4,)), logical_axes=("embed",))
+        self.qkv = nnx.Param(
+            normal(rngs.params(), QKV_SHAPE), logical_axes=("embed", "kv_heads", "qkv", "head_dim")
+        )
+        self.out = nnx.Linear(12, 3, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embedding[tokens]
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * self.norm[...]
+        z = jnp.einsum("bd,dgqk->bgqk", h, self.qkv[...]).reshape(h.shape[0], -1)
+        return self.out(jnp.tanh(z))
+
+
+def _split(seed=0):
+    graphdef, params, rest = nnx.split(Tiny(nnx.Rngs(seed)), nnx.Param, ...)
+    return graphdef, params, rest
+
+
+def _arrays(params):
+    """{path: numpy array} for easy per-parameter checks."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]
+    return {jax.tree_util.keystr(p): np.asarray(x[...] if is_var(x) else x) for p, x in flat}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_reduces_a_regression_loss(name):
+    graphdef, params, rest = _split(0)
+    _, teacher, _ = _split(1)
+    tokens = jnp.arange(10) % 10
+    target = nnx.merge(graphdef, teacher, rest)(tokens)
+
+    def loss_fn(p):
+        return jnp.mean((nnx.merge(graphdef, p, rest)(tokens) - target) ** 2)
+
+    tx = build_optimizer(name, 0.03, params, weight_decay=1e-4, clip_grad=10.0, momentum=0.5)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(p, s):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    losses = []
+    for _ in range(20):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_weight_decay_shrinks_matrices_and_spares_norms_and_biases(name):
+    # Zero gradients: the only change is decoupled decay, p <- p * (1 - lr * wd), on ndim >= 2
+    # (embedding included); 1-D norm scale and bias must stay bit-identical.
+    _, params, _ = _split()
+    lr, wd = 0.1, 0.5
+    tx = build_optimizer(name, optax.constant_schedule(lr), params, weight_decay=wd)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+    before, after = _arrays(params), _arrays(optax.apply_updates(params, updates))
+    for key in ("['embedding']", "['qkv']", "['out']['kernel']"):
+        np.testing.assert_allclose(after[key], before[key] * (1 - lr * wd), rtol=1e-5, err_msg=key)
+    for key in ("['norm']", "['out']['bias']"):
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+
+
+def test_clip_grad_scales_the_global_norm_before_sgd():
+    _, params, _ = _split()
+    lr, clip = 0.1, 1.0
+    tx = build_optimizer("sgd", lr, params, clip_grad=clip, momentum=0.9)
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 1e3, x.dtype), params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    g = _arrays(grads)
+    norm = math.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in g.values()))
+    assert norm > 100 * clip
+    got = _arrays(updates)
+    for key, grad in g.items():  # first step: momentum trace equals the clipped gradient
+        np.testing.assert_allclose(got[key], -lr * grad * clip / norm, rtol=1e-5, err_msg=key)
+
+
+def test_muon_dimension_numbers_follow_logical_axes():
+    shapes = {
+        "qkv": ((4, 2, 3, 2), ("embed", "kv_heads", "qkv", "head_dim")),
+        "o_proj": ((2, 2, 4), ("heads", "head_dim", "embed")),
+        "gate_up": ((4, 2, 8), ("embed", "gate_up", "mlp")),
+        "down": ((8, 4), ("mlp", "embed")),
+        "embedding": ((10, 4), ("vocab", "embed")),
+        "lm_head": ((4, 10), ("embed", "vocab")),
+        "norm": ((4,), ("embed",)),
+    }
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, (s, _) in shapes.items()}
+    axes = {k: a for k, (_, a) in shapes.items()}
+    got = muon_dimension_numbers(params, axes)
+    assert got["qkv"] == MuonDimensionNumbers(0, (1, 2, 3))
+    assert got["o_proj"] == MuonDimensionNumbers((0, 1), 2)
+    assert got["gate_up"] == MuonDimensionNumbers(0, (1, 2))
+    assert got["down"] == MuonDimensionNumbers((0,), 1)
+    assert got["embedding"] is None and got["lm_head"] is None and got["norm"] is None
+    # Without logical axes (plain arrays): 2-D -> matrix, anything else -> Adam.
+    plain = muon_dimension_numbers(params)
+    assert plain["down"] == MuonDimensionNumbers(0, 1) and plain["embedding"] is not None
+    assert plain["qkv"] is None and plain["norm"] is None
+
+
+def test_muon_dimension_numbers_reject_mismatched_axes():
+    params = {"w": jnp.zeros((4, 3))}
+    with pytest.raises(ValueError, match=r"logical_axes\['w'\].*one name"):
+        muon_dimension_numbers(params, {"w": ("embed",)})
+    with pytest.raises(ValueError, match="one axis-name tuple per parameter"):
+        muon_dimension_numbers(params, {"w": ("embed", "mlp"), "v": ("embed",)})
+
+
+def test_muon_orthogonalises_the_fused_kernel_and_uses_adam_for_the_rest():
+    _, params, _ = _split()
+    lr = 0.01
+    tx = build_optimizer("muon", lr, params)  # logical axes come from the nnx.Param metadata
+    # A qkv gradient with spread-out singular values [4, 2, 1, 0.5] in its (embed, rest) layout.
+    rng = np.random.default_rng(0)
+    u, _ = np.linalg.qr(rng.normal(size=(4, 4)))
+    v, _ = np.linalg.qr(rng.normal(size=(12, 4)))
+    g_qkv = (u * np.array([4.0, 2.0, 1.0, 0.5])) @ v.T
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+    grads["qkv"][...] = jnp.asarray(g_qkv.reshape(QKV_SHAPE), jnp.float32)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    got = _arrays(updates)
+    update = got["['qkv']"].reshape(4, 12)
+    sv = np.linalg.svd(update, compute_uv=False)
+    # 5 Newton-Schulz steps leave singular values within ~[0.7, 1.1]; the gradient's ratio is 8
+    # (adam-style or a wrong (reduction, output) grouping give ratios of ~3.4 and ~5.5 here).
+    assert sv.max() / sv.min() < 2.0, sv
+    polar = u @ v.T  # the exact orthogonalised direction; cosine(g, polar) is only 0.81
+    cosine = np.sum(-update * polar) / (np.linalg.norm(update) * np.linalg.norm(polar))
+    assert cosine > 0.95, cosine
+    # Orthogonalised then scaled to RMS 0.2: singular values ~ 0.2 * sqrt(12).
+    np.testing.assert_allclose(sv.mean() / lr, 0.2 * math.sqrt(12), rtol=0.25)
+    # The embedding (vocab axis) and 1-D params go to optax muon's Nesterov Adam, whose first step
+    # is lr * sign(g) * (1 + b1 / (1 + b1)) (bias-corrected look-ahead momentum over |g|).
+    g, b1 = _arrays(grads), 0.9
+    for key in ("['embedding']", "['norm']", "['out']['bias']"):
+        expected = -lr * np.sign(g[key]) * (1 + b1 / (1 + b1))
+        np.testing.assert_allclose(got[key], expected, rtol=1e-4, err_msg=key)
+    assert not np.allclose(np.abs(got["['qkv']"]), lr, rtol=0.1)
+
+
+def test_unknown_optimizer_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names: adamw, adafactor, lion, sgd, muon"):
+        build_optimizer("adam_w2", 1e-3, {"w": jnp.zeros((2, 2))})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(clip_grad=-1.0), "clip_grad"),
+        (dict(b2=1.0), "b2"),
+        (dict(eps=0.0), "eps"),
+    ],
+)
+def test_bad_optimizer_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_optimizer("adamw", 1e-3, {"w": jnp.zeros((2, 2))}, **kwargs)
