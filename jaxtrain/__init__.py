@@ -1,5 +1,11 @@
 """jaxtrain: train and fine-tune transformer models in JAX with one API."""
 
+import os
+
+# jaxtrain uses transformers for tokenizers only; its "PyTorch was not found" advice is noise.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.training.hooks import TrainerCallback
 from jaxtrain.training.state import TrainState

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
-OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
-SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
+from jaxtrain.models.llama import REMAT_POLICIES
+from jaxtrain.training.optim import OPTIMIZERS, SCHEDULERS
+
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
 PROGRESS_BARS = ("rich", "tqdm", "json", "none")
 EVALUATION_STRATEGIES = ("no", "steps", "epoch")
 TRUNCATION_MODES = ("keep_end", "keep_start")
@@ -190,6 +190,11 @@ def coerce_value(annotation: Any, value: Any, *, field: str, source: str = "argu
         raise ArgumentError(errors[0] if errors else f"{field}: cannot parse {value!r}")
     if origin is Literal:
         return value
+    if (annotation is dict or origin is dict) and isinstance(value, str):
+        parsed = yaml.safe_load(value)  # e.g. --model.rope_scaling '{rope_type: llama3, ...}'
+        if not isinstance(parsed, dict):
+            raise ArgumentError(f"{field} in {source} must be a mapping, got {value!r}.")
+        return parsed
     bad = ArgumentError(
         f"{field} in {source} must be {getattr(annotation, '__name__', annotation)}, got {value!r}."
     )

@@ -228,7 +228,7 @@ def cmd_eval(tokens: list[str]) -> int:
 
 def cmd_sample(tokens: list[str]) -> int:
     from jaxtrain import Trainer
-    from jaxtrain.run_config import SAMPLE_KEYS, parse_overrides, resolve_config, split_config
+    from jaxtrain.run_config import SAMPLE_KEYS, parse_overrides, typed_section
 
     run_dir, rest = _split_positional(tokens)
     if run_dir is None:
@@ -237,17 +237,11 @@ def cmd_sample(tokens: list[str]) -> int:
     overrides = parse_overrides(rest)
     checkpoint = overrides.pop("checkpoint", None) or _latest_checkpoint(run_dir)
     args, model_section, data, sample, tokenizer = _load_run(run_dir)
-    config = resolve_config(None, {f"sample.{k}": v for k, v in overrides.items()}, base={})
-    sample = {**sample, **split_config({**args.to_dict(), **config})[3]}
-    unknown = set(overrides) - set(SAMPLE_KEYS)
-    if unknown or tokenizer is None:
+    sample = {**sample, **typed_section(overrides, SAMPLE_KEYS, "sample")}
+    if tokenizer is None:
         from jaxtrain.arguments import ArgumentError
 
-        raise ArgumentError(
-            f"jaxtrain sample: unknown option(s) {sorted(unknown)}"
-            if unknown
-            else f"{run_dir} has no tokenizer/ directory to encode the prompt."
-        )
+        raise ArgumentError(f"{run_dir} has no tokenizer/ directory to encode the prompt.")
     model = build_model(model_section, tokenizer, seed=args.seed)
     trainer = Trainer(arguments=args, model=model)
     state = trainer.load_checkpoint(checkpoint)

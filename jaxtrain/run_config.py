@@ -36,8 +36,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "logging_steps": 10,
     "eval_steps": 100,
     "max_eval_batches": 16,
-    "model": {
-        "vocab_size": 4096,
+    "model": {  # vocab_size and special token ids follow the tokenizer unless set here
         "hidden_size": 256,
         "intermediate_size": 768,
         "num_hidden_layers": 4,
@@ -46,7 +45,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "max_position_embeddings": 1024,
         "tie_word_embeddings": True,
     },
-    "data": {"source": "default", "max_train_bytes": 8_000_000},
+    "data": {"source": "default", "vocab_size": 4096, "max_train_bytes": 8_000_000},
     "sample": {"prompt": "def ", "max_new_tokens": 96, "temperature": 0.0},
 }
 
@@ -98,7 +97,8 @@ def resolve_config(
                 raise ArgumentError(
                     f"--{key}: unknown section {section!r}; sections are {', '.join(SECTIONS)}."
                 )
-            config.setdefault(section, {})[field] = yaml.safe_load(raw)
+            # Kept raw: each field's declared type parses it (YAML would strip a prompt's spaces).
+            config.setdefault(section, {})[field] = raw
         else:
             config[key] = raw
     return config
@@ -116,12 +116,12 @@ def split_config(config: dict[str, Any]) -> tuple[TrainingArguments, dict, dict,
     """-> (TrainingArguments, model section, data section, sample section), all validated."""
     fields = {k: v for k, v in config.items() if k not in SECTIONS}
     args = TrainingArguments.from_dict(fields, source="config")
-    data = _typed_section(config.get("data") or {}, DATA_KEYS, "data")
-    sample = _typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample")
+    data = typed_section(config.get("data") or {}, DATA_KEYS, "data")
+    sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample")
     return args, dict(config.get("model") or {}), data, sample
 
 
-def _typed_section(values: dict, schema: dict[str, type], name: str) -> dict[str, Any]:
+def typed_section(values: dict, schema: dict[str, type], name: str) -> dict[str, Any]:
     unknown = sorted(set(values) - set(schema))
     if unknown:
         raise ArgumentError(

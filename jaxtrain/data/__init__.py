@@ -5,12 +5,11 @@ from jaxtrain.data.corpus import DefaultCorpus, chunk_dataset, load_default_corp
 from jaxtrain.data.loader import (
     BatchLoader,
     DatasetError,
-    Prefetcher,
     eval_batches,
     num_eval_batches,
-    prefetch,
     validate_dataset,
 )
+from jaxtrain.data.prefetch import Prefetcher, prefetch
 
 __all__ = [
     "IGNORE_INDEX",

@@ -246,6 +246,7 @@ class Trainer(TrainerCallback):
 
         last_logs: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
+        last_eval_step = -1
         checkpoint_path = None
         window = MetricsWindow()
         pending = None  # a closed logging window whose device metrics are read one step late
@@ -262,10 +263,10 @@ class Trainer(TrainerCallback):
                 if pending is not None:
                     last_logs = self._emit_logs(pending, log, progress)
                     pending = None
-                if step % args.logging_steps == 0 or step == total_steps:
+                call_hooks(self._receivers, "on_step_end", self, state, metrics, step)
+                if step % args.logging_steps == 0 or step == total_steps or self.should_stop:
                     epoch = step / self.train_loader.steps_per_epoch
                     pending = window.close(step, epoch=epoch)
-                call_hooks(self._receivers, "on_step_end", self, state, metrics, step)
                 progress.update(step)
 
                 if self._eval_due(step, total_steps) or self._save_due(step):
@@ -274,12 +275,13 @@ class Trainer(TrainerCallback):
                         pending = None
                     if self._eval_due(step, total_steps):
                         eval_metrics = self._run_evaluation(state, step, log, progress)
+                        last_eval_step = step
                     if self._save_due(step):
                         checkpoint_path = self.save_checkpoint(state)
                     window.restart_clock()
             if pending is not None:
                 last_logs = self._emit_logs(pending, log, progress)
-            if self.should_stop and self._wants_eval() and not eval_metrics:
+            if self._wants_eval() and last_eval_step != step:  # stopped early by a hook
                 eval_metrics = self._run_evaluation(state, step, log, progress)
             if args.save_final and self._checkpointer.latest_step() != step:
                 checkpoint_path = self.save_checkpoint(state)

@@ -186,3 +186,25 @@ def test_remat_needs_model_support(tmp_path):
         Trainer(
             arguments=tiny_args(tmp_path, gradient_checkpointing="dots_saveable"), model=Plain()
         )
+
+
+def test_a_hook_can_stop_training_and_the_stop_step_is_evaluated_and_saved(corpus, tmp_path):
+    train, evaluation, tokenizer = corpus
+
+    class StopAtSeven(TrainerCallback):
+        def on_step_end(self, trainer, state, metrics, step):
+            if step == 7:
+                trainer.should_stop = True
+
+    recorder = Recorder()
+    trainer = Trainer(
+        arguments=tiny_args(tmp_path, max_steps=40, eval_steps=5, logging_steps=5),
+        model=tiny_model(tokenizer),
+        dataset_train=train,
+        dataset_eval=evaluation,
+        callbacks=[StopAtSeven(), recorder],
+    )
+    output = trainer.train()
+    assert int(output.state.step) == 7 and output.checkpoint_path.endswith("/7")
+    assert [s for k, s in recorder.events if k == "evaluate"] == [5, 7]
+    assert [s for k, s in recorder.events if k == "log"] == [5, 7]

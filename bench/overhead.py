@@ -1,0 +1,398 @@
+"""Overhead of the jaxtrain Trainer against a bare jitted step and a hand-written Llama.
+
+    python bench/overhead.py [--sizes S1,S2] [--steps N] [--warmup W] [--repeats R] [--json P]
+    python bench/overhead.py --check        # the three variants compute the same losses
+
+Each variant trains the same model shape on the same random tokens in its OWN process
+(`--worker trainer|bare|handwritten`), so start-up time and peak RSS are per variant:
+- trainer: jaxtrain's Trainer on a datasets.Dataset of pre-tokenized rows;
+- bare: the same jaxtrain LlamaForCausalLM, nnx.split, one jax.jit(value_and_grad + optax
+  adamw, state donated) fed numpy batches in a plain Python loop;
+- handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step.
+Same optimizer (adamw, constant lr, no clipping, no weight decay) and loss for all.
+
+Metrics (see README.md): tokens/s counts batch * seq positions per step (no padding in this
+data) over the steady-state steps W+1..N, timed between a block_until_ready after step W and
+one after step N. "first step" is the time from the process's creation to the first step's
+result being ready (imports, data, model init, compile included). Peak RSS is ru_maxrss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from handwritten_llama import LlamaShape  # noqa: E402 - bench/ is not a package
+
+SIZES = {
+    "S1": LlamaShape(
+        vocab=4096, hidden=256, intermediate=1024, layers=4, heads=4, seq=256, batch=8
+    ),
+    "S2": LlamaShape(
+        vocab=4096, hidden=512, intermediate=2048, layers=8, heads=8, seq=512, batch=4
+    ),
+    # Tiny shape for --check only.
+    "T": LlamaShape(vocab=128, hidden=64, intermediate=128, layers=2, heads=4, seq=32, batch=4),
+}
+DEFAULT_STEPS = {"S1": 30, "S2": 12, "T": 4}
+VARIANTS = ("trainer", "bare", "handwritten")
+LEARNING_RATE = 3e-4
+SEED = 0
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+def make_tokens(shape: LlamaShape, steps: int, seed: int = SEED) -> np.ndarray:
+    """Random token ids [steps * batch, seq]: exactly one pass over the rows."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, shape.vocab, size=(steps * shape.batch, shape.seq), dtype=np.int32)
+
+
+class StepClock:
+    """Blocks on the state after step 1, W and N (only there) and keeps the timestamps."""
+
+    def __init__(self, start: float, warmup: int, steps: int):
+        self.start, self.warmup, self.steps = start, warmup, steps
+        self.marks: dict[str, float] = {}
+        self.losses: list = []  # device values, read once at the end
+
+    def after_step(self, step: int, state, loss) -> None:
+        import jax
+
+        self.losses.append(loss)
+        if step in (1, self.warmup, self.steps):
+            jax.block_until_ready(state)
+            now = time.time()
+            if step == 1:
+                self.marks["first_step"] = now - self.start
+            if step == self.warmup:
+                self.marks["t_warm"] = now
+            if step == self.steps:
+                self.marks["t_end"] = now
+
+    def summary(self, shape: LlamaShape) -> dict:
+        import jax
+
+        # Trainer steps give (loss_sum, tokens) pairs, the bare loops the mean loss.
+        values = jax.device_get(self.losses)
+        losses = [float(v[0]) / float(v[1]) if isinstance(v, tuple) else float(v) for v in values]
+        seconds = self.marks["t_end"] - self.marks["t_warm"]
+        tokens = (self.steps - self.warmup) * shape.batch * shape.seq
+        return {
+            "first_step_s": self.marks["first_step"],
+            "steady_s": seconds,
+            "tokens_per_s": tokens / seconds,
+            "losses": losses,
+        }
+
+
+def jaxtrain_config(shape: LlamaShape):
+    from jaxtrain.models import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        rms_norm_eps=shape.eps,
+        rope_theta=shape.rope_theta,
+        initializer_range=shape.init_std,
+    )
+
+
+def run_trainer(shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepClock) -> dict:
+    import datasets
+    from flax import nnx
+
+    from jaxtrain import Trainer, TrainerCallback, TrainingArguments
+    from jaxtrain.models import LlamaForCausalLM
+
+    clock.marks["imports_s"] = time.time() - clock.start
+    steps = clock.steps
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, trainer, state, metrics, step):
+            # Kept as a pair of device scalars: dividing here would dispatch an extra op.
+            clock.after_step(step, state, (metrics["loss_sum"], metrics["tokens"]))
+
+    dataset = datasets.Dataset.from_dict({"input_ids": tokens.tolist()})
+    model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-bench-") as out_dir:
+        arguments = TrainingArguments(
+            output_dir=out_dir,
+            overwrite_output_dir=True,
+            seed=SEED,
+            learning_rate=LEARNING_RATE,
+            optimizer="adamw",
+            scheduler="constant",
+            weight_decay=0.0,
+            clip_grad=None,
+            max_steps=steps,
+            total_batch_size=shape.batch,
+            gradient_accumulation_steps=1,
+            max_sequence_length=shape.seq,
+            shuffle_train=False,  # rows in order, like the bare loop: identical losses
+            logging_steps=10,
+            evaluation_strategy="no",
+            save_final=False,
+            progress_bar="none",
+        )
+        trainer = Trainer(
+            arguments=arguments, model=model, dataset_train=dataset, callbacks=[Timer()]
+        )
+        clock.marks["ready_s"] = time.time() - clock.start
+        trainer.train()
+        compile_line = Path(out_dir, "metrics.jsonl").read_text().splitlines()[0]
+    result = clock.summary(shape)
+    result["compile_s"] = json.loads(compile_line).get("compile/train_step_s")
+    return result
+
+
+def adamw():
+    import optax
+
+    # Same as the Trainer's adamw with weight_decay=0 and a constant schedule.
+    return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def run_loop(loss_fn, params, tokens: np.ndarray, shape: LlamaShape, clock: StepClock) -> dict:
+    """The bare training loop shared by the bare and handwritten variants."""
+    import jax
+    import optax
+
+    tx = adamw()
+
+    def train_step(state, input_ids):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, input_ids)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    step_fn = jax.jit(train_step, donate_argnums=0)
+    state = (params, tx.init(params))
+    clock.marks["ready_s"] = time.time() - clock.start
+    for step in range(clock.steps):
+        batch = tokens[step * shape.batch : (step + 1) * shape.batch]
+        state, loss = step_fn(state, batch)
+        clock.after_step(step + 1, state, loss)
+    return clock.summary(shape)
+
+
+def run_bare(shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepClock) -> dict:
+    from flax import nnx
+
+    from jaxtrain.models import LlamaForCausalLM
+    from jaxtrain.training.step import causal_lm_sums
+
+    clock.marks["imports_s"] = time.time() - clock.start
+    model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    del model  # its arrays are donated to the first step
+
+    def loss_fn(params, input_ids):
+        logits = nnx.merge(graphdef, params, rest)(input_ids)
+        sums = causal_lm_sums(logits, input_ids)  # labels aligned with the inputs
+        return sums["loss_sum"] / sums["tokens"]
+
+    return run_loop(loss_fn, params, tokens, shape, clock)
+
+
+def run_handwritten(
+    shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepClock, params=None
+) -> dict:
+    import handwritten_llama as hw
+    import jax
+
+    clock.marks["imports_s"] = time.time() - clock.start
+    if params is None:
+        params = hw.init_params(jax.random.key(SEED), shape)
+    return run_loop(lambda p, ids: hw.next_token_loss(p, ids, shape), params, tokens, shape, clock)
+
+
+RUNNERS = {"trainer": run_trainer, "bare": run_bare, "handwritten": run_handwritten}
+
+
+def worker(variant: str, size: str, steps: int, warmup: int) -> None:
+    start = psutil.Process().create_time()
+    shape = SIZES[size]
+    clock = StepClock(start, warmup, steps)
+    result = RUNNERS[variant](shape, make_tokens(shape, steps), warmup, clock)
+    result.update(
+        variant=variant,
+        size=size,
+        steps=steps,
+        warmup=warmup,
+        imports_s=clock.marks["imports_s"],
+        ready_s=clock.marks["ready_s"],
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------ the parent
+def run_worker(variant: str, size: str, steps: int, warmup: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", variant, "--size", size]
+    cmd += ["--steps", str(steps), "--warmup", str(warmup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+    if proc.returncode or not lines:
+        sys.exit(f"worker failed: {shlex.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def summarise(runs: list[dict]) -> dict:
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    return {
+        "tokens_per_s": med("tokens_per_s"),
+        "tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in runs],
+        "first_step_s": med("first_step_s"),
+        "imports_s": med("imports_s"),
+        "ready_s": med("ready_s"),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "final_loss": runs[0]["losses"][-1],
+        "compile_s": runs[0].get("compile_s"),
+    }
+
+
+def print_table(size: str, rows: dict[str, dict]) -> None:
+    bare = rows["bare"]
+    print(f"\n{size}: {dataclasses.asdict(SIZES[size])}")
+    head = "| variant | tokens/s (median) | runs | vs bare | first step s | vs bare "
+    head += "| imports s | ready s | peak RSS MB | final loss |"
+    print(head)
+    print("|" + "---|" * head.count(" | ") + "---|")
+    for variant, r in rows.items():
+        print(
+            f"| {variant} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_runs']} "
+            f"| {r['tokens_per_s'] / bare['tokens_per_s']:.3f} | {r['first_step_s']:.2f} "
+            f"| {r['first_step_s'] / bare['first_step_s']:.2f}x | {r['imports_s']:.2f} "
+            f"| {r['ready_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['final_loss']:.4f} |"
+        )
+
+
+def parent(args: argparse.Namespace) -> None:
+    command = shlex.join(["python", *sys.argv])
+    print(f"command: {command}")
+    print(f"load average at start: {os.getloadavg()}, cpus: {os.cpu_count()}")
+    results: dict = {"command": command, "load_start": os.getloadavg(), "sizes": {}}
+    for size in args.sizes.split(","):
+        steps = args.steps or DEFAULT_STEPS[size]
+        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        for repeat in range(args.repeats):
+            order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]  # alternate the order
+            for variant in order:
+                r = run_worker(variant, size, steps, args.warmup)
+                runs[variant].append(r)
+                print(
+                    f"  {size} repeat {repeat} {variant}: {r['tokens_per_s']:.0f} tok/s, "
+                    f"first step {r['first_step_s']:.2f}s, load {os.getloadavg()[0]:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        rows = {v: summarise(runs[v]) for v in VARIANTS}
+        print_table(size, rows)
+        results["sizes"][size] = {"steps": steps, "warmup": args.warmup, "rows": rows, "runs": runs}
+    results["load_end"] = os.getloadavg()
+    print(f"\nload average at end: {results['load_end']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def check() -> None:
+    """In one process: all three variants from the same initial weights give the same losses."""
+    from flax import nnx
+
+    from jaxtrain.models import LlamaForCausalLM
+
+    shape, steps = SIZES["T"], DEFAULT_STEPS["T"]
+    tokens = make_tokens(shape, steps)
+    losses = {}
+    for variant in ("trainer", "bare"):
+        losses[variant] = RUNNERS[variant](shape, tokens, 1, StepClock(time.time(), 1, steps))
+    model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
+    weights = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = handwritten_from_jaxtrain(weights, shape)
+    clock = StepClock(time.time(), 1, steps)
+    losses["handwritten"] = run_handwritten(shape, tokens, 1, clock, params=params)
+    for variant, result in losses.items():
+        print(variant, [round(x, 6) for x in result["losses"]])
+    reference = np.array(losses["bare"]["losses"])
+    for variant in ("trainer", "handwritten"):
+        np.testing.assert_allclose(losses[variant]["losses"], reference, rtol=1e-4)
+    print("check passed: trainer, bare and handwritten losses agree (rtol 1e-4)")
+
+
+def handwritten_from_jaxtrain(w: dict, shape: LlamaShape) -> dict:
+    """jaxtrain's fused kernels split into the hand-written model's separate matrices."""
+    d, n = shape.hidden, shape.heads
+    layers = []
+    for i in range(shape.layers):
+        lw = w["model"]["layers"][i]
+        qkv = lw["self_attn"]["qkv_proj"]["kernel"]  # [D, K, 3, H] (K = N heads here)
+        gate_up = lw["mlp"]["gate_up_proj"]["kernel"]  # [D, 2, F]
+        layers.append(
+            {
+                "attn_norm": lw["input_layernorm"]["weight"],
+                "wq": qkv[:, :, 0].reshape(d, d),
+                "wk": qkv[:, :, 1].reshape(d, d),
+                "wv": qkv[:, :, 2].reshape(d, d),
+                "wo": lw["self_attn"]["o_proj"]["kernel"].reshape(n * shape.head_dim, d),
+                "mlp_norm": lw["post_attention_layernorm"]["weight"],
+                "w_gate": gate_up[:, 0],
+                "w_up": gate_up[:, 1],
+                "w_down": lw["mlp"]["down_proj"]["kernel"],
+            }
+        )
+    return {
+        "embed": w["model"]["embed_tokens"]["embedding"],
+        "layers": layers,
+        "final_norm": w["model"]["norm"]["weight"],
+        "lm_head": w["lm_head"]["kernel"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="S1,S2", help="comma-separated: S1, S2")
+    p.add_argument("--steps", type=int, default=None, help="default: 30 for S1, 12 for S2")
+    p.add_argument("--warmup", type=int, default=3, help="steps excluded from tokens/s (>= 1)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--check", action="store_true", help="verify the variants agree, then exit")
+    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--size", choices=sorted(SIZES), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.check:
+        return check()
+    if args.worker:
+        steps = args.steps or DEFAULT_STEPS[args.size]
+        if not 1 <= args.warmup < steps:
+            raise ValueError(f"--warmup must be in [1, steps={steps}), got {args.warmup}")
+        return worker(args.worker, args.size, steps, args.warmup)
+    for size in args.sizes.split(","):
+        if size not in DEFAULT_STEPS or size == "T":
+            raise ValueError(f"--sizes: unknown size {size!r}; use S1, S2 or S1,S2")
+        steps = args.steps or DEFAULT_STEPS[size]
+        if not 1 <= args.warmup < steps:
+            raise ValueError(
+                f"--warmup must be in [1, steps={steps}) for {size}, got {args.warmup}"
+            )
+    parent(args)
+
+
+if __name__ == "__main__":
+    main()
