@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +50,9 @@ def _split_positional(tokens: list[str]) -> tuple[str | None, list[str]]:
 def build_model(model_section: dict[str, Any], tokenizer, *, seed: int):
     from flax import nnx
 
-    from jaxtrain.arguments import coerce_value
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 
-    hints = typing.get_type_hints(LlamaConfig)
-    values = {
-        k: coerce_value(hints[k], v, field=f"model.{k}", source="config") if k in hints else v
-        for k, v in model_section.items()
-    }
+    values = dict(model_section)
     if tokenizer is not None:
         values.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -13,6 +13,7 @@ so `jaxtrain eval RUN_DIR` can rebuild the same model and data.
 from __future__ import annotations
 
 import copy
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,10 @@ def split_config(config: dict[str, Any]) -> tuple[TrainingArguments, dict, dict,
     """-> (TrainingArguments, model section, data section, sample section), all validated."""
     fields = {k: v for k, v in config.items() if k not in SECTIONS}
     args = TrainingArguments.from_dict(fields, source="config")
+    model = typed_model_section(config.get("model") or {})
     data = typed_section(config.get("data") or {}, DATA_KEYS, "data")
     sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample")
-    return args, dict(config.get("model") or {}), data, sample
+    return args, model, data, sample
 
 
 def typed_section(values: dict, schema: dict[str, type], name: str) -> dict[str, Any]:
@@ -129,6 +131,17 @@ def typed_section(values: dict, schema: dict[str, type], name: str) -> dict[str,
         )
     return {
         k: coerce_value(schema[k] | None, v, field=f"{name}.{k}", source="config")
+        for k, v in values.items()
+    }
+
+
+def typed_model_section(values: dict[str, Any]) -> dict[str, Any]:
+    """LlamaConfig fields parsed by their declared types (unknown keys fail in from_dict)."""
+    from jaxtrain.models import LlamaConfig
+
+    hints = typing.get_type_hints(LlamaConfig)
+    return {
+        k: coerce_value(hints[k], v, field=f"model.{k}", source="config") if k in hints else v
         for k, v in values.items()
     }
 

@@ -16,11 +16,14 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
-from tokenizers import ByteLevelBPETokenizer
-from transformers import PreTrainedTokenizerFast
+
+# datasets and transformers cost ~1 s to import; only users of the corpus pay for them.
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = ["DefaultCorpus", "chunk_dataset", "load_default_corpus"]
 
@@ -144,6 +147,9 @@ def _default_cache_dir() -> Path:
 
 
 def _train_tokenizer(texts: Iterator[str] | list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
     bpe.train_from_iterator(
         texts,
@@ -165,6 +171,8 @@ def _train_tokenizer(texts: Iterator[str] | list[str], vocab_size: int) -> PreTr
 def _load_or_train_tokenizer(
     target: Path, texts: list[str], vocab_size: int
 ) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     if (target / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(target))
     tokenizer = _train_tokenizer(texts, vocab_size)
@@ -220,6 +228,8 @@ def load_default_corpus(
     target = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     tokenizer = _load_or_train_tokenizer(target / key, train_docs, vocab_size)
 
+    import datasets
+
     return DefaultCorpus(
         train=datasets.Dataset.from_dict({"text": train_docs}),
         eval=datasets.Dataset.from_dict({"text": eval_docs}),
@@ -253,6 +263,8 @@ def chunk_dataset(
     tokens; the tail that does not fill a row is dropped. No bos or other special tokens
     are added besides the eos separator.
     """
+    import datasets
+
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
     columns = dataset.column_names if isinstance(dataset, datasets.Dataset) else None

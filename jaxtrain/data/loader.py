@@ -8,10 +8,10 @@ uninterrupted run would. The data position to checkpoint is therefore just the s
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-import datasets
 import numpy as np
 
 from jaxtrain.data.collate import (
@@ -39,8 +39,17 @@ class DatasetError(ValueError):
     """A dataset cannot be used as given; the message names the dataset, column/row and fix."""
 
 
+def is_hf_dataset(obj: Any) -> bool:
+    """True for a `datasets.Dataset`, without importing `datasets` (a second of start-up).
+
+    An object can only be a Dataset if the caller has imported the library already.
+    """
+    module = sys.modules.get("datasets")
+    return module is not None and isinstance(obj, module.Dataset)
+
+
 def _columns(dataset: Any) -> list[str]:
-    if isinstance(dataset, datasets.Dataset):
+    if is_hf_dataset(dataset):
         return list(dataset.column_names)
     first = dataset[0]
     return sorted(first) if isinstance(first, Mapping) else []
@@ -67,14 +76,16 @@ def validate_dataset(
     Returns ``"input_ids"`` (pre-tokenized rows, preferred when both exist) or ``"text"``
     (rows tokenized lazily). Raises ``DatasetError`` naming ``name``, the columns and the fix.
     """
-    if not isinstance(dataset, (datasets.Dataset, Sequence)) or isinstance(dataset, (str, bytes)):
+    if not (is_hf_dataset(dataset) or isinstance(dataset, Sequence)) or isinstance(
+        dataset, (str, bytes)
+    ):
         raise DatasetError(
             f"{name} must be a datasets.Dataset or a list of dicts, got {type(dataset).__name__}"
         )
     n = len(dataset)
     if n == 0:
         raise DatasetError(f"{name} is empty (0 rows); pass a dataset with at least one row")
-    if not isinstance(dataset, datasets.Dataset) and not isinstance(dataset[0], Mapping):
+    if not is_hf_dataset(dataset) and not isinstance(dataset[0], Mapping):
         raise DatasetError(
             f"{name} row 0 is a {type(dataset[0]).__name__}, expected a dict such as "
             f"{{'input_ids': [...]}} or {{{text_column!r}: '...'}}"
@@ -149,7 +160,7 @@ class _Assembler:
     def _rows(self, indices: list[int]) -> list[dict[str, Any]]:
         if not indices:
             return []
-        if isinstance(self.dataset, datasets.Dataset):
+        if is_hf_dataset(self.dataset):
             cols = self.dataset[indices]  # one columnar read for the whole batch
             return [{k: v[i] for k, v in cols.items()} for i in range(len(indices))]
         return [dict(self.dataset[i]) for i in indices]

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 
 from jaxtrain.training.state import TrainState
+
+# orbax is imported where it is used: it is not needed before the first save.
 
 
 class CheckpointError(RuntimeError):
@@ -43,6 +44,8 @@ class Checkpointer:
     """Writes `checkpoints/<step>/{state,meta}` under output_dir, keeping the newest K."""
 
     def __init__(self, output_dir: str | Path, *, max_to_keep: int | None = None):
+        import orbax.checkpoint as ocp
+
         self.root = checkpoints_root(output_dir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True
@@ -51,6 +54,8 @@ class Checkpointer:
 
     def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
         """Start a background save of `state`; returns the step directory it commits to."""
+        import orbax.checkpoint as ocp
+
         step = int(jax.device_get(state.step))
         self._manager.save(
             step,
@@ -77,6 +82,8 @@ def restore_state(path: str | Path, abstract_state: TrainState) -> TrainState:
     `abstract_state` is a TrainState of arrays or jax.ShapeDtypeStruct (with shardings) that
     fixes the structure, shapes and placement to restore into.
     """
+    import orbax.checkpoint as ocp
+
     state_dir = Path(path).absolute() / "state"
     if not state_dir.is_dir():
         raise CheckpointError(
@@ -94,6 +101,8 @@ def restore_state(path: str | Path, abstract_state: TrainState) -> TrainState:
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
+    import orbax.checkpoint as ocp
+
     meta_dir = Path(path).absolute() / "meta"
     if not meta_dir.is_dir():
         raise CheckpointError(f"{path} has no 'meta' folder; is it a jaxtrain checkpoint?")

@@ -115,6 +115,7 @@ class Trainer(TrainerCallback):
         self.optimizer, self.schedule = self.create_optimizer(steps)
         self._train_step = None
         self._eval_step = None
+        self._checkpointer = None  # created at the first save of a run
 
     # ------------------------------------------------------------------ setup
     def _configure_model(self, model: nnx.Module) -> None:
@@ -199,6 +200,10 @@ class Trainer(TrainerCallback):
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, state: TrainState) -> str:
+        if self._checkpointer is None:
+            self._checkpointer = ckpt.Checkpointer(
+                self.arguments.output_dir, max_to_keep=self.arguments.save_total_limit
+            )
         path = self._checkpointer.save(state, metadata=self._checkpoint_metadata(state))
         step = int(jax.device_get(state.step))
         call_hooks(self._receivers, "on_save", self, str(path), step)
@@ -233,7 +238,6 @@ class Trainer(TrainerCallback):
             self.processing_class.save_pretrained(out_dir / "tokenizer")
 
         state = self.create_state()
-        self._checkpointer = ckpt.Checkpointer(out_dir, max_to_keep=args.save_total_limit)
         log = JsonlLog(out_dir / "metrics.jsonl")
         batches = prefetch(self.train_loader.batches(start_step=0), size=args.prefetch_batches)
         progress = make_progress(args.progress_bar, total_steps)
@@ -246,7 +250,7 @@ class Trainer(TrainerCallback):
 
         last_logs: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
-        last_eval_step = -1
+        last_eval_step = saved_step = -1
         checkpoint_path = None
         window = MetricsWindow()
         pending = None  # a closed logging window whose device metrics are read one step late
@@ -278,16 +282,18 @@ class Trainer(TrainerCallback):
                         last_eval_step = step
                     if self._save_due(step):
                         checkpoint_path = self.save_checkpoint(state)
+                        saved_step = step
                     window.restart_clock()
             if pending is not None:
                 last_logs = self._emit_logs(pending, log, progress)
             if self._wants_eval() and last_eval_step != step:  # stopped early by a hook
                 eval_metrics = self._run_evaluation(state, step, log, progress)
-            if args.save_final and self._checkpointer.latest_step() != step:
+            if args.save_final and saved_step != step:
                 checkpoint_path = self.save_checkpoint(state)
-            self._checkpointer.wait()
         finally:
-            self._checkpointer.close()
+            if self._checkpointer is not None:
+                self._checkpointer.close()  # waits for the background writes to commit
+                self._checkpointer = None
             progress.close()
             log.close()
 
