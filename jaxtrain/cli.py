@@ -188,31 +188,43 @@ def _print_sample(model, tokenizer, sample: dict[str, Any]) -> None:
         eos_token_id=tokenizer.eos_token_id,
     )
     print("--- sample " + "-" * 50)
-    print(prompt + tokenizer.decode(list(new)))
+    print(prompt + tokenizer.decode(list(new), skip_special_tokens=True))
     print("-" * 61)
 
 
-def cmd_eval(tokens: list[str]) -> int:
+def _restore_run(tokens: list[str], *, with_eval_data: bool):
+    """Parse `RUN_DIR [--checkpoint PATH] [--options]` and rebuild trainer and state.
+
+    -> (trainer, state, checkpoint path, sample section, tokenizer, leftover options)
+    """
     from jaxtrain import Trainer
+    from jaxtrain.arguments import ArgumentError
     from jaxtrain.run_config import parse_overrides
 
     run_dir, rest = _split_positional(tokens)
     if run_dir is None:
-        print(USAGE, file=sys.stderr)
-        return 2
+        raise ArgumentError(f"missing RUN_DIR.\n\n{USAGE}")
     overrides = parse_overrides(rest)
     checkpoint = overrides.pop("checkpoint", None) or _latest_checkpoint(run_dir)
-    args, model_section, data, _, tokenizer = _load_run(run_dir)
-    if "max_eval_batches" in overrides:
-        args.max_eval_batches = int(overrides.pop("max_eval_batches"))
-    if overrides:
-        from jaxtrain.arguments import ArgumentError
-
-        raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
-    _, evaluation, _ = build_data(data, args.max_sequence_length)
+    args, model_section, data, sample, tokenizer = _load_run(run_dir)
+    evaluation = build_data(data, args.max_sequence_length)[1] if with_eval_data else None
     model = build_model(model_section, tokenizer, seed=args.seed)
     trainer = Trainer(arguments=args, model=model, dataset_eval=evaluation)
     state = trainer.load_checkpoint(checkpoint)
+    return trainer, state, checkpoint, sample, tokenizer, overrides
+
+
+def cmd_eval(tokens: list[str]) -> int:
+    from jaxtrain.arguments import ArgumentError, coerce_value
+
+    trainer, state, checkpoint, _, _, overrides = _restore_run(tokens, with_eval_data=True)
+    if "max_eval_batches" in overrides:
+        raw = overrides.pop("max_eval_batches")
+        trainer.arguments.max_eval_batches = coerce_value(
+            int | None, raw, field="max_eval_batches", source="command line"
+        )
+    if overrides:
+        raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
     metrics = trainer.evaluate(state)
     print(f"checkpoint: {checkpoint}")
     for key, value in metrics.items():
@@ -221,24 +233,13 @@ def cmd_eval(tokens: list[str]) -> int:
 
 
 def cmd_sample(tokens: list[str]) -> int:
-    from jaxtrain import Trainer
-    from jaxtrain.run_config import SAMPLE_KEYS, parse_overrides, typed_section
+    from jaxtrain.arguments import ArgumentError
+    from jaxtrain.run_config import SAMPLE_KEYS, typed_section
 
-    run_dir, rest = _split_positional(tokens)
-    if run_dir is None:
-        print(USAGE, file=sys.stderr)
-        return 2
-    overrides = parse_overrides(rest)
-    checkpoint = overrides.pop("checkpoint", None) or _latest_checkpoint(run_dir)
-    args, model_section, data, sample, tokenizer = _load_run(run_dir)
+    trainer, state, _, sample, tokenizer, overrides = _restore_run(tokens, with_eval_data=False)
     sample = {**sample, **typed_section(overrides, SAMPLE_KEYS, "sample")}
     if tokenizer is None:
-        from jaxtrain.arguments import ArgumentError
-
-        raise ArgumentError(f"{run_dir} has no tokenizer/ directory to encode the prompt.")
-    model = build_model(model_section, tokenizer, seed=args.seed)
-    trainer = Trainer(arguments=args, model=model)
-    state = trainer.load_checkpoint(checkpoint)
+        raise ArgumentError("the run directory has no tokenizer/ to encode the prompt.")
     _print_sample(trainer.model_from_state(state), tokenizer, sample)
     return 0
 

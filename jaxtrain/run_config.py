@@ -26,28 +26,30 @@ SECTIONS = ("model", "data", "sample")
 # The demo: a small Llama on the embedded corpus, ~10 minutes on 2 CPU cores.
 DEFAULT_CONFIG: dict[str, Any] = {
     "output_dir": "runs/demo",
-    "learning_rate": 2e-3,
+    "learning_rate": 3e-3,
     "scheduler": "cosine",
     "warmup_steps": 30,
     "weight_decay": 0.1,
-    "max_steps": 300,
+    "max_steps": 600,
     "total_batch_size": 16,
     "gradient_accumulation_steps": 1,
     "max_sequence_length": 256,
     "logging_steps": 10,
-    "eval_steps": 100,
+    "eval_steps": 150,
     "max_eval_batches": 16,
+    # Small and fast beats big and slow on a 10-minute CPU budget: this model sees ~2.4M
+    # tokens and reaches a lower eval loss than a 4M-parameter one in the same time.
     "model": {  # vocab_size and special token ids follow the tokenizer unless set here
-        "hidden_size": 256,
-        "intermediate_size": 768,
+        "hidden_size": 128,
+        "intermediate_size": 384,
         "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
         "max_position_embeddings": 1024,
         "tie_word_embeddings": True,
     },
     "data": {"source": "default", "vocab_size": 4096, "max_train_bytes": 8_000_000},
-    "sample": {"prompt": "def ", "max_new_tokens": 96, "temperature": 0.0},
+    "sample": {"prompt": "def ", "max_new_tokens": 120, "temperature": 0.7, "top_k": 40},
 }
 
 DATA_KEYS = {

@@ -93,14 +93,9 @@ class Trainer(TrainerCallback):
                 dataset_train,
                 global_batch_size=args.total_batch_size,
                 accumulation_steps=args.gradient_accumulation_steps,
-                seq_len=args.max_sequence_length,
-                pad_token_id=self.pad_token_id,
-                truncation_mode=args.truncation_mode,
                 shuffle=args.shuffle_train,
                 seed=args.seed,
-                tokenizer=processing_class,
-                text_column=args.text_column,
-                collator=data_collator,
+                **self._collation_options(),
             )
         if dataset_eval is not None:
             validate_dataset(
@@ -118,6 +113,18 @@ class Trainer(TrainerCallback):
         self._checkpointer = None  # created at the first save of a run
 
     # ------------------------------------------------------------------ setup
+    def _collation_options(self) -> dict[str, Any]:
+        """How rows become batches; shared by the train and eval pipelines."""
+        args = self.arguments
+        return {
+            "seq_len": args.max_sequence_length,
+            "pad_token_id": self.pad_token_id,
+            "truncation_mode": args.truncation_mode,
+            "tokenizer": self.processing_class,
+            "text_column": args.text_column,
+            "collator": self.data_collator,
+        }
+
     def _configure_model(self, model: nnx.Module) -> None:
         args = self.arguments
         if hasattr(model, "remat_policy"):
@@ -369,12 +376,7 @@ class Trainer(TrainerCallback):
         batches = eval_batches(
             self.dataset_eval,
             batch_size=args.resolved_eval_batch_size,
-            seq_len=args.max_sequence_length,
-            pad_token_id=self.pad_token_id,
-            truncation_mode=args.truncation_mode,
-            tokenizer=self.processing_class,
-            text_column=args.text_column,
-            collator=self.data_collator,
+            **self._collation_options(),
         )
         totals: dict[str, float] = {}
         previous = None
