@@ -121,3 +121,33 @@ def next_token_loss(params: dict, input_ids: jax.Array, shape: LlamaShape) -> ja
     targets = input_ids[:, 1:]
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1).mean()
+
+
+def from_jaxtrain(w: dict, shape: LlamaShape) -> dict:
+    """Params from jaxtrain's weights (``nnx.to_pure_dict`` of its Params; fused q/k/v and
+    gate/up kernels are split into separate matrices). Used by ``overhead.py --check``."""
+    d, n = shape.hidden, shape.heads
+    layers = []
+    for i in range(shape.layers):
+        lw = w["model"]["layers"][i]
+        qkv = lw["self_attn"]["qkv_proj"]["kernel"]  # [D, K, 3, H] (K = N heads here)
+        gate_up = lw["mlp"]["gate_up_proj"]["kernel"]  # [D, 2, F]
+        layers.append(
+            {
+                "attn_norm": lw["input_layernorm"]["weight"],
+                "wq": qkv[:, :, 0].reshape(d, d),
+                "wk": qkv[:, :, 1].reshape(d, d),
+                "wv": qkv[:, :, 2].reshape(d, d),
+                "wo": lw["self_attn"]["o_proj"]["kernel"].reshape(n * shape.head_dim, d),
+                "mlp_norm": lw["post_attention_layernorm"]["weight"],
+                "w_gate": gate_up[:, 0],
+                "w_up": gate_up[:, 1],
+                "w_down": lw["mlp"]["down_proj"]["kernel"],
+            }
+        )
+    return {
+        "embed": w["model"]["embed_tokens"]["embedding"],
+        "layers": layers,
+        "final_norm": w["model"]["norm"]["weight"],
+        "lm_head": w["lm_head"]["kernel"],
+    }

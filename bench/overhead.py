@@ -61,13 +61,26 @@ def make_tokens(shape: LlamaShape, steps: int, seed: int = SEED) -> np.ndarray:
     return rng.integers(0, shape.vocab, size=(steps * shape.batch, shape.seq), dtype=np.int32)
 
 
+def cpu_sample() -> tuple[float, float, float]:
+    """(busy CPU s of the whole machine, steal s, CPU s of this process) for contention checks."""
+    with open("/proc/stat") as f:
+        fields = [float(x) / os.sysconf("SC_CLK_TCK") for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    own = psutil.Process().cpu_times()
+    return user + nice + system + irq + softirq, steal, own.user + own.system
+
+
 class StepClock:
     """Blocks on the state after step 1, W and N (only there) and keeps the timestamps."""
 
     def __init__(self, start: float, warmup: int, steps: int):
         self.start, self.warmup, self.steps = start, warmup, steps
         self.marks: dict[str, float] = {}
+        self.cpu: dict[str, tuple[float, float, float]] = {}
         self.losses: list = []  # device values, read once at the end
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.time() - self.start
 
     def after_step(self, step: int, state, loss) -> None:
         import jax
@@ -77,11 +90,11 @@ class StepClock:
             jax.block_until_ready(state)
             now = time.time()
             if step == 1:
-                self.marks["first_step"] = now - self.start
+                self.marks["first_step_s"] = now - self.start
             if step == self.warmup:
-                self.marks["t_warm"] = now
+                self.marks["t_warm"], self.cpu["warm"] = now, cpu_sample()
             if step == self.steps:
-                self.marks["t_end"] = now
+                self.marks["t_end"], self.cpu["end"] = now, cpu_sample()
 
     def summary(self, shape: LlamaShape) -> dict:
         import jax
@@ -91,10 +104,18 @@ class StepClock:
         losses = [float(v[0]) / float(v[1]) if isinstance(v, tuple) else float(v) for v in values]
         seconds = self.marks["t_end"] - self.marks["t_warm"]
         tokens = (self.steps - self.warmup) * shape.batch * shape.seq
+        busy, steal, own = (b - a for a, b in zip(self.cpu["warm"], self.cpu["end"]))
+        capacity = seconds * (os.cpu_count() or 1) / 100  # CPU seconds per percent
         return {
-            "first_step_s": self.marks["first_step"],
+            "first_step_s": self.marks["first_step_s"],
+            "imports_s": self.marks["imports_s"],
+            "setup_s": self.marks["ready_s"] - self.marks["imports_s"],
+            "compile_first_step_s": self.marks["first_step_s"] - self.marks["ready_s"],
             "steady_s": seconds,
             "tokens_per_s": tokens / seconds,
+            # CPU used by other processes and stolen by the hypervisor while we were timed.
+            "other_cpu_pct": max(busy - own, 0.0) / capacity,
+            "steal_pct": steal / capacity,
             "losses": losses,
         }
 
@@ -114,14 +135,15 @@ def jaxtrain_config(shape: LlamaShape):
     )
 
 
-def run_trainer(shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepClock) -> dict:
-    import datasets
+def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock) -> dict:
     from flax import nnx
 
     from jaxtrain import Trainer, TrainerCallback, TrainingArguments
     from jaxtrain.models import LlamaForCausalLM
 
-    clock.marks["imports_s"] = time.time() - clock.start
+    clock.mark("imports_s")
+    import datasets  # the user's data; counted in setup, like the bare loops' numpy tokens
+
     steps = clock.steps
 
     class Timer(TrainerCallback):
@@ -154,7 +176,7 @@ def run_trainer(shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepC
         trainer = Trainer(
             arguments=arguments, model=model, dataset_train=dataset, callbacks=[Timer()]
         )
-        clock.marks["ready_s"] = time.time() - clock.start
+        clock.mark("ready_s")
         trainer.train()
         compile_line = Path(out_dir, "metrics.jsonl").read_text().splitlines()[0]
     result = clock.summary(shape)
@@ -184,7 +206,7 @@ def run_loop(loss_fn, params, tokens: np.ndarray, shape: LlamaShape, clock: Step
 
     step_fn = jax.jit(train_step, donate_argnums=0)
     state = (params, tx.init(params))
-    clock.marks["ready_s"] = time.time() - clock.start
+    clock.mark("ready_s")
     for step in range(clock.steps):
         batch = tokens[step * shape.batch : (step + 1) * shape.batch]
         state, loss = step_fn(state, batch)
@@ -192,13 +214,13 @@ def run_loop(loss_fn, params, tokens: np.ndarray, shape: LlamaShape, clock: Step
     return clock.summary(shape)
 
 
-def run_bare(shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepClock) -> dict:
+def run_bare(shape: LlamaShape, tokens: np.ndarray, clock: StepClock) -> dict:
     from flax import nnx
 
     from jaxtrain.models import LlamaForCausalLM
     from jaxtrain.training.step import causal_lm_sums
 
-    clock.marks["imports_s"] = time.time() - clock.start
+    clock.mark("imports_s")
     model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model  # its arrays are donated to the first step
@@ -211,13 +233,11 @@ def run_bare(shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepCloc
     return run_loop(loss_fn, params, tokens, shape, clock)
 
 
-def run_handwritten(
-    shape: LlamaShape, tokens: np.ndarray, warmup: int, clock: StepClock, params=None
-) -> dict:
+def run_handwritten(shape: LlamaShape, tokens: np.ndarray, clock: StepClock, params=None) -> dict:
     import handwritten_llama as hw
     import jax
 
-    clock.marks["imports_s"] = time.time() - clock.start
+    clock.mark("imports_s")
     if params is None:
         params = hw.init_params(jax.random.key(SEED), shape)
     return run_loop(lambda p, ids: hw.next_token_loss(p, ids, shape), params, tokens, shape, clock)
@@ -230,14 +250,12 @@ def worker(variant: str, size: str, steps: int, warmup: int) -> None:
     start = psutil.Process().create_time()
     shape = SIZES[size]
     clock = StepClock(start, warmup, steps)
-    result = RUNNERS[variant](shape, make_tokens(shape, steps), warmup, clock)
+    result = RUNNERS[variant](shape, make_tokens(shape, steps), clock)
     result.update(
         variant=variant,
         size=size,
         steps=steps,
         warmup=warmup,
-        imports_s=clock.marks["imports_s"],
-        ready_s=clock.marks["ready_s"],
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -254,14 +272,17 @@ def run_worker(variant: str, size: str, steps: int, warmup: int) -> dict:
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
-def summarise(runs: list[dict]) -> dict:
+def summarise(runs: list[dict], bare_runs: list[dict]) -> dict:
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    keys = ("tokens_per_s", "first_step_s", "imports_s", "setup_s", "compile_first_step_s")
+    # Ratios of runs of the same repeat (adjacent in time) cancel slow drifts of the machine.
+    paired = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, bare_runs)]
     return {
-        "tokens_per_s": med("tokens_per_s"),
-        "tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in runs],
-        "first_step_s": med("first_step_s"),
-        "imports_s": med("imports_s"),
-        "ready_s": med("ready_s"),
+        **{key: med(key) for key in keys},
+        "paired_ratio": statistics.median(paired),
+        "paired_ratios": [round(x, 3) for x in paired],
+        "tokens_per_s_runs": [round(r["tokens_per_s"]) for r in runs],
+        "other_cpu_pct_max": max(r["other_cpu_pct"] + r["steal_pct"] for r in runs),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "final_loss": runs[0]["losses"][-1],
         "compile_s": runs[0].get("compile_s"),
@@ -271,24 +292,63 @@ def summarise(runs: list[dict]) -> dict:
 def print_table(size: str, rows: dict[str, dict]) -> None:
     bare = rows["bare"]
     print(f"\n{size}: {dataclasses.asdict(SIZES[size])}")
-    head = "| variant | tokens/s (median) | runs | vs bare | first step s | vs bare "
-    head += "| imports s | ready s | peak RSS MB | final loss |"
-    print(head)
-    print("|" + "---|" * head.count(" | ") + "---|")
+    cols = [
+        "variant",
+        "tokens/s median",
+        "runs",
+        "vs bare",
+        "paired vs bare",
+        "first step s",
+        "vs bare",
+        "imports s",
+        "setup s",
+        "compile + step 1 s",
+        "peak RSS MB",
+        "other CPU % (max)",
+        "final loss",
+    ]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
     for variant, r in rows.items():
-        print(
-            f"| {variant} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_runs']} "
-            f"| {r['tokens_per_s'] / bare['tokens_per_s']:.3f} | {r['first_step_s']:.2f} "
-            f"| {r['first_step_s'] / bare['first_step_s']:.2f}x | {r['imports_s']:.2f} "
-            f"| {r['ready_s']:.2f} | {r['peak_rss_mb']:.0f} | {r['final_loss']:.4f} |"
-        )
+        cells = [
+            variant,
+            f"{r['tokens_per_s']:.0f}",
+            " / ".join(str(x) for x in r["tokens_per_s_runs"]),
+            f"{r['tokens_per_s'] / bare['tokens_per_s']:.3f}",
+            f"{r['paired_ratio']:.3f}",
+            f"{r['first_step_s']:.2f}",
+            f"{r['first_step_s'] / bare['first_step_s']:.2f}x",
+            f"{r['imports_s']:.2f}",
+            f"{r['setup_s']:.2f}",
+            f"{r['compile_first_step_s']:.2f}",
+            f"{r['peak_rss_mb']:.0f}",
+            f"{r['other_cpu_pct_max']:.1f}",
+            f"{r['final_loss']:.4f}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
 
 
 def parent(args: argparse.Namespace) -> None:
     command = shlex.join(["python", *sys.argv])
     print(f"command: {command}")
-    print(f"load average at start: {os.getloadavg()}, cpus: {os.cpu_count()}")
-    results: dict = {"command": command, "load_start": os.getloadavg(), "sizes": {}}
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+    print("each run: python bench/overhead.py --worker VARIANT --size SIZE --steps N --warmup W")
+    print("tokens/s = batch * seq per step over steps W+1..N; first step = from process creation")
+    results: dict = {
+        "command": command,
+        "machine": cpu_model(),
+        "cpus": os.cpu_count(),
+        "load_start": os.getloadavg(),
+        "sizes": {},
+    }
     for size in args.sizes.split(","):
         steps = args.steps or DEFAULT_STEPS[size]
         runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -299,11 +359,12 @@ def parent(args: argparse.Namespace) -> None:
                 runs[variant].append(r)
                 print(
                     f"  {size} repeat {repeat} {variant}: {r['tokens_per_s']:.0f} tok/s, "
-                    f"first step {r['first_step_s']:.2f}s, load {os.getloadavg()[0]:.2f}",
+                    f"first step {r['first_step_s']:.2f}s, other CPU {r['other_cpu_pct']:.1f}%, "
+                    f"steal {r['steal_pct']:.1f}%",
                     file=sys.stderr,
                     flush=True,
                 )
-        rows = {v: summarise(runs[v]) for v in VARIANTS}
+        rows = {v: summarise(runs[v], runs["bare"]) for v in VARIANTS}
         print_table(size, rows)
         results["sizes"][size] = {"steps": steps, "warmup": args.warmup, "rows": rows, "runs": runs}
     results["load_end"] = os.getloadavg()
@@ -314,6 +375,7 @@ def parent(args: argparse.Namespace) -> None:
 
 def check() -> None:
     """In one process: all three variants from the same initial weights give the same losses."""
+    import handwritten_llama as hw
     from flax import nnx
 
     from jaxtrain.models import LlamaForCausalLM
@@ -322,47 +384,18 @@ def check() -> None:
     tokens = make_tokens(shape, steps)
     losses = {}
     for variant in ("trainer", "bare"):
-        losses[variant] = RUNNERS[variant](shape, tokens, 1, StepClock(time.time(), 1, steps))
+        losses[variant] = RUNNERS[variant](shape, tokens, StepClock(time.time(), 1, steps))
     model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
     weights = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    params = handwritten_from_jaxtrain(weights, shape)
+    params = hw.from_jaxtrain(weights, shape)
     clock = StepClock(time.time(), 1, steps)
-    losses["handwritten"] = run_handwritten(shape, tokens, 1, clock, params=params)
+    losses["handwritten"] = run_handwritten(shape, tokens, clock, params=params)
     for variant, result in losses.items():
         print(variant, [round(x, 6) for x in result["losses"]])
     reference = np.array(losses["bare"]["losses"])
     for variant in ("trainer", "handwritten"):
         np.testing.assert_allclose(losses[variant]["losses"], reference, rtol=1e-4)
     print("check passed: trainer, bare and handwritten losses agree (rtol 1e-4)")
-
-
-def handwritten_from_jaxtrain(w: dict, shape: LlamaShape) -> dict:
-    """jaxtrain's fused kernels split into the hand-written model's separate matrices."""
-    d, n = shape.hidden, shape.heads
-    layers = []
-    for i in range(shape.layers):
-        lw = w["model"]["layers"][i]
-        qkv = lw["self_attn"]["qkv_proj"]["kernel"]  # [D, K, 3, H] (K = N heads here)
-        gate_up = lw["mlp"]["gate_up_proj"]["kernel"]  # [D, 2, F]
-        layers.append(
-            {
-                "attn_norm": lw["input_layernorm"]["weight"],
-                "wq": qkv[:, :, 0].reshape(d, d),
-                "wk": qkv[:, :, 1].reshape(d, d),
-                "wv": qkv[:, :, 2].reshape(d, d),
-                "wo": lw["self_attn"]["o_proj"]["kernel"].reshape(n * shape.head_dim, d),
-                "mlp_norm": lw["post_attention_layernorm"]["weight"],
-                "w_gate": gate_up[:, 0],
-                "w_up": gate_up[:, 1],
-                "w_down": lw["mlp"]["down_proj"]["kernel"],
-            }
-        )
-    return {
-        "embed": w["model"]["embed_tokens"]["embedding"],
-        "layers": layers,
-        "final_norm": w["model"]["norm"]["weight"],
-        "lm_head": w["lm_head"]["kernel"],
-    }
 
 
 def main() -> None:
@@ -374,23 +407,21 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--check", action="store_true", help="verify the variants agree, then exit")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
-    p.add_argument("--size", choices=sorted(SIZES), help=argparse.SUPPRESS)
+    p.add_argument("--size", choices=("S1", "S2"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.check:
         return check()
-    if args.worker:
-        steps = args.steps or DEFAULT_STEPS[args.size]
-        if not 1 <= args.warmup < steps:
-            raise ValueError(f"--warmup must be in [1, steps={steps}), got {args.warmup}")
-        return worker(args.worker, args.size, steps, args.warmup)
-    for size in args.sizes.split(","):
-        if size not in DEFAULT_STEPS or size == "T":
+    sizes = [args.size] if args.worker else args.sizes.split(",")
+    for size in sizes:
+        if size not in ("S1", "S2"):
             raise ValueError(f"--sizes: unknown size {size!r}; use S1, S2 or S1,S2")
         steps = args.steps or DEFAULT_STEPS[size]
         if not 1 <= args.warmup < steps:
             raise ValueError(
                 f"--warmup must be in [1, steps={steps}) for {size}, got {args.warmup}"
             )
+    if args.worker:
+        return worker(args.worker, args.size, args.steps or DEFAULT_STEPS[args.size], args.warmup)
     parent(args)
 
 
