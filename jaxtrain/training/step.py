@@ -36,7 +36,9 @@ def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]
     log_norm = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_logit = jnp.take_along_axis(logits_BxTxV, safe_targets[..., None], axis=-1)[..., 0]
     nll_BxT = (log_norm - target_logit) * mask_BxT
-    correct_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) & mask_BxT
+    # The target is the model's top guess when its logit is the maximum (ties count as right).
+    # Cheaper than argmax, which XLA:CPU does not vectorise (~2% of a small model's step).
+    correct_BxT = (target_logit >= logits_BxTxV.max(axis=-1)) & mask_BxT
     return {
         "loss_sum": nll_BxT.sum(),
         "correct": correct_BxT.sum().astype(jnp.float32),
