@@ -370,6 +370,33 @@ class BatchLoader:
         flat, stats = self._assemble(local.reshape(-1))
         return {k: v.reshape(local.shape + v.shape[1:]) for k, v in flat.items()}, stats
 
+    def data_state(self, step: int) -> dict[str, Any]:
+        """JSON-able position to resume from so that the next batch is the one of ``step``.
+
+        Checkpoints store it; ``check_data_state`` refuses a state from another dataset.
+        Here the stream is a pure function of (seed, step), so the step is the position.
+        """
+        return {
+            "kind": "map",
+            "step": int(step),
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+            "global_batch_size": self.global_batch_size,
+            "shuffle": self.shuffle,
+        }
+
+    def check_data_state(self, state: dict[str, Any]) -> int:
+        """Validate a saved ``data_state`` against this loader; returns the step to start at."""
+        mine = self.data_state(state.get("step", 0))
+        differing = [k for k in mine if k != "step" and state.get(k) != mine[k]]
+        if differing:
+            details = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differing)
+            raise DatasetError(
+                f"The checkpoint's data position does not fit dataset_train ({details}). "
+                "Resume with the same dataset, seed and batch size, or start a new run."
+            )
+        return int(state["step"])
+
     def batches(self, start_step: int = 0, *, with_stats: bool = False) -> Iterator[Any]:
         """Endless batches from ``start_step`` on (epochs roll over); yields ``batch`` or
         ``(batch, CollateStats | None)`` with ``with_stats=True``."""
