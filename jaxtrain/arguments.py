@@ -18,11 +18,13 @@ import yaml
 
 from jaxtrain.models.llama import REMAT_POLICIES
 from jaxtrain.training.optim import OPTIMIZERS, SCHEDULERS
+from jaxtrain.training.stopping import parse_duration
 
 DTYPES = ("float32", "bfloat16", "float16")
 PROGRESS_BARS = ("rich", "tqdm", "json", "none")
 EVALUATION_STRATEGIES = ("no", "steps", "epoch")
 TRUNCATION_MODES = ("keep_end", "keep_start")
+ON_NAN = ("stop", "skip")
 
 
 class ArgumentError(ValueError):
@@ -95,6 +97,21 @@ class TrainingArguments:
     save_total_limit: int | None = None
     # Write a checkpoint when training ends.
     save_final: bool = True
+    # Also checkpoint when this many minutes passed since the last save (None = off).
+    save_interval_minutes: float | None = None
+    # Continue from the newest committed checkpoint in output_dir when there is one.
+    resume_if_possible: bool = True
+    # Resume from this checkpoint (a step directory, or a run directory: its newest one).
+    resume_from: str | None = None
+    # On resume, restore parameters, step and data position but start a fresh optimizer
+    # state (e.g. after changing the optimizer).
+    reset_optimizer: bool = False
+    # Save and stop cleanly after this much wall time: "2h30m", "1d", "90m", "HH:MM:SS".
+    training_time_limit: str | None = None
+    # A NaN/Inf loss or gradient: "stop" (error, nothing bad is applied or saved) or "skip"
+    # (drop that update and go on, up to max_nan_skips consecutive times).
+    on_nan: str = "stop"
+    max_nan_skips: int = 10
     progress_bar: str = "rich"
 
     def __post_init__(self) -> None:
@@ -106,6 +123,12 @@ class TrainingArguments:
     @property
     def micro_batch_size(self) -> int:
         return self.total_batch_size // self.gradient_accumulation_steps
+
+    @property
+    def time_limit_seconds(self) -> float | None:
+        if self.training_time_limit is None:
+            return None
+        return parse_duration(self.training_time_limit)
 
     @property
     def resolved_eval_batch_size(self) -> int:
@@ -311,3 +334,20 @@ def _validate(args: TrainingArguments) -> None:
         )
     if not args.output_dir:
         raise ArgumentError("TrainingArguments.output_dir must be a non-empty path.")
+    _choice(args, "on_nan", ON_NAN)
+    _positive(args, "max_nan_skips", allow_zero=True)
+    if args.save_interval_minutes is not None and not args.save_interval_minutes > 0:
+        raise ArgumentError(
+            "TrainingArguments.save_interval_minutes must be > 0 or None (disabled), "
+            f"got {args.save_interval_minutes}."
+        )
+    if args.training_time_limit is not None:
+        try:
+            parse_duration(str(args.training_time_limit))
+        except ValueError as err:
+            raise ArgumentError(f"TrainingArguments.training_time_limit: {err}") from None
+    if args.resume_from is not None and args.overwrite_output_dir:
+        raise ArgumentError(
+            "TrainingArguments.resume_from and overwrite_output_dir=True contradict each other "
+            "(overwriting deletes the run's checkpoints). Drop one of them."
+        )

@@ -33,11 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     if command not in commands:
         print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    from jaxtrain.training.stopping import EXIT_BAD_INPUT, NonFiniteLossError, TrainingInterrupted
+
     try:
         return commands[command](rest)
     except (ArgumentError, DatasetError, CheckpointError) as err:
         print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except (TrainingInterrupted, NonFiniteLossError) as err:
+        print(f"jaxtrain {command}: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 def _split_positional(tokens: list[str]) -> tuple[str | None, list[str]]:
@@ -134,13 +139,9 @@ def _load_run(run_dir: str):
 
 
 def _latest_checkpoint(run_dir: str) -> str:
-    from jaxtrain.training.checkpoint import CheckpointError, checkpoints_root
+    from jaxtrain.training.checkpoint import find_checkpoint
 
-    root = checkpoints_root(run_dir)
-    steps = sorted(int(p.name) for p in root.glob("*") if p.name.isdigit()) if root.is_dir() else []
-    if not steps:
-        raise CheckpointError(f"{run_dir} has no checkpoints under {root}.")
-    return str(root / str(steps[-1]))
+    return str(find_checkpoint(run_dir))
 
 
 # ---------------------------------------------------------------- commands
@@ -152,26 +153,36 @@ def cmd_train(tokens: list[str]) -> int:
     args, model_section, data, sample = split_config(config)
 
     from jaxtrain import Trainer
+    from jaxtrain.training.stopping import EXIT_OK, EXIT_TIME_LIMIT
 
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
     model = build_model(model_section, tokenizer, seed=args.seed)
+    resolved = {**args.to_dict(), "model": model.config.to_dict(), "data": data, "sample": sample}
+
+    class SaveConfig:
+        # Written once the run owns output_dir (after resume checks), so an interrupted run
+        # can be evaluated, sampled or resumed from its directory.
+        def on_train_start(self, trainer: Any, state: Any) -> None:
+            save_config(resolved, args.output_dir)
+
     trainer = Trainer(
         arguments=args,
         model=model,
         dataset_train=train,
         dataset_eval=evaluation,
         processing_class=tokenizer,
+        callbacks=[SaveConfig()],
     )
-    resolved = {**args.to_dict(), "model": model.config.to_dict(), "data": data, "sample": sample}
     output = trainer.train()
-    save_config(resolved, args.output_dir)
     summary = ", ".join(
         f"{k}={output.metrics[k]:.4f}" for k in ("loss", "eval/loss") if k in output.metrics
     )
-    print(f"done: {summary}; checkpoint: {output.checkpoint_path}")
+    print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
+    if output.stop_reason == "time_limit":
+        return EXIT_TIME_LIMIT
     if sample and tokenizer is not None:
         _print_sample(trainer.model, tokenizer, sample)
-    return 0
+    return EXIT_OK
 
 
 def _print_sample(model, tokenizer, sample: dict[str, Any]) -> None:

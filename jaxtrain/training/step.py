@@ -111,8 +111,20 @@ def make_train_step(
 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(sums)
-        metrics["grad_norm"] = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(grads)
+        # A NaN/Inf loss or gradient never reaches the state: the update is dropped (the
+        # select fuses into the optimizer's elementwise update, so it costs ~nothing) and the
+        # host decides from `nonfinite` whether to stop or go on (TrainingArguments.on_nan).
+        finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state),
+            (state.params, state.opt_state),
+        )
+        # A skipped step's sums would poison the logged window average: count it as empty.
+        metrics = {k: jnp.where(finite, v, jnp.zeros_like(v)) for k, v in sums.items()}
+        metrics["nonfinite"] = jnp.logical_not(finite)
+        metrics["grad_norm"] = grad_norm
         metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data import BatchLoader, eval_batches, prefetch, validate_dataset
 from jaxtrain.training import checkpoint as ckpt
+from jaxtrain.training import resume
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
 from jaxtrain.training.logs import JsonlLog
 from jaxtrain.training.metrics import MetricsWindow, eval_summary, host_token_count
@@ -33,6 +34,13 @@ from jaxtrain.training.step import (
     count_target_tokens,
     make_eval_step,
     make_train_step,
+)
+from jaxtrain.training.stopping import (
+    Deadline,
+    NonFiniteGuard,
+    StopSignals,
+    TrainingInterrupted,
+    any_process,
 )
 
 
@@ -46,6 +54,8 @@ class TrainerOutput:
     # Step directory of the last checkpoint written, if any.
     checkpoint_path: str | None
     mesh: jax.sharding.Mesh | None = None
+    # "completed", "callback" (a hook set should_stop) or "time_limit" (training_time_limit).
+    stop_reason: str = "completed"
 
 
 class Trainer(TrainerCallback):
@@ -218,17 +228,31 @@ class Trainer(TrainerCallback):
 
     def _checkpoint_metadata(self, state: TrainState) -> dict[str, Any]:
         config = self.model_config
-        return {
-            "step": int(jax.device_get(state.step)),
+        step = int(jax.device_get(state.step))
+        metadata = {
+            "step": step,
             "arguments": self.arguments.to_dict(),
             "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
             "model_class": type(self.model).__name__,
         }
+        if self.train_loader is not None:
+            metadata["data_state"] = self.train_loader.data_state(step)
+        return metadata
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and placement of this Trainer's state, without allocating it."""
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+            jax.eval_shape(self.create_state),
+        )
 
     def load_checkpoint(self, path: str | Path) -> TrainState:
-        """Restore a TrainState written by this kind of Trainer (same model and optimizer)."""
-        abstract = jax.eval_shape(self.create_state)
-        return ckpt.restore_state(path, abstract)
+        """Restore a TrainState written by this kind of Trainer (same model and optimizer).
+
+        `path` is a step directory or a run directory (its newest committed checkpoint).
+        """
+        return ckpt.restore_state(ckpt.find_checkpoint(path), self.abstract_state())
 
     # ------------------------------------------------------------------ train
     @property
@@ -236,80 +260,179 @@ class Trainer(TrainerCallback):
         return [self, *self.callbacks]
 
     def train(self) -> TrainerOutput:
+        """Train to the last step, or until a hook, a signal or the time limit stops the run.
+
+        Resumes from output_dir's newest checkpoint (resume_if_possible) or resume_from.
+        SIGINT/SIGTERM: the step in flight finishes, a checkpoint is saved, and
+        TrainingInterrupted is raised. NaN/Inf losses follow `on_nan`.
+        """
         args = self.arguments
         total_steps = self.total_steps
-        ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
+        deadline = Deadline(args.time_limit_seconds)
+        state, step, resumed_from = self._initial_state()
         out_dir = Path(args.output_dir)
         args.save(out_dir / "arguments.json")
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(out_dir / "tokenizer")
 
-        state = self.create_state()
         log = JsonlLog(out_dir / "metrics.jsonl")
-        batches = prefetch(self.train_loader.batches(start_step=0), size=args.prefetch_batches)
-        progress = make_progress(args.progress_bar, total_steps)
+        batches = prefetch(self.train_loader.batches(start_step=step), size=args.prefetch_batches)
+        progress = make_progress(args.progress_bar, total_steps, initial=step)
         progress.write(
             f"jaxtrain: {self.num_parameters / 1e6:.2f}M parameters, {total_steps} steps, "
             f"{args.total_batch_size} x {args.max_sequence_length} tokens per step, "
             f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}"
         )
+        if resumed_from is not None:
+            progress.write(f"resumed from {resumed_from} at step {step}")
         call_hooks(self._receivers, "on_train_start", self, state)
 
         last_logs: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
-        last_eval_step = saved_step = -1
-        checkpoint_path = None
+        last_eval_step = -1
+        saved_step = step if resumed_from is not None else -1
+        checkpoint_path = str(resumed_from) if resumed_from is not None else None
+        stop_reason = "completed"
+        guard = NonFiniteGuard(args.on_nan, args.max_nan_skips)
         window = MetricsWindow()
         pending = None  # a closed logging window whose device metrics are read one step late
-        step = 0
-        try:
-            while step < total_steps and not self.should_stop:
-                batch = next(batches)
-                if self._train_step is None:
-                    self._train_step = self._compile_train_step(state, batch, log, progress)
-                call_hooks(self._receivers, "on_step_start", self, state, step)
-                state, metrics = self._train_step(state, batch)
-                step += 1
-                window.add(metrics, host_token_count(batch))
-                if pending is not None:
-                    last_logs = self._emit_logs(pending, log, progress)
-                    pending = None
-                call_hooks(self._receivers, "on_step_end", self, state, metrics, step)
-                if step % args.logging_steps == 0 or step == total_steps or self.should_stop:
-                    epoch = step / self.train_loader.steps_per_epoch
-                    pending = window.close(step, epoch=epoch)
-                progress.update(step)
-
-                if self._eval_due(step, total_steps) or self._save_due(step):
+        last_save_time = time.monotonic()
+        with StopSignals() as signals:
+            try:
+                while step < total_steps:
+                    if self.should_stop:
+                        stop_reason = "callback"
+                        break
+                    batch = next(batches)
+                    if self._train_step is None:
+                        self._train_step = self._compile_train_step(state, batch, log, progress)
+                        window.restart_clock()
+                    call_hooks(self._receivers, "on_step_start", self, state, step)
+                    state, metrics = self._train_step(state, batch)
+                    step += 1
+                    guard.push(step, metrics["nonfinite"])
+                    window.add(metrics, host_token_count(batch))
                     if pending is not None:
-                        last_logs = self._emit_logs(pending, log, progress)
+                        last_logs = self._emit_logs(pending, log, progress, guard)
                         pending = None
-                    if self._eval_due(step, total_steps):
-                        eval_metrics = self._run_evaluation(state, step, log, progress)
-                        last_eval_step = step
-                    if self._save_due(step):
-                        checkpoint_path = self.save_checkpoint(state)
-                        saved_step = step
-                    window.restart_clock()
-            if pending is not None:
-                last_logs = self._emit_logs(pending, log, progress)
-            if self._wants_eval() and last_eval_step != step:  # stopped early by a hook
-                eval_metrics = self._run_evaluation(state, step, log, progress)
-            if args.save_final and saved_step != step:
-                checkpoint_path = self.save_checkpoint(state)
-        finally:
-            if self._checkpointer is not None:
-                self._checkpointer.close()  # waits for the background writes to commit
-                self._checkpointer = None
-            progress.close()
-            log.close()
+                    call_hooks(self._receivers, "on_step_end", self, state, metrics, step)
+                    early_stop, interval_save = self._poll_stops(signals, deadline, last_save_time)
+                    if early_stop is not None:
+                        stop_reason = early_stop
+                    last = step == total_steps or early_stop is not None or self.should_stop
+                    if step % args.logging_steps == 0 or last:
+                        epoch = step / self.train_loader.steps_per_epoch
+                        pending = window.close(step, epoch=epoch)
+                    progress.update(step)
 
+                    eval_now = self._eval_due(step, total_steps) and early_stop is None
+                    save_now = self._save_due(step) or interval_save or early_stop is not None
+                    if eval_now or save_now:
+                        if pending is not None:
+                            last_logs = self._emit_logs(pending, log, progress, guard)
+                            pending = None
+                        guard.flush()  # never evaluate or save past an unseen NaN
+                        if eval_now:
+                            eval_metrics = self._run_evaluation(state, step, log, progress)
+                            last_eval_step = step
+                        if save_now:
+                            checkpoint_path = self.save_checkpoint(state)
+                            saved_step, last_save_time = step, time.monotonic()
+                        window.restart_clock()
+                    if early_stop is not None:
+                        break
+                if pending is not None:
+                    last_logs = self._emit_logs(pending, log, progress, guard)
+                guard.flush()
+                finished = stop_reason in ("completed", "callback")
+                if finished and self._wants_eval() and last_eval_step != step:
+                    eval_metrics = self._run_evaluation(state, step, log, progress)
+                if (args.save_final or not finished) and saved_step != step:
+                    checkpoint_path = self.save_checkpoint(state)
+            finally:
+                if self._checkpointer is not None:
+                    self._checkpointer.close()  # waits for the background writes to commit
+                    self._checkpointer = None
+                progress.close()
+                log.close()
+
+        if stop_reason.startswith("signal:"):
+            raise TrainingInterrupted(stop_reason.split(":", 1)[1], step, checkpoint_path)
+        if stop_reason == "time_limit":
+            print(
+                f"jaxtrain: training_time_limit={args.training_time_limit} reached at step "
+                f"{step}; saved {checkpoint_path}. Run the same command again to continue."
+            )
         nnx.update(self.model, state.params)
         output = TrainerOutput(
-            state=state, metrics={**last_logs, **eval_metrics}, checkpoint_path=checkpoint_path
+            state=state,
+            metrics={**last_logs, **eval_metrics},
+            checkpoint_path=checkpoint_path,
+            stop_reason=stop_reason,
         )
         call_hooks(self._receivers, "on_train_end", self, output)
         return output
+
+    def _initial_state(self) -> tuple[TrainState, int, Path | None]:
+        """(state, step, checkpoint resumed from or None): a resume when one is asked for or
+        possible, else a fresh state in a clean output_dir. Never a silent fresh start."""
+        args = self.arguments
+        path = resume.resume_checkpoint(args)
+        if path is None:
+            ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
+            (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+            return self.create_state(), 0, None
+        own_root = ckpt.checkpoints_root(args.output_dir)
+        if path.parent != own_root and ckpt.committed_steps(own_root):
+            raise ckpt.CheckpointError(
+                f"resume_from={args.resume_from} is another run's checkpoint, but output_dir "
+                f"{args.output_dir} already holds checkpoints of its own. Choose a new "
+                "output_dir for the resumed run."
+            )
+        metadata = ckpt.read_metadata(path)
+        config = self.model_config
+        resume.check_compatible(
+            metadata,
+            path=path,
+            model_class=type(self.model).__name__,
+            model_config=config.to_dict() if hasattr(config, "to_dict") else None,
+            optimizer=args.optimizer,
+            reset_optimizer=args.reset_optimizer,
+        )
+        step = int(metadata["step"])
+        if "data_state" in metadata and self.train_loader is not None:
+            data_step = self.train_loader.check_data_state(metadata["data_state"])
+            if data_step != step:
+                raise ckpt.CheckpointError(
+                    f"{path}: its data position (step {data_step}) does not match its train "
+                    f"state (step {step}); the checkpoint is inconsistent. Resume from another."
+                )
+        abstract = self.abstract_state()
+        if args.reset_optimizer:
+            params = ckpt.restore_params(path, abstract.params)
+            opt_state = jax.jit(self.optimizer.init)(params)
+            state = TrainState(
+                step=jnp.asarray(step, jnp.int32), params=params, opt_state=opt_state
+            )
+        else:
+            state = ckpt.restore_state(path, abstract)
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        resume.trim_metric_log(Path(args.output_dir) / "metrics.jsonl", step)
+        return state, step, path
+
+    def _poll_stops(
+        self, signals: StopSignals, deadline: Deadline, last_save_time: float
+    ) -> tuple[str | None, bool]:
+        """(reason to stop after this step or None, whether save_interval_minutes is due),
+        agreed by every process."""
+        interval = self.arguments.save_interval_minutes
+        interval_due = interval is not None and time.monotonic() - last_save_time >= interval * 60
+        signal_seen, expired, interval_due = any_process(
+            [signals.received is not None, deadline.expired(), interval_due]
+        )
+        if signal_seen:
+            return f"signal:{signals.received or 'SIGTERM'}", interval_due
+        return ("time_limit" if expired else None), interval_due
 
     def _compile_train_step(self, state, batch, log: JsonlLog, progress):
         step_fn = make_train_step(
@@ -325,12 +448,14 @@ class Trainer(TrainerCallback):
         # Compiled ahead of time: a batch of another shape is an error, never a silent recompile.
         compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
         seconds = time.perf_counter() - start
-        log.write(0, {"compile/train_step_s": seconds})
+        log.write(int(jax.device_get(state.step)), {"compile/train_step_s": seconds})
         progress.write(f"compiled train step in {seconds:.1f}s")
         return compiled
 
-    def _emit_logs(self, window_stats, log: JsonlLog, progress) -> dict[str, float]:
+    def _emit_logs(self, window_stats, log: JsonlLog, progress, guard) -> dict[str, float]:
         logs = window_stats.read()
+        if guard.skipped_total:
+            logs["nonfinite_skipped_steps"] = guard.skipped_total
         log.write(logs["step"], logs)
         call_hooks(self._receivers, "on_log", self, logs, logs["step"])
         shown = {k: logs[k] for k in ("loss", "learning_rate", "tokens_per_second") if k in logs}

@@ -1,5 +1,6 @@
 """The Trainer end to end at a tiny size, on the embedded corpus."""
 
+import dataclasses
 import json
 
 import datasets
@@ -129,9 +130,13 @@ def test_train_eval_checkpoint_end_to_end(corpus, tmp_path):
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(output.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    # A second run into the same output_dir must not silently mix with the first.
+    # Rerunning into the same output_dir continues the run (nothing is left to do at 40)...
+    again = Trainer(arguments=args, model=tiny_model(tokenizer), dataset_train=train).train()
+    assert int(again.state.step) == 40 and again.checkpoint_path == output.checkpoint_path
+    # ...and with resuming switched off it refuses to mix with the old run.
+    no_resume = dataclasses.replace(args, resume_if_possible=False)
     with pytest.raises(CheckpointError, match="overwrite_output_dir"):
-        Trainer(arguments=args, model=tiny_model(tokenizer), dataset_train=train).train()
+        Trainer(arguments=no_resume, model=tiny_model(tokenizer), dataset_train=train).train()
 
 
 def test_mixed_precision_keeps_float32_master_params(corpus, tmp_path):

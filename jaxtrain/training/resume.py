@@ -1,0 +1,102 @@
+"""Deciding where a run starts, and refusing to resume into something different.
+
+A resume that cannot happen is an error that says what differs and how to proceed; a run
+never falls back to a fresh start on its own (peers do, and users lose days to it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.training.checkpoint import (
+    CheckpointError,
+    checkpoints_root,
+    committed_steps,
+    find_checkpoint,
+)
+
+_MAX_LISTED = 8
+
+
+def resume_checkpoint(arguments: Any) -> Path | None:
+    """The step directory this run continues from, or None for a fresh start.
+
+    - `resume_from` names one explicitly (it must exist);
+    - otherwise, with `resume_if_possible`, the newest committed checkpoint in output_dir;
+    - `overwrite_output_dir` asks for a fresh start and wins over `resume_if_possible`.
+    """
+    if arguments.resume_from is not None:
+        return find_checkpoint(arguments.resume_from)
+    if arguments.overwrite_output_dir or not arguments.resume_if_possible:
+        return None  # prepare_output_dir refuses old checkpoints unless overwriting
+    root = checkpoints_root(arguments.output_dir)
+    steps = committed_steps(root)
+    return root / str(steps[-1]) if steps else None
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}"
+        for key in keys
+        if saved.get(key) != current.get(key)
+    ]
+
+
+def check_compatible(
+    metadata: dict[str, Any],
+    *,
+    path: Path,
+    model_class: str,
+    model_config: dict[str, Any] | None,
+    optimizer: str,
+    reset_optimizer: bool,
+) -> None:
+    """Raise CheckpointError when the checkpoint at `path` was written for another model or
+    optimizer than this run's; the message lists what differs and the ways forward."""
+    problems = []
+    if metadata.get("model_class") not in (None, model_class):
+        problems.append(f"model class: checkpoint {metadata['model_class']}, now {model_class}")
+    saved_config = metadata.get("model_config")
+    if saved_config is not None and model_config is not None:
+        # JSON turned tuples into lists; compare like with like.
+        current = json.loads(json.dumps(model_config))
+        problems += [f"model.{d}" for d in _differences(saved_config, current)]
+    if problems:
+        listed = "; ".join(problems[:_MAX_LISTED])
+        more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+        raise CheckpointError(
+            f"Cannot resume from {path}: it was written for a different model ({listed}{more}). "
+            "Use the model configuration of that run, or start a new run: pass "
+            "--resume_if_possible false with a new output_dir, or --overwrite_output_dir true "
+            "to discard the old checkpoints."
+        )
+    saved_optimizer = (metadata.get("arguments") or {}).get("optimizer")
+    if saved_optimizer not in (None, optimizer) and not reset_optimizer:
+        raise CheckpointError(
+            f"Cannot resume from {path}: its optimizer state is {saved_optimizer!r} but this run "
+            f"uses {optimizer!r}. Pass --reset_optimizer true to keep the parameters, step and "
+            "data position with a fresh optimizer state, or go back to the old optimizer."
+        )
+
+
+def trim_metric_log(path: Path, last_step: int) -> None:
+    """Drop records of steps after `last_step` (logged by the interrupted run after its last
+    checkpoint): the resumed run logs those steps again, and curves must not double back."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line).get("step", 0)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill -9; its step was never checkpointed either
+        if step <= last_step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)

@@ -1,0 +1,175 @@
+"""Why a run stops before its last step: signals, a time limit, a diverging loss.
+
+Each reason is a small object the loop polls once per step. None of them stops mid-step:
+the loop finishes the step it is in, saves, and only then leaves, so no work is lost.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+# Exit codes of `jaxtrain train`, one per way a run can end (documented in the README).
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_BAD_INPUT = 2
+EXIT_TIME_LIMIT = 3  # stopped at training_time_limit after saving: rerun to continue
+EXIT_NONFINITE = 4  # the loss became NaN/Inf (on_nan="stop" or too many skips)
+# A signal ends the run with 128 + its number, as shells report it: 130 SIGINT, 143 SIGTERM.
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM arrived; the step in flight finished and a checkpoint was saved."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint_path: str | None):
+        self.signal_name, self.step, self.checkpoint_path = signal_name, step, checkpoint_path
+        self.exit_code = 128 + int(getattr(signal, signal_name))
+        where = f"checkpoint {checkpoint_path}" if checkpoint_path else "no checkpoint"
+        super().__init__(
+            f"{signal_name} received: stopped after step {step} and saved {where}. "
+            "Run the same command again to resume."
+        )
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradients became NaN/Inf; the offending update was not applied."""
+
+    exit_code = EXIT_NONFINITE
+
+
+# ------------------------------------------------------------------ time limit
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])")
+_UNIT_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as "2h30m", "1d", "90m", "45s", "1.5h", "01:30:00" or
+    "1-12:00:00" (SLURM's days-hours:minutes:seconds).
+
+    A bare number is refused: "90" could mean seconds or minutes, and guessing wrong stops a
+    run at the wrong time.
+    """
+    value = text.strip().lower().replace(" ", "")
+    clock = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d{1,2})(?::(\d{1,2}))?", value)
+    if clock:
+        days, first, second, third = clock.groups()
+        hours, minutes, seconds = (first, second, third) if third else (0, first, second)
+        return int(days or 0) * 86400.0 + int(hours) * 3600.0 + int(minutes) * 60.0 + int(seconds)
+    parts = _DURATION_PART.findall(value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise ValueError(
+            f"{text!r} is not a duration. Write it with units, e.g. '2h30m', '1d', '90m', "
+            "'45s', or as 'HH:MM:SS'."
+        )
+    total = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    if total <= 0:
+        raise ValueError(f"{text!r} is not a positive duration.")
+    return total
+
+
+class Deadline:
+    """Wall-clock budget of a run, counted from its start (not from the first compile)."""
+
+    def __init__(self, limit_seconds: float | None):
+        self.limit_seconds = limit_seconds
+        self._start = time.monotonic()
+
+    def expired(self) -> bool:
+        return (
+            self.limit_seconds is not None and time.monotonic() - self._start >= self.limit_seconds
+        )
+
+
+# --------------------------------------------------------------------- signals
+class StopSignals:
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step.
+
+    A second signal raises KeyboardInterrupt at once: the user asked twice. Handlers are
+    installed only in the main thread (Python allows nothing else) and restored on exit.
+    """
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def _handle(self, number: int, frame: Any) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(number).name}: aborting at once")
+        self.received = signal.Signals(number).name
+
+
+# ----------------------------------------------------------- non-finite loss
+class NonFiniteGuard:
+    """Watches the step's `nonfinite` flag, read one step late so dispatch stays async.
+
+    The jitted step never applies a non-finite update (see step.py), so the train state stays
+    good either way; this decides whether the run goes on ("skip") or stops ("stop").
+    """
+
+    def __init__(self, mode: str, max_consecutive_skips: int):
+        self.mode, self.max_consecutive_skips = mode, max_consecutive_skips
+        self.skipped_total = 0
+        self._consecutive = 0
+        self._pending: tuple[int, Any] | None = None
+
+    def push(self, step: int, flag: jax.Array) -> None:
+        """Record step's flag (still on device) and check the previous step's."""
+        previous, self._pending = self._pending, (step, flag)
+        if previous is not None:
+            self._check(*previous)
+
+    def flush(self) -> None:
+        """Check the newest flag now (before a save or an evaluation reads the state)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._check(*pending)
+
+    def _check(self, step: int, flag: Any) -> None:
+        if not bool(np.asarray(jax.device_get(flag))):
+            self._consecutive = 0
+            return
+        if self.mode == "stop":
+            raise NonFiniteLossError(
+                f"The loss or gradients became NaN/Inf at step {step}; that update was not "
+                "applied and nothing after it was saved. Lower learning_rate, set clip_grad, "
+                "check the data of that step, or pass --on_nan skip to skip such updates."
+            )
+        self.skipped_total += 1
+        self._consecutive += 1
+        if self._consecutive > self.max_consecutive_skips:
+            raise NonFiniteLossError(
+                f"{self._consecutive} consecutive steps up to step {step} had a NaN/Inf loss "
+                f"(max_nan_skips={self.max_consecutive_skips}); the run is diverging. Lower "
+                "learning_rate or fix the data, then resume from the last checkpoint."
+            )
+
+
+def any_process(flags: list[bool]) -> list[bool]:
+    """Element-wise OR of `flags` over all processes: every host must stop or save at the
+    same step, or the ones still stepping would wait forever in the next collective."""
+    if jax.process_count() == 1:
+        return list(flags)
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+    return [bool(v) for v in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0)]
