@@ -47,7 +47,7 @@ def test_train_then_eval_and_sample_from_the_run_directory(tmp_path):
         "train", str(config), "--learning_rate", "3e-3", "--output_dir", str(run), *TINY
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--- sample" in result.stdout and "done:" in result.stdout
+    assert "--- sample" in result.stdout and "done (completed):" in result.stdout
     # json progress lines are machine readable
     progress = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert any(p.get("step") == 8 and "loss" in p for p in progress)
