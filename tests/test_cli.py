@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import yaml
 
@@ -79,3 +81,56 @@ def test_bad_flags_exit_2_with_a_message_naming_the_field(tmp_path):
     assert result.returncode == 2 and "did you mean 'optimizer'" in result.stderr
     result = jaxtrain("train", "--data.source", "hub")
     assert result.returncode == 2 and "data.source" in result.stderr
+
+
+def read_until(process: subprocess.Popen, predicate, timeout: float = 240.0) -> list[str]:
+    """Lines of the process's stdout up to and including the first that satisfies predicate."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if predicate(line):
+            return lines
+    raise AssertionError(f"never saw the expected line; output so far: {lines[-20:]}")
+
+
+def logged_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", -1))
+    except (json.JSONDecodeError, AttributeError):
+        return -1
+
+
+def test_signals_and_time_limit_stop_after_saving_and_a_rerun_resumes(tmp_path):
+    from jaxtrain.training.checkpoint import committed_steps
+
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "jaxtrain.cli", "train", *TINY,
+        "--max_steps", "100000", "--output_dir", str(run), "--progress_bar", "json",
+        "--logging_steps", "1", "--evaluation_strategy", "no",
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    last = 0
+    for signal_number, exit_code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        seen = read_until(process, lambda line, last=last: logged_step(line) >= last + 2)
+        process.send_signal(signal_number)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == exit_code, stderr[-2000:]
+        assert f"{signal.Signals(signal_number).name} received" in stderr
+        if last:
+            assert any(f"at step {last}" in line for line in seen)  # it resumed
+        steps = committed_steps(run / "checkpoints")
+        assert steps[-1] > last, "the stop must save the step it reached"
+        last = steps[-1]
+    assert (run / "config.yaml").is_file()
+
+    limited = jaxtrain("train", *command[4:], "--training_time_limit", "3s")
+    assert limited.returncode == 3, limited.stderr[-2000:]
+    assert "training_time_limit=3s reached" in limited.stdout
+    assert committed_steps(run / "checkpoints")[-1] > last
