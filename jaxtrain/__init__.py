@@ -7,16 +7,21 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.training.checkpoint import CheckpointError
 from jaxtrain.training.hooks import TrainerCallback
 from jaxtrain.training.state import TrainState
+from jaxtrain.training.stopping import NonFiniteLossError, TrainingInterrupted
 from jaxtrain.training.trainer import Trainer, TrainerOutput
 
 __all__ = [
     "ArgumentError",
+    "CheckpointError",
+    "NonFiniteLossError",
     "Trainer",
     "TrainerCallback",
     "TrainerOutput",
     "TrainingArguments",
     "TrainState",
+    "TrainingInterrupted",
 ]
 __version__ = "0.1.0"
