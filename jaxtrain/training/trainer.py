@@ -22,17 +22,17 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data import BatchLoader, eval_batches, prefetch, validate_dataset
 from jaxtrain.training import checkpoint as ckpt
-from jaxtrain.training import resume
+from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
 from jaxtrain.training.logs import JsonlLog
-from jaxtrain.training.metrics import MetricsWindow, eval_summary, host_token_count
+from jaxtrain.training.metrics import MetricsWindow, host_token_count
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.progress import make_progress
+from jaxtrain.training.run_start import initial_state
 from jaxtrain.training.state import TrainState, count_parameters
 from jaxtrain.training.step import (
     causal_lm_loss_sums,
     count_target_tokens,
-    make_eval_step,
     make_train_step,
 )
 from jaxtrain.training.stopping import (
@@ -119,7 +119,7 @@ class Trainer(TrainerCallback):
         steps = self.total_steps if self.train_loader else max(args.max_steps, 1)
         self.optimizer, self.schedule = self.create_optimizer(steps)
         self._train_step = None
-        self._eval_step = None
+        self._evaluator = None  # created at the first evaluation
         self._checkpointer = None  # created at the first save of a run
 
     # ------------------------------------------------------------------ setup
@@ -374,51 +374,7 @@ class Trainer(TrainerCallback):
         return output
 
     def _initial_state(self) -> tuple[TrainState, int, Path | None]:
-        """(state, step, checkpoint resumed from or None): a resume when one is asked for or
-        possible, else a fresh state in a clean output_dir. Never a silent fresh start."""
-        args = self.arguments
-        path = resume.resume_checkpoint(args)
-        if path is None:
-            ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
-            (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
-            return self.create_state(), 0, None
-        own_root = ckpt.checkpoints_root(args.output_dir)
-        if path.parent != own_root and ckpt.committed_steps(own_root):
-            raise ckpt.CheckpointError(
-                f"resume_from={args.resume_from} is another run's checkpoint, but output_dir "
-                f"{args.output_dir} already holds checkpoints of its own. Choose a new "
-                "output_dir for the resumed run."
-            )
-        metadata = ckpt.read_metadata(path)
-        config = self.model_config
-        resume.check_compatible(
-            metadata,
-            path=path,
-            model_class=type(self.model).__name__,
-            model_config=config.to_dict() if hasattr(config, "to_dict") else None,
-            optimizer=args.optimizer,
-            reset_optimizer=args.reset_optimizer,
-        )
-        step = int(metadata["step"])
-        if "data_state" in metadata and self.train_loader is not None:
-            data_step = self.train_loader.check_data_state(metadata["data_state"])
-            if data_step != step:
-                raise ckpt.CheckpointError(
-                    f"{path}: its data position (step {data_step}) does not match its train "
-                    f"state (step {step}); the checkpoint is inconsistent. Resume from another."
-                )
-        abstract = self.abstract_state()
-        if args.reset_optimizer:
-            params = ckpt.restore_params(path, abstract.params)
-            opt_state = jax.jit(self.optimizer.init)(params)
-            state = TrainState(
-                step=jnp.asarray(step, jnp.int32), params=params, opt_state=opt_state
-            )
-        else:
-            state = ckpt.restore_state(path, abstract)
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        resume.trim_metric_log(Path(args.output_dir) / "metrics.jsonl", step)
-        return state, step, path
+        return initial_state(self)
 
     def _poll_stops(
         self, signals: StopSignals, deadline: Deadline, last_save_time: float
@@ -498,31 +454,16 @@ class Trainer(TrainerCallback):
         if self.dataset_eval is None:
             raise ArgumentError("Trainer.eval() needs dataset_eval.")
         args = self.arguments
+        if self._evaluator is None:
+            self._evaluator = Evaluator(
+                graphdef=self.graphdef, rest=self.rest, loss_sums_fn=self.compute_loss_sums
+            )
         batches = eval_batches(
             self.dataset_eval,
             batch_size=args.resolved_eval_batch_size,
             **self._collation_options(),
         )
-        totals: dict[str, float] = {}
-        previous = None
-        count = 0
-        for index, batch in enumerate(batches):
-            if args.max_eval_batches is not None and index >= args.max_eval_batches:
-                break
-            if self._eval_step is None:
-                fn = make_eval_step(
-                    graphdef=self.graphdef, rest=self.rest, loss_sums_fn=self.compute_loss_sums
-                )
-                self._eval_step = jax.jit(fn).lower(state.params, batch).compile()
-            sums = self._eval_step(state.params, batch)
-            # Read the previous batch's sums only after this one is dispatched.
-            if previous is not None:
-                count += 1
-                yield eval_summary(totals, jax.device_get(previous), count)
-            previous = sums
-        if previous is not None:
-            count += 1
-            yield eval_summary(totals, jax.device_get(previous), count)
+        yield from self._evaluator.run(state.params, batches, args.max_eval_batches)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Metrics over the whole eval set (the last value `eval` yields)."""

@@ -1,0 +1,47 @@
+"""Evaluation: token-weighted metrics over a whole eval set, read one batch late.
+
+The Trainer owns one `Evaluator`; it compiles the eval step at the first batch and keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+
+from jaxtrain.training.metrics import eval_summary
+from jaxtrain.training.step import make_eval_step
+
+
+class Evaluator:
+    """Runs a jitted eval step over batches and accumulates token-weighted sums."""
+
+    def __init__(self, *, graphdef: Any, rest: Any, loss_sums_fn: Callable[..., Any]):
+        self._step_fn = make_eval_step(graphdef=graphdef, rest=rest, loss_sums_fn=loss_sums_fn)
+        self._compiled = None
+
+    def compile(self, params: Any, batch: Any) -> Callable[..., Any]:
+        return jax.jit(self._step_fn).lower(params, batch).compile()
+
+    def run(
+        self, params: Any, batches: Iterable[Any], max_batches: int | None = None
+    ) -> Iterator[dict[str, float]]:
+        """Yields running metrics after each batch; the last covers every batch seen."""
+        totals: dict[str, float] = {}
+        previous = None
+        count = 0
+        for index, batch in enumerate(batches):
+            if max_batches is not None and index >= max_batches:
+                break
+            if self._compiled is None:
+                self._compiled = self.compile(params, batch)
+            sums = self._compiled(params, batch)
+            # Read the previous batch's sums only after this one is dispatched.
+            if previous is not None:
+                count += 1
+                yield eval_summary(totals, jax.device_get(previous), count)
+            previous = sums
+        if previous is not None:
+            count += 1
+            yield eval_summary(totals, jax.device_get(previous), count)
