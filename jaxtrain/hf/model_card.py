@@ -20,7 +20,8 @@ def training_summary(trainer: Any, state: Any) -> dict[str, Any]:
         "data": describe_dataset(trainer.dataset_train),
         "eval_data": describe_dataset(trainer.dataset_eval),
     }
-    summary["final_metrics"] = final_metrics(Path(args.output_dir) / "metrics.jsonl")
+    log = Path(args.output_dir) / "metrics.jsonl"
+    summary["final_metrics"] = final_metrics(log, up_to_step=summary["steps"])
     return summary
 
 
@@ -37,8 +38,9 @@ def describe_dataset(dataset: Any) -> str | None:
     return ", ".join(parts)
 
 
-def final_metrics(metrics_log: Path) -> dict[str, float]:
-    """The last logged value of each loss-like metric in a run's metrics.jsonl."""
+def final_metrics(metrics_log: Path, *, up_to_step: int | None = None) -> dict[str, float]:
+    """The last logged value of each loss-like metric in a run's metrics.jsonl (records
+    after ``up_to_step`` are skipped: an older checkpoint's card shows its own losses)."""
     found: dict[str, float] = {}
     if not metrics_log.is_file():
         return found
@@ -46,6 +48,8 @@ def final_metrics(metrics_log: Path) -> dict[str, float]:
         try:
             record = json.loads(line)
         except ValueError:
+            continue
+        if up_to_step is not None and record.get("step", 0) > up_to_step:
             continue
         for key in ("loss", "eval/loss", "eval/perplexity", "eval/accuracy"):
             if isinstance(record.get(key), (int, float)):
