@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 import transformers
+from flax import nnx
 
 VOCAB = 96
 BASE = dict(
@@ -90,3 +91,9 @@ def tiny_tokenizer(directory: Path | None = None) -> transformers.PreTrainedToke
     if directory is not None:
         tokenizer.save_pretrained(directory)
     return tokenizer
+
+
+@nnx.jit
+def forward(model, ids):
+    """Jitted logits: one compile is much faster than eager op-by-op dispatch."""
+    return model(ids)

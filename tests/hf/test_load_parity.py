@@ -6,15 +6,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_fixtures import CASES, hf_logits, random_ids, save_hf
+from hf_fixtures import CASES, forward, hf_logits, random_ids, save_hf
 
 from jaxtrain.models import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from jaxtrain.training.step import IGNORE_INDEX, causal_lm_sums
-
-
-@nnx.jit
-def forward(model, ids):
-    return model(ids)
 
 
 def relative_error(ours, reference) -> float:
