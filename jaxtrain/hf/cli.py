@@ -14,7 +14,10 @@ def pretrained_data_section(model_section: dict[str, Any], data: dict[str, Any])
     """With `model.pretrained` and no `data.tokenizer`, the model directory's tokenizer is the
     run's tokenizer (a pretrained model must see its own token ids)."""
     path = model_section.get("pretrained")
-    if not path or data.get("tokenizer"):
+    if not path:
+        return data
+    _check_pretrained_section(model_section)  # before any data is read or model loaded
+    if data.get("tokenizer"):
         return data
     from jaxtrain.hf.load import TOKENIZER_FILES, resolve_model_dir
 
@@ -27,19 +30,9 @@ def pretrained_data_section(model_section: dict[str, Any], data: dict[str, Any])
 def build_pretrained_model(values: dict[str, Any], tokenizer: Any):
     """The model of a `model: {pretrained: DIR}` section: the architecture comes from
     DIR/config.json, so other model keys are refused (the demo defaults are ignored)."""
-    from jaxtrain.arguments import ArgumentError
     from jaxtrain.hf.load import from_pretrained
-    from jaxtrain.run_config import DEFAULT_CONFIG
 
-    # The CLI merges the demo's model section under the user's: those values are not choices.
-    demo = DEFAULT_CONFIG["model"]
-    values = {k: v for k, v in values.items() if k not in demo or demo[k] != v}
-    path = values.pop("pretrained")
-    if values:
-        raise ArgumentError(
-            f"model.pretrained={path!r} takes the architecture from its config.json; remove "
-            f"model.{', model.'.join(sorted(values))} from the config."
-        )
+    path = _check_pretrained_section(values)
     model = from_pretrained(str(path))
     if tokenizer is not None and model.config.vocab_size < len(tokenizer):
         raise HFError(
@@ -47,6 +40,22 @@ def build_pretrained_model(values: dict[str, Any], tokenizer: Any):
             f"vocabulary ({len(tokenizer)}); use the model's own tokenizer (unset data.tokenizer)."
         )
     return model
+
+
+def _check_pretrained_section(values: dict[str, Any]) -> str:
+    """The `model.pretrained` path; ArgumentError if the section also sets architecture keys."""
+    from jaxtrain.arguments import ArgumentError
+    from jaxtrain.run_config import DEFAULT_CONFIG
+
+    # The CLI merges the demo's model section under the user's: those values are not choices.
+    demo = DEFAULT_CONFIG["model"]
+    others = sorted(k for k, v in values.items() if k != "pretrained" and demo.get(k, ...) != v)
+    if others:
+        raise ArgumentError(
+            f"model.pretrained={values['pretrained']!r} takes the architecture from its "
+            f"config.json; remove model.{', model.'.join(others)} from the config."
+        )
+    return str(values["pretrained"])
 
 
 def run_model_section(model: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
-VOCAB = 96
+VOCAB = 320
 BASE = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -57,8 +57,14 @@ def hf_model(config: transformers.PretrainedConfig, seed: int = 0):
     return model.eval()
 
 
-def save_hf(name: str, directory: Path, **save_kwargs) -> transformers.PreTrainedModel:
-    model = hf_model(CASES[name]())
+def save_hf(
+    name: str, directory: Path, *, layers: int = 2, **save_kwargs
+) -> transformers.PreTrainedModel:
+    config = CASES[name]()
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:layers]
+    model = hf_model(config)
     model.save_pretrained(directory, **save_kwargs)
     return model
 
@@ -83,7 +89,7 @@ def tiny_tokenizer(directory: Path | None = None) -> transformers.PreTrainedToke
     ] * 20
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
-        text, vocab_size=VOCAB - 4, min_frequency=1, special_tokens=["<s>", "</s>", "<pad>"]
+        text, vocab_size=VOCAB - 8, min_frequency=1, special_tokens=["<s>", "</s>", "<pad>"]
     )
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
