@@ -13,9 +13,11 @@ USAGE = """usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T]
+  jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
 
 Every TrainingArguments field can be set in the config file or as --field value.
 With no config, `jaxtrain train` trains a small Llama on the embedded corpus (the demo).
+`--model.pretrained DIR` fine-tunes a local Hugging Face model; `export` writes one.
 """
 
 
@@ -27,9 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     from jaxtrain.arguments import ArgumentError
     from jaxtrain.data import DatasetError
+    from jaxtrain.hf.cli import cmd_export
+    from jaxtrain.hf.errors import HFError
     from jaxtrain.training.checkpoint import CheckpointError
 
-    commands = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample}
+    commands = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export}
     if command not in commands:
         print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return commands[command](rest)
-    except (ArgumentError, DatasetError, CheckpointError) as err:
+    except (ArgumentError, DatasetError, CheckpointError, HFError) as err:
         print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (TrainingInterrupted, NonFiniteLossError) as err:
@@ -58,6 +62,11 @@ def build_model(model_section: dict[str, Any], tokenizer, *, seed: int):
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 
     values = dict(model_section)
+    base_model = values.pop("base_model", None)  # where a run's weights came from
+    if "pretrained" in values:
+        from jaxtrain.hf.cli import build_pretrained_model
+
+        return build_pretrained_model(values, tokenizer)
     if tokenizer is not None:
         values.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -71,7 +80,10 @@ def build_model(model_section: dict[str, Any], tokenizer, *, seed: int):
             f"model.vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({len(tokenizer)}). Set --model.vocab_size {len(tokenizer)} or larger."
         )
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+    if base_model:
+        model.name_or_path = base_model
+    return model
 
 
 def build_data(data: dict[str, Any], seq_len: int):
@@ -84,9 +96,14 @@ def build_data(data: dict[str, Any], seq_len: int):
 
         kwargs = {k: data[k] for k in ("max_train_bytes", "vocab_size") if k in data}
         corpus = load_default_corpus(**kwargs)
-        train = chunk_dataset(corpus.train, corpus.tokenizer, seq_len)
-        evaluation = chunk_dataset(corpus.eval, corpus.tokenizer, seq_len)
-        return train, evaluation, corpus.tokenizer
+        tokenizer = corpus.tokenizer
+        if data.get("tokenizer"):  # e.g. a pretrained model's own tokenizer
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"], local_files_only=True)
+        train = chunk_dataset(corpus.train, tokenizer, seq_len)
+        evaluation = chunk_dataset(corpus.eval, tokenizer, seq_len)
+        return train, evaluation, tokenizer
     if source == "files":
         if "train_files" not in data:
             raise ArgumentError("data.source='files' needs data.train_files (a path or glob).")
@@ -153,11 +170,14 @@ def cmd_train(tokens: list[str]) -> int:
     args, model_section, data, sample = split_config(config)
 
     from jaxtrain import Trainer
+    from jaxtrain.hf.cli import pretrained_data_section, run_model_section
     from jaxtrain.training.stopping import EXIT_OK, EXIT_TIME_LIMIT
+
+    data = pretrained_data_section(model_section, data)
 
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
     model = build_model(model_section, tokenizer, seed=args.seed)
-    resolved = {**args.to_dict(), "model": model.config.to_dict(), "data": data, "sample": sample}
+    resolved = {**args.to_dict(), "model": run_model_section(model), "data": data, "sample": sample}
 
     class SaveConfig:
         # Written once the run owns output_dir (after resume checks), so an interrupted run

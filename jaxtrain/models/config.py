@@ -1,4 +1,4 @@
-"""LlamaConfig: the hyper-parameters of the Llama family (Llama 2/3, Mistral, Qwen2).
+"""LlamaConfig: the hyper-parameters of the Llama family (Llama 2/3, Mistral, Qwen2/3).
 
 Field names follow Hugging Face's ``LlamaConfig`` so that an HF ``config.json`` maps onto
 this dataclass key for key (the importer only renames what HF renamed itself).
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HIDDEN_ACTS = ("silu",)
 
 # Keys each rope type needs in `rope_scaling`, beyond the type itself.
@@ -48,6 +48,8 @@ class LlamaConfig:
     # this model does not have: an importer must reject such checkpoints.
     attention_bias: bool = False
     mlp_bias: bool = False
+    # Per-head RMSNorm of queries and keys over head_dim before RoPE (Qwen3 style).
+    qk_norm: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = 1
@@ -101,7 +103,7 @@ class LlamaConfig:
             raise ValueError(
                 f"model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}."
             )
-        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        for name in ("attention_bias", "mlp_bias", "qk_norm", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         self.rope_scaling = _validate_rope_scaling(self.rope_scaling)
@@ -131,6 +133,8 @@ class LlamaConfig:
         attn = d * qkv_out + n * h * d + (qkv_out if self.attention_bias else 0)
         mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
         layer = attn + mlp + 2 * d  # two RMSNorm weights
+        if self.qk_norm:
+            layer += 2 * h  # q_norm and k_norm weights
         head = 0 if self.tie_word_embeddings else d * v
         return v * d + self.num_hidden_layers * layer + d + head
 

@@ -96,10 +96,12 @@ class Embedding(nnx.Module):
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32 (stable for bf16 inputs), output in the compute dtype."""
 
-    def __init__(self, dim: int, *, eps: float, dtype: DType, param_dtype: DType):
+    def __init__(
+        self, dim: int, *, eps: float, dtype: DType, param_dtype: DType, axis: str = "embed"
+    ):
         self.eps = eps
         self.dtype = dtype
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("embed",))
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
 
     def __call__(self, x: Array) -> Array:
         x32 = x.astype(jnp.float32)
@@ -225,6 +227,12 @@ class Attention(nnx.Module):
             "btnh,nhd->btd",
             **kw,
         )
+        if c.qk_norm:  # Qwen3: RMSNorm of each query / key head over head_dim
+            norm_kw = dict(eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.q_norm = RMSNorm(c.head_dim, axis="head_dim", **norm_kw)
+            self.k_norm = RMSNorm(c.head_dim, axis="head_dim", **norm_kw)
+        else:
+            self.q_norm = self.k_norm = None
 
     def __call__(
         self,
@@ -237,7 +245,12 @@ class Attention(nnx.Module):
         b, t = x.shape[:2]
         g = self.q_per_kv
         qkv = self.qkv_proj(x)  # [B, T, K, G + 2, H]
-        qk = apply_rope(qkv[..., : g + 1, :], cos, sin)  # rotate q and k in one op
+        qk = qkv[..., : g + 1, :]
+        if self.q_norm is not None:
+            q_normed = self.q_norm(qk[..., :g, :])
+            k_normed = self.k_norm(qk[..., g : g + 1, :])
+            qk = jnp.concatenate([q_normed, k_normed], axis=-2)
+        qk = apply_rope(qk, cos, sin)  # rotate q and k in one op
         q = qk[..., :g, :].reshape(b, t, self.num_heads, self.head_dim)
         k = qk[..., g, :]
         v = qkv[..., g + 1, :]

@@ -1,4 +1,5 @@
-"""LlamaForCausalLM in Flax NNX (Llama 2/3, Mistral sliding window, Qwen2 q/k/v bias).
+"""LlamaForCausalLM in Flax NNX (Llama 2/3, Mistral sliding window, Qwen2 q/k/v bias,
+Qwen3 q/k norm).
 
 The attribute tree mirrors Hugging Face (model.embed_tokens, model.layers[i].self_attn,
 .mlp, .input_layernorm, .post_attention_layernorm, model.norm, lm_head) so weight import is
@@ -166,6 +167,28 @@ class LlamaForCausalLM(nnx.Module):
                 param_dtype=param_dtype,
                 rngs=rngs,
             )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: DType = jnp.float32,
+        param_dtype: DType = jnp.float32,
+        sharding_for: Any = None,
+    ) -> LlamaForCausalLM:
+        """Load a local Hugging Face model directory (see ``jaxtrain.hf.from_pretrained``)."""
+        from jaxtrain.hf import from_pretrained
+
+        return from_pretrained(
+            path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for
+        )
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> Any:
+        """Write a Hugging Face directory (see ``jaxtrain.hf.save_pretrained`` for kwargs)."""
+        from jaxtrain.hf import save_pretrained
+
+        return save_pretrained(self, save_directory, **kwargs)
 
     def __call__(
         self,

@@ -215,6 +215,19 @@ class Trainer(TrainerCallback):
         """A model object carrying `state`'s parameters (for sampling, export, ...)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
 
+    def save_pretrained(self, state: TrainState, save_directory: str | Path, **kwargs: Any) -> Path:
+        """Export `state` as a Hugging Face directory (weights, config, tokenizer, model card).
+
+        kwargs go to `jaxtrain.hf.save_pretrained` (max_shard_size, dtype, tokenizer).
+        """
+        from jaxtrain.hf import save_pretrained
+        from jaxtrain.hf.model_card import training_summary
+
+        kwargs.setdefault("tokenizer", self.processing_class)
+        summary = {**training_summary(self, state), **kwargs.pop("training_summary", {})}
+        model = self.model_from_state(state)
+        return save_pretrained(model, save_directory, training_summary=summary, **kwargs)
+
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, state: TrainState) -> str:
         if self._checkpointer is None:

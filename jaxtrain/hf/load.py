@@ -1,0 +1,210 @@
+"""Load a local Hugging Face model directory into a jaxtrain LlamaForCausalLM.
+
+Weights go straight from the memory-mapped safetensors files to their devices, one
+parameter at a time: with a ``sharding_for`` callback each device receives only its own
+slice (``jax.make_array_from_callback``), so no host ever builds a full copy per device.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.hf.config import from_hf_config
+from jaxtrain.hf.errors import HFError
+from jaxtrain.hf.safetensors_io import SafetensorsFile
+from jaxtrain.hf.weights import ignorable, param_maps
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.llama import LlamaForCausalLM
+
+# sharding_for(path, shape, logical_axes) -> the parameter's Sharding, or None for the default
+# device. path is "/"-joined, e.g. "model/layers/0/self_attn/qkv_proj/kernel".
+ShardingFor = Callable[
+    [str, tuple[int, ...], tuple[str | None, ...]], "jax.sharding.Sharding | None"
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """The local directory for ``path``: a directory, or a hub id already in the HF cache."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise HFError(
+                f"{local} has no config.json; pass the directory of a Hugging Face model "
+                "(config.json plus *.safetensors)."
+            )
+        return local
+    if local.exists():
+        raise HFError(f"{local} is a file; pass the model directory that contains it.")
+    text = str(path)
+    if _HUB_ID.fullmatch(text):
+        cached = _cached_snapshot(text)
+        if cached is not None:
+            return cached
+        raise HFError(
+            f"{text!r} is not a local directory. It looks like a Hugging Face Hub id, but "
+            "jaxtrain does not download models (this machine has no hub access). Download it "
+            f"where you can (e.g. `hf download {text} --local-dir DIR`) and pass the local DIR."
+        )
+    raise HFError(f"{text}: no such directory. Pass a local Hugging Face model directory.")
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """A complete snapshot of ``repo_id`` in the local HF cache, looked up offline."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        found = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, or no huggingface_hub: both mean "no local copy"
+        return None
+    return found if (found / "config.json").is_file() else None
+
+
+def read_config(model_dir: str | Path) -> LlamaConfig:
+    """LlamaConfig from ``model_dir/config.json``."""
+    path = Path(model_dir) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise HFError(f"{path}: cannot read it as JSON ({err}).") from err
+    return from_hf_config(hf, source=str(path))
+
+
+def open_weights(model_dir: str | Path) -> dict[str, SafetensorsFile]:
+    """Tensor name -> the safetensors file holding it (single file, indexed shards, or all
+    ``*.safetensors`` in the directory)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HFError(f"{index}: not a valid index (needs a 'weight_map'): {err}.") from err
+        files: dict[str, SafetensorsFile] = {}
+        out = {}
+        for name, file_name in weight_map.items():
+            if file_name not in files:
+                if not (model_dir / file_name).is_file():
+                    raise HFError(
+                        f"{index} maps {name!r} to {file_name}, which is missing from "
+                        f"{model_dir}. Copy every shard the index lists."
+                    )
+                files[file_name] = SafetensorsFile(model_dir / file_name)
+            if name not in files[file_name].names:
+                raise HFError(f"{index} maps {name!r} to {file_name}, which has no such tensor.")
+            out[name] = files[file_name]
+        return out
+    paths = (
+        [model_dir / SINGLE_FILE]
+        if (model_dir / SINGLE_FILE).is_file()
+        else sorted(model_dir.glob("*.safetensors"))
+    )
+    if not paths:
+        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+            p.name for p in model_dir.glob("*.pth")
+        )
+        hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+        raise HFError(
+            f"{model_dir} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors{hint}. "
+            "jaxtrain reads safetensors weights only."
+        )
+    out = {}
+    for path in paths:
+        shard = SafetensorsFile(path)
+        out.update(dict.fromkeys(shard.names, shard))
+    return out
+
+
+def from_pretrained(
+    path: str | Path,
+    *,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    sharding_for: ShardingFor | None = None,
+) -> LlamaForCausalLM:
+    """LlamaForCausalLM with the weights of the HF model directory ``path``.
+
+    ``dtype`` is the compute dtype, ``param_dtype`` the stored one (the checkpoint's
+    dtype is converted). ``sharding_for`` places each parameter (see ShardingFor).
+    """
+    model_dir = resolve_model_dir(path)
+    config = read_config(model_dir)
+    tensors = open_weights(model_dir)
+    abstract = nnx.eval_shape(
+        lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    )
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    maps = {m.path: m for m in param_maps(config)}
+    used: set[str] = set()
+    target = np.dtype(jnp.dtype(param_dtype))
+    for path_tuple, var in nnx.to_flat_state(params):
+        key = "/".join(str(p) for p in path_tuple)
+        spec = maps[key]
+        arrays = []
+        for name, shape in zip(spec.hf_names, spec.hf_shapes):
+            if name not in tensors:
+                files = sorted({f.path.name for f in tensors.values()})
+                raise HFError(
+                    f"{model_dir}: tensor {name!r} is missing (looked in {', '.join(files)}); "
+                    f"config.json describes a model that needs it for {key}. The weights are "
+                    "incomplete or belong to another architecture."
+                )
+            actual = tensors[name].shape(name)
+            if actual != shape:
+                raise HFError(
+                    f"{tensors[name].path}: tensor {name!r} has shape {list(actual)}, but "
+                    f"config.json implies {list(shape)}. The weights do not match the config."
+                )
+            arrays.append(tensors[name].get(name))
+            used.add(name)
+        host = spec.to_jax(arrays)
+        axes = tuple(var.get_metadata().get("logical_axes") or (None,) * host.ndim)
+        sharding = sharding_for(key, host.shape, axes) if sharding_for is not None else None
+        var.set_value(_place(host, target, sharding))
+    extra = sorted(n for n in tensors if n not in used and not ignorable(n, config))
+    if extra:
+        raise HFError(
+            f"{model_dir}: {len(extra)} tensor(s) that the config.json model has no place for, "
+            f"e.g. {extra[:3]} in {tensors[extra[0]].path.name}. Loading would drop them and "
+            "give a different network; check that config.json matches the weights."
+        )
+    model = nnx.merge(graphdef, params, rest)
+    model.name_or_path = str(path)
+    return model
+
+
+def _place(host: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    """Host array -> device array of ``dtype``; with a sharding each device gets its slice."""
+    # Always a private copy: on CPU, JAX may alias a numpy buffer, and a buffer backed by
+    # the file mapping would change (or fault) if the file were overwritten later.
+    if sharding is None:
+        return jax.device_put(np.array(host, dtype=dtype, copy=True))
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: np.array(host[index], dtype=dtype, copy=True)
+    )
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved in an HF model directory, or None when it has none."""
+    model_dir = resolve_model_dir(path)
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # transformers raises many types for a broken tokenizer
+        raise HFError(f"{model_dir}: the tokenizer files cannot be loaded: {err}") from err

@@ -1,0 +1,153 @@
+"""Write a jaxtrain LlamaForCausalLM as a Hugging Face model directory.
+
+Layout (what ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` reads):
+config.json, generation_config.json, model.safetensors or model-0000i-of-0000n.safetensors
+plus model.safetensors.index.json, the tokenizer files, and a README.md model card.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.hf.config import to_hf_config
+from jaxtrain.hf.errors import HFError
+from jaxtrain.hf.load import INDEX_FILE, SINGLE_FILE
+from jaxtrain.hf.model_card import render_model_card
+from jaxtrain.hf.safetensors_io import write_safetensors
+from jaxtrain.hf.weights import param_maps
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB", "500MB", "2GiB"."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    if match and match.group(2).upper() in _UNITS and float(match.group(1)) > 0:
+        return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    raise HFError(f"max_shard_size={size!r} is not a size; use bytes or e.g. '5GB', '500MB'.")
+
+
+def save_pretrained(
+    model: nnx.Module,
+    save_directory: str | Path,
+    *,
+    tokenizer: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: Any = None,
+    training_summary: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (a LlamaForCausalLM) as an HF directory; returns the directory.
+
+    ``dtype``: the weights' dtype on disk (default: the parameters' own dtype).
+    ``training_summary``: facts for the README.md model card (see model_card.py).
+    Every process must call this (sharded parameters are gathered); process 0 writes.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        raise HFError(f"save_pretrained needs a LlamaForCausalLM, got {type(model).__name__}.")
+    limit = parse_size(max_shard_size)
+    flat = {
+        "/".join(str(p) for p in path): var.get_value()
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    if dtype is None:
+        dtype = next(iter(flat.values())).dtype
+    dtype_name = jnp.dtype(dtype).name
+    hf_config = to_hf_config(config, dtype=dtype_name)
+    out = Path(save_directory)
+    writer = jax.process_index() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+            stale.unlink(missing_ok=True)  # never mix shards of an earlier export
+
+    shards: list[list[str]] = []
+    total = 0
+    current: dict[str, np.ndarray] = {}
+    current_bytes = 0
+    for name, tensor in _hf_tensors(config, flat, np.dtype(jnp.dtype(dtype))):
+        if current and current_bytes + tensor.nbytes > limit:
+            shards.append(_write_shard(out, len(shards), current, writer))
+            current, current_bytes = {}, 0
+        current[name] = tensor
+        current_bytes += tensor.nbytes
+        total += tensor.nbytes
+    if current:
+        shards.append(_write_shard(out, len(shards), current, writer))
+    if not writer:
+        return out
+
+    if len(shards) == 1:
+        (out / _temp_name(0)).rename(out / SINGLE_FILE)
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            (out / _temp_name(i)).rename(out / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = {
+        k: getattr(config, k)
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if getattr(config, k) is not None
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(out))
+    summary = dict(training_summary or {})
+    summary.setdefault("base_model", getattr(model, "name_or_path", None))
+    (out / "README.md").write_text(render_model_card(config, hf_config, summary))
+    return out
+
+
+def _hf_tensors(config, flat: dict[str, Any], dtype: np.dtype) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array) in checkpoint order, one parameter gathered at a time."""
+    for spec in param_maps(config):
+        if spec.path not in flat:
+            raise HFError(
+                f"the model has no parameter {spec.path} that its config implies; was the "
+                "model built from a different config?"
+            )
+        host = np.asarray(_gather(flat[spec.path])).astype(dtype)
+        for name, tensor in zip(spec.hf_names, spec.to_hf(host)):
+            yield name, np.ascontiguousarray(tensor)
+
+
+def _gather(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return jax.device_get(x)
+
+
+def _temp_name(i: int) -> str:
+    return f"model.tmp-{i:05d}.safetensors"
+
+
+def _write_shard(out: Path, i: int, tensors: dict[str, np.ndarray], writer: bool) -> list[str]:
+    if writer:
+        write_safetensors(out / _temp_name(i), tensors, {"format": "pt"})
+    return list(tensors)

@@ -1,0 +1,33 @@
+"""AutoModelForCausalLM: build the jaxtrain model a Hugging Face directory describes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+
+class AutoModelForCausalLM:
+    """``AutoModelForCausalLM.from_pretrained(path)``: the model for config.json's model_type.
+
+    Every supported type (llama, mistral, qwen2, qwen3) is a jaxtrain LlamaForCausalLM.
+    """
+
+    def __init__(self) -> None:
+        raise TypeError("use AutoModelForCausalLM.from_pretrained(path).")
+
+    @staticmethod
+    def from_pretrained(
+        path: str | Path,
+        *,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        sharding_for: Any = None,
+    ):
+        """Load a local HF model directory; see ``jaxtrain.hf.from_pretrained``."""
+        from jaxtrain.hf import from_pretrained
+
+        return from_pretrained(
+            path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for
+        )
