@@ -362,9 +362,8 @@ class UnitLoader:
         step = start_step - replay
         while True:
             fresh = step == 0
-            batch, stats = self._step(stream, packer, fresh)
+            batch, stats, after = self._step(stream, packer, fresh)
             step += 1
-            after = packer.position() if packer is not None else stream.position()
             self._positions[step] = after
             self._positions.pop(step - _HISTORY, None)
             if step > start_step:
@@ -381,20 +380,26 @@ class UnitLoader:
                 rows.append(row)
                 stats = stats + row_stats
             flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
-            crossed = packer.position()[0] > start_epoch and packer.position()[1] > 0
+            after = packer.position()  # the packer had to look at the next document
+            crossed = after[0] > start_epoch and after[1] > 0
         else:
             start_epoch = stream.position()[0]
             taken = [stream.take() for _ in range(n)]
             examples = [ex for _, ex in taken]
             where = [off for (_, off), _ in taken]
             flat, stats = self.collation(examples, np.zeros(n, bool), where)
-            crossed = taken[-1][0][0] > start_epoch
+            (last_epoch, last_offset), _ = taken[-1]
+            # No look-ahead (a one-shot iterator must not be read past its last row): the
+            # position one past the last document; an epoch's end rolls over on resume.
+            after = (last_epoch, last_offset + 1)
+            crossed = last_epoch > start_epoch
         if fresh and crossed:
             raise DatasetError(
                 f"{self.name} has fewer documents (per process) than one global batch of "
                 f"{self.global_batch_size} rows needs; add data or lower total_batch_size"
             )
-        return {k: v.reshape((a, n // a) + v.shape[1:]) for k, v in flat.items()}, stats
+        batch = {k: v.reshape((a, n // a) + v.shape[1:]) for k, v in flat.items()}
+        return batch, stats, after
 
 
 class _PeekIter:
