@@ -54,7 +54,9 @@ def render_chat(
         )
 
     text = render(messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=completion_only_loss)
+    encoding = tokenizer(
+        text, add_special_tokens=False, return_offsets_mapping=completion_only_loss
+    )
     ids = np.asarray(encoding["input_ids"], np.int64)
     if not completion_only_loss:
         return {"input_ids": ids, "labels": ids.copy()}

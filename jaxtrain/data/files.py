@@ -58,7 +58,9 @@ def resolve_files(pattern: str | Path | Sequence[str | Path], *, name: str) -> l
             with open(path, "rb") as handle:
                 handle.read(1)
         except OSError as exc:
-            raise DatasetError(f"{name}: cannot read file {path}: {exc}. Fix its permissions.")
+            raise DatasetError(
+                f"{name}: cannot read file {path}: {exc}. Fix its permissions."
+            ) from exc
     return paths
 
 

@@ -108,7 +108,9 @@ def _check_seed(seed: Any) -> int:
 
 
 def _mismatch(state: dict[str, Any], mine: dict[str, Any]) -> None:
-    differing = [k for k in mine if k not in ("step", "epoch", "offset") and state.get(k) != mine[k]]
+    differing = [
+        k for k in mine if k not in ("step", "epoch", "offset") and state.get(k) != mine[k]
+    ]
     if differing:
         details = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differing)
         raise DatasetError(

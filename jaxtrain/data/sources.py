@@ -93,7 +93,9 @@ class IterableSource:
         self._one_shot = iter(data) is data if not is_hf_iterable(data) else False
         self._used = False
 
-    def iterate(self, process_index: int = 0, process_count: int = 1, skip: int = 0) -> Iterator[Row]:
+    def iterate(
+        self, process_index: int = 0, process_count: int = 1, skip: int = 0
+    ) -> Iterator[Row]:
         data = self.data
         if is_hf_iterable(data):
             if process_count > 1:

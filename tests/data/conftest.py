@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-WORDS = "a b c d e f g h user assistant hi bye".split()
+WORDS = ["a", "b", "c", "d", "e", "f", "g", "h", "user", "assistant", "hi", "bye"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<s> assistant : {% endif %}"

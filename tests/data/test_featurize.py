@@ -12,8 +12,7 @@ from jaxtrain.data import DatasetError, build_eval_loader, build_train_loader, r
 
 
 def args(**kw) -> TrainingArguments:
-    base = dict(total_batch_size=2, max_sequence_length=6, shuffle_train=False,
-                progress_bar="none")  # fmt: skip
+    base = dict(total_batch_size=2, max_sequence_length=6, shuffle_train=False, progress_bar="none")
     return TrainingArguments(**(base | kw))
 
 
@@ -54,8 +53,13 @@ def test_chat_completion_only_loss_masks_the_prompt(chat_tokenizer):
     assert (full["labels"] == full["input_ids"]).all()
 
     rows = [{"messages": messages, "id": 1}] * 2
-    b, _ = batch(rows, chat_tokenizer, completion_only_loss=True, max_sequence_length=40,
-                 ids_to_pop_from_dataset=["id"])  # fmt: skip
+    b, _ = batch(
+        rows,
+        chat_tokenizer,
+        completion_only_loss=True,
+        max_sequence_length=40,
+        ids_to_pop_from_dataset=["id"],
+    )
     n = len(out["input_ids"])
     assert b["labels"][0, 0, :n].tolist() == out["labels"].tolist()
     assert (b["labels"][0, 0, n:] == -100).all()
@@ -63,8 +67,9 @@ def test_chat_completion_only_loss_masks_the_prompt(chat_tokenizer):
 
 def test_chat_template_argument_overrides_the_tokenizer(chat_tokenizer):
     rows = [{"messages": [{"role": "user", "content": "a"}]}] * 2
-    b, _ = batch(rows, chat_tokenizer, chat_template="{{ messages[0]['content'] }} b",
-                 max_sequence_length=4)  # fmt: skip
+    b, _ = batch(
+        rows, chat_tokenizer, chat_template="{{ messages[0]['content'] }} b", max_sequence_length=4
+    )
     assert chat_tokenizer.convert_ids_to_tokens(b["input_ids"][0, 0, :2].tolist()) == ["a", "b"]
 
 
@@ -89,8 +94,11 @@ def test_user_data_collator_and_popped_columns():
         ([{"input_ids": "1 2"}] * 2, {}, "'input_ids' must hold sequences of ints.*str"),
         ([], {}, "dataset_train is empty"),
         ([{"input_ids": [1]}], {}, "has 1 rows but one global batch needs 2"),
-        ([{"messages": [{"role": "user", "content": "a"}]}] * 2, {"tok": None},
-         "chat column 'messages'.*processing_class"),  # fmt: skip
+        (
+            [{"messages": [{"role": "user", "content": "a"}]}] * 2,
+            {"tok": None},
+            "chat column 'messages'.*processing_class",
+        ),
     ],
 )
 def test_bad_datasets_are_refused_before_training(rows, kw, pattern, chat_tokenizer):

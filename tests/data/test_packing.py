@@ -79,7 +79,9 @@ def test_pack_row_fields_and_truncation():
         seq_len=4, truncation_mode="keep_end",
     )  # fmt: skip
     assert cut == 6 and ids.tolist() == [7, 8, 9, 10] and labels.tolist() == [7, 8, 9, 10]
-    ids2, _, _ = doc_tokens({"input_ids": np.arange(1, 11)}, seq_len=4, truncation_mode="keep_start")
+    ids2, _, _ = doc_tokens(
+        {"input_ids": np.arange(1, 11)}, seq_len=4, truncation_mode="keep_start"
+    )
     assert ids2.tolist() == [1, 2, 3, 4]
     row, stats = pack_row([(ids, labels), (np.array([5, 6]), np.array([5, 6]))],
                           seq_len=8, pad_token_id=0)  # fmt: skip

@@ -24,19 +24,35 @@ class LossRecorder:
 
 def stream(n: int = 60) -> datasets.IterableDataset:
     rng = np.random.default_rng(0)
-    rows = [{"input_ids": rng.integers(1, 63, size=int(k)).tolist()} for k in
-            rng.integers(3, 12, size=n)]  # fmt: skip
+    rows = [
+        {"input_ids": rng.integers(1, 63, size=int(k)).tolist()}
+        for k in rng.integers(3, 12, size=n)
+    ]
     return datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=3)
 
 
 def trainer(out: str, recorder: LossRecorder) -> Trainer:
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     args = TrainingArguments(
-        output_dir=out, max_steps=8, total_batch_size=4, max_sequence_length=16, packing=True,
-        stream_window=16, logging_steps=2, progress_bar="none", learning_rate=1e-2, seed=1,
+        output_dir=out,
+        max_steps=8,
+        total_batch_size=4,
+        max_sequence_length=16,
+        packing=True,
+        stream_window=16,
+        logging_steps=2,
+        progress_bar="none",
+        learning_rate=1e-2,
+        seed=1,
         evaluation_strategy="no",
-    )  # fmt: skip
+    )
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     return Trainer(arguments=args, model=model, dataset_train=stream(), callbacks=[recorder])
 
@@ -54,7 +70,8 @@ def test_packed_stream_resumes_exactly_through_a_checkpoint(tmp_path):
     np.testing.assert_allclose(
         [{**first.losses, **second.losses}[s] for s in range(1, 9)],
         [straight.losses[s] for s in range(1, 9)],
-        rtol=0, atol=0,
+        rtol=0,
+        atol=0,
     )
     logs = [r for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
     assert {"data/wait_seconds", "data/padding_tokens", "data/truncated_tokens"} <= set(logs[0])
