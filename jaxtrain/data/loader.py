@@ -329,7 +329,21 @@ class UnitLoader:
         return {**self._describe(), "step": int(step), "epoch": epoch, "offset": offset}
 
     def check_data_state(self, state: dict[str, Any]) -> int:
-        """Validate a saved state and resume from it at the next ``batches(step)`` call."""
+        """Validate a saved state and resume from it at the next ``batches(step)`` call.
+
+        Multi-host checkpoints may store every process's state as
+        ``{"step": k, "processes": [data_state of process 0, 1, ...]}``; each process then
+        takes its own entry.
+        """
+        if "processes" in state:
+            mine = self.units.process_index
+            if len(state["processes"]) != self.units.process_count:
+                raise DatasetError(
+                    f"The checkpoint's data position was saved by {len(state['processes'])} "
+                    f"processes, this run has {self.units.process_count}; resume with the same "
+                    "number of processes"
+                )
+            state = state["processes"][mine]
         _mismatch(state, {**self._describe(), "step": 0})
         step = int(state["step"])
         self._restored = (step, (int(state["epoch"]), int(state["offset"])))

@@ -145,3 +145,17 @@ def test_dataset_smaller_than_one_global_batch():
         build_train_loader(args(max_steps=-1), docs(3))
     with pytest.raises(DatasetError, match="fewer documents.*than one global batch"):
         next(build_train_loader(args(streaming=True), docs(3)).batches())
+
+
+def test_each_process_resumes_its_own_stream_position():
+    a = args(packing=True)
+    hosts = [build_train_loader(a, docs(30), process_index=p, process_count=2) for p in (0, 1)]
+    whole = [take(h, 5) for h in hosts]
+    first = [build_train_loader(a, docs(30), process_index=p, process_count=2) for p in (0, 1)]
+    for h in first:
+        take(h, 3)
+    saved = {"step": 3, "processes": [h.data_state(3) for h in first]}
+    for p in (0, 1):
+        fresh = build_train_loader(a, docs(30), process_index=p, process_count=2)
+        assert fresh.check_data_state(saved) == 3
+        assert_same(take(fresh, 2, start=3), whole[p][3:])
