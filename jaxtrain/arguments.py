@@ -77,6 +77,24 @@ class TrainingArguments:
     shuffle_train: bool = True
     # Batches prepared ahead by a background thread.
     prefetch_batches: int = 2
+    # --- data pipeline (jaxtrain/data; validated in _validate_data) ---
+    # Pack several documents per row (segment_ids + per-document positions); needs max_steps.
+    packing: bool = False
+    # True: an epoch is rows // total_batch_size steps, the shuffled rest waits for another
+    # epoch. False: the last batch is completed with masked filler rows, every row is seen.
+    drop_last: bool = True
+    # Columns removed from every row before featurizing (and before a data_collator).
+    ids_to_pop_from_dataset: list[str] | None = None
+    # Column of chat rows: a list of {"role", "content"} rendered with the chat template.
+    messages_column: str = "messages"
+    # Chat rows: learn only the assistant replies (prompt labels -100).
+    completion_only_loss: bool = False
+    # A Jinja chat template replacing the tokenizer's own.
+    chat_template: str | None = None
+    # Read dataset_train as a stream (files, datasets.Dataset); needs max_steps.
+    streaming: bool = False
+    # Streams are shuffled within blocks of this many rows (1 = stream order).
+    stream_window: int = 1024
 
     # Mixed precision: compute in dtype, keep master parameters in param_dtype.
     # None keeps what the model was built with.
@@ -334,6 +352,7 @@ def _validate(args: TrainingArguments) -> None:
         )
     if not args.output_dir:
         raise ArgumentError("TrainingArguments.output_dir must be a non-empty path.")
+    _validate_data(args)
     _choice(args, "on_nan", ON_NAN)
     _positive(args, "max_nan_skips", allow_zero=True)
     if args.save_interval_minutes is not None and not args.save_interval_minutes > 0:
@@ -350,4 +369,37 @@ def _validate(args: TrainingArguments) -> None:
         raise ArgumentError(
             "TrainingArguments.resume_from and overwrite_output_dir=True contradict each other "
             "(overwriting deletes the run's checkpoints). Drop one of them."
+        )
+
+
+def _validate_data(args: TrainingArguments) -> None:
+    for name in ("packing", "drop_last", "completion_only_loss", "streaming"):
+        if not isinstance(getattr(args, name), bool):
+            raise ArgumentError(f"TrainingArguments.{name} must be true or false.")
+    if isinstance(args.ids_to_pop_from_dataset, str):
+        # CLI: --ids_to_pop_from_dataset a,b
+        args.ids_to_pop_from_dataset = [
+            c.strip() for c in args.ids_to_pop_from_dataset.split(",") if c.strip()
+        ]
+    pop = args.ids_to_pop_from_dataset
+    if pop is not None and not all(isinstance(c, str) and c for c in pop):
+        raise ArgumentError(
+            f"TrainingArguments.ids_to_pop_from_dataset must be a list of column names, got {pop!r}."
+        )
+    if pop and "input_ids" in pop:
+        raise ArgumentError("TrainingArguments.ids_to_pop_from_dataset must not drop 'input_ids'.")
+    if not isinstance(args.messages_column, str) or not args.messages_column:
+        raise ArgumentError("TrainingArguments.messages_column must be a non-empty column name.")
+    if args.chat_template is not None and not str(args.chat_template).strip():
+        raise ArgumentError("TrainingArguments.chat_template must be a Jinja template or None.")
+    if isinstance(args.stream_window, bool) or not isinstance(args.stream_window, int):
+        raise ArgumentError(
+            f"TrainingArguments.stream_window must be an int, got {args.stream_window!r}."
+        )
+    _positive(args, "stream_window")
+    if (args.packing or args.streaming) and args.max_steps <= 0:
+        which = "packing" if args.packing else "streaming"
+        raise ArgumentError(
+            f"TrainingArguments.{which}=True has no fixed epoch length; set max_steps "
+            "(e.g. --max_steps 1000)."
         )

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.data import BatchLoader, eval_batches, prefetch, validate_dataset
+from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
@@ -90,30 +90,16 @@ class Trainer(TrainerCallback):
         # Datasets are checked now, before anything is compiled.
         self.dataset_train = dataset_train
         self.dataset_eval = dataset_eval
-        self.train_loader = None
+        # Each process reads its own share: the multi-host work passes jax.process_index()
+        # and jax.process_count() here (batches are then [A, M // process_count, T]).
+        data = dict(process_index=0, process_count=1, pad_token_id=self.pad_token_id)
+        data.update(tokenizer=processing_class, collator=data_collator)
+        self.train_loader = self.eval_loader = None
         if dataset_train is not None:
-            validate_dataset(
-                dataset_train,
-                name="dataset_train",
-                tokenizer=processing_class,
-                text_column=args.text_column,
-                min_rows=args.total_batch_size,
-            )
-            self.train_loader = BatchLoader(
-                dataset_train,
-                global_batch_size=args.total_batch_size,
-                accumulation_steps=args.gradient_accumulation_steps,
-                shuffle=args.shuffle_train,
-                seed=args.seed,
-                **self._collation_options(),
-            )
+            self.train_loader = build_train_loader(args, dataset_train, **data)
         if dataset_eval is not None:
-            validate_dataset(
-                dataset_eval,
-                name="dataset_eval",
-                tokenizer=processing_class,
-                text_column=args.text_column,
-            )
+            self.eval_loader = build_eval_loader(args, dataset_eval, **data)
+        self.data_meter = DataMeter()
         # Without training data (eval or sampling only) the schedule's length is moot: it
         # does not change the optimizer state's structure.
         steps = self.total_steps if self.train_loader else max(args.max_steps, 1)
@@ -123,18 +109,6 @@ class Trainer(TrainerCallback):
         self._checkpointer = None  # created at the first save of a run
 
     # ------------------------------------------------------------------ setup
-    def _collation_options(self) -> dict[str, Any]:
-        """How rows become batches; shared by the train and eval pipelines."""
-        args = self.arguments
-        return {
-            "seq_len": args.max_sequence_length,
-            "pad_token_id": self.pad_token_id,
-            "truncation_mode": args.truncation_mode,
-            "tokenizer": self.processing_class,
-            "text_column": args.text_column,
-            "collator": self.data_collator,
-        }
-
     def _configure_model(self, model: nnx.Module) -> None:
         args = self.arguments
         if hasattr(model, "remat_policy"):
@@ -289,7 +263,12 @@ class Trainer(TrainerCallback):
             self.processing_class.save_pretrained(out_dir / "tokenizer")
 
         log = JsonlLog(out_dir / "metrics.jsonl")
-        batches = prefetch(self.train_loader.batches(start_step=step), size=args.prefetch_batches)
+        batches = self.data_meter.wrap(
+            prefetch(
+                self.train_loader.batches(start_step=step, with_stats=True),
+                size=args.prefetch_batches,
+            )
+        )
         progress = make_progress(args.progress_bar, total_steps, initial=step)
         progress.write(
             f"jaxtrain: {self.num_parameters / 1e6:.2f}M parameters, {total_steps} steps, "
@@ -334,7 +313,7 @@ class Trainer(TrainerCallback):
                         stop_reason = early_stop
                     last = step == total_steps or early_stop is not None or self.should_stop
                     if step % args.logging_steps == 0 or last:
-                        epoch = step / self.train_loader.steps_per_epoch
+                        epoch = self.train_loader.epoch(step)
                         pending = window.close(step, epoch=epoch)
                     progress.update(step)
 
@@ -422,7 +401,7 @@ class Trainer(TrainerCallback):
         return compiled
 
     def _emit_logs(self, window_stats, log: JsonlLog, progress, guard) -> dict[str, float]:
-        logs = window_stats.read()
+        logs = {**window_stats.read(), **self.data_meter.fields()}
         if guard.skipped_total:
             logs["nonfinite_skipped_steps"] = guard.skipped_total
         log.write(logs["step"], logs)
@@ -471,11 +450,7 @@ class Trainer(TrainerCallback):
             self._evaluator = Evaluator(
                 graphdef=self.graphdef, rest=self.rest, loss_sums_fn=self.compute_loss_sums
             )
-        batches = eval_batches(
-            self.dataset_eval,
-            batch_size=args.resolved_eval_batch_size,
-            **self._collation_options(),
-        )
+        batches = self.eval_loader.batches()
         yield from self._evaluator.run(state.params, batches, args.max_eval_batches)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:

@@ -243,7 +243,7 @@ def test_eval_batches_with_collator_masks_fill_rows():
         ([{"input_ids": "1 2 3"}], {}, "my_ds.*'input_ids'.*ints.*str"),
         ([{"input_ids": [1.5, 2.0]}], {}, "my_ds.*'input_ids'.*ints"),
         (id_dataset(3), {"min_rows": 8}, "my_ds has 3 rows.*8.*lower total_batch_size"),
-        ("not a dataset", {}, "my_ds must be"),
+        ("not a dataset", {}, "my_ds=.*matches no file"),
         ([["a", "b"]], {}, "my_ds row 0 is a list"),
     ],
 )

@@ -1,0 +1,101 @@
+"""Local files as datasets: a path, a glob or a list of them; many shards of one format.
+
+jsonl/json, parquet, arrow, csv and txt (one row per line, column ``text``) are read with
+the ``datasets`` builders: memory-mapped Arrow (map-style) or, with ``streaming=True``, an
+``IterableDataset`` read shard by shard. A file that cannot be read is named in the error.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.data.errors import DatasetError
+
+__all__ = ["FILE_FORMATS", "load_files", "resolve_files"]
+
+# file suffix -> `datasets` builder
+FILE_FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+    ".txt": "text",
+}
+
+
+def resolve_files(pattern: str | Path | Sequence[str | Path], *, name: str) -> list[str]:
+    """Sorted paths matched by a path, a glob, or a list of either; one format only."""
+    patterns = [pattern] if isinstance(pattern, (str, Path)) else list(pattern)
+    paths: list[str] = []
+    for p in patterns:
+        matched = sorted(glob.glob(str(p), recursive=True))
+        if not matched and Path(p).is_file():
+            matched = [str(p)]
+        if not matched:
+            raise DatasetError(f"{name}={str(p)!r} matches no file. Check the path or glob.")
+        paths.extend(m for m in matched if not Path(m).is_dir())
+    if not paths:
+        raise DatasetError(f"{name}={pattern!r} matches only directories; give files or a glob")
+    suffixes = sorted({Path(p).suffix.lower() for p in paths})
+    for suffix in suffixes:
+        if suffix not in FILE_FORMATS:
+            bad = next(p for p in paths if Path(p).suffix.lower() == suffix)
+            raise DatasetError(
+                f"{name}: cannot read {bad} (suffix {suffix!r}); supported formats: "
+                f"{', '.join(FILE_FORMATS)}. Rename or convert the file."
+            )
+    builders = {FILE_FORMATS[s] for s in suffixes}
+    if len(builders) > 1:
+        raise DatasetError(
+            f"{name}: the files mix formats {suffixes}; pass files of one format at a time"
+        )
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                handle.read(1)
+        except OSError as exc:
+            raise DatasetError(
+                f"{name}: cannot read file {path}: {exc}. Fix its permissions."
+            ) from exc
+    return paths
+
+
+def _load(builder: str, paths: list[str], streaming: bool) -> Any:
+    import datasets
+
+    return datasets.load_dataset(builder, data_files=paths, split="train", streaming=streaming)
+
+
+def load_files(
+    pattern: str | Path | Sequence[str | Path], *, name: str, streaming: bool = False
+) -> Any:
+    """A ``datasets.Dataset`` (or ``IterableDataset`` with ``streaming``) of the files' rows."""
+    paths = resolve_files(pattern, name=name)
+    builder = FILE_FORMATS[Path(paths[0]).suffix.lower()]
+    if streaming:
+        # Parse errors would surface late: read the first row of every shard now.
+        for path in paths:
+            _first_row(builder, path, name)
+        return _load(builder, paths, streaming=True)
+    try:
+        return _load(builder, paths, streaming=False)
+    except Exception as exc:
+        for path in paths:  # name the culprit
+            _first_row(builder, path, name, full=True)
+        raise DatasetError(f"{name}: reading {len(paths)} {builder} file(s) failed: {exc}") from exc
+
+
+def _first_row(builder: str, path: str, name: str, full: bool = False) -> None:
+    try:
+        ds = _load(builder, [path], streaming=not full)
+        if not full:
+            next(iter(ds), None)
+    except Exception as exc:
+        raise DatasetError(
+            f"{name}: cannot read file {path} as {builder}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}. Fix or remove that file."
+        ) from exc

@@ -1,0 +1,133 @@
+"""Build the train and eval loaders of a run from TrainingArguments (used by the Trainer).
+
+Every option is checked here, before anything is compiled. ``process_index`` and
+``process_count`` select this host's share of the data (``jax.process_index()`` and
+``jax.process_count()`` in a multi-host run); each host's batches are then
+``[A, M // process_count, seq_len]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtrain.data.assemble import Collation, Collator
+from jaxtrain.data.errors import DatasetError
+from jaxtrain.data.evaluation import EvalLoader
+from jaxtrain.data.featurize import Featurizer
+from jaxtrain.data.loader import BatchLoader, UnitLoader, check_processes, prepare_source
+from jaxtrain.data.sources import IterableSource, as_source
+from jaxtrain.data.streams import StreamUnits
+from jaxtrain.data.units import MapUnits
+
+__all__ = ["build_eval_loader", "build_train_loader"]
+
+
+def _featurizer(args: Any, tokenizer: Any, name: str) -> Featurizer:
+    return Featurizer(
+        name=name,
+        tokenizer=tokenizer,
+        text_column=args.text_column,
+        messages_column=args.messages_column,
+        completion_only_loss=args.completion_only_loss,
+        chat_template=args.chat_template,
+        drop_columns=args.ids_to_pop_from_dataset or (),
+    )
+
+
+def _collation(args: Any, collator: Collator | None, pad_token_id: int | None, name: str):
+    return Collation(
+        name=name,
+        seq_len=args.max_sequence_length,
+        pad_token_id=pad_token_id,
+        truncation_mode=args.truncation_mode,
+        collator=collator,
+    )
+
+
+def build_train_loader(
+    args: Any,
+    dataset: Any,
+    tokenizer: Any = None,
+    collator: Collator | None = None,
+    pad_token_id: int | None = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> BatchLoader | UnitLoader:
+    """A ``BatchLoader`` (random-access data, no packing) or a ``UnitLoader`` (packing or
+    streaming). Raises DatasetError/ValueError naming what to fix."""
+    name = "dataset_train"
+    micro = args.total_batch_size // args.gradient_accumulation_steps
+    check_processes(process_index, process_count, micro, "micro-batch size")
+    source = as_source(dataset, name=name, streaming=args.streaming)
+    featurizer = _featurizer(args, tokenizer, name)
+    collation = _collation(args, collator, pad_token_id, name)
+    stream = isinstance(source, IterableSource)
+    if not stream and not args.packing:
+        return BatchLoader(
+            source,
+            global_batch_size=args.total_batch_size,
+            accumulation_steps=args.gradient_accumulation_steps,
+            seq_len=args.max_sequence_length,
+            pad_token_id=pad_token_id,
+            truncation_mode=args.truncation_mode,
+            shuffle=args.shuffle_train,
+            seed=args.seed,
+            collator=collator,
+            drop_last=args.drop_last,
+            process_index=process_index,
+            process_count=process_count,
+            name=name,
+            featurizer=featurizer,
+        )
+    what = "streaming data" if stream else "packing=True"
+    if args.max_steps <= 0:
+        raise DatasetError(
+            f"dataset_train with {what} has no known number of steps per epoch; set "
+            "max_steps (e.g. --max_steps 1000)"
+        )
+    if args.evaluation_strategy == "epoch":
+        raise DatasetError(
+            f"evaluation_strategy='epoch' needs a known epoch length, which {what} does not "
+            "have; use evaluation_strategy='steps'"
+        )
+    prepare_source(source, featurizer)
+    common = dict(
+        seed=args.seed,
+        shuffle=args.shuffle_train,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    if stream:
+        units: MapUnits | StreamUnits = StreamUnits(
+            source, featurizer, window=args.stream_window, **common
+        )
+    else:
+        units = MapUnits(source, featurizer, **common)
+    return UnitLoader(
+        units,
+        collation,
+        global_batch_size=args.total_batch_size,
+        accumulation_steps=args.gradient_accumulation_steps,
+        packing=args.packing,
+    )
+
+
+def build_eval_loader(
+    args: Any,
+    dataset: Any,
+    tokenizer: Any = None,
+    collator: Collator | None = None,
+    pad_token_id: int | None = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> EvalLoader:
+    """Every eval row exactly once per evaluation, one document per row."""
+    name = "dataset_eval"
+    return EvalLoader(
+        dataset,
+        batch_size=args.resolved_eval_batch_size,
+        collation=_collation(args, collator, pad_token_id, name),
+        featurizer=_featurizer(args, tokenizer, name),
+        process_index=process_index,
+        process_count=process_count,
+    )

@@ -1,0 +1,145 @@
+"""Every accepted input type yields the same batches; unreadable files are named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import datasets
+import grain
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxtrain import TrainingArguments
+from jaxtrain.data import DatasetError, as_source, build_train_loader, load_files
+
+TEXTS = ["a b c", "d e", "f g h a", "b", "c d e f g", "h h", "a a a", "e f"]
+
+
+def args(**kw) -> TrainingArguments:
+    base = dict(total_batch_size=4, max_sequence_length=6, shuffle_train=False,
+                progress_bar="none")  # fmt: skip
+    return TrainingArguments(**(base | kw))
+
+
+def first_batches(data, tokenizer, **kw):
+    it = build_train_loader(args(**kw), data, tokenizer=tokenizer).batches()
+    return [next(it) for _ in range(2)]
+
+
+def write_files(tmp_path, fmt: str) -> str:
+    """TEXTS split over two shards of format ``fmt``; returns a glob."""
+    halves = [TEXTS[:4], TEXTS[4:]]
+    for i, part in enumerate(halves):
+        path = tmp_path / f"shard-{i}.{fmt}"
+        if fmt == "jsonl":
+            path.write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+        elif fmt == "json":
+            path.write_text(json.dumps([{"text": t} for t in part]))
+        elif fmt == "csv":
+            path.write_text("text\n" + "".join(f"{t}\n" for t in part))
+        elif fmt == "txt":
+            path.write_text("".join(f"{t}\n" for t in part))
+        elif fmt == "parquet":
+            pq.write_table(pa.table({"text": part}), path)
+        elif fmt == "arrow":
+            table = pa.table({"text": part})
+            with pa.ipc.new_stream(str(path), table.schema) as writer:
+                writer.write_table(table)
+    return str(tmp_path / f"shard-*.{fmt}")
+
+
+@pytest.fixture(scope="module")
+def reference(chat_tokenizer):
+    return first_batches([{"text": t} for t in TEXTS], chat_tokenizer)
+
+
+def check(batches, reference):
+    for x, y in zip(batches, reference):
+        for key in y:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "txt", "parquet", "arrow"])
+def test_local_files_of_each_format(tmp_path, fmt, chat_tokenizer, reference):
+    pattern = write_files(tmp_path, fmt)
+    check(first_batches(pattern, chat_tokenizer), reference)
+    streamed = first_batches(pattern, chat_tokenizer, streaming=True, max_steps=5,
+                             shuffle_train=False)  # fmt: skip
+    check(streamed, reference)
+
+
+def test_hf_grain_and_iterables(chat_tokenizer, reference):
+    rows = [{"text": t} for t in TEXTS]
+    hf = datasets.Dataset.from_list(rows)
+    inputs = {
+        "hf Dataset": hf,
+        "hf IterableDataset": hf.to_iterable_dataset(num_shards=2),
+        "grain MapDataset": grain.MapDataset.source(rows),
+        "grain IterDataset": grain.MapDataset.source(rows).to_iter_dataset(),
+        "tuple of dicts": tuple(rows),
+        "generator function": _Rows(rows),
+    }
+    for name, data in inputs.items():
+        extra = {} if as_source(data, name="d").random_access else {"max_steps": 5}
+        try:
+            check(first_batches(data, chat_tokenizer, **extra), reference)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from exc
+
+
+class _Rows:
+    """A re-iterable: every iter() starts over (like a generator function)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        yield from self.rows
+
+
+def test_one_shot_iterator_trains_one_epoch_then_says_why_not_more(chat_tokenizer):
+    loader = build_train_loader(
+        args(max_steps=10), iter([{"text": t} for t in TEXTS]), tokenizer=chat_tokenizer
+    )
+    it = loader.batches()
+    next(it), next(it)
+    with pytest.raises(DatasetError, match="one-shot iterator.*re-iterable"):
+        next(it)
+
+
+def test_unreadable_and_unknown_files_are_named(tmp_path):
+    good = tmp_path / "a.jsonl"
+    good.write_text('{"text": "a"}\n')
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "a"}\nthis is not json\n')
+    with pytest.raises(DatasetError, match="b.jsonl"):
+        load_files(str(tmp_path / "*.jsonl"), name="dataset_train")
+    with pytest.raises(DatasetError, match="b.jsonl"):
+        load_files(str(tmp_path / "*.jsonl"), name="dataset_train", streaming=True)
+    locked = tmp_path / "c.parquet"
+    locked.write_bytes(b"x")
+    if os.geteuid() != 0:
+        locked.chmod(0)
+        with pytest.raises(DatasetError, match="cannot read file .*c.parquet"):
+            load_files(str(locked), name="dataset_train")
+    with pytest.raises(DatasetError, match="dataset_train='nope/\\*.jsonl' matches no file"):
+        load_files("nope/*.jsonl", name="dataset_train")
+    (tmp_path / "d.xml").write_text("<a/>")
+    with pytest.raises(DatasetError, match="d.xml.*supported formats"):
+        load_files(str(tmp_path / "d.xml"), name="dataset_train")
+
+
+def test_tfds_missing_gives_install_hint():
+    pytest.importorskip("jaxtrain")
+    try:
+        import tensorflow_datasets  # noqa: F401
+    except ImportError:
+        from jaxtrain.data import tfds_source
+
+        with pytest.raises(DatasetError, match=r"pip install 'jaxtrain\[tfds\]'"):
+            tfds_source("mnist")
+    else:
+        pytest.skip("tensorflow-datasets is installed")

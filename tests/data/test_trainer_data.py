@@ -1,0 +1,77 @@
+"""The Trainer with packed, streamed data: exact resume through a checkpoint, data log fields."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+from flax import nnx
+
+from jaxtrain import Trainer, TrainingArguments
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.training.checkpoint import read_metadata
+from jaxtrain.training.logs import read_jsonl
+
+
+class LossRecorder:
+    def __init__(self, stop_at=None):
+        self.losses, self.stop_at = {}, stop_at
+
+    def on_step_end(self, trainer, state, metrics, step):
+        self.losses[step] = float(metrics["loss_sum"]) / float(metrics["tokens"])
+        if step == self.stop_at:
+            trainer.should_stop = True
+
+
+def stream(n: int = 60) -> datasets.IterableDataset:
+    rng = np.random.default_rng(0)
+    rows = [
+        {"input_ids": rng.integers(1, 63, size=int(k)).tolist()}
+        for k in rng.integers(3, 12, size=n)
+    ]
+    return datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=3)
+
+
+def trainer(out: str, recorder: LossRecorder) -> Trainer:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=8,
+        total_batch_size=4,
+        max_sequence_length=16,
+        packing=True,
+        stream_window=16,
+        logging_steps=2,
+        progress_bar="none",
+        learning_rate=1e-2,
+        seed=1,
+        evaluation_strategy="no",
+    )
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    return Trainer(arguments=args, model=model, dataset_train=stream(), callbacks=[recorder])
+
+
+def test_packed_stream_resumes_exactly_through_a_checkpoint(tmp_path):
+    straight = LossRecorder()
+    trainer(str(tmp_path / "a"), straight).train()
+    first = LossRecorder(stop_at=3)
+    out = trainer(str(tmp_path / "b"), first).train()
+    state = read_metadata(out.checkpoint_path)["data_state"]
+    assert state["kind"] == "stream" and state["packing"] and state["step"] == 3
+    second = LossRecorder()
+    trainer(str(tmp_path / "b"), second).train()
+    assert sorted(second.losses) == list(range(4, 9))
+    np.testing.assert_allclose(
+        [{**first.losses, **second.losses}[s] for s in range(1, 9)],
+        [straight.losses[s] for s in range(1, 9)],
+        rtol=0,
+        atol=0,
+    )
+    logs = [r for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
+    assert {"data/wait_seconds", "data/padding_tokens", "data/truncated_tokens"} <= set(logs[0])
