@@ -24,6 +24,8 @@ def test_logits_and_loss_match_transformers(name, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert isinstance(model, LlamaForCausalLM)
     assert model.config.model_type == reference_model.config.model_type
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n_params == model.config.num_parameters() == reference_model.num_parameters()
     logits = forward(model, jnp.asarray(ids))
     assert logits.dtype == jnp.float32
     assert relative_error(logits, reference) < 2e-5
