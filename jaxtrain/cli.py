@@ -120,25 +120,10 @@ def build_data(data: dict[str, Any], seq_len: int):
     raise ArgumentError(f"data.source={source!r} is not supported; use 'default' or 'files'.")
 
 
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-
-
 def _load_files(pattern: str, field: str):
-    import glob
+    from jaxtrain.data.files import load_files
 
-    import datasets
-
-    from jaxtrain.data import DatasetError
-
-    paths = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).is_file() else [])
-    if not paths:
-        raise DatasetError(f"{field}={pattern!r} matches no file. Check the path or glob.")
-    suffix = Path(paths[0]).suffix
-    if suffix not in _FORMATS:
-        raise DatasetError(
-            f"{field}: cannot read {paths[0]} (suffix {suffix!r}); supported: {', '.join(_FORMATS)}."
-        )
-    return datasets.load_dataset(_FORMATS[suffix], data_files=paths, split="train")
+    return load_files(pattern, name=field)
 
 
 def _load_run(run_dir: str):
