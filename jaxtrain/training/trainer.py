@@ -459,7 +459,10 @@ class Trainer(TrainerCallback):
         args = self.arguments
         if self._evaluator is None:
             self._evaluator = Evaluator(
-                graphdef=self.graphdef, rest=self.rest, loss_sums_fn=self.compute_loss_sums
+                graphdef=self.graphdef,
+                rest=self.rest,
+                loss_sums_fn=self.compute_loss_sums,
+                jit=self._monitor.jit,
             )
         batches = eval_batches(
             self.dataset_eval,
