@@ -171,13 +171,12 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
     if summary:
         table = ax.table(
             cellText=[list(r) for r in summary],
-            loc="center",
             cellLoc="left",
-            colWidths=[0.48, 0.62],
+            colWidths=[0.52, 0.48],
+            bbox=[0.0, 0.0, 1.0, 0.97],
         )
         table.auto_set_font_size(False)
         table.set_fontsize(9)
-        table.scale(1.0, 1.25)
     ax.set_title("summary")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
