@@ -207,8 +207,9 @@ class RunMonitor:
     def on_step_end(self, trainer: Any, state: Any, metrics: Any, step: int) -> None:
         self._step = step
         every = self.args.weight_distribution_log_steps
-        if not self.is_writer or not every:
+        if not every:
             return
+        # Every process runs the (SPMD) statistics; only process 0's log writes them.
         self._flush_weights()  # the previous statistics, computed a step ago
         if step % every == 0:
             if self._weight_fn is None:
