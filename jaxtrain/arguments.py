@@ -25,6 +25,7 @@ PROGRESS_BARS = ("rich", "tqdm", "json", "none")
 EVALUATION_STRATEGIES = ("no", "steps", "epoch")
 TRUNCATION_MODES = ("keep_end", "keep_start")
 ON_NAN = ("stop", "skip")
+REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
 
 
 class ArgumentError(ValueError):
@@ -132,8 +133,25 @@ class TrainingArguments:
     max_nan_skips: int = 10
     progress_bar: str = "rich"
 
+    # Observability (see README "Observability"). Trackers besides metrics.jsonl (always
+    # written): any of "tensorboard", "wandb", "mlflow"; on the CLI a comma-separated list.
+    report_to: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
+    # W&B project / MLflow experiment, and the run's name (default: run-<date>-<time>).
+    project_name: str = "jaxtrain"
+    run_name: str | None = None
+    # Log device memory (memory_stats) and host RSS at logging cadence.
+    track_memory: bool = False
+    # Weight mean/std/min/max/norm per parameter group (and TensorBoard histograms) every
+    # this many steps; None = off.
+    weight_distribution_log_steps: int | None = None
+    # Write report.png and report.html into output_dir when training ends.
+    run_report: bool = True
+
     def __post_init__(self) -> None:
         self.optimizer = self.optimizer.lower()
+        if isinstance(self.report_to, str):
+            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
+        self.report_to = [str(t).lower() for t in (self.report_to or [])] or ["jsonl"]
         self.scheduler = self.scheduler.lower().replace("-", "_")
         _validate(self)
 
@@ -304,6 +322,14 @@ def _validate(args: TrainingArguments) -> None:
     _choice(args, "progress_bar", PROGRESS_BARS)
     _choice(args, "evaluation_strategy", EVALUATION_STRATEGIES)
     _choice(args, "truncation_mode", TRUNCATION_MODES)
+    for tracker in args.report_to:
+        if tracker not in REPORT_TO:
+            close = difflib.get_close_matches(tracker, REPORT_TO, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ArgumentError(
+                f"TrainingArguments.report_to: unknown tracker {tracker!r}.{hint} "
+                f"Choose from: {', '.join(REPORT_TO)}."
+            )
     if not args.learning_rate > 0:
         raise ArgumentError(
             f"TrainingArguments.learning_rate must be > 0, got {args.learning_rate}. "
@@ -339,7 +365,13 @@ def _validate(args: TrainingArguments) -> None:
         raise ArgumentError(
             f"TrainingArguments.clip_grad must be >= 0 or None, got {args.clip_grad}."
         )
-    for name in ("eval_batch_size", "max_eval_batches", "save_steps", "save_total_limit"):
+    for name in (
+        "eval_batch_size",
+        "max_eval_batches",
+        "save_steps",
+        "save_total_limit",
+        "weight_distribution_log_steps",
+    ):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ArgumentError(

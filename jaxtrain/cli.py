@@ -1,4 +1,4 @@
-"""`jaxtrain train | eval | sample`: the command line.
+"""`jaxtrain train | eval | sample | export | report`: the command line.
 
 `jaxtrain train` with no arguments trains the demo model on the embedded corpus.
 """
@@ -14,6 +14,7 @@ USAGE = """usage:
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T]
   jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
+  jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
 
 Every TrainingArguments field can be set in the config file or as --field value.
 With no config, `jaxtrain train` trains a small Llama on the embedded corpus (the demo).
@@ -33,7 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtrain.hf.errors import HFError
     from jaxtrain.training.checkpoint import CheckpointError
 
-    commands = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export}
+    commands = {
+        "train": cmd_train,
+        "eval": cmd_eval,
+        "sample": cmd_sample,
+        "export": cmd_export,
+        "report": cmd_report,
+    }
     if command not in commands:
         print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -257,6 +264,17 @@ def cmd_sample(tokens: list[str]) -> int:
     if tokenizer is None:
         raise ArgumentError("the run directory has no tokenizer/ to encode the prompt.")
     _print_sample(trainer.model_from_state(state), tokenizer, sample)
+    return 0
+
+
+def cmd_report(tokens: list[str]) -> int:
+    from jaxtrain.arguments import ArgumentError
+    from jaxtrain.training.report import write_report
+
+    if len(tokens) != 1 or tokens[0].startswith("--"):
+        raise ArgumentError(f"jaxtrain report takes one RUN_DIR.\n\n{USAGE}")
+    report = write_report(tokens[0])
+    print(f"report: {report.png} and {report.html}")
     return 0
 
 

@@ -1,12 +1,12 @@
-"""DataMeter: how long the training loop waited for data, and what collation cut or padded.
+"""DataMeter: how many tokens collation truncated or padded, reported at logging cadence.
 
 Wraps the ``(batch, stats)`` iterator of a loader; ``fields()`` returns the totals since the
-last call as log fields and starts a new window.
+last call as log fields. The time the loop waits for data is measured by the RunMonitor
+(``data_wait_s``), around the whole prefetched iterator.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -15,23 +15,12 @@ __all__ = ["DataMeter"]
 
 class DataMeter:
     def __init__(self) -> None:
-        self._wait = 0.0
-        self._batches = 0
         self._truncated = 0
         self._padded = 0
-        self._window_start = time.perf_counter()
 
     def wrap(self, batches_with_stats: Iterable[tuple[Any, Any]]) -> Iterator[Any]:
-        """Yield the batches of ``(batch, CollateStats | None)`` pairs, timing each wait."""
-        it = iter(batches_with_stats)
-        while True:
-            start = time.perf_counter()
-            try:
-                batch, stats = next(it)
-            except StopIteration:
-                return
-            self._wait += time.perf_counter() - start
-            self._batches += 1
+        """Yield the batches of ``(batch, CollateStats | None)`` pairs, counting the stats."""
+        for batch, stats in batches_with_stats:
             if stats is not None:
                 self._truncated += stats.num_truncated_tokens
                 self._padded += stats.num_padding_tokens
@@ -39,14 +28,9 @@ class DataMeter:
 
     def fields(self) -> dict[str, float]:
         """Log fields of the window since the last call (local to this process)."""
-        now = time.perf_counter()
-        elapsed = max(now - self._window_start, 1e-9)
         out = {
-            "data/wait_seconds": self._wait,
-            "data/wait_fraction": min(self._wait / elapsed, 1.0),
             "data/truncated_tokens": float(self._truncated),
             "data/padding_tokens": float(self._padded),
         }
-        self._wait, self._batches, self._truncated, self._padded = 0.0, 0, 0, 0
-        self._window_start = now
+        self._truncated, self._padded = 0, 0
         return out

@@ -17,11 +17,24 @@ from jaxtrain.training.step import make_eval_step
 class Evaluator:
     """Runs a jitted eval step over batches and accumulates token-weighted sums."""
 
-    def __init__(self, *, graphdef: Any, rest: Any, loss_sums_fn: Callable[..., Any]):
+    def __init__(
+        self,
+        *,
+        graphdef: Any,
+        rest: Any,
+        loss_sums_fn: Callable[..., Any],
+        jit: Callable[..., Any] | None = None,
+    ):
         self._step_fn = make_eval_step(graphdef=graphdef, rest=rest, loss_sums_fn=loss_sums_fn)
         self._compiled = None
+        # jit(fn, name) -> a TrackedJit (RunMonitor.jit): its compiles are logged.
+        self._jit = jit
 
     def compile(self, params: Any, batch: Any) -> Callable[..., Any]:
+        if self._jit is not None:
+            tracked = self._jit(self._step_fn, "eval_step")
+            tracked.compile(params, batch)
+            return tracked
         return jax.jit(self._step_fn).lower(params, batch).compile()
 
     def run(

@@ -2,14 +2,16 @@
 
 Losses are token-weighted over the whole window (sum of loss sums / sum of target tokens),
 not a mean of per-step means. Throughput counts real target tokens; padded tokens/s (every
-position of the batch) is reported beside it so the two are never confused.
+position of the batch) is reported beside it so the two are never confused. Model FLOPs
+count real tokens only (see flops.py), so MFU does not reward padding.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -17,33 +19,83 @@ import numpy as np
 IGNORE_INDEX = -100
 
 
-def host_token_count(batch: dict[str, np.ndarray]) -> tuple[int, int, int]:
-    """(target tokens, positions, sequences) of a host batch, counted without the device."""
+class BatchCounts(NamedTuple):
+    """What one host batch contributes to throughput, counted without the device."""
+
+    targets: int  # tokens that carry a loss (real, non-padding targets)
+    positions: int  # every position of the batch, padding included
+    sequences: int
+    flops: float = 0.0  # model FLOPs of the batch's real tokens (flops.py); 0 when unknown
+
+
+def host_token_count(batch: dict[str, np.ndarray], flops: Any = None) -> BatchCounts:
+    """Counts of a host batch; `flops` is a FlopsCounter (or None: no FLOPs counted)."""
     labels = np.asarray(batch["labels"])
     targets = int((labels[..., 1:] != IGNORE_INDEX).sum())
     sequences = int(np.prod(labels.shape[:-1]))
-    return targets, int(labels.size), sequences
+    model_flops = flops.batch_flops(batch) if flops is not None else 0.0
+    return BatchCounts(targets, int(labels.size), sequences, model_flops)
+
+
+class DataWaitClock:
+    """Seconds the loop spent waiting for the next batch; `timed` wraps a batch iterator."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.seconds += time.perf_counter() - start
+            yield batch
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 class MetricsWindow:
-    """Collects the device metrics of the steps between two logging points."""
+    """Collects the device metrics of the steps between two logging points.
 
-    def __init__(self) -> None:
+    With `peak_flops` (per device) and `num_devices`, a window also reports TFLOP/s per
+    device and MFU = achieved model FLOP/s per device / peak; with peak None, no MFU.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_devices: int = 1,
+        peak_flops: float | None = None,
+        data_wait: DataWaitClock | None = None,
+    ) -> None:
         self._metrics: list[dict[str, Any]] = []
-        self._counts = np.zeros(3, np.int64)
+        self._counts = np.zeros(4, np.float64)
         self._clock = time.perf_counter()
+        self.num_devices = num_devices
+        self.peak_flops = peak_flops
+        self.data_wait = data_wait or DataWaitClock()
 
-    def add(self, metrics: dict[str, Any], counts: tuple[int, int, int]) -> None:
+    def add(self, metrics: dict[str, Any], counts: tuple[float, ...]) -> None:
         self._metrics.append(metrics)
-        self._counts += counts
+        self._counts[: len(counts)] += counts
 
     def restart_clock(self) -> None:
         """Exclude time spent outside training steps (eval, saving) from throughput."""
         self._clock = time.perf_counter()
+        self.data_wait.take()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of host work done inside the window (a compile) out of its time."""
+        self._clock += seconds
 
     def close(self, step: int, *, epoch: float) -> _ClosedWindow:
         closed = _ClosedWindow(self, self._metrics, self._counts.copy(), step, epoch)
-        self._metrics, self._counts = [], np.zeros(3, np.int64)
+        closed.data_wait_s = self.data_wait.take()
+        self._metrics, self._counts = [], np.zeros(4, np.float64)
         return closed
 
 
@@ -51,6 +103,7 @@ class _ClosedWindow:
     def __init__(self, window: MetricsWindow, metrics, counts, step: int, epoch: float):
         self._window, self._metrics, self._counts = window, metrics, counts
         self.step, self.epoch = step, epoch
+        self.data_wait_s = 0.0
 
     def read(self) -> dict[str, float]:
         """Wait for the window's last step, then summarise it."""
@@ -60,7 +113,8 @@ class _ClosedWindow:
         self._window._clock = now
         tokens = sum(float(v["tokens"]) for v in values)
         loss = sum(float(v["loss_sum"]) for v in values) / max(tokens, 1.0)
-        targets, positions, sequences = (int(c) for c in self._counts)
+        targets, positions, sequences, flops = (float(c) for c in self._counts)
+        steps = len(values)
         logs = {
             "step": self.step,
             "epoch": round(self.epoch, 4),
@@ -69,11 +123,18 @@ class _ClosedWindow:
             "accuracy": sum(float(v["correct"]) for v in values) / max(tokens, 1.0),
             "learning_rate": float(values[-1]["learning_rate"]),
             "grad_norm": float(values[-1]["grad_norm"]),
-            "step_time_s": elapsed / len(values),
+            "step_time_s": elapsed / steps,
+            "data_wait_s": self.data_wait_s / steps,
+            "data_wait_fraction": min(self.data_wait_s / elapsed, 1.0),
             "tokens_per_second": targets / elapsed,
             "padded_tokens_per_second": positions / elapsed,
             "sequences_per_second": sequences / elapsed,
         }
+        if flops > 0:
+            per_device = flops / elapsed / self._window.num_devices
+            logs["tflops_per_device"] = per_device / 1e12
+            if self._window.peak_flops:
+                logs["mfu"] = per_device / self._window.peak_flops
         return logs
 
 

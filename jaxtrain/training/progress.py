@@ -1,4 +1,7 @@
-"""Progress display: rich (default), tqdm, json lines (for log collectors) or none."""
+"""Progress display: rich (default), tqdm, json lines (for log collectors) or none.
+
+Each shows the step out of the total and the ETA itself; the loop passes the rest at logging
+cadence (RunMonitor.progress_fields: epoch, loss, lr, tokens/s, MFU)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any, TextIO
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return str(value)
 
 

@@ -25,7 +25,7 @@ from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
 from jaxtrain.training.logs import JsonlLog
-from jaxtrain.training.metrics import MetricsWindow, host_token_count
+from jaxtrain.training.monitor import RunMonitor
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.progress import make_progress
 from jaxtrain.training.run_start import initial_state
@@ -107,6 +107,10 @@ class Trainer(TrainerCallback):
         self._train_step = None
         self._evaluator = None  # created at the first evaluation
         self._checkpointer = None  # created at the first save of a run
+        # Trackers, throughput/MFU, compile tracking, weight stats, report (monitor.py).
+        self._monitor = RunMonitor(
+            args, model_config=self.model_config, num_parameters=self.num_parameters
+        )
 
     # ------------------------------------------------------------------ setup
     def _configure_model(self, model: nnx.Module) -> None:
@@ -221,6 +225,7 @@ class Trainer(TrainerCallback):
             "arguments": self.arguments.to_dict(),
             "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
             "model_class": type(self.model).__name__,
+            "trackers": self._monitor.tracker_state(),
         }
         if self.train_loader is not None:
             metadata["data_state"] = self.train_loader.data_state(step)
@@ -244,7 +249,7 @@ class Trainer(TrainerCallback):
     # ------------------------------------------------------------------ train
     @property
     def _receivers(self) -> list[Any]:
-        return [self, *self.callbacks]
+        return [self, *self.callbacks, self._monitor]
 
     def train(self) -> TrainerOutput:
         """Train to the last step, or until a hook, a signal or the time limit stops the run.
@@ -262,13 +267,14 @@ class Trainer(TrainerCallback):
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(out_dir / "tokenizer")
 
-        log = JsonlLog(out_dir / "metrics.jsonl")
+        log = self._monitor.open(out_dir, step)
         batches = self.data_meter.wrap(
             prefetch(
                 self.train_loader.batches(start_step=step, with_stats=True),
                 size=args.prefetch_batches,
             )
         )
+        batches = self._monitor.timed(batches)
         progress = make_progress(args.progress_bar, total_steps, initial=step)
         progress.write(
             f"jaxtrain: {self.num_parameters / 1e6:.2f}M parameters, {total_steps} steps, "
@@ -286,7 +292,7 @@ class Trainer(TrainerCallback):
         checkpoint_path = str(resumed_from) if resumed_from is not None else None
         stop_reason = "completed"
         guard = NonFiniteGuard(args.on_nan, args.max_nan_skips)
-        window = MetricsWindow()
+        window = self._monitor.window()
         pending = None  # a closed logging window whose device metrics are read one step late
         last_save_time = time.monotonic()
         with StopSignals() as signals:
@@ -303,7 +309,7 @@ class Trainer(TrainerCallback):
                     state, metrics = self._train_step(state, batch)
                     step += 1
                     guard.push(step, metrics["nonfinite"])
-                    window.add(metrics, host_token_count(batch))
+                    window.add(metrics, self._monitor.count(batch))
                     if pending is not None:
                         last_logs = self._emit_logs(pending, log, progress, guard)
                         pending = None
@@ -392,22 +398,19 @@ class Trainer(TrainerCallback):
             loss_sums_fn=self.compute_loss_sums,
             normalizer_fn=self.loss_normalizer,
         )
-        start = time.perf_counter()
-        # Compiled ahead of time: a batch of another shape is an error, never a silent recompile.
-        compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
-        seconds = time.perf_counter() - start
-        log.write(int(jax.device_get(state.step)), {"compile/train_step_s": seconds})
-        progress.write(f"compiled train step in {seconds:.1f}s")
+        # Compiled ahead of time here; a batch of another shape recompiles with a warning
+        # naming the changed shapes, and every compile is logged (compiles.py).
+        compiled = self._monitor.jit(step_fn, "train_step", progress=progress, donate_argnums=0)
+        compiled.compile(state, batch)
         return compiled
 
     def _emit_logs(self, window_stats, log: JsonlLog, progress, guard) -> dict[str, float]:
-        logs = {**window_stats.read(), **self.data_meter.fields()}
+        logs = self._monitor.step_logs({**window_stats.read(), **self.data_meter.fields()})
         if guard.skipped_total:
             logs["nonfinite_skipped_steps"] = guard.skipped_total
         log.write(logs["step"], logs)
         call_hooks(self._receivers, "on_log", self, logs, logs["step"])
-        shown = {k: logs[k] for k in ("loss", "learning_rate", "tokens_per_second") if k in logs}
-        progress.update(logs["step"], shown)
+        progress.update(logs["step"], self._monitor.progress_fields(logs))
         return logs
 
     def _wants_eval(self) -> bool:
@@ -448,7 +451,10 @@ class Trainer(TrainerCallback):
         args = self.arguments
         if self._evaluator is None:
             self._evaluator = Evaluator(
-                graphdef=self.graphdef, rest=self.rest, loss_sums_fn=self.compute_loss_sums
+                graphdef=self.graphdef,
+                rest=self.rest,
+                loss_sums_fn=self.compute_loss_sums,
+                jit=self._monitor.jit,
             )
         batches = self.eval_loader.batches()
         yield from self._evaluator.run(state.params, batches, args.max_eval_batches)

@@ -74,4 +74,4 @@ def test_packed_stream_resumes_exactly_through_a_checkpoint(tmp_path):
         atol=0,
     )
     logs = [r for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
-    assert {"data/wait_seconds", "data/padding_tokens", "data/truncated_tokens"} <= set(logs[0])
+    assert {"data_wait_s", "data/padding_tokens", "data/truncated_tokens"} <= set(logs[0])

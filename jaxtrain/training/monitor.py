@@ -1,0 +1,240 @@
+"""RunMonitor: everything the loop reports about a run, behind a few calls.
+
+The Trainer owns one and calls it at a handful of points:
+
+    monitor = RunMonitor(args, model_config=..., num_parameters=...)  # checks trackers
+    log = monitor.open(out_dir, start_step)      # starts trackers; log.write fans out
+    batches = monitor.timed(batches)             # data wait time
+    window = monitor.window()                    # throughput, TFLOP/s, MFU
+    window.add(metrics, monitor.count(batch))
+    step_fn = monitor.jit(fn, "train_step", progress=progress, donate_argnums=0)
+    logs = monitor.step_logs(window_stats.read())  # + memory
+    monitor.progress_fields(logs)                # what the progress bar shows
+    monitor.tracker_state()                      # stored in checkpoints ("trackers")
+
+It is also a TrainerCallback (weight statistics at on_step_end, the run report at
+on_train_end). Only process 0 writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxtrain.training import weights
+from jaxtrain.training.compiles import CompileEvent, TrackedJit
+from jaxtrain.training.flops import FlopsCounter, matmul_parameters
+from jaxtrain.training.hardware import device_peak_flops
+from jaxtrain.training.metrics import BatchCounts, DataWaitClock, MetricsWindow, host_token_count
+from jaxtrain.training.trackers import check_trackers, default_run_name, start_trackers
+
+logger = logging.getLogger("jaxtrain")
+GIB = 2.0**30
+
+
+class MonitorLog:
+    """The loop's metric log: `write(step, values)` goes to every started tracker."""
+
+    def __init__(self, trackers: list[Any], before_close: list[Any] | None = None):
+        self.trackers = trackers
+        self._before_close = before_close or []
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.log(step, values)
+
+    def log_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
+        for tracker in self.trackers:
+            tracker.log_histograms(step, histograms)
+
+    def close(self) -> None:
+        for callback in self._before_close:
+            callback()
+        self._before_close = []
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+def memory_logs() -> dict[str, float]:
+    """Device memory (where the backend reports it) and this process's resident memory."""
+    logs: dict[str, float] = {}
+    stats = []
+    for device in jax.local_devices():
+        try:
+            stats.append(device.memory_stats() or {})
+        except Exception:  # backends without memory stats raise or return None
+            stats.append({})
+    for key, name in (("bytes_in_use", "in_use"), ("peak_bytes_in_use", "peak")):
+        values = [s[key] for s in stats if key in s]
+        if values:
+            logs[f"memory/device_{name}_gib"] = max(values) / GIB
+    limits = [s["bytes_limit"] for s in stats if "bytes_limit" in s]
+    if limits:
+        logs["memory/device_limit_gib"] = min(limits) / GIB
+    try:
+        import psutil
+
+        logs["memory/host_rss_gib"] = psutil.Process().memory_info().rss / GIB
+    except ImportError:
+        pass
+    return logs
+
+
+class RunMonitor:
+    def __init__(self, args: Any, *, model_config: Any, num_parameters: int):
+        self.args = args
+        self.is_writer = jax.process_index() == 0
+        self.flops = FlopsCounter(model_config, num_parameters)
+        self.num_parameters = num_parameters
+        # Set from a checkpoint's metadata["trackers"] when the run resumes (run_start.py).
+        self.resume_state: dict[str, Any] = {}
+        self.run_name: str | None = None
+        self.data_wait = DataWaitClock()
+        self._log = MonitorLog([])
+        self._trackers: list[Any] = []
+        self._step = 0
+        self._weight_fn: TrackedJit | None = None
+        self._pending_weights: tuple[int, Any] | None = None
+        self._peak: tuple[str, float | None] | None = None
+        self._window: MetricsWindow | None = None
+        if self.is_writer:
+            check_trackers(args.report_to, args.output_dir)
+
+    # ------------------------------------------------------------ startup
+    def open(self, out_dir: str | Path, start_step: int) -> MonitorLog:
+        """Start the trackers (resuming their runs when resume_state says so)."""
+        self._step = start_step
+        self.run_name = self.resume_state.get("run_name") or self.args.run_name
+        self.run_name = self.run_name or default_run_name()
+        if not self.is_writer:
+            return self._log
+        out_dir = Path(out_dir)
+        self._trackers = start_trackers(
+            self.args.report_to,
+            out_dir,
+            run_name=self.run_name,
+            project=self.args.project_name,
+            config=self.args.to_dict(),
+            start_step=start_step,
+            resume=self.resume_state,
+        )
+        self._log = MonitorLog(self._trackers, before_close=[self._flush_weights])
+        self._write_run_info(out_dir)
+        return self._log
+
+    def _write_run_info(self, out_dir: Path) -> None:
+        description, peak = self.peak
+        seq = self.args.max_sequence_length
+        info = {
+            "run_name": self.run_name,
+            "device": description,
+            "device_kind": jax.devices()[0].device_kind,
+            "num_devices": jax.device_count(),
+            "peak_tflops_per_device": peak / 1e12 if peak else None,
+            "num_parameters": self.num_parameters,
+            "flops_formula": "exact" if self.flops.exact else "6 * num_parameters",
+            "flops_per_token_at_max_sequence_length": self.flops.per_token(seq),
+            "report_to": ["jsonl", *[t for t in self.args.report_to if t != "jsonl"]],
+        }
+        if self.flops.exact:
+            info["matmul_parameters"] = matmul_parameters(self.flops.config)
+        (out_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    @property
+    def peak(self) -> tuple[str, float | None]:
+        if self._peak is None:
+            self._peak = device_peak_flops()
+        return self._peak
+
+    def tracker_state(self) -> dict[str, Any]:
+        """What a resumed run needs to continue the same tracker runs (checkpoint metadata)."""
+        state: dict[str, Any] = {"run_name": self.run_name}
+        for tracker in self._trackers:
+            if tracker.state():
+                state[tracker.name] = tracker.state()
+        return state
+
+    # ------------------------------------------------------------ per step
+    def timed(self, batches: Any) -> Any:
+        return self.data_wait.timed(iter(batches))
+
+    def window(self) -> MetricsWindow:
+        self._window = MetricsWindow(
+            num_devices=jax.device_count(), peak_flops=self.peak[1], data_wait=self.data_wait
+        )
+        return self._window
+
+    def count(self, batch: dict[str, Any]) -> BatchCounts:
+        return host_token_count(batch, self.flops)
+
+    def jit(self, fn: Any, name: str, *, progress: Any = None, **jit_kwargs: Any) -> TrackedJit:
+        """`jax.jit(fn, **jit_kwargs)` whose compiles are logged (and recompiles warned)."""
+
+        def report(event: CompileEvent) -> None:
+            self._log.write(
+                self._step,
+                {f"compile/{name}_s": event.seconds, f"compile/{name}_count": event.count},
+            )
+            if progress is not None:
+                progress.write(event.message())
+            if self._window is not None:
+                self._window.exclude(event.seconds)  # compile time is not step time
+
+        return TrackedJit(fn, name, report, **jit_kwargs)
+
+    def step_logs(self, logs: dict[str, float]) -> dict[str, float]:
+        """A closed window's logs plus memory (track_memory)."""
+        if self.args.track_memory:
+            logs.update(memory_logs())
+        return logs
+
+    @staticmethod
+    def progress_fields(logs: dict[str, float]) -> dict[str, Any]:
+        """Step and ETA are the bar's own; these go beside them."""
+        fields: dict[str, Any] = {"epoch": round(float(logs.get("epoch", 0.0)), 2)}
+        names = {"loss": "loss", "learning_rate": "lr", "tokens_per_second": "tok/s"}
+        fields.update({short: logs[key] for key, short in names.items() if key in logs})
+        if "mfu" in logs:
+            fields["mfu"] = f"{100 * logs['mfu']:.1f}%"
+        return fields
+
+    # ------------------------------------------------------------ hooks
+    def on_step_end(self, trainer: Any, state: Any, metrics: Any, step: int) -> None:
+        self._step = step
+        every = self.args.weight_distribution_log_steps
+        if not every:
+            return
+        # Every process runs the (SPMD) statistics; only process 0's log writes them.
+        self._flush_weights()  # the previous statistics, computed a step ago
+        if step % every == 0:
+            if self._weight_fn is None:
+                fn = weights.make_weight_stats_fn(state.params)
+                self._weight_fn = self.jit(fn, "weight_stats")
+            self._pending_weights = (step, self._weight_fn(state.params))
+
+    def _flush_weights(self) -> None:
+        if self._pending_weights is None:
+            return
+        step, stats = self._pending_weights
+        self._pending_weights = None
+        stats = jax.device_get(stats)
+        self._log.write(step, weights.scalar_logs(stats))
+        self._log.log_histograms(
+            step, {group: weights.histogram(values) for group, values in stats.items()}
+        )
+
+    def on_train_end(self, trainer: Any, output: Any) -> None:
+        if self.is_writer and self.args.run_report:
+            from jaxtrain.training.report import write_report
+
+            try:
+                result = write_report(self.args.output_dir)
+            except Exception as err:  # the run succeeded; a broken plot must not undo that
+                logger.warning("jaxtrain: could not write the run report: %s", err)
+                return
+            print(f"jaxtrain: run report: {result.html}")

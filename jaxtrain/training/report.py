@@ -1,0 +1,222 @@
+"""The run report: one PNG (and an HTML page embedding it) that a person looks at first.
+
+Curves of train and eval loss, learning rate, throughput (real and padded tokens/s) and MFU
+(TFLOP/s per device where the peak is unknown) over steps, and a summary table. Built from
+<run_dir>/metrics.jsonl and run_info.json only, so `jaxtrain report RUN_DIR` works on any
+run directory, finished or not. `plot_series` returns the exact data it plots.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.training.logs import read_jsonl
+
+Series = dict[str, tuple[list[int], list[float]]]
+
+
+@dataclass
+class Report:
+    png: Path
+    html: Path
+    # name -> (steps, values): what each curve of the PNG shows
+    series: Series
+    summary: list[tuple[str, str]]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def collect_series(records: list[dict[str, Any]]) -> Series:
+    """(steps, values) per metric: train metrics from logging records, eval from eval ones."""
+    wanted = (
+        "loss",
+        "eval/loss",
+        "learning_rate",
+        "tokens_per_second",
+        "padded_tokens_per_second",
+        "mfu",
+        "tflops_per_device",
+        "grad_norm",
+        "memory/device_peak_gib",
+        "memory/host_rss_gib",
+    )
+    series: Series = {}
+    for record in records:
+        for key in wanted:
+            if key in record and _finite(record[key]):
+                steps, values = series.setdefault(key, ([], []))
+                steps.append(int(record["step"]))
+                values.append(float(record[key]))
+    return series
+
+
+def _fmt(value: float, digits: int = 4) -> str:
+    if abs(value) >= 1e4:
+        return f"{value:,.0f}"
+    if 0 < abs(value) < 1e-3:
+        return f"{value:.3g}"
+    return f"{value:.{digits}g}"
+
+
+def summarise(records: list[dict[str, Any]], info: dict[str, Any], series: Series):
+    rows: list[tuple[str, str]] = []
+    if info.get("run_name"):
+        rows.append(("run", str(info["run_name"])))
+    if info.get("num_parameters"):
+        rows.append(("parameters", f"{info['num_parameters'] / 1e6:.2f}M"))
+    if info.get("device"):
+        rows.append(("devices", f"{info.get('num_devices', 1)} x {info['device']}"))
+    steps = [int(r["step"]) for r in records if "step" in r]
+    if steps:
+        rows.append(("steps", str(max(steps))))
+    times = [r["time"] for r in records if _finite(r.get("time"))]
+    if len(times) > 1:
+        rows.append(("wall time", f"{(max(times) - min(times)) / 60:.1f} min"))
+    for key, label in (("loss", "final train loss"), ("eval/loss", "final eval loss")):
+        if key in series:
+            rows.append((label, _fmt(series[key][1][-1])))
+    evals = [r for r in records if _finite(r.get("eval/perplexity"))]
+    if evals:
+        rows.append(("final eval perplexity", _fmt(evals[-1]["eval/perplexity"])))
+        if _finite(evals[-1].get("eval/accuracy")):
+            rows.append(("final eval accuracy", f"{evals[-1]['eval/accuracy']:.3f}"))
+    # Throughput: the median of the logged windows (the first includes warm-up effects).
+    for key, label in (
+        ("tokens_per_second", "tokens/s (real, median)"),
+        ("padded_tokens_per_second", "tokens/s (padded, median)"),
+        ("tflops_per_device", "TFLOP/s per device (median)"),
+    ):
+        if key in series:
+            rows.append((label, _fmt(_median(series[key][1]))))
+    if "mfu" in series:
+        rows.append(("MFU (median)", f"{100 * _median(series['mfu'][1]):.1f}%"))
+    elif info.get("device"):
+        rows.append(("MFU", "n/a (peak unknown)"))
+    compile_s = sum(
+        v for r in records for k, v in r.items() if k.endswith("_s") and "compile/" in k
+    )
+    if compile_s:
+        rows.append(("compile time", f"{compile_s:.1f} s"))
+    if "memory/device_peak_gib" in series:
+        rows.append(("peak device memory", f"{max(series['memory/device_peak_gib'][1]):.2f} GiB"))
+    if "memory/host_rss_gib" in series:
+        rows.append(("peak host RSS", f"{max(series['memory/host_rss_gib'][1]):.2f} GiB"))
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> Series:
+    """Draw the report PNG at `path`; returns {curve label: (steps, values)} as plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    plotted: Series = {}
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig.suptitle("jaxtrain run report", fontsize=14, fontweight="bold")
+
+    def draw(ax, key: str, label: str, **style: Any) -> None:
+        if key in series:
+            steps, values = series[key]
+            ax.plot(steps, values, label=label, **style)
+            plotted[key] = (list(steps), list(values))
+
+    ax = axes[0, 0]
+    draw(ax, "loss", "train", color="tab:blue")
+    draw(ax, "eval/loss", "eval", color="tab:orange", marker="o")
+    ax.set_title("loss (token-weighted)")
+    ax = axes[0, 1]
+    draw(ax, "learning_rate", "learning rate", color="tab:green")
+    ax.set_title("learning rate")
+    ax = axes[0, 2]
+    draw(ax, "tokens_per_second", "real target tokens", color="tab:purple")
+    draw(ax, "padded_tokens_per_second", "padded tokens", color="tab:gray", linestyle="--")
+    ax.set_title("throughput (tokens/s)")
+    ax = axes[1, 0]
+    if "mfu" in series:
+        steps, values = series["mfu"]
+        ax.plot(steps, [100 * v for v in values], color="tab:red", label="MFU")
+        plotted["mfu"] = (list(steps), list(values))
+        ax.set_title("MFU (%)")
+    else:
+        draw(ax, "tflops_per_device", "TFLOP/s per device", color="tab:red")
+        ax.set_title("TFLOP/s per device (peak unknown: no MFU)")
+    ax = axes[1, 1]
+    draw(ax, "grad_norm", "grad norm", color="tab:brown")
+    ax.set_title("global gradient norm")
+    for ax in axes.flat[:5]:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    ax = axes[1, 2]
+    ax.axis("off")
+    if summary:
+        table = ax.table(
+            cellText=[list(r) for r in summary],
+            cellLoc="left",
+            colWidths=[0.52, 0.48],
+            bbox=[0.0, 0.0, 1.0, 0.97],
+        )
+        table.auto_set_font_size(False)
+        table.set_fontsize(9)
+    ax.set_title("summary")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return plotted
+
+
+def _html(png: Path, summary: list[tuple[str, str]], run_dir: Path) -> str:
+    image = base64.b64encode(png.read_bytes()).decode("ascii")
+    rows = "\n".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in summary
+    )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>jaxtrain report: {html.escape(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}} th{{text-align:left;padding-right:2em}}
+img{{max-width:100%}}</style></head>
+<body><h1>jaxtrain run report</h1><p>{html.escape(str(run_dir))}</p>
+<img alt="run report curves" src="data:image/png;base64,{image}">
+<h2>Summary</h2><table>
+{rows}
+</table><p>Data: metrics.jsonl in the run directory.</p></body></html>
+"""
+
+
+def write_report(run_dir: str | Path) -> Report:
+    """Write <run_dir>/report.png and report.html from the run's metrics.jsonl."""
+    run_dir = Path(run_dir)
+    log = run_dir / "metrics.jsonl"
+    if not log.is_file():
+        raise ArgumentError(
+            f"{run_dir} has no metrics.jsonl: not a jaxtrain run directory (or the run has "
+            "not logged yet). Pass the output_dir of a run."
+        )
+    records = read_jsonl(log)
+    info_path = run_dir / "run_info.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    series = collect_series(records)
+    summary = summarise(records, info, series)
+    png = run_dir / "report.png"
+    plotted = plot_series(series, summary, png)
+    page = run_dir / "report.html"
+    page.write_text(_html(png, summary, run_dir))
+    return Report(png=png, html=page, series=plotted, summary=summary)
