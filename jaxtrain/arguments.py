@@ -114,10 +114,28 @@ class TrainingArguments:
     max_nan_skips: int = 10
     progress_bar: str = "rich"
 
+    # Parallelism (README: "Multi-device and multi-host training"). Mesh sizes
+    # (dp, fsdp, ep, tp, sp); one entry may be -1 (the remaining devices). CLI: 1,-1,1,1,1.
+    sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
+    # Logical axis name -> mesh axis, list of axes or None; overrides the default table.
+    sharding_rules: dict | None = None
+    # [[regex on the parameter path, [mesh axis | list | None per dim]], ...]; first match wins.
+    sharding_regex_rules: list | None = None
+    # Multi-host: "auto" (when arguments or environment describe a cluster), "on", "off".
+    distributed: str = "auto"
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    # Give up (DistributedError, exit code 2) when the cluster is not formed within this time.
+    distributed_timeout_s: float = 300.0
+
     def __post_init__(self) -> None:
         self.optimizer = self.optimizer.lower()
         self.scheduler = self.scheduler.lower().replace("-", "_")
         _validate(self)
+        from jaxtrain.parallel.options import normalize_parallel_arguments
+
+        normalize_parallel_arguments(self)
 
     # ----- derived values -----
     @property

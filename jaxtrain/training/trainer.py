@@ -21,10 +21,13 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data import BatchLoader, eval_batches, prefetch, validate_dataset
+from jaxtrain.models.sharding import with_activation_sharding
+from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
+from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
-from jaxtrain.training.logs import JsonlLog
+from jaxtrain.training.logs import JsonlLog, NullLog
 from jaxtrain.training.metrics import MetricsWindow, host_token_count
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.progress import make_progress
@@ -68,13 +71,15 @@ class Trainer(TrainerCallback):
     def __init__(
         self,
         arguments: TrainingArguments | None = None,
-        model: nnx.Module | None = None,
+        model: nnx.Module | ModelFactory | None = None,
         dataset_train: Any = None,
         dataset_eval: Any = None,
         data_collator: Callable[[list[dict]], dict[str, np.ndarray]] | None = None,
         processing_class: Any = None,
         callbacks: list[Any] | None = None,
+        devices: list[jax.Device] | None = None,
     ):
+        """`devices`: the devices of the mesh (default all); sharding_axis_dims must fit them."""
         if model is None:
             raise ArgumentError("Trainer needs a model: Trainer(arguments=..., model=...).")
         self.arguments = args = arguments if arguments is not None else TrainingArguments()
@@ -82,6 +87,14 @@ class Trainer(TrainerCallback):
         self.data_collator = data_collator
         self.callbacks = list(callbacks or [])
         self.should_stop = False
+        # Parallelism: the cluster, the mesh and the plan exist before any model array does;
+        # a ModelFactory is created already sharded (no host holds the whole model).
+        initialize_distributed(args)
+        self.sharding_plan = ShardingPlan.from_arguments(args, devices)
+        self.mesh = self.sharding_plan.mesh
+        self._state_shardings = None
+        if isinstance(model, ModelFactory):
+            model = model.create(self.sharding_plan)
         self.model = model
         self.model_config = getattr(model, "config", None)
         self._configure_model(model)
@@ -105,9 +118,17 @@ class Trainer(TrainerCallback):
                 accumulation_steps=args.gradient_accumulation_steps,
                 shuffle=args.shuffle_train,
                 seed=args.seed,
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
                 **self._collation_options(),
             )
+            self.sharding_plan.batch.check(
+                args.micro_batch_size, args.max_sequence_length, "micro-batch size"
+            )
         if dataset_eval is not None:
+            self.sharding_plan.batch.check(
+                args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size"
+            )
             validate_dataset(
                 dataset_eval,
                 name="dataset_eval",
@@ -206,10 +227,29 @@ class Trainer(TrainerCallback):
             raise ArgumentError("Trainer.train() needs dataset_train.")
         return self.arguments.total_steps(self.train_loader.steps_per_epoch)
 
-    def create_state(self) -> TrainState:
-        """A fresh state; parameters are copied so the user's model survives donation."""
-        params = jax.tree.map(jnp.copy, self._initial_params)
+    def _new_state(self, params: Any) -> TrainState:
         return TrainState.create(params, self.optimizer)
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """Shardings of the TrainState on `self.mesh` (params by the rules, optimizer alike)."""
+        if self._state_shardings is None:
+            abstract = jax.eval_shape(self._new_state, self._initial_params)
+            self._state_shardings = self.sharding_plan.state_shardings(abstract)
+        return self._state_shardings
+
+    def create_state(self) -> TrainState:
+        """A fresh state on the mesh; a copy, so the user's model survives donation."""
+        shardings = self.state_shardings
+        params = jax.device_put(self._initial_params, shardings.params)
+        return jax.jit(self._new_state, out_shardings=shardings)(params)
+
+    def dry_run(self) -> str:
+        """Print (process 0) and return mesh, per-device memory and every param's sharding."""
+        report = dry_run_report(self)
+        if jax.process_index() == 0:
+            print(report)
+        return report
 
     def model_from_state(self, state: TrainState) -> nnx.Module:
         """A model object carrying `state`'s parameters (for sampling, export, ...)."""
@@ -241,10 +281,10 @@ class Trainer(TrainerCallback):
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and placement of this Trainer's state, without allocating it."""
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-            jax.eval_shape(self.create_state),
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(self._new_state, self._initial_params),
+            self.state_shardings,
         )
 
     def load_checkpoint(self, path: str | Path) -> TrainState:
@@ -270,18 +310,28 @@ class Trainer(TrainerCallback):
         total_steps = self.total_steps
         deadline = Deadline(args.time_limit_seconds)
         state, step, resumed_from = self._initial_state()
+        state = jax.device_put(state, self.state_shardings)  # no-op unless placed elsewhere
         out_dir = Path(args.output_dir)
-        args.save(out_dir / "arguments.json")
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(out_dir / "tokenizer")
+        primary = jax.process_index() == 0  # only process 0 writes logs and progress
+        if primary:
+            args.save(out_dir / "arguments.json")
+        tokenizer = self.processing_class
+        if primary and tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(out_dir / "tokenizer")
 
-        log = JsonlLog(out_dir / "metrics.jsonl")
-        batches = prefetch(self.train_loader.batches(start_step=step), size=args.prefetch_batches)
-        progress = make_progress(args.progress_bar, total_steps, initial=step)
+        log = JsonlLog(out_dir / "metrics.jsonl") if primary else NullLog()
+        layout = self.sharding_plan.batch
+        host_batches = self.train_loader.batches(start_step=step)
+        batches = prefetch(
+            ((b, layout.to_global(b, micro_axis=True)) for b in host_batches),
+            size=args.prefetch_batches,
+        )
+        progress = make_progress(args.progress_bar if primary else "none", total_steps, step)
         progress.write(
             f"jaxtrain: {self.num_parameters / 1e6:.2f}M parameters, {total_steps} steps, "
             f"{args.total_batch_size} x {args.max_sequence_length} tokens per step, "
-            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}"
+            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+            f"mesh {dict(self.mesh.shape)}"
         )
         if resumed_from is not None:
             progress.write(f"resumed from {resumed_from} at step {step}")
@@ -303,7 +353,7 @@ class Trainer(TrainerCallback):
                     if self.should_stop:
                         stop_reason = "callback"
                         break
-                    batch = next(batches)
+                    host_batch, batch = next(batches)
                     if self._train_step is None:
                         self._train_step = self._compile_train_step(state, batch, log, progress)
                         window.restart_clock()
@@ -311,7 +361,10 @@ class Trainer(TrainerCallback):
                     state, metrics = self._train_step(state, batch)
                     step += 1
                     guard.push(step, metrics["nonfinite"])
-                    window.add(metrics, host_token_count(batch))
+                    window.add(
+                        metrics,
+                        tuple(n * jax.process_count() for n in host_token_count(host_batch)),
+                    )
                     if pending is not None:
                         last_logs = self._emit_logs(pending, log, progress, guard)
                         pending = None
@@ -397,12 +450,23 @@ class Trainer(TrainerCallback):
             optimizer=self.optimizer,
             schedule=self.schedule,
             seed=self.arguments.seed,
-            loss_sums_fn=self.compute_loss_sums,
+            loss_sums_fn=with_activation_sharding(self.compute_loss_sums, self.sharding_plan.rules),
             normalizer_fn=self.loss_normalizer,
         )
         start = time.perf_counter()
         # Compiled ahead of time: a batch of another shape is an error, never a silent recompile.
-        compiled = jax.jit(step_fn, donate_argnums=0).lower(state, batch).compile()
+        shardings = self.state_shardings
+        batch_shardings = self.sharding_plan.batch.shardings(batch, micro_axis=True)
+        compiled = (
+            jax.jit(
+                step_fn,
+                in_shardings=(shardings, batch_shardings),
+                out_shardings=(shardings, self.sharding_plan.replicated),
+                donate_argnums=0,
+            )
+            .lower(state, batch)
+            .compile()
+        )
         seconds = time.perf_counter() - start
         log.write(int(jax.device_get(state.step)), {"compile/train_step_s": seconds})
         progress.write(f"compiled train step in {seconds:.1f}s")
@@ -456,13 +520,20 @@ class Trainer(TrainerCallback):
         args = self.arguments
         if self._evaluator is None:
             self._evaluator = Evaluator(
-                graphdef=self.graphdef, rest=self.rest, loss_sums_fn=self.compute_loss_sums
+                graphdef=self.graphdef,
+                rest=self.rest,
+                loss_sums_fn=with_activation_sharding(
+                    self.compute_loss_sums, self.sharding_plan.rules
+                ),
             )
-        batches = eval_batches(
+        host_batches = eval_batches(
             self.dataset_eval,
             batch_size=args.resolved_eval_batch_size,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
             **self._collation_options(),
         )
+        batches = self.sharding_plan.batch.place(host_batches, micro_axis=False)
         yield from self._evaluator.run(state.params, batches, args.max_eval_batches)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
