@@ -2,8 +2,8 @@
 
 `ModelFactory(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))` is traced abstractly
 (`nnx.eval_shape`) to learn every variable's shape and logical axes; the rules turn those into
-shardings, and `jax.jit(init, out_shardings=...)` then runs the initialisers so that each
-device computes only its own shard.
+shardings, and one `jax.jit(init, out_shardings=...)` then runs the initialisers -- and the
+optimizer's init -- so that each device computes and stores only its own shards.
 """
 
 from __future__ import annotations
@@ -12,13 +12,35 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.parallel.plan import ShardingPlan
 
 
+def cast_floating(params: Any, dtype: Any) -> Any:
+    """Floating leaves (arrays or jax.ShapeDtypeStruct) cast to `dtype`; None keeps them."""
+    if dtype is None:
+        return params
+    dtype = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, params)
+
+
 class ModelFactory:
-    """A zero-argument function building the model; pass it to Trainer(model=...)."""
+    """A zero-argument function building the model; pass it to Trainer(model=...).
+
+    The Trainer keeps the abstract model (shapes and logical axes, nothing allocated) and
+    creates the parameters and optimizer state sharded, in one jitted program, when the run
+    starts fresh; a resumed run restores them from the checkpoint without initialising.
+    """
 
     def __init__(self, build: Callable[[], nnx.Module]):
         if not callable(build):
@@ -31,17 +53,26 @@ class ModelFactory:
         """The model with jax.ShapeDtypeStruct in place of arrays (nothing allocated)."""
         return nnx.eval_shape(self.build)
 
-    def shardings(self, plan: ShardingPlan) -> tuple[nnx.GraphDef, Any, Any]:
-        """(graphdef, abstract state, shardings of the whole state) of the model."""
-        graphdef, state = nnx.split(self.abstract())
-        return graphdef, state, plan.param_shardings(state)
+    def split(self, param_dtype: Any = None) -> tuple[Any, Any]:
+        """(params, rest) of a freshly built model; call it inside jit."""
+        _, params, rest = nnx.split(self.build(), nnx.Param, ...)
+        return cast_floating(params, param_dtype), rest
 
-    def init_function(self, plan: ShardingPlan) -> Callable[[], Any]:
-        """The jitted init returning the model state, each leaf already sharded."""
-        _, _, shardings = self.shardings(plan)
-        return jax.jit(lambda: nnx.split(self.build())[1], out_shardings=shardings)
+    def state_initializer(
+        self,
+        make_state: Callable[[Any], Any],
+        shardings: Any,
+        *,
+        param_dtype: Any = None,
+    ) -> Callable[[], Any]:
+        """jit(lambda: make_state(fresh params), out_shardings=shardings): each device builds
+        only its shards of the parameters and of whatever `make_state` derives from them."""
+        return jax.jit(lambda: make_state(self.split(param_dtype)[0]), out_shardings=shardings)
 
-    def create(self, plan: ShardingPlan) -> nnx.Module:
-        graphdef, _, _ = self.shardings(plan)
-        state = self.init_function(plan)()
-        return nnx.merge(graphdef, state)
+    def create(self, plan: ShardingPlan, *, param_dtype: Any = None) -> nnx.Module:
+        """A concrete model whose variables are created sharded by `plan`'s rules."""
+        graphdef, params, rest = nnx.split(self.abstract(), nnx.Param, ...)
+        params = cast_floating(params, param_dtype)
+        shardings = (plan.param_shardings(params), plan.param_shardings(rest))
+        params, rest = jax.jit(lambda: self.split(param_dtype), out_shardings=shardings)()
+        return nnx.merge(graphdef, params, rest)

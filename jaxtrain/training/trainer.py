@@ -24,6 +24,7 @@ from jaxtrain.data import BatchLoader, eval_batches, prefetch, validate_dataset
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.parallel.dry_run import dry_run_report
+from jaxtrain.parallel.init import cast_floating
 from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
@@ -93,8 +94,9 @@ class Trainer(TrainerCallback):
         self.sharding_plan = ShardingPlan.from_arguments(args, devices)
         self.mesh = self.sharding_plan.mesh
         self._state_shardings = None
-        if isinstance(model, ModelFactory):
-            model = model.create(self.sharding_plan)
+        self._factory = model if isinstance(model, ModelFactory) else None
+        if self._factory is not None:
+            model = self._factory.abstract()  # shapes only; create_state makes it, sharded
         self.model = model
         self.model_config = getattr(model, "config", None)
         self._configure_model(model)
@@ -172,12 +174,7 @@ class Trainer(TrainerCallback):
                 if hasattr(module, "dtype"):
                     module.dtype = compute_dtype
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        if args.param_dtype is not None:
-            param_dtype = jnp.dtype(args.param_dtype)
-            params = jax.tree.map(
-                lambda x: x.astype(param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                params,
-            )
+        params = cast_floating(params, args.param_dtype)
         self._initial_params = params
         self.num_parameters = count_parameters(params)
 
@@ -241,6 +238,16 @@ class Trainer(TrainerCallback):
     def create_state(self) -> TrainState:
         """A fresh state on the mesh; a copy, so the user's model survives donation."""
         shardings = self.state_shardings
+        if self._factory is not None:  # sharded from birth: one jit, no full copy anywhere
+            if jax.tree.leaves(self.rest):
+                rest_shardings = self.sharding_plan.param_shardings(self.rest)
+                self.rest = jax.jit(
+                    lambda: self._factory.split()[1], out_shardings=rest_shardings
+                )()
+            init = self._factory.state_initializer(
+                self._new_state, shardings, param_dtype=self.arguments.param_dtype
+            )
+            return init()
         params = jax.device_put(self._initial_params, shardings.params)
         return jax.jit(self._new_state, out_shardings=shardings)(params)
 
