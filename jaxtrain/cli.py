@@ -11,6 +11,7 @@ from typing import Any
 
 USAGE = """usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
+                 [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T]
 
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     from jaxtrain.arguments import ArgumentError
     from jaxtrain.data import DatasetError
+    from jaxtrain.parallel import DistributedError
     from jaxtrain.training.checkpoint import CheckpointError
 
     commands = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample}
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ArgumentError, DatasetError, CheckpointError) as err:
         print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except DistributedError as err:
+        print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
+        return err.exit_code
     except (TrainingInterrupted, NonFiniteLossError) as err:
         print(f"jaxtrain {command}: {err}", file=sys.stderr)
         return err.exit_code
@@ -148,16 +153,21 @@ def _latest_checkpoint(run_dir: str) -> str:
 def cmd_train(tokens: list[str]) -> int:
     from jaxtrain.run_config import parse_overrides, resolve_config, save_config, split_config
 
-    path, rest = _split_positional(tokens)
+    dry_run = "--dry_run" in tokens
+    path, rest = _split_positional([t for t in tokens if t != "--dry_run"])
     config = resolve_config(path, parse_overrides(rest))
     args, model_section, data, sample = split_config(config)
 
     from jaxtrain import Trainer
+    from jaxtrain.parallel import ModelFactory, initialize_distributed
     from jaxtrain.training.stopping import EXIT_OK, EXIT_TIME_LIMIT
 
+    initialize_distributed(args)  # before anything touches a device
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
-    model = build_model(model_section, tokenizer, seed=args.seed)
-    resolved = {**args.to_dict(), "model": model.config.to_dict(), "data": data, "sample": sample}
+    # Built abstractly, then created already sharded on the mesh by the Trainer.
+    model = ModelFactory(lambda: build_model(model_section, tokenizer, seed=args.seed))
+    model_config = model.abstract().config
+    resolved = {**args.to_dict(), "model": model_config.to_dict(), "data": data, "sample": sample}
 
     class SaveConfig:
         # Written once the run owns output_dir (after resume checks), so an interrupted run
@@ -173,6 +183,9 @@ def cmd_train(tokens: list[str]) -> int:
         processing_class=tokenizer,
         callbacks=[SaveConfig()],
     )
+    if dry_run:
+        trainer.dry_run()
+        return EXIT_OK
     output = trainer.train()
     summary = ", ".join(
         f"{k}={output.metrics[k]:.4f}" for k in ("loss", "eval/loss") if k in output.metrics
