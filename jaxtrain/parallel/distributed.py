@@ -39,8 +39,8 @@ class ClusterSpec:
     process_id: int | None = None
 
 
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name)
+def _int_env(env: dict[str, str], name: str) -> int | None:
+    value = env.get(name)
     if value in (None, ""):
         return None
     try:
@@ -62,8 +62,8 @@ def detect_cluster(args: Any, env: dict[str, str] | None = None) -> ClusterSpec 
         return ClusterSpec(
             "environment",
             env["JAXTRAIN_COORDINATOR_ADDRESS"],
-            _int_env("JAXTRAIN_NUM_PROCESSES"),
-            _int_env("JAXTRAIN_PROCESS_ID"),
+            _int_env(env, "JAXTRAIN_NUM_PROCESSES"),
+            _int_env(env, "JAXTRAIN_PROCESS_ID"),
         )
     if env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
         return ClusterSpec("slurm")
@@ -122,14 +122,15 @@ def initialize_distributed(args: Any) -> ClusterSpec | None:
 
     def connect() -> None:
         try:
-            jax.distributed.initialize(**kwargs, initialization_timeout=max(1, int(timeout)))
+            # JAX aborts the process when its own timeout fires: give it longer than ours.
+            jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout) + 120)
             outcome["error"] = None
         except BaseException as err:  # noqa: BLE001 - reported to the caller below
             outcome["error"] = err
 
     thread = threading.Thread(target=connect, name="jaxtrain-distributed-init", daemon=True)
     thread.start()
-    thread.join(timeout + 5.0)
+    thread.join(timeout)
     where = (
         f"coordinator {spec.coordinator_address}, process {spec.process_id} of {spec.num_processes}"
         if spec.coordinator_address
