@@ -36,6 +36,10 @@ def token_dataset(rows: int = 64, seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"input_ids": ids})
 
 
+def eval_dataset() -> datasets.Dataset:
+    return token_dataset(rows=20, seed=1)  # two eval batches of 16, the last one padded
+
+
 def factory() -> ModelFactory:
     return ModelFactory(lambda: LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0)))
 

@@ -15,7 +15,14 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import MESHES, LossRecorder, factory, parallel_arguments, token_dataset  # noqa: E402
+from common import (  # noqa: E402
+    MESHES,
+    LossRecorder,
+    eval_dataset,
+    factory,
+    parallel_arguments,
+    token_dataset,
+)
 
 
 class RecordingRows(list):
@@ -43,9 +50,17 @@ def main(port: str, process_id: str, out_dir: str) -> None:
         process_id=int(process_id),
         distributed_timeout_s=60,
         save_final=True,
+        evaluation_strategy="steps",
+        eval_steps=3,
     )
     recorder = LossRecorder()
-    trainer = Trainer(arguments=args, model=factory(), dataset_train=rows, callbacks=[recorder])
+    trainer = Trainer(
+        arguments=args,
+        model=factory(),
+        dataset_train=rows,
+        dataset_eval=eval_dataset(),
+        callbacks=[recorder],
+    )
     import jax
 
     rows.read.clear()  # validation peeks at rows; count only what training reads
@@ -58,6 +73,7 @@ def main(port: str, process_id: str, out_dir: str) -> None:
         "local_devices": jax.local_device_count(),
         "global_devices": jax.device_count(),
         "losses": recorder.losses,
+        "eval_loss": output.metrics["eval/loss"],
         "rows_read": rows.read,
         "local_batch_shape": local_shape,
         "checkpoint": output.checkpoint_path,
