@@ -25,9 +25,10 @@ from common import (  # noqa: E402
     parallel_arguments,
     token_dataset,
 )
+from flax import nnx  # noqa: E402
 
 from jaxtrain import Trainer  # noqa: E402
-from jaxtrain.parallel import ShardingPlan, build_mesh  # noqa: E402
+from jaxtrain.parallel import ShardingPlan, ShardingRules, build_mesh  # noqa: E402
 
 
 def params_of(state) -> list[np.ndarray]:
@@ -142,6 +143,34 @@ def main(out_dir: str) -> None:
     plan = ShardingPlan(build_mesh((2, 2, 1, 2, 1)))
     spec = plan.sharding_for("model/layers/0/mlp/down_proj/kernel", (128, 32), ("mlp", "embed"))
     results["sharding_for"] = str(spec.spec)
+    # User rules and regex rules, asked for one parameter at a time.
+    mesh = build_mesh((1, 4, 1, 2, 1))
+    down = ("model/layers/0/mlp/down_proj/kernel", (64, 32), ("mlp", "embed"))
+    results["rule_specs"] = {
+        "default": str(ShardingRules(mesh).spec_for(*down)),
+        "mlp_on_fsdp": str(ShardingRules(mesh, {"mlp": "fsdp", "embed": "tp"}).spec_for(*down)),
+        "regex": str(
+            ShardingRules(
+                mesh, regex_rules=[["down_proj/kernel$", [None, ["fsdp", "tp"]]]]
+            ).spec_for(*down)
+        ),
+        "no_axes_custom": str(ShardingRules(mesh).spec_for("my/weight", (12, 40), None)),
+    }
+    # ModelFactory.create: a concrete model whose arrays are born sharded, equal to eager init.
+    plan = ShardingPlan(build_mesh((1, 8, 1, 1, 1)))
+    sharded = nnx.state(factory().create(plan), nnx.Param)
+    eager = nnx.state(factory().build(), nnx.Param)
+    results["factory_create"] = {
+        "max_diff": max_diff(
+            [np.asarray(x) for x in jax.tree.leaves(sharded)],
+            [np.asarray(x) for x in jax.tree.leaves(eager)],
+        ),
+        "sharded_leaves": sum(
+            len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+            for x in jax.tree.leaves(sharded)
+        ),
+        "leaves": len(jax.tree.leaves(sharded)),
+    }
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 

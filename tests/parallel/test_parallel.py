@@ -112,6 +112,20 @@ def test_rules_that_do_not_fit_name_parameter_shape_and_axes(mesh_results):
     assert mesh_results["sharding_for"] == "P('tp', 'fsdp')"
 
 
+def test_user_rules_regex_rules_and_models_without_logical_axes(mesh_results):
+    specs = mesh_results["rule_specs"]  # mesh fsdp=4, tp=2; down_proj (64, 32) (mlp, embed)
+    assert specs["default"] == "P('tp', 'fsdp')"
+    assert specs["mlp_on_fsdp"] == "P('fsdp', 'tp')"
+    assert specs["regex"] == "P(None, ('fsdp', 'tp'))"
+    assert specs["no_axes_custom"] == "P(None, 'fsdp')"  # fsdp alone: the largest dimension
+
+
+def test_model_factory_creates_a_sharded_model_equal_to_eager_init(mesh_results):
+    made = mesh_results["factory_create"]
+    assert made["max_diff"] < TOL  # jit vs eager initialisers: the same numbers
+    assert made["sharded_leaves"] == made["leaves"]
+
+
 def test_dry_run_prints_mesh_memory_and_every_parameter(mesh_results):
     text = mesh_results["dry_run"]
     assert "mesh(dp=1, fsdp=8, ep=1, tp=1, sp=1) over 8 x cpu" in text
