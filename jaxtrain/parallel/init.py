@@ -69,6 +69,23 @@ class ModelFactory:
         only its shards of the parameters and of whatever `make_state` derives from them."""
         return jax.jit(lambda: make_state(self.split(param_dtype)[0]), out_shardings=shardings)
 
+    def init_state(
+        self,
+        make_state: Callable[[Any], Any],
+        shardings: Any,
+        plan: ShardingPlan,
+        rest: Any,
+        param_dtype: Any = None,
+    ) -> tuple[Any, Any]:
+        """(train state, non-parameter variables), both created sharded.
+
+        `rest` is the abstract non-Param state of the model (empty for the Llama family)."""
+        if jax.tree.leaves(rest):
+            rest_shardings = plan.param_shardings(rest)
+            rest = jax.jit(lambda: self.split()[1], out_shardings=rest_shardings)()
+        init = self.state_initializer(make_state, shardings, param_dtype=param_dtype)
+        return init(), rest
+
     def create(self, plan: ShardingPlan, *, param_dtype: Any = None) -> nnx.Module:
         """A concrete model whose variables are created sharded by `plan`'s rules."""
         graphdef, params, rest = nnx.split(self.abstract(), nnx.Param, ...)

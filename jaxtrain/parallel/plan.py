@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -47,6 +47,19 @@ class ShardingPlan:
 
     def param_shardings(self, params: Any) -> Any:
         return self.rules.tree_shardings(params)
+
+    def jit_train_step(
+        self, step_fn: Callable[..., Any], state_shardings: Any, batch: dict[str, Any]
+    ) -> Any:
+        """jit(train_step) with the state and batch placed on the mesh and the state donated;
+        metrics come back replicated."""
+        batch_shardings = self.batch.shardings(batch, micro_axis=True)
+        return jax.jit(
+            step_fn,
+            in_shardings=(state_shardings, batch_shardings),
+            out_shardings=(state_shardings, self.replicated),
+            donate_argnums=0,
+        )
 
     def state_shardings(self, abstract_state: TrainState) -> TrainState:
         params = self.param_shardings(abstract_state.params)

@@ -239,15 +239,14 @@ class Trainer(TrainerCallback):
         """A fresh state on the mesh; a copy, so the user's model survives donation."""
         shardings = self.state_shardings
         if self._factory is not None:  # sharded from birth: one jit, no full copy anywhere
-            if jax.tree.leaves(self.rest):
-                rest_shardings = self.sharding_plan.param_shardings(self.rest)
-                self.rest = jax.jit(
-                    lambda: self._factory.split()[1], out_shardings=rest_shardings
-                )()
-            init = self._factory.state_initializer(
-                self._new_state, shardings, param_dtype=self.arguments.param_dtype
+            state, self.rest = self._factory.init_state(
+                self._new_state,
+                shardings,
+                self.sharding_plan,
+                self.rest,
+                self.arguments.param_dtype,
             )
-            return init()
+            return state
         params = jax.device_put(self._initial_params, shardings.params)
         return jax.jit(self._new_state, out_shardings=shardings)(params)
 
@@ -462,18 +461,8 @@ class Trainer(TrainerCallback):
         )
         start = time.perf_counter()
         # Compiled ahead of time: a batch of another shape is an error, never a silent recompile.
-        shardings = self.state_shardings
-        batch_shardings = self.sharding_plan.batch.shardings(batch, micro_axis=True)
-        compiled = (
-            jax.jit(
-                step_fn,
-                in_shardings=(shardings, batch_shardings),
-                out_shardings=(shardings, self.sharding_plan.replicated),
-                donate_argnums=0,
-            )
-            .lower(state, batch)
-            .compile()
-        )
+        jitted = self.sharding_plan.jit_train_step(step_fn, self.state_shardings, batch)
+        compiled = jitted.lower(state, batch).compile()
         seconds = time.perf_counter() - start
         log.write(int(jax.device_get(state.step)), {"compile/train_step_s": seconds})
         progress.write(f"compiled train step in {seconds:.1f}s")
