@@ -231,6 +231,9 @@ def _restore_run(tokens: list[str], *, with_eval_data: bool):
     overrides = parse_overrides(rest)
     checkpoint = overrides.pop("checkpoint", None) or _latest_checkpoint(run_dir)
     args, model_section, data, sample, tokenizer = _load_run(run_dir)
+    from jaxtrain.parallel import initialize_distributed
+
+    initialize_distributed(args)  # before the model touches a device
     evaluation = build_data(data, args.max_sequence_length)[1] if with_eval_data else None
     model = build_model(model_section, tokenizer, seed=args.seed)
     trainer = Trainer(arguments=args, model=model, dataset_eval=evaluation)

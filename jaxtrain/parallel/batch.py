@@ -62,7 +62,8 @@ class BatchLayout:
         for key, value in local.items():
             value = np.asarray(value)
             shape = list(value.shape)
-            shape[row_axis] *= self.process_count
+            if value.ndim > row_axis:  # leaves without a row axis are the same on every host
+                shape[row_axis] *= self.process_count
             sharding = self.sharding(value.ndim, micro_axis=micro_axis)
             out[key] = jax.make_array_from_process_local_data(sharding, value, tuple(shape))
         return out
