@@ -29,7 +29,10 @@ def initial_state(trainer: Trainer) -> tuple[TrainState, int, Path | None]:
     args = trainer.arguments
     path = resume.resume_checkpoint(args)
     if path is None:
-        if jax.process_index() == 0:  # one process clears, the others wait for it
+        root = ckpt.checkpoints_root(args.output_dir)
+        refused = bool(ckpt.committed_steps(root)) and not args.overwrite_output_dir
+        # One process clears leftovers while the others wait; a refusal raises everywhere.
+        if jax.process_index() == 0 or refused:
             ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
             (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
         _barrier("jaxtrain_prepare_output_dir")
