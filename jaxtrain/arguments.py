@@ -146,6 +146,20 @@ class TrainingArguments:
     weight_distribution_log_steps: int | None = None
     # Write report.png and report.html into output_dir when training ends.
     run_report: bool = True
+    # Parallelism (README: "Multi-device and multi-host training"). Mesh sizes
+    # (dp, fsdp, ep, tp, sp); one entry may be -1 (the remaining devices). CLI: 1,-1,1,1,1.
+    sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
+    # Logical axis name -> mesh axis, list of axes or None; overrides the default table.
+    sharding_rules: dict | None = None
+    # [[regex on the parameter path, [mesh axis | list | None per dim]], ...]; first match wins.
+    sharding_regex_rules: list | None = None
+    # Multi-host: "auto" (when arguments or environment describe a cluster), "on", "off".
+    distributed: str = "auto"
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    # Give up (DistributedError, exit code 2) when the cluster is not formed within this time.
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.optimizer = self.optimizer.lower()
@@ -154,6 +168,9 @@ class TrainingArguments:
         self.report_to = [str(t).lower() for t in (self.report_to or [])] or ["jsonl"]
         self.scheduler = self.scheduler.lower().replace("-", "_")
         _validate(self)
+        from jaxtrain.parallel.options import normalize_parallel_arguments
+
+        normalize_parallel_arguments(self)
 
     # ----- derived values -----
     @property

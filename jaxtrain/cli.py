@@ -11,6 +11,7 @@ from typing import Any
 
 USAGE = """usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
+                 [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T]
   jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtrain.data import DatasetError
     from jaxtrain.hf.cli import cmd_export
     from jaxtrain.hf.errors import HFError
+    from jaxtrain.parallel import DistributedError
     from jaxtrain.training.checkpoint import CheckpointError
 
     commands = {
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ArgumentError, DatasetError, CheckpointError, HFError) as err:
         print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except DistributedError as err:
+        print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
+        return err.exit_code
     except (TrainingInterrupted, NonFiniteLossError) as err:
         print(f"jaxtrain {command}: {err}", file=sys.stderr)
         return err.exit_code
@@ -63,7 +68,8 @@ def _split_positional(tokens: list[str]) -> tuple[str | None, list[str]]:
 
 
 # ---------------------------------------------------------------- building
-def build_model(model_section: dict[str, Any], tokenizer, *, seed: int):
+def build_model(model_section: dict[str, Any], tokenizer, *, seed: int, sharding_for=None):
+    """The model of a run's `model` section; `sharding_for` places pretrained weights."""
     from flax import nnx
 
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
@@ -73,7 +79,7 @@ def build_model(model_section: dict[str, Any], tokenizer, *, seed: int):
     if "pretrained" in values:
         from jaxtrain.hf.cli import build_pretrained_model
 
-        return build_pretrained_model(values, tokenizer)
+        return build_pretrained_model(values, tokenizer, sharding_for=sharding_for)
     if tokenizer is not None:
         values.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -157,19 +163,31 @@ def _latest_checkpoint(run_dir: str) -> str:
 def cmd_train(tokens: list[str]) -> int:
     from jaxtrain.run_config import parse_overrides, resolve_config, save_config, split_config
 
-    path, rest = _split_positional(tokens)
+    dry_run = "--dry_run" in tokens
+    path, rest = _split_positional([t for t in tokens if t != "--dry_run"])
     config = resolve_config(path, parse_overrides(rest))
     args, model_section, data, sample = split_config(config)
 
     from jaxtrain import Trainer
     from jaxtrain.hf.cli import pretrained_data_section, run_model_section
+    from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
     from jaxtrain.training.stopping import EXIT_OK, EXIT_TIME_LIMIT
 
+    initialize_distributed(args)  # before anything touches a device
     data = pretrained_data_section(model_section, data)
-
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
-    model = build_model(model_section, tokenizer, seed=args.seed)
-    resolved = {**args.to_dict(), "model": run_model_section(model), "data": data, "sample": sample}
+    if "pretrained" in model_section:
+        # Each tensor goes straight from the file to its shards on the mesh.
+        plan = ShardingPlan.from_arguments(args)
+        model = build_model(
+            model_section, tokenizer, seed=args.seed, sharding_for=plan.sharding_for
+        )
+        section = run_model_section(model)
+    else:
+        # Built abstractly, then created already sharded on the mesh by the Trainer.
+        model = ModelFactory(lambda: build_model(model_section, tokenizer, seed=args.seed))
+        section = run_model_section(model.abstract())
+    resolved = {**args.to_dict(), "model": section, "data": data, "sample": sample}
 
     class SaveConfig:
         # Written once the run owns output_dir (after resume checks), so an interrupted run
@@ -185,6 +203,9 @@ def cmd_train(tokens: list[str]) -> int:
         processing_class=tokenizer,
         callbacks=[SaveConfig()],
     )
+    if dry_run:
+        trainer.dry_run()
+        return EXIT_OK
     output = trainer.train()
     summary = ", ".join(
         f"{k}={output.metrics[k]:.4f}" for k in ("loss", "eval/loss") if k in output.metrics
@@ -230,6 +251,9 @@ def _restore_run(tokens: list[str], *, with_eval_data: bool):
     overrides = parse_overrides(rest)
     checkpoint = overrides.pop("checkpoint", None) or _latest_checkpoint(run_dir)
     args, model_section, data, sample, tokenizer = _load_run(run_dir)
+    from jaxtrain.parallel import initialize_distributed
+
+    initialize_distributed(args)  # before the model touches a device
     evaluation = build_data(data, args.max_sequence_length)[1] if with_eval_data else None
     model = build_model(model_section, tokenizer, seed=args.seed)
     trainer = Trainer(arguments=args, model=model, dataset_eval=evaluation)

@@ -128,6 +128,9 @@ class BatchLoader:
     (labels -100, attention_mask 0) so shapes never change and every row is seen.
     """
 
+    # The position is a function of the step, the same on every process.
+    state_is_per_process = False
+
     def __init__(
         self,
         dataset: Any,
@@ -274,6 +277,9 @@ class UnitLoader:
     None: an epoch's length depends on the documents, so runs set ``max_steps``. A batch may
     straddle two epochs; nothing is dropped.
     """
+
+    # Each process has its own position in its share of the data (a checkpoint gathers them).
+    state_is_per_process = True
 
     def __init__(
         self,

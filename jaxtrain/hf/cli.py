@@ -27,13 +27,13 @@ def pretrained_data_section(model_section: dict[str, Any], data: dict[str, Any])
     return {**data, "tokenizer": str(model_dir)}
 
 
-def build_pretrained_model(values: dict[str, Any], tokenizer: Any):
+def build_pretrained_model(values: dict[str, Any], tokenizer: Any, sharding_for: Any = None):
     """The model of a `model: {pretrained: DIR}` section: the architecture comes from
     DIR/config.json, so other model keys are refused (the demo defaults are ignored)."""
     from jaxtrain.hf.load import from_pretrained
 
     path = _check_pretrained_section(values)
-    model = from_pretrained(str(path))
+    model = from_pretrained(str(path), sharding_for=sharding_for)
     if tokenizer is not None and model.config.vocab_size < len(tokenizer):
         raise HFError(
             f"{path}: vocab_size={model.config.vocab_size} is smaller than the tokenizer's "

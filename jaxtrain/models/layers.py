@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.sharding import constrain
 
 Array = jax.Array
 DType = Any
@@ -86,8 +87,11 @@ class Embedding(nnx.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        # Gather first, cast after: casting the whole table each step would copy it.
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        # Gather first, cast after: casting the whole table each step would copy it. Under a
+        # mesh the table is gathered whole over fsdp (as fsdp does for every use) so the
+        # lookup's output can take the batch sharding without an involuntary reshard.
+        table = constrain(self.embedding[...], ("vocab", None))
+        return constrain(jnp.take(table, ids, axis=0).astype(self.dtype), ("batch", "length", None))
 
     def attend(self, x: Array) -> Array:
         return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(self.dtype))

@@ -24,9 +24,14 @@ from jaxtrain.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from jaxtrain.models.sharding import constrain
 
 Array = jax.Array
 DType = Any
+
+# Logical names of activation dims for the sharding constraints (see models/sharding.py).
+ACT_BTD = ("batch", "length", "embed")
+ACT_BTV = ("batch", "length", "vocab")
 
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
 
@@ -116,14 +121,14 @@ class LlamaModel(nnx.Module):
         c = self.config
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)  # shared by all layers
-        x = self.embed_tokens(input_ids)
+        x = constrain(self.embed_tokens(input_ids), ACT_BTD)
         run = _run_layer
         if remat_policy != "none":
             # static_argnums: the implementation string is not an array.
             run = nnx.remat(_run_layer, policy=_checkpoint_policy(remat_policy), static_argnums=5)
         # A plain loop (not scan): simple compiles, per-layer params stay separate arrays.
         for layer in self.layers:
-            x = run(layer, x, cos, sin, segment_ids, implementation)
+            x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)
         return self.norm(x)
 
 
@@ -220,8 +225,8 @@ class LlamaForCausalLM(nnx.Module):
             implementation=self.attention_implementation,
         )
         if self.lm_head is None:
-            return self.model.embed_tokens.attend(h)
-        return self.lm_head(h)
+            return constrain(self.model.embed_tokens.attend(h), ACT_BTV)
+        return constrain(self.lm_head(h), ACT_BTV)
 
 
 def logical_axes(state_or_model: nnx.State | nnx.Module) -> nnx.State:

@@ -94,6 +94,11 @@ class TrackedJit:
     def lower(self, *args: Any):
         return self._jitted.lower(*args)
 
+    @property
+    def executable(self) -> Any:
+        """The executable of the last call or compile (for HLO inspection), or None."""
+        return self._last
+
     def compile(self, *args: Any) -> Any:
         """Compile for these arguments now (ahead of the first call); returns the executable."""
         sig = signature(args)

@@ -35,3 +35,13 @@ class JsonlLog:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class NullLog:
+    """The metric log of processes other than 0: writes nothing."""
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

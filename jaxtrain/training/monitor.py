@@ -169,8 +169,13 @@ class RunMonitor:
         )
         return self._window
 
-    def count(self, batch: dict[str, Any]) -> BatchCounts:
-        return host_token_count(batch, self.flops)
+    def count(self, host_batch: dict[str, Any]) -> BatchCounts:
+        """Counts of this process's share, scaled to the global batch. Every process holds
+        as many rows; with several processes padding may differ between them, so multi-host
+        throughput is an estimate (the loss is exact)."""
+        counts = host_token_count(host_batch, self.flops)
+        processes = jax.process_count()
+        return counts if processes == 1 else BatchCounts(*(c * processes for c in counts))
 
     def jit(self, fn: Any, name: str, *, progress: Any = None, **jit_kwargs: Any) -> TrackedJit:
         """`jax.jit(fn, **jit_kwargs)` whose compiles are logged (and recompiles warned)."""

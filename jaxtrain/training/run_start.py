@@ -29,8 +29,13 @@ def initial_state(trainer: Trainer) -> tuple[TrainState, int, Path | None]:
     args = trainer.arguments
     path = resume.resume_checkpoint(args)
     if path is None:
-        ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
-        (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+        root = ckpt.checkpoints_root(args.output_dir)
+        refused = bool(ckpt.committed_steps(root)) and not args.overwrite_output_dir
+        # One process clears leftovers while the others wait; a refusal raises everywhere.
+        if jax.process_index() == 0 or refused:
+            ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
+            (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+        _barrier("jaxtrain_prepare_output_dir")
         return trainer.create_state(), 0, None
     own_root = ckpt.checkpoints_root(args.output_dir)
     if path.parent != own_root and ckpt.committed_steps(own_root):
@@ -66,5 +71,14 @@ def initial_state(trainer: Trainer) -> tuple[TrainState, int, Path | None]:
     else:
         state = ckpt.restore_state(path, abstract)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    resume.trim_metric_log(Path(args.output_dir) / "metrics.jsonl", step)
+    if jax.process_index() == 0:
+        resume.trim_metric_log(Path(args.output_dir) / "metrics.jsonl", step)
+    _barrier("jaxtrain_resume")
     return state, step, path
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

@@ -21,6 +21,11 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
+from jaxtrain.models.sharding import with_activation_sharding
+from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
+from jaxtrain.parallel.distributed import gather_json
+from jaxtrain.parallel.dry_run import dry_run_report
+from jaxtrain.parallel.init import cast_floating
 from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
@@ -68,13 +73,15 @@ class Trainer(TrainerCallback):
     def __init__(
         self,
         arguments: TrainingArguments | None = None,
-        model: nnx.Module | None = None,
+        model: nnx.Module | ModelFactory | None = None,
         dataset_train: Any = None,
         dataset_eval: Any = None,
         data_collator: Callable[[list[dict]], dict[str, np.ndarray]] | None = None,
         processing_class: Any = None,
         callbacks: list[Any] | None = None,
+        devices: list[jax.Device] | None = None,
     ):
+        """`devices`: the devices of the mesh (default all); sharding_axis_dims must fit them."""
         if model is None:
             raise ArgumentError("Trainer needs a model: Trainer(arguments=..., model=...).")
         self.arguments = args = arguments if arguments is not None else TrainingArguments()
@@ -82,6 +89,15 @@ class Trainer(TrainerCallback):
         self.data_collator = data_collator
         self.callbacks = list(callbacks or [])
         self.should_stop = False
+        # Parallelism: the cluster, the mesh and the plan exist before any model array does;
+        # a ModelFactory is created already sharded (no host holds the whole model).
+        initialize_distributed(args)
+        self.sharding_plan = ShardingPlan.from_arguments(args, devices)
+        self.mesh = self.sharding_plan.mesh
+        self._state_shardings = None
+        self._factory = model if isinstance(model, ModelFactory) else None
+        if self._factory is not None:
+            model = self._factory.abstract()  # shapes only; create_state makes it, sharded
         self.model = model
         self.model_config = getattr(model, "config", None)
         self._configure_model(model)
@@ -90,14 +106,23 @@ class Trainer(TrainerCallback):
         # Datasets are checked now, before anything is compiled.
         self.dataset_train = dataset_train
         self.dataset_eval = dataset_eval
-        # Each process reads its own share: the multi-host work passes jax.process_index()
-        # and jax.process_count() here (batches are then [A, M // process_count, T]).
-        data = dict(process_index=0, process_count=1, pad_token_id=self.pad_token_id)
+        # Each process reads only its share of every batch: [A, M // process_count, T].
+        data = dict(
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            pad_token_id=self.pad_token_id,
+        )
         data.update(tokenizer=processing_class, collator=data_collator)
         self.train_loader = self.eval_loader = None
         if dataset_train is not None:
             self.train_loader = build_train_loader(args, dataset_train, **data)
+            self.sharding_plan.batch.check(
+                args.micro_batch_size, args.max_sequence_length, "micro-batch size"
+            )
         if dataset_eval is not None:
+            self.sharding_plan.batch.check(
+                args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size"
+            )
             self.eval_loader = build_eval_loader(args, dataset_eval, **data)
         self.data_meter = DataMeter()
         # Without training data (eval or sampling only) the schedule's length is moot: it
@@ -129,12 +154,7 @@ class Trainer(TrainerCallback):
                 if hasattr(module, "dtype"):
                     module.dtype = compute_dtype
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        if args.param_dtype is not None:
-            param_dtype = jnp.dtype(args.param_dtype)
-            params = jax.tree.map(
-                lambda x: x.astype(param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                params,
-            )
+        params = cast_floating(params, args.param_dtype)
         self._initial_params = params
         self.num_parameters = count_parameters(params)
 
@@ -184,10 +204,38 @@ class Trainer(TrainerCallback):
             raise ArgumentError("Trainer.train() needs dataset_train.")
         return self.arguments.total_steps(self.train_loader.steps_per_epoch)
 
-    def create_state(self) -> TrainState:
-        """A fresh state; parameters are copied so the user's model survives donation."""
-        params = jax.tree.map(jnp.copy, self._initial_params)
+    def _new_state(self, params: Any) -> TrainState:
         return TrainState.create(params, self.optimizer)
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """Shardings of the TrainState on `self.mesh` (params by the rules, optimizer alike)."""
+        if self._state_shardings is None:
+            abstract = jax.eval_shape(self._new_state, self._initial_params)
+            self._state_shardings = self.sharding_plan.state_shardings(abstract)
+        return self._state_shardings
+
+    def create_state(self) -> TrainState:
+        """A fresh state on the mesh; a copy, so the user's model survives donation."""
+        shardings = self.state_shardings
+        if self._factory is not None:  # sharded from birth: one jit, no full copy anywhere
+            state, self.rest = self._factory.init_state(
+                self._new_state,
+                shardings,
+                self.sharding_plan,
+                self.rest,
+                self.arguments.param_dtype,
+            )
+            return state
+        params = jax.device_put(self._initial_params, shardings.params)
+        return jax.jit(self._new_state, out_shardings=shardings)(params)
+
+    def dry_run(self) -> str:
+        """Print (process 0) and return mesh, per-device memory and every param's sharding."""
+        report = dry_run_report(self)
+        if jax.process_index() == 0:
+            print(report)
+        return report
 
     def model_from_state(self, state: TrainState) -> nnx.Module:
         """A model object carrying `state`'s parameters (for sampling, export, ...)."""
@@ -228,15 +276,19 @@ class Trainer(TrainerCallback):
             "trackers": self._monitor.tracker_state(),
         }
         if self.train_loader is not None:
-            metadata["data_state"] = self.train_loader.data_state(step)
+            data_state = self.train_loader.data_state(step)
+            if jax.process_count() > 1 and self.train_loader.state_is_per_process:
+                # Streams and packing: each process knows only its own position.
+                data_state = {"step": step, "processes": gather_json(data_state)}
+            metadata["data_state"] = data_state
         return metadata
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and placement of this Trainer's state, without allocating it."""
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-            jax.eval_shape(self.create_state),
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(self._new_state, self._initial_params),
+            self.state_shardings,
         )
 
     def load_checkpoint(self, path: str | Path) -> TrainState:
@@ -262,24 +314,31 @@ class Trainer(TrainerCallback):
         total_steps = self.total_steps
         deadline = Deadline(args.time_limit_seconds)
         state, step, resumed_from = self._initial_state()
+        state = jax.device_put(state, self.state_shardings)  # no-op unless placed elsewhere
         out_dir = Path(args.output_dir)
-        args.save(out_dir / "arguments.json")
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(out_dir / "tokenizer")
+        primary = jax.process_index() == 0  # only process 0 writes logs and progress
+        if primary:
+            args.save(out_dir / "arguments.json")
+        tokenizer = self.processing_class
+        if primary and tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(out_dir / "tokenizer")
 
-        log = self._monitor.open(out_dir, step)
-        batches = self.data_meter.wrap(
-            prefetch(
-                self.train_loader.batches(start_step=step, with_stats=True),
-                size=args.prefetch_batches,
-            )
-        )
-        batches = self._monitor.timed(batches)
-        progress = make_progress(args.progress_bar, total_steps, initial=step)
+        log = self._monitor.open(out_dir, step)  # process 0 writes, the others do not
+        layout = self.sharding_plan.batch
+
+        def placed(pairs):  # (host batch, its slice of the global batch on the mesh), stats
+            for host_batch, stats in pairs:
+                yield (host_batch, layout.to_global(host_batch, micro_axis=True)), stats
+
+        host_batches = self.train_loader.batches(start_step=step, with_stats=True)
+        batches = prefetch(placed(host_batches), size=args.prefetch_batches)
+        batches = self._monitor.timed(self.data_meter.wrap(batches))
+        progress = make_progress(args.progress_bar if primary else "none", total_steps, step)
         progress.write(
             f"jaxtrain: {self.num_parameters / 1e6:.2f}M parameters, {total_steps} steps, "
             f"{args.total_batch_size} x {args.max_sequence_length} tokens per step, "
-            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}"
+            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+            f"mesh {dict(self.mesh.shape)}"
         )
         if resumed_from is not None:
             progress.write(f"resumed from {resumed_from} at step {step}")
@@ -301,7 +360,7 @@ class Trainer(TrainerCallback):
                     if self.should_stop:
                         stop_reason = "callback"
                         break
-                    batch = next(batches)
+                    host_batch, batch = next(batches)
                     if self._train_step is None:
                         self._train_step = self._compile_train_step(state, batch, log, progress)
                         window.restart_clock()
@@ -309,7 +368,7 @@ class Trainer(TrainerCallback):
                     state, metrics = self._train_step(state, batch)
                     step += 1
                     guard.push(step, metrics["nonfinite"])
-                    window.add(metrics, self._monitor.count(batch))
+                    window.add(metrics, self._monitor.count(host_batch))
                     if pending is not None:
                         last_logs = self._emit_logs(pending, log, progress, guard)
                         pending = None
@@ -395,12 +454,17 @@ class Trainer(TrainerCallback):
             optimizer=self.optimizer,
             schedule=self.schedule,
             seed=self.arguments.seed,
-            loss_sums_fn=self.compute_loss_sums,
+            loss_sums_fn=with_activation_sharding(self.compute_loss_sums, self.sharding_plan.rules),
             normalizer_fn=self.loss_normalizer,
         )
         # Compiled ahead of time here; a batch of another shape recompiles with a warning
         # naming the changed shapes, and every compile is logged (compiles.py).
-        compiled = self._monitor.jit(step_fn, "train_step", progress=progress, donate_argnums=0)
+        compiled = self._monitor.jit(
+            step_fn,
+            "train_step",
+            progress=progress,
+            **self.sharding_plan.train_step_jit_options(self.state_shardings, batch),
+        )
         compiled.compile(state, batch)
         return compiled
 
@@ -453,10 +517,12 @@ class Trainer(TrainerCallback):
             self._evaluator = Evaluator(
                 graphdef=self.graphdef,
                 rest=self.rest,
-                loss_sums_fn=self.compute_loss_sums,
+                loss_sums_fn=with_activation_sharding(
+                    self.compute_loss_sums, self.sharding_plan.rules
+                ),
                 jit=self._monitor.jit,
             )
-        batches = self.eval_loader.batches()
+        batches = self.sharding_plan.batch.place(self.eval_loader.batches(), micro_axis=False)
         yield from self._evaluator.run(state.params, batches, args.max_eval_batches)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:

@@ -1,0 +1,52 @@
+"""Activation sharding constraints inside the model.
+
+Models call `constrain(x, ("batch", "length", "embed"))` at a few points (the residual
+stream, the logits). Outside a sharded trace it is the identity; the Trainer traces its
+steps inside `activation_sharding(rules)` so the constraint becomes
+`jax.lax.with_sharding_constraint` with the spec the rules give (batch over dp/fsdp, length
+over sp, vocab/heads over tp). That keeps XLA from replicating activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+_RULES: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxtrain_activation_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_sharding(rules: Any) -> Iterator[None]:
+    """Within this block, `constrain` uses `rules` (a jaxtrain.parallel.ShardingRules)."""
+    token = _RULES.set(rules)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def with_activation_sharding(fn: Callable[..., Any], rules: Any) -> Callable[..., Any]:
+    """`fn` traced with `activation_sharding(rules)` active (wrap a loss function with it)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with activation_sharding(rules):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    rules = _RULES.get()
+    if rules is None:
+        return x
+    spec = rules.activation_spec(x.shape, names)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(rules.mesh, spec))

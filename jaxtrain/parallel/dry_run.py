@@ -1,0 +1,137 @@
+"""Dry run: what a run would put on each device, computed from shapes alone.
+
+Prints the mesh, the per-device bytes of parameters, optimizer state, gradients and a rough
+activation estimate, and the sharding of every parameter. Nothing is allocated: the state is
+`jax.eval_shape`d, so this works for models far larger than the machine running it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxtrain.parallel.mesh import describe_mesh
+from jaxtrain.parallel.rules import path_str
+
+
+def _shard_bytes(leaf: Any, sharding: Any) -> int:
+    shape = sharding.shard_shape(tuple(leaf.shape))
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def tree_bytes_per_device(abstract: Any, shardings: Any) -> int:
+    leaves = jax.tree.leaves(abstract)
+    return sum(_shard_bytes(x, s) for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def activation_bytes_estimate(
+    config: Any,
+    mesh_shape: dict[str, int],
+    micro_batch: int,
+    seq_len: int,
+    *,
+    dtype_bytes: int,
+    remat: str,
+) -> int | None:
+    """Rough bytes of activations kept for the backward pass on one device (one micro-batch).
+
+    Per layer and token (no remat): 4*d (norm inputs, residuals) + (N + 2K)*H (q, k, v)
+    + N*H (attention output) + N*T (attention probabilities) + 4*f (gate, up, act, down
+    input), the head/mlp terms divided by tp; "nothing_saveable" keeps only the layer input
+    d per layer plus one layer's worth. Logits add 2*V/tp float32 per token.
+    """
+    needed = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    if config is None or not all(hasattr(config, n) for n in needed):
+        return None
+    d, f, layers, vocab = (int(getattr(config, n)) for n in needed)
+    heads = int(getattr(config, "num_attention_heads", 1))
+    kv = int(getattr(config, "num_key_value_heads", heads))
+    head_dim = int(getattr(config, "head_dim", d // heads))
+    tp, sp = mesh_shape.get("tp", 1), mesh_shape.get("sp", 1)
+    tokens = max(micro_batch // (mesh_shape.get("dp", 1) * mesh_shape.get("fsdp", 1)), 1) * max(
+        seq_len // sp, 1
+    )
+    per_layer = (
+        4 * d + ((heads + 2 * kv) * head_dim + heads * head_dim + heads * seq_len + 4 * f) / tp
+    )
+    kept = layers * d + per_layer if remat == "nothing_saveable" else layers * per_layer
+    return int(tokens * (kept * dtype_bytes + 2 * vocab / tp * 4))
+
+
+def dry_run_report(trainer: Any) -> str:
+    """The text of `Trainer.dry_run()`."""
+    args = trainer.arguments
+    plan = trainer.sharding_plan
+    abstract = trainer.abstract_state()
+    shardings = trainer.state_shardings
+    mesh_shape = dict(plan.mesh.shape)
+    param_b = tree_bytes_per_device(abstract.params, shardings.params)
+    opt_b = tree_bytes_per_device(abstract.opt_state, shardings.opt_state)
+    total_param_b = sum(
+        math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract.params)
+    )
+    dtype_bytes = np.dtype(args.dtype or getattr(trainer.model, "dtype", np.float32)).itemsize
+    act_b = activation_bytes_estimate(
+        trainer.model_config,
+        mesh_shape,
+        args.micro_batch_size,
+        args.max_sequence_length,
+        dtype_bytes=dtype_bytes,
+        remat=args.gradient_checkpointing,
+    )
+    lines = [
+        f"jaxtrain dry run: {describe_mesh(plan.mesh)}",
+        f"parameters: {trainer.num_parameters:,} ({human_bytes(total_param_b)} in total)",
+        f"global batch: {args.total_batch_size} x {args.max_sequence_length} tokens, "
+        f"{args.gradient_accumulation_steps} micro-batch(es) of {args.micro_batch_size} rows, "
+        f"batch sharding {plan.batch.spec(3, micro_axis=True)}",
+        "per device:",
+        f"  parameters       {human_bytes(param_b):>12}",
+        f"  gradients        {human_bytes(param_b):>12}",
+        f"  optimizer state  {human_bytes(opt_b):>12}",
+    ]
+    if act_b is not None:
+        lines.append(
+            f"  activations      {human_bytes(act_b):>12}  (rough estimate, "
+            f"gradient_checkpointing={args.gradient_checkpointing})"
+        )
+        lines.append(f"  total            {human_bytes(2 * param_b + opt_b + act_b):>12}")
+    lines.append("parameter shardings (path, shape, dtype, logical axes, spec, per-device shard):")
+    params_by_path = jax.tree_util.tree_leaves_with_path(
+        abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    rows = []
+    for (path, var), sharding in zip(
+        params_by_path, jax.tree.leaves(shardings.params), strict=True
+    ):
+        axes = var.get_metadata().get("logical_axes") if isinstance(var, nnx.Variable) else None
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        shape = tuple(value.shape)
+        rows.append(
+            (
+                path_str(path),
+                str(shape),
+                str(np.dtype(value.dtype)),
+                str(tuple(axes)) if axes else "-",
+                str(tuple(sharding.spec)),
+                str(sharding.shard_shape(shape)),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(6)] if rows else []
+    for row in rows:
+        lines.append(
+            "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        )
+    return "\n".join(lines)

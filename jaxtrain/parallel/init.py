@@ -1,0 +1,95 @@
+"""Sharded initialisation: the model is born sharded, no host holds the full parameters.
+
+`ModelFactory(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))` is traced abstractly
+(`nnx.eval_shape`) to learn every variable's shape and logical axes; the rules turn those into
+shardings, and one `jax.jit(init, out_shardings=...)` then runs the initialisers -- and the
+optimizer's init -- so that each device computes and stores only its own shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.parallel.plan import ShardingPlan
+
+
+def cast_floating(params: Any, dtype: Any) -> Any:
+    """Floating leaves (arrays or jax.ShapeDtypeStruct) cast to `dtype`; None keeps them."""
+    if dtype is None:
+        return params
+    dtype = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, params)
+
+
+class ModelFactory:
+    """A zero-argument function building the model; pass it to Trainer(model=...).
+
+    The Trainer keeps the abstract model (shapes and logical axes, nothing allocated) and
+    creates the parameters and optimizer state sharded, in one jitted program, when the run
+    starts fresh; a resumed run restores them from the checkpoint without initialising.
+    """
+
+    def __init__(self, build: Callable[[], nnx.Module]):
+        if not callable(build):
+            raise TypeError(
+                f"ModelFactory needs a zero-argument callable returning an nnx.Module, got {build!r}."
+            )
+        self.build = build
+
+    def abstract(self) -> nnx.Module:
+        """The model with jax.ShapeDtypeStruct in place of arrays (nothing allocated)."""
+        return nnx.eval_shape(self.build)
+
+    def split(self, param_dtype: Any = None) -> tuple[Any, Any]:
+        """(params, rest) of a freshly built model; call it inside jit."""
+        _, params, rest = nnx.split(self.build(), nnx.Param, ...)
+        return cast_floating(params, param_dtype), rest
+
+    def state_initializer(
+        self,
+        make_state: Callable[[Any], Any],
+        shardings: Any,
+        *,
+        param_dtype: Any = None,
+    ) -> Callable[[], Any]:
+        """jit(lambda: make_state(fresh params), out_shardings=shardings): each device builds
+        only its shards of the parameters and of whatever `make_state` derives from them."""
+        return jax.jit(lambda: make_state(self.split(param_dtype)[0]), out_shardings=shardings)
+
+    def init_state(
+        self,
+        make_state: Callable[[Any], Any],
+        shardings: Any,
+        plan: ShardingPlan,
+        rest: Any,
+        param_dtype: Any = None,
+    ) -> tuple[Any, Any]:
+        """(train state, non-parameter variables), both created sharded.
+
+        `rest` is the abstract non-Param state of the model (empty for the Llama family)."""
+        if jax.tree.leaves(rest):
+            rest_shardings = plan.param_shardings(rest)
+            rest = jax.jit(lambda: self.split()[1], out_shardings=rest_shardings)()
+        init = self.state_initializer(make_state, shardings, param_dtype=param_dtype)
+        return init(), rest
+
+    def create(self, plan: ShardingPlan, *, param_dtype: Any = None) -> nnx.Module:
+        """A concrete model whose variables are created sharded by `plan`'s rules."""
+        graphdef, params, rest = nnx.split(self.abstract(), nnx.Param, ...)
+        params = cast_floating(params, param_dtype)
+        shardings = (plan.param_shardings(params), plan.param_shardings(rest))
+        params, rest = jax.jit(lambda: self.split(param_dtype), out_shardings=shardings)()
+        return nnx.merge(graphdef, params, rest)

@@ -1,0 +1,91 @@
+"""Validation and normalisation of the parallelism fields of TrainingArguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.parallel.distributed import DISTRIBUTED_MODES
+from jaxtrain.parallel.mesh import MESH_AXES, parse_axis_dims
+
+
+def _parsed(value: Any, field: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ArgumentError(
+                f"TrainingArguments.{field}: cannot parse {value!r}: {err}"
+            ) from None
+    return value
+
+
+def _check_axes(rule: Any, where: str) -> None:
+    axes = [rule] if isinstance(rule, str) or rule is None else rule
+    if not isinstance(axes, (list, tuple)) or any(
+        a is not None and a not in MESH_AXES for a in axes
+    ):
+        raise ArgumentError(
+            f"{where}={rule!r}: use a mesh axis of {MESH_AXES}, a list of them, or null."
+        )
+
+
+def normalize_parallel_arguments(args: Any) -> None:
+    """Parse CLI strings and check the shapes of the parallelism fields, in place."""
+    args.sharding_axis_dims = parse_axis_dims(args.sharding_axis_dims)
+    rules = _parsed(args.sharding_rules, "sharding_rules")
+    if rules is not None:
+        if not isinstance(rules, dict):
+            raise ArgumentError(
+                f"TrainingArguments.sharding_rules must map logical axis names to mesh axes, "
+                f"e.g. {{mlp: tp, embed: fsdp}}; got {rules!r}."
+            )
+        for name, rule in rules.items():
+            _check_axes(rule, f"TrainingArguments.sharding_rules[{name!r}]")
+    args.sharding_rules = rules
+    regex = _parsed(args.sharding_regex_rules, "sharding_regex_rules")
+    if regex is not None:
+        if not isinstance(regex, (list, tuple)):
+            raise ArgumentError(
+                "TrainingArguments.sharding_regex_rules must be a list of [pattern, [axis per "
+                f'dim]] pairs, e.g. [["mlp/.*kernel$", [fsdp, tp]]]; got {regex!r}.'
+            )
+        for i, entry in enumerate(regex):
+            if not (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 2
+                and isinstance(entry[0], str)
+                and isinstance(entry[1], (list, tuple))
+            ):
+                raise ArgumentError(
+                    f"TrainingArguments.sharding_regex_rules[{i}]={entry!r} must be "
+                    "[pattern, [mesh axis, list of axes or null per dim]]."
+                )
+            for rule in entry[1]:
+                _check_axes(rule, f"TrainingArguments.sharding_regex_rules[{i}] ({entry[0]!r})")
+        regex = [[entry[0], list(entry[1])] for entry in regex]
+    args.sharding_regex_rules = regex
+    if args.distributed not in DISTRIBUTED_MODES:
+        raise ArgumentError(
+            f"TrainingArguments.distributed={args.distributed!r} is not supported. Choose one "
+            f"of: {', '.join(DISTRIBUTED_MODES)}."
+        )
+    if not args.distributed_timeout_s > 0:
+        raise ArgumentError(
+            f"TrainingArguments.distributed_timeout_s must be > 0, got {args.distributed_timeout_s}."
+        )
+    if args.num_processes is not None and args.num_processes <= 0:
+        raise ArgumentError(
+            f"TrainingArguments.num_processes must be > 0, got {args.num_processes}."
+        )
+    if (
+        args.process_id is not None
+        and args.num_processes is not None
+        and not (0 <= args.process_id < args.num_processes)
+    ):
+        raise ArgumentError(
+            f"TrainingArguments.process_id={args.process_id} must lie in [0, num_processes="
+            f"{args.num_processes})."
+        )

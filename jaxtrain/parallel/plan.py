@@ -1,0 +1,66 @@
+"""ShardingPlan: everything the Trainer needs to place state and batches on the mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.parallel.batch import BatchLayout
+from jaxtrain.parallel.mesh import build_mesh
+from jaxtrain.parallel.rules import ShardingRules
+from jaxtrain.parallel.zero import optimizer_shardings
+
+if TYPE_CHECKING:
+    from jaxtrain.arguments import TrainingArguments
+    from jaxtrain.training.state import TrainState
+
+
+class ShardingPlan:
+    """Mesh + parameter rules + batch layout.
+
+    `sharding_for(path, shape, logical_axes)` answers for one parameter (e.g. a weight loader
+    placing each tensor as it reads it); `state_shardings(abstract_state)` for a TrainState.
+    """
+
+    def __init__(self, mesh: Mesh, rules: ShardingRules | None = None):
+        self.mesh = mesh
+        self.rules = rules if rules is not None else ShardingRules(mesh)
+        self.batch = BatchLayout(mesh)
+        self.replicated = NamedSharding(mesh, P())
+
+    @classmethod
+    def from_arguments(
+        cls, args: TrainingArguments, devices: Sequence[jax.Device] | None = None
+    ) -> ShardingPlan:
+        mesh = build_mesh(args.sharding_axis_dims, devices)
+        rules = ShardingRules(mesh, args.sharding_rules, args.sharding_regex_rules)
+        return cls(mesh, rules)
+
+    def sharding_for(
+        self, path: str, shape: Sequence[int], logical_axes: Sequence[str | None] | None
+    ) -> NamedSharding:
+        return self.rules.sharding_for(path, shape, logical_axes)
+
+    def param_shardings(self, params: Any) -> Any:
+        return self.rules.tree_shardings(params)
+
+    def train_step_jit_options(self, state_shardings: Any, batch: dict[str, Any]) -> dict:
+        """`jax.jit` options of the train step: state and batch placed on the mesh, the state
+        donated, metrics replicated."""
+        batch_shardings = self.batch.shardings(batch, micro_axis=True)
+        return {
+            "in_shardings": (state_shardings, batch_shardings),
+            "out_shardings": (state_shardings, self.replicated),
+            "donate_argnums": 0,
+        }
+
+    def state_shardings(self, abstract_state: TrainState) -> TrainState:
+        params = self.param_shardings(abstract_state.params)
+        opt = optimizer_shardings(
+            abstract_state.opt_state, abstract_state.params, params, self.mesh
+        )
+        return abstract_state.replace(step=self.replicated, params=params, opt_state=opt)
