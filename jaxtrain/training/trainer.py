@@ -1,15 +1,13 @@
-"""The Trainer: wires arguments, model, data, optimizer and checkpoints, and runs the loop.
+"""The Trainer: wires arguments, model, mesh, data, optimizer and checkpoints.
 
-The loop only orchestrates. The math lives in `step.py` (pure, jitted); data in
-`jaxtrain.data`; files in `checkpoint.py` and `logs.py`. The device never waits for the host:
-step n+1 is dispatched before the metrics of step n are read, and metrics are read only at
-logging cadence.
+`train()` hands one run to `loop.TrainingLoop`; the math lives in `step.py` (pure, jitted),
+data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, files in `checkpoint.py`, and
+measurements in `monitor.py`. Subclasses change the objective through `compute_loss_sums` /
+`loss_normalizer` and react to the run through the TrainerCallback hooks.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
+from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.parallel.distributed import gather_json
@@ -29,10 +27,9 @@ from jaxtrain.parallel.init import cast_floating
 from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
-from jaxtrain.training.logs import JsonlLog
+from jaxtrain.training.loop import TrainerOutput, TrainingLoop
 from jaxtrain.training.monitor import RunMonitor
 from jaxtrain.training.optim import build_optimizer, build_schedule
-from jaxtrain.training.progress import make_progress
 from jaxtrain.training.run_start import initial_state
 from jaxtrain.training.state import TrainState, count_parameters
 from jaxtrain.training.step import (
@@ -40,27 +37,8 @@ from jaxtrain.training.step import (
     count_target_tokens,
     make_train_step,
 )
-from jaxtrain.training.stopping import (
-    Deadline,
-    NonFiniteGuard,
-    StopSignals,
-    TrainingInterrupted,
-    any_process,
-)
 
-
-@dataclasses.dataclass
-class TrainerOutput:
-    """What `Trainer.train()` returns."""
-
-    state: TrainState
-    # Last logged training metrics and the final evaluation ("eval/..." keys).
-    metrics: dict[str, float]
-    # Step directory of the last checkpoint written, if any.
-    checkpoint_path: str | None
-    mesh: jax.sharding.Mesh | None = None
-    # "completed", "callback" (a hook set should_stop) or "time_limit" (training_time_limit).
-    stop_reason: str = "completed"
+__all__ = ["Trainer", "TrainerOutput", "param_logical_axes"]
 
 
 class Trainer(TrainerCallback):
@@ -265,6 +243,12 @@ class Trainer(TrainerCallback):
         call_hooks(self._receivers, "on_save", self, str(path), step)
         return str(path)
 
+    def _close_checkpointer(self) -> None:
+        """Wait for the background writes to commit; the next run opens a new one."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
+
     def _checkpoint_metadata(self, state: TrainState) -> dict[str, Any]:
         config = self.model_config
         step = int(jax.device_get(state.step))
@@ -310,144 +294,12 @@ class Trainer(TrainerCallback):
         SIGINT/SIGTERM: the step in flight finishes, a checkpoint is saved, and
         TrainingInterrupted is raised. NaN/Inf losses follow `on_nan`.
         """
-        args = self.arguments
-        total_steps = self.total_steps
-        deadline = Deadline(args.time_limit_seconds)
-        state, step, resumed_from = self._initial_state()
-        state = jax.device_put(state, self.state_shardings)  # no-op unless placed elsewhere
-        out_dir = Path(args.output_dir)
-        primary = jax.process_index() == 0  # only process 0 writes logs and progress
-        if primary:
-            args.save(out_dir / "arguments.json")
-        tokenizer = self.processing_class
-        if primary and tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(out_dir / "tokenizer")
-
-        log = self._monitor.open(out_dir, step)  # process 0 writes, the others do not
-        layout = self.sharding_plan.batch
-
-        def placed(pairs):  # (host batch, its slice of the global batch on the mesh), stats
-            for host_batch, stats in pairs:
-                yield (host_batch, layout.to_global(host_batch, micro_axis=True)), stats
-
-        host_batches = self.train_loader.batches(start_step=step, with_stats=True)
-        batches = prefetch(placed(host_batches), size=args.prefetch_batches)
-        batches = self._monitor.timed(self.data_meter.wrap(batches))
-        progress = make_progress(args.progress_bar if primary else "none", total_steps, step)
-        progress.write(
-            f"jaxtrain: {self.num_parameters / 1e6:.2f}M parameters, {total_steps} steps, "
-            f"{args.total_batch_size} x {args.max_sequence_length} tokens per step, "
-            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
-            f"mesh {dict(self.mesh.shape)}"
-        )
-        if resumed_from is not None:
-            progress.write(f"resumed from {resumed_from} at step {step}")
-        call_hooks(self._receivers, "on_train_start", self, state)
-
-        last_logs: dict[str, float] = {}
-        eval_metrics: dict[str, float] = {}
-        last_eval_step = -1
-        saved_step = step if resumed_from is not None else -1
-        checkpoint_path = str(resumed_from) if resumed_from is not None else None
-        stop_reason = "completed"
-        guard = NonFiniteGuard(args.on_nan, args.max_nan_skips)
-        window = self._monitor.window()
-        pending = None  # a closed logging window whose device metrics are read one step late
-        last_save_time = time.monotonic()
-        with StopSignals() as signals:
-            try:
-                while step < total_steps:
-                    if self.should_stop:
-                        stop_reason = "callback"
-                        break
-                    host_batch, batch = next(batches)
-                    if self._train_step is None:
-                        self._train_step = self._compile_train_step(state, batch, log, progress)
-                        window.restart_clock()
-                    call_hooks(self._receivers, "on_step_start", self, state, step)
-                    state, metrics = self._train_step(state, batch)
-                    step += 1
-                    guard.push(step, metrics["nonfinite"])
-                    window.add(metrics, self._monitor.count(host_batch))
-                    if pending is not None:
-                        last_logs = self._emit_logs(pending, log, progress, guard)
-                        pending = None
-                    call_hooks(self._receivers, "on_step_end", self, state, metrics, step)
-                    early_stop, interval_save = self._poll_stops(signals, deadline, last_save_time)
-                    if early_stop is not None:
-                        stop_reason = early_stop
-                    last = step == total_steps or early_stop is not None or self.should_stop
-                    if step % args.logging_steps == 0 or last:
-                        epoch = self.train_loader.epoch(step)
-                        pending = window.close(step, epoch=epoch)
-                    progress.update(step)
-
-                    eval_now = self._eval_due(step, total_steps) and early_stop is None
-                    save_now = self._save_due(step) or interval_save or early_stop is not None
-                    if eval_now or save_now:
-                        if pending is not None:
-                            last_logs = self._emit_logs(pending, log, progress, guard)
-                            pending = None
-                        guard.flush()  # never evaluate or save past an unseen NaN
-                        if eval_now:
-                            eval_metrics = self._run_evaluation(state, step, log, progress)
-                            last_eval_step = step
-                        if save_now:
-                            checkpoint_path = self.save_checkpoint(state)
-                            saved_step, last_save_time = step, time.monotonic()
-                        window.restart_clock()
-                    if early_stop is not None:
-                        break
-                if pending is not None:
-                    last_logs = self._emit_logs(pending, log, progress, guard)
-                guard.flush()
-                finished = stop_reason in ("completed", "callback")
-                if finished and self._wants_eval() and last_eval_step != step:
-                    eval_metrics = self._run_evaluation(state, step, log, progress)
-                if (args.save_final or not finished) and saved_step != step:
-                    checkpoint_path = self.save_checkpoint(state)
-            finally:
-                if self._checkpointer is not None:
-                    self._checkpointer.close()  # waits for the background writes to commit
-                    self._checkpointer = None
-                progress.close()
-                log.close()
-
-        if stop_reason.startswith("signal:"):
-            raise TrainingInterrupted(stop_reason.split(":", 1)[1], step, checkpoint_path)
-        if stop_reason == "time_limit":
-            print(
-                f"jaxtrain: training_time_limit={args.training_time_limit} reached at step "
-                f"{step}; saved {checkpoint_path}. Run the same command again to continue."
-            )
-        nnx.update(self.model, state.params)
-        output = TrainerOutput(
-            state=state,
-            metrics={**last_logs, **eval_metrics},
-            checkpoint_path=checkpoint_path,
-            stop_reason=stop_reason,
-        )
-        call_hooks(self._receivers, "on_train_end", self, output)
-        return output
+        return TrainingLoop(self).run()
 
     def _initial_state(self) -> tuple[TrainState, int, Path | None]:
         return initial_state(self)
 
-    def _poll_stops(
-        self, signals: StopSignals, deadline: Deadline, last_save_time: float
-    ) -> tuple[str | None, bool]:
-        """(reason to stop after this step or None, whether save_interval_minutes is due),
-        agreed by every process."""
-        interval = self.arguments.save_interval_minutes
-        interval_due = interval is not None and time.monotonic() - last_save_time >= interval * 60
-        signal_seen, expired, interval_due = any_process(
-            [signals.received is not None, deadline.expired(), interval_due]
-        )
-        if signal_seen:
-            return f"signal:{signals.received or 'SIGTERM'}", interval_due
-        return ("time_limit" if expired else None), interval_due
-
-    def _compile_train_step(self, state, batch, log: JsonlLog, progress):
+    def _compile_train_step(self, state: TrainState, batch: dict[str, jax.Array], progress: Any):
         step_fn = make_train_step(
             graphdef=self.graphdef,
             rest=self.rest,
@@ -467,42 +319,6 @@ class Trainer(TrainerCallback):
         )
         compiled.compile(state, batch)
         return compiled
-
-    def _emit_logs(self, window_stats, log: JsonlLog, progress, guard) -> dict[str, float]:
-        logs = self._monitor.step_logs({**window_stats.read(), **self.data_meter.fields()})
-        if guard.skipped_total:
-            logs["nonfinite_skipped_steps"] = guard.skipped_total
-        log.write(logs["step"], logs)
-        call_hooks(self._receivers, "on_log", self, logs, logs["step"])
-        progress.update(logs["step"], self._monitor.progress_fields(logs))
-        return logs
-
-    def _wants_eval(self) -> bool:
-        return self.dataset_eval is not None and self.arguments.evaluation_strategy != "no"
-
-    def _eval_due(self, step: int, total_steps: int) -> bool:
-        if not self._wants_eval():
-            return False
-        args = self.arguments
-        if step == total_steps:
-            return True
-        if args.evaluation_strategy == "steps":
-            return step % args.eval_steps == 0
-        return step % self.train_loader.steps_per_epoch == 0  # "epoch"
-
-    def _save_due(self, step: int) -> bool:
-        save_steps = self.arguments.save_steps
-        return save_steps is not None and step % save_steps == 0
-
-    def _run_evaluation(self, state, step: int, log: JsonlLog, progress) -> dict[str, float]:
-        metrics = self.evaluate(state)
-        log.write(step, metrics)
-        call_hooks(self._receivers, "on_evaluate", self, metrics, step)
-        progress.write(
-            f"step {step}: eval loss {metrics['eval/loss']:.4f}, "
-            f"ppl {metrics['eval/perplexity']:.2f}, acc {metrics['eval/accuracy']:.3f}"
-        )
-        return metrics
 
     # ------------------------------------------------------------------- eval
     def eval(self, state: TrainState) -> Iterator[dict[str, float]]:

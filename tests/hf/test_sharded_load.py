@@ -57,6 +57,26 @@ out = sharded.save_pretrained(sys.argv[2])
 back = AutoModelForCausalLM.from_pretrained(out)
 for path, var in nnx.to_flat_state(nnx.state(back, nnx.Param)):
     np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(reference[path][...]))
+# Wired to the Trainer's sharding plan (what `jaxtrain train --model.pretrained` does), the
+# loader places every tensor where the plan's rules, regex rules included, put it.
+from jaxtrain import TrainingArguments
+from jaxtrain.parallel import ShardingPlan
+args = TrainingArguments(
+    sharding_axis_dims=(1, 2, 1, 2, 1),
+    sharding_regex_rules=[[r"down_proj/kernel$", ["tp", "fsdp"]]],
+)
+plan = ShardingPlan.from_arguments(args)
+planned = AutoModelForCausalLM.from_pretrained(sys.argv[1], sharding_for=plan.sharding_for)
+arrays = jax.tree.leaves(nnx.state(planned, nnx.Param))
+wanted = jax.tree.leaves(
+    plan.param_shardings(nnx.state(plain, nnx.Param)),
+    is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+)
+assert len(arrays) == len(wanted) == len(flat)
+for array, sharding in zip(arrays, wanted):
+    assert array.sharding.is_equivalent_to(sharding, array.ndim), (array.shape, sharding)
+down = nnx.state(planned, nnx.Param)["model"]["layers"][0]["mlp"]["down_proj"]["kernel"][...]
+assert tuple(down.sharding.spec) == ("tp", "fsdp"), down.sharding.spec
 assert "torch" not in sys.modules
 print("ok", split)
 """

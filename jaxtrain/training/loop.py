@@ -1,0 +1,244 @@
+"""One call of `Trainer.train()`: the loop that orchestrates steps, logs, evals and saves.
+
+The loop only orchestrates: the math is in `step.py` (pure, jitted), data in
+`jaxtrain.data`, files in `checkpoint.py`, measurements in `monitor.py`. The device never
+waits for the host: step n+1 is dispatched before the metrics of step n are read, and metrics
+are read only at logging cadence (one step late).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+from flax import nnx
+
+from jaxtrain.data import prefetch
+from jaxtrain.training.hooks import call_hooks
+from jaxtrain.training.progress import make_progress
+from jaxtrain.training.state import TrainState
+from jaxtrain.training.stopping import (
+    Deadline,
+    NonFiniteGuard,
+    StopSignals,
+    TrainingInterrupted,
+    any_process,
+)
+
+if TYPE_CHECKING:
+    from jaxtrain.training.trainer import Trainer
+
+
+@dataclasses.dataclass
+class TrainerOutput:
+    """What `Trainer.train()` returns."""
+
+    state: TrainState
+    # Last logged training metrics and the final evaluation ("eval/..." keys).
+    metrics: dict[str, float]
+    # Step directory of the last checkpoint written, if any.
+    checkpoint_path: str | None
+    mesh: jax.sharding.Mesh | None = None
+    # "completed", "callback" (a hook set should_stop) or "time_limit" (training_time_limit).
+    stop_reason: str = "completed"
+
+
+class TrainingLoop:
+    """The state of one training run between its first and last step."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.args = trainer.arguments
+        self.total_steps = trainer.total_steps
+        self.deadline = Deadline(self.args.time_limit_seconds)
+        self.last_logs: dict[str, float] = {}
+        self.eval_metrics: dict[str, float] = {}
+        self.checkpoint_path: str | None = None
+        self.stop_reason = "completed"
+        self.guard = NonFiniteGuard(self.args.on_nan, self.args.max_nan_skips)
+        self.pending = None  # a closed logging window whose device metrics are read one step late
+
+    def run(self) -> TrainerOutput:
+        trainer, args = self.trainer, self.args
+        state, step, resumed_from = trainer._initial_state()
+        state = jax.device_put(state, trainer.state_shardings)  # no-op unless placed elsewhere
+        self._write_run_files()
+        self.log = trainer._monitor.open(args.output_dir, step)  # written by process 0 only
+        batches = self._batches(step)
+        primary = jax.process_index() == 0
+        self.progress = make_progress(
+            args.progress_bar if primary else "none", self.total_steps, step
+        )
+        self.progress.write(
+            f"jaxtrain: {trainer.num_parameters / 1e6:.2f}M parameters, {self.total_steps} "
+            f"steps, {args.total_batch_size} x {args.max_sequence_length} tokens per step, "
+            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+            f"mesh {dict(trainer.mesh.shape)}"
+        )
+        if resumed_from is not None:
+            self.progress.write(f"resumed from {resumed_from} at step {step}")
+            self.checkpoint_path = str(resumed_from)
+        call_hooks(trainer._receivers, "on_train_start", trainer, state)
+        with StopSignals() as signals:
+            try:
+                state, step = self._steps(state, step, batches, signals, resumed_from)
+            finally:
+                trainer._close_checkpointer()  # waits for the background writes to commit
+                self.progress.close()
+                self.log.close()
+        return self._finish(state, step)
+
+    # ----------------------------------------------------------------- setup
+    def _write_run_files(self) -> None:
+        if jax.process_index() != 0:
+            return
+        out_dir = Path(self.args.output_dir)
+        self.args.save(out_dir / "arguments.json")
+        tokenizer = self.trainer.processing_class
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(out_dir / "tokenizer")
+
+    def _batches(self, step: int):
+        """(host batch, global batch on the mesh) pairs from `step` on, prefetched; the wait
+        for each is timed and what collation cut or padded is counted."""
+        trainer = self.trainer
+        layout = trainer.sharding_plan.batch
+
+        def placed(pairs):
+            for host_batch, stats in pairs:
+                yield (host_batch, layout.to_global(host_batch, micro_axis=True)), stats
+
+        host_batches = trainer.train_loader.batches(start_step=step, with_stats=True)
+        batches = prefetch(placed(host_batches), size=self.args.prefetch_batches)
+        return trainer._monitor.timed(trainer.data_meter.wrap(batches))
+
+    # ------------------------------------------------------------------ loop
+    def _steps(self, state, step: int, batches, signals: StopSignals, resumed_from):
+        trainer, args, total_steps = self.trainer, self.args, self.total_steps
+        last_eval_step = -1
+        saved_step = step if resumed_from is not None else -1
+        window = trainer._monitor.window()
+        last_save_time = time.monotonic()
+        while step < total_steps:
+            if trainer.should_stop:
+                self.stop_reason = "callback"
+                break
+            host_batch, batch = next(batches)
+            if trainer._train_step is None:
+                trainer._train_step = trainer._compile_train_step(state, batch, self.progress)
+                window.restart_clock()
+            call_hooks(trainer._receivers, "on_step_start", trainer, state, step)
+            state, metrics = trainer._train_step(state, batch)
+            step += 1
+            self.guard.push(step, metrics["nonfinite"])
+            window.add(metrics, trainer._monitor.count(host_batch))
+            self._emit_pending()
+            call_hooks(trainer._receivers, "on_step_end", trainer, state, metrics, step)
+            early_stop, interval_save = self._poll_stops(signals, last_save_time)
+            if early_stop is not None:
+                self.stop_reason = early_stop
+            last = step == total_steps or early_stop is not None or trainer.should_stop
+            if step % args.logging_steps == 0 or last:
+                self.pending = window.close(step, epoch=trainer.train_loader.epoch(step))
+            self.progress.update(step)
+
+            eval_now = self._eval_due(step) and early_stop is None
+            save_now = self._save_due(step) or interval_save or early_stop is not None
+            if eval_now or save_now:
+                self._emit_pending()
+                self.guard.flush()  # never evaluate or save past an unseen NaN
+                if eval_now:
+                    self._evaluate(state, step)
+                    last_eval_step = step
+                if save_now:
+                    self.checkpoint_path = trainer.save_checkpoint(state)
+                    saved_step, last_save_time = step, time.monotonic()
+                window.restart_clock()
+            if early_stop is not None:
+                break
+        self._emit_pending()
+        self.guard.flush()
+        finished = self.stop_reason in ("completed", "callback")
+        if finished and self._wants_eval() and last_eval_step != step:
+            self._evaluate(state, step)
+        if (args.save_final or not finished) and saved_step != step:
+            self.checkpoint_path = trainer.save_checkpoint(state)
+        return state, step
+
+    def _finish(self, state, step: int) -> TrainerOutput:
+        trainer = self.trainer
+        if self.stop_reason.startswith("signal:"):
+            signal_name = self.stop_reason.split(":", 1)[1]
+            raise TrainingInterrupted(signal_name, step, self.checkpoint_path)
+        if self.stop_reason == "time_limit":
+            print(
+                f"jaxtrain: training_time_limit={self.args.training_time_limit} reached at "
+                f"step {step}; saved {self.checkpoint_path}. Run the same command again to "
+                "continue."
+            )
+        nnx.update(trainer.model, state.params)
+        output = TrainerOutput(
+            state=state,
+            metrics={**self.last_logs, **self.eval_metrics},
+            checkpoint_path=self.checkpoint_path,
+            stop_reason=self.stop_reason,
+        )
+        call_hooks(trainer._receivers, "on_train_end", trainer, output)
+        return output
+
+    # --------------------------------------------------------------- helpers
+    def _poll_stops(self, signals: StopSignals, last_save_time: float) -> tuple[str | None, bool]:
+        """(reason to stop after this step or None, whether save_interval_minutes is due),
+        agreed by every process."""
+        interval = self.args.save_interval_minutes
+        interval_due = interval is not None and time.monotonic() - last_save_time >= interval * 60
+        signal_seen, expired, interval_due = any_process(
+            [signals.received is not None, self.deadline.expired(), interval_due]
+        )
+        if signal_seen:
+            return f"signal:{signals.received or 'SIGTERM'}", interval_due
+        return ("time_limit" if expired else None), interval_due
+
+    def _emit_pending(self) -> None:
+        """Read and write the closed logging window, if any (its step is already done)."""
+        if self.pending is None:
+            return
+        trainer, monitor = self.trainer, self.trainer._monitor
+        logs = monitor.step_logs({**self.pending.read(), **trainer.data_meter.fields()})
+        self.pending = None
+        if self.guard.skipped_total:
+            logs["nonfinite_skipped_steps"] = self.guard.skipped_total
+        self.log.write(logs["step"], logs)
+        call_hooks(trainer._receivers, "on_log", trainer, logs, logs["step"])
+        self.progress.update(logs["step"], monitor.progress_fields(logs))
+        self.last_logs = logs
+
+    def _wants_eval(self) -> bool:
+        return self.trainer.dataset_eval is not None and self.args.evaluation_strategy != "no"
+
+    def _eval_due(self, step: int) -> bool:
+        if not self._wants_eval():
+            return False
+        if step == self.total_steps:
+            return True
+        if self.args.evaluation_strategy == "steps":
+            return step % self.args.eval_steps == 0
+        return step % self.trainer.train_loader.steps_per_epoch == 0  # "epoch"
+
+    def _save_due(self, step: int) -> bool:
+        save_steps = self.args.save_steps
+        return save_steps is not None and step % save_steps == 0
+
+    def _evaluate(self, state, step: int) -> None:
+        trainer = self.trainer
+        metrics = trainer.evaluate(state)
+        self.log.write(step, metrics)
+        call_hooks(trainer._receivers, "on_evaluate", trainer, metrics, step)
+        self.progress.write(
+            f"step {step}: eval loss {metrics['eval/loss']:.4f}, "
+            f"ppl {metrics['eval/perplexity']:.2f}, acc {metrics['eval/accuracy']:.3f}"
+        )
+        self.eval_metrics = metrics
