@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo report-demo test lint format bench clean
+.PHONY: demo test lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,15 +18,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# Train the demo model on the embedded corpus (CPU, ~10 minutes on 2 cores).
+# Train the demo model on the embedded corpus (CPU, 5 to 10 minutes on 2 cores); its
+# runs/demo/report.png is the README's docs/report.png.
 demo: $(VENV)/.installed
 	$(BIN)/jaxtrain train --output_dir runs/demo --overwrite_output_dir true
-
-# A short real run (~4 minutes on 2 CPU cores); its report is the README's docs/report.png.
-report-demo: $(VENV)/.installed
-	$(BIN)/jaxtrain train --output_dir runs/report-demo --overwrite_output_dir true \
-		--max_steps 240 --eval_steps 60 --track_memory true --weight_distribution_log_steps 60
-	mkdir -p docs && cp runs/report-demo/report.png docs/report.png
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check jaxtrain tests bench

@@ -7,16 +7,25 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.data.errors import DatasetError
+from jaxtrain.hf.errors import HFError
+from jaxtrain.parallel import DistributedError, ModelFactory
 from jaxtrain.training.checkpoint import CheckpointError
 from jaxtrain.training.hooks import TrainerCallback
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.stopping import NonFiniteLossError, TrainingInterrupted
+from jaxtrain.training.trackers import TrackerError
 from jaxtrain.training.trainer import Trainer, TrainerOutput
 
 __all__ = [
     "ArgumentError",
     "CheckpointError",
+    "DatasetError",
+    "DistributedError",
+    "HFError",
+    "ModelFactory",
     "NonFiniteLossError",
+    "TrackerError",
     "Trainer",
     "TrainerCallback",
     "TrainerOutput",

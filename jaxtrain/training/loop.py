@@ -41,6 +41,7 @@ class TrainerOutput:
     metrics: dict[str, float]
     # Step directory of the last checkpoint written, if any.
     checkpoint_path: str | None
+    # The device mesh the state lives on.
     mesh: jax.sharding.Mesh | None = None
     # "completed", "callback" (a hook set should_stop) or "time_limit" (training_time_limit).
     stop_reason: str = "completed"
@@ -184,6 +185,7 @@ class TrainingLoop:
             state=state,
             metrics={**self.last_logs, **self.eval_metrics},
             checkpoint_path=self.checkpoint_path,
+            mesh=trainer.mesh,
             stop_reason=self.stop_reason,
         )
         call_hooks(trainer._receivers, "on_train_end", trainer, output)

@@ -67,6 +67,7 @@ def main(out_dir: str) -> None:
         output = trainer.train()
         finals[name] = params_of(output.state)
         run = {"losses": recorder.losses, "eval_loss": output.metrics.get("eval/loss")}
+        run["mesh"] = list(output.mesh.shape.values())
         # Per-device shard shapes of the parameters and the Adam moments.
         leaves = jax.tree_util.tree_leaves_with_path(output.state.params)
         run["shards"] = {

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from common import MESHES
 
 from jaxtrain import TrainingArguments
 from jaxtrain.arguments import ArgumentError
@@ -52,6 +53,7 @@ def test_every_mesh_trains_like_one_device(mesh_results):
     assert len(single) == 3
     for name in ("dp8", "fsdp8", "dp2_fsdp2_tp2", "fsdp4_sp2"):
         assert runs[name]["num_devices_used"] == 8, name
+        assert tuple(runs[name]["mesh"]) == MESHES[name], name  # TrainerOutput.mesh
         np.testing.assert_allclose(runs[name]["losses"], single, rtol=TOL, err_msg=name)
         assert runs[name]["max_param_diff"] < TOL, (name, runs[name]["max_param_diff"])
     # Evaluation on sharded eval batches (with a padded last batch) is exact too.
