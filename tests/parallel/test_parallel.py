@@ -143,12 +143,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one_and_read_only_their_rows(tmp_path, mesh_results):
-    port = str(_free_port())
-    command = [sys.executable, str(HERE / "multihost_worker.py"), port]
+def _run_two_processes(tmp_path: Path, *mode: str) -> list[dict]:
+    """Run multihost_worker.py as processes 0 and 1 of one cluster; their JSON results."""
+    command = [sys.executable, str(HERE / "multihost_worker.py"), str(_free_port())]
     procs = [
         subprocess.Popen(
-            [*command, str(i), str(tmp_path)],
+            [*command, str(i), str(tmp_path), *mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -158,7 +158,12 @@ def test_two_processes_train_like_one_and_read_only_their_rows(tmp_path, mesh_re
     ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
-    results = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
+    prefix = f"{mode[0]}_" if mode else "process_"
+    return [json.loads((tmp_path / f"{prefix}{i}.json").read_text()) for i in range(2)]
+
+
+def test_two_processes_train_like_one_and_read_only_their_rows(tmp_path, mesh_results):
+    results = _run_two_processes(tmp_path)
     expected = mesh_results["runs"]["dp2_fsdp2_tp2"]["losses"]  # one process, 8 devices
     for i, r in enumerate(results):
         assert (r["process_index"], r["process_count"]) == (i, 2)
@@ -177,21 +182,7 @@ def test_two_processes_train_like_one_and_read_only_their_rows(tmp_path, mesh_re
 
 
 def test_two_processes_resume_packed_data_from_each_process_position(tmp_path):
-    port = str(_free_port())
-    command = [sys.executable, str(HERE / "multihost_worker.py"), port]
-    procs = [
-        subprocess.Popen(
-            [*command, str(i), str(tmp_path), "packed"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(),
-        )
-        for i in range(2)
-    ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
-    results = [json.loads((tmp_path / f"packed_{i}.json").read_text()) for i in range(2)]
+    results = _run_two_processes(tmp_path, "packed")
     state = results[0]["data_state"]
     # The checkpoint holds both processes' positions, each in its own share of the data.
     assert state["step"] == 2 and len(state["processes"]) == 2
