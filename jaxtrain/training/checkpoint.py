@@ -127,7 +127,8 @@ def restore_state(path: str | Path, abstract_state: TrainState) -> TrainState:
         )
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
     try:
-        return ocp.StandardCheckpointer().restore(state_dir, target)
+        with ocp.StandardCheckpointer() as checkpointer:  # closed: no stray async threads
+            return checkpointer.restore(state_dir, target)
     except Exception as err:  # re-raised with the path and what to do; never ignored
         raise CheckpointError(
             f"Could not restore the train state from {state_dir}: {type(err).__name__}: "
@@ -149,12 +150,13 @@ def restore_params(path: str | Path, abstract_params: Any) -> Any:
         lambda x: ocp.ArrayRestoreArgs(sharding=getattr(x, "sharding", None) or default), target
     )
     try:
-        restored = ocp.PyTreeCheckpointer().restore(
-            state_dir,
-            args=ocp.args.PyTreeRestore(
-                item=target, restore_args=restore_args, partial_restore=True
-            ),
-        )
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(
+                state_dir,
+                args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore_args, partial_restore=True
+                ),
+            )
     except Exception as err:  # re-raised with the path and what to do; never ignored
         raise CheckpointError(
             f"Could not restore the parameters from {state_dir}: {type(err).__name__}: {err}. "
@@ -169,4 +171,5 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     meta_dir = Path(path).absolute() / "meta"
     if not meta_dir.is_dir():
         raise CheckpointError(f"{path} has no 'meta' folder; is it a jaxtrain checkpoint?")
-    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(meta_dir)
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+        return checkpointer.restore(meta_dir)
