@@ -19,7 +19,6 @@ on_train_end). Only process 0 writes anything.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,6 @@ from jaxtrain.training.hardware import device_peak_flops
 from jaxtrain.training.metrics import BatchCounts, DataWaitClock, MetricsWindow, host_token_count
 from jaxtrain.training.trackers import check_trackers, default_run_name, start_trackers
 
-logger = logging.getLogger("jaxtrain")
 GIB = 2.0**30
 
 
@@ -235,11 +233,15 @@ class RunMonitor:
 
     def on_train_end(self, trainer: Any, output: Any) -> None:
         if self.is_writer and self.args.run_report:
-            from jaxtrain.training.report import write_report
+            from jaxtrain.training.report import ReportError, write_report
 
             try:
                 result = write_report(self.args.output_dir)
-            except Exception as err:  # the run succeeded; a broken plot must not undo that
-                logger.warning("jaxtrain: could not write the run report: %s", err)
-                return
+            except Exception as err:  # asked for and not written: say so, with the way out
+                raise ReportError(
+                    f"training finished (checkpoint: {output.checkpoint_path}), but the run "
+                    f"report could not be written to {self.args.output_dir}: "
+                    f"{type(err).__name__}: {err}. Fix the cause and run `jaxtrain report "
+                    f"{self.args.output_dir}`, or pass run_report=False."
+                ) from err
             print(f"jaxtrain: run report: {result.html}")

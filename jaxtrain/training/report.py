@@ -201,6 +201,10 @@ img{{max-width:100%}}</style></head>
 """
 
 
+class ReportError(RuntimeError):
+    """run_report=True and the report could not be written (the training itself finished)."""
+
+
 def write_report(run_dir: str | Path) -> Report:
     """Write <run_dir>/report.png and report.html from the run's metrics.jsonl."""
     run_dir = Path(run_dir)

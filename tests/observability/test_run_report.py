@@ -59,3 +59,19 @@ def test_progress_shows_epoch_loss_lr_tokens_and_eta(capsys):
     line = json.loads(capsys.readouterr().out)
     assert line["step"] == 4 and line["total"] == 8 and "eta_s" in line
     assert line["tok/s"] == 1234.0 and np.isfinite(line["eta_s"])
+
+
+def test_a_report_that_cannot_be_written_is_an_error_after_the_checkpoint(tmp_path):
+    from obs_helpers import obs_trainer
+
+    from jaxtrain.training.checkpoint import checkpoints_root, committed_steps
+    from jaxtrain.training.report import ReportError
+
+    out_dir = tmp_path / "run"
+    (out_dir / "report.png").mkdir(parents=True)  # a directory where the PNG must go
+    trainer = obs_trainer(
+        out_dir, report_to=["jsonl"], weight_distribution_log_steps=None, max_steps=2
+    )
+    with pytest.raises(ReportError, match="jaxtrain report"):
+        trainer.train()
+    assert committed_steps(checkpoints_root(out_dir)) == [2]  # the training itself is kept
