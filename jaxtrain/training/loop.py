@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from jaxtrain.training.trainer import Trainer
 
 
+# Multi-host runs agree on signals, the time limit and interval saves this often (steps).
+MULTI_HOST_POLL_STEPS = 10
+
+
 @dataclasses.dataclass
 class TrainerOutput:
     """What `Trainer.train()` returns."""
@@ -138,7 +142,7 @@ class TrainingLoop:
             window.add(metrics, trainer._monitor.count(host_batch))
             self._emit_pending()
             call_hooks(trainer._receivers, "on_step_end", trainer, state, metrics, step)
-            early_stop, interval_save = self._poll_stops(signals, last_save_time)
+            early_stop, interval_save = self._poll_stops(step, signals, last_save_time)
             if early_stop is not None:
                 self.stop_reason = early_stop
             last = step == total_steps or early_stop is not None or trainer.should_stop
@@ -192,9 +196,14 @@ class TrainingLoop:
         return output
 
     # --------------------------------------------------------------- helpers
-    def _poll_stops(self, signals: StopSignals, last_save_time: float) -> tuple[str | None, bool]:
+    def _poll_stops(
+        self, step: int, signals: StopSignals, last_save_time: float
+    ) -> tuple[str | None, bool]:
         """(reason to stop after this step or None, whether save_interval_minutes is due),
-        agreed by every process."""
+        agreed by every process. With several processes the agreement is a collective that
+        waits for the step in flight, so it runs every MULTI_HOST_POLL_STEPS steps only."""
+        if jax.process_count() > 1 and step % MULTI_HOST_POLL_STEPS:
+            return None, False
         interval = self.args.save_interval_minutes
         interval_due = interval is not None and time.monotonic() - last_save_time >= interval * 60
         signal_seen, expired, interval_due = any_process(
