@@ -81,6 +81,11 @@ class TrainingArguments:
     # --- data pipeline (jaxtrain/data; validated in _validate_data) ---
     # Pack several documents per row (segment_ids + per-document positions); needs max_steps.
     packing: bool = False
+    # Packing places the documents of blocks of this many documents (best-fit decreasing).
+    packing_window: int = 1024
+    # Packing splits a document longer than a row into row-sized pieces (each its own
+    # document); False truncates it by truncation_mode (counted in data/truncated_tokens).
+    split_long_documents: bool = True
     # True: an epoch is rows // total_batch_size steps, the shuffled rest waits for another
     # epoch. False: the last batch is completed with masked filler rows, every row is seen.
     drop_last: bool = True
@@ -422,7 +427,13 @@ def _validate(args: TrainingArguments) -> None:
 
 
 def _validate_data(args: TrainingArguments) -> None:
-    for name in ("packing", "drop_last", "completion_only_loss", "streaming"):
+    for name in (
+        "packing",
+        "split_long_documents",
+        "drop_last",
+        "completion_only_loss",
+        "streaming",
+    ):
         if not isinstance(getattr(args, name), bool):
             raise ArgumentError(f"TrainingArguments.{name} must be true or false.")
     if isinstance(args.ids_to_pop_from_dataset, str):
@@ -441,11 +452,11 @@ def _validate_data(args: TrainingArguments) -> None:
         raise ArgumentError("TrainingArguments.messages_column must be a non-empty column name.")
     if args.chat_template is not None and not str(args.chat_template).strip():
         raise ArgumentError("TrainingArguments.chat_template must be a Jinja template or None.")
-    if isinstance(args.stream_window, bool) or not isinstance(args.stream_window, int):
-        raise ArgumentError(
-            f"TrainingArguments.stream_window must be an int, got {args.stream_window!r}."
-        )
-    _positive(args, "stream_window")
+    for name in ("stream_window", "packing_window"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentError(f"TrainingArguments.{name} must be an int, got {value!r}.")
+        _positive(args, name)
     if (args.packing or args.streaming) and args.max_steps <= 0:
         which = "packing" if args.packing else "streaming"
         raise ArgumentError(

@@ -8,7 +8,8 @@ with_stats=...)``, ``data_state(step)``, ``check_data_state(state)``):
   resuming at step k reads nothing twice and the data position is just the step.
 - ``UnitLoader``: packing and/or streaming. Documents come from a unit stream
   (``units.MapUnits``/``streams.StreamUnits``) in a fixed order; the position
-  ``(epoch, offset)`` after each step is recorded, checkpointed, and resumed from.
+  ``(epoch, offset, row)`` after each step is recorded, checkpointed, and resumed from
+  (``row``: rows of the packing block at ``offset`` already used; 0 without packing).
 
 Batches are ``[A, M // process_count, seq_len]`` on each host (A = accumulation steps,
 M = global batch // A): host p gets rows ``[p*m, (p+1)*m)`` of every micro-batch and reads
@@ -109,7 +110,7 @@ def _check_seed(seed: Any) -> int:
 
 def _mismatch(state: dict[str, Any], mine: dict[str, Any]) -> None:
     differing = [
-        k for k in mine if k not in ("step", "epoch", "offset") and state.get(k) != mine[k]
+        k for k in mine if k not in ("step", "epoch", "offset", "row") and state.get(k) != mine[k]
     ]
     if differing:
         details = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differing)
@@ -289,6 +290,8 @@ class UnitLoader:
         global_batch_size: int,
         accumulation_steps: int,
         packing: bool,
+        packing_window: int = 1024,
+        split_long_documents: bool = True,
     ) -> None:
         micro = _check_batch(global_batch_size, accumulation_steps)
         check_processes(units.process_index, units.process_count, micro, "micro-batch size")
@@ -297,22 +300,24 @@ class UnitLoader:
                 "packing=True builds its own rows; it cannot be combined with a data_collator. "
                 "Drop one of them."
             )
+        if packing and packing_window < 1:
+            raise ValueError(f"packing_window must be >= 1, got {packing_window}")
         self.units, self.collation, self.packing = units, collation, packing
+        self.packing_window, self.split_long_documents = packing_window, split_long_documents
         self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
         self.micro_batch_size, self.seq_len = micro, collation.seq_len
         self.rows_per_step = global_batch_size // units.process_count
         self.name = units.source.name
-        self._positions: dict[int, Position] = {0: (0, 0)}
-        self._restored: tuple[int, Position] | None = None
+        self._positions: dict[int, tuple[int, int, int]] = {0: (0, 0, 0)}
 
     steps_per_epoch = None
 
     def epoch(self, step: int) -> float:
-        return float(self._positions.get(step, (0, 0))[0])
+        return float(self._positions.get(step, (0, 0, 0))[0])
 
     def _describe(self) -> dict[str, Any]:
         u = self.units
-        return {
+        out = {
             "kind": "stream" if isinstance(u, StreamUnits) else "map_units",
             "packing": self.packing,
             "seed": u.seed,
@@ -323,6 +328,11 @@ class UnitLoader:
             "window": getattr(u, "window", None),
             "num_rows": len(u.source) if isinstance(u, MapUnits) else None,
         }
+        if self.packing:  # how rows are built is part of where a resume stands
+            c = self.collation
+            out["packing_window"] = self.packing_window
+            out["long_documents"] = "split" if self.split_long_documents else c.truncation_mode
+        return out
 
     def data_state(self, step: int) -> dict[str, Any]:
         """JSON-able position of this process's stream before ``step`` (a recent step)."""
@@ -331,8 +341,9 @@ class UnitLoader:
                 f"the data position of step {step} is not known (only the last {_HISTORY} "
                 "steps the loader produced are kept)"
             )
-        epoch, offset = self._positions[step]
-        return {**self._describe(), "step": int(step), "epoch": epoch, "offset": offset}
+        epoch, offset, row = self._positions[step]
+        described = self._describe()
+        return {**described, "step": int(step), "epoch": epoch, "offset": offset, "row": row}
 
     def check_data_state(self, state: dict[str, Any]) -> int:
         """Validate a saved state and resume from it at the next ``batches(step)`` call.
@@ -352,11 +363,10 @@ class UnitLoader:
             state = state["processes"][mine]
         _mismatch(state, {**self._describe(), "step": 0})
         step = int(state["step"])
-        self._restored = (step, (int(state["epoch"]), int(state["offset"])))
-        self._positions[step] = self._restored[1]
+        self._positions[step] = (int(state["epoch"]), int(state["offset"]), int(state["row"]))
         return step
 
-    def _start(self, start_step: int) -> Position | None:
+    def _start(self, start_step: int) -> tuple[int, int, int] | None:
         if start_step in self._positions:
             return self._positions[start_step]
         return None
@@ -370,8 +380,8 @@ class UnitLoader:
         position = self._start(start_step)
         replay = 0
         if position is None:
-            position, replay = (0, 0), start_step
-        stream = _Peek(self.units.iterate(position))
+            position, replay = (0, 0, 0), start_step
+        stream = _Peek(self.units.iterate(position[:2]))
         packer = None
         if self.packing:
             c = self.collation
@@ -380,6 +390,11 @@ class UnitLoader:
                 seq_len=c.seq_len,
                 pad_token_id=c.pad_token_id,
                 truncation_mode=c.truncation_mode,
+                split_long=self.split_long_documents,
+                window=self.packing_window,
+                seed=self.units.seed,
+                shuffle=self.units.shuffle,
+                skip_rows=position[2],
             )
         step = start_step - replay
         while True:
@@ -402,8 +417,8 @@ class UnitLoader:
                 rows.append(row)
                 stats = stats + row_stats
             flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
-            after = packer.position()  # the packer had to look at the next document
-            crossed = after[0] > start_epoch and after[1] > 0
+            crossed = packer.last_epoch > start_epoch
+            after = packer.position()  # the start of the next block once this one is used
         else:
             start_epoch = stream.position()[0]
             taken = [stream.take() for _ in range(n)]
@@ -413,7 +428,7 @@ class UnitLoader:
             (last_epoch, last_offset), _ = taken[-1]
             # No look-ahead (a one-shot iterator must not be read past its last row): the
             # position one past the last document; an epoch's end rolls over on resume.
-            after = (last_epoch, last_offset + 1)
+            after = (last_epoch, last_offset + 1, 0)
             crossed = last_epoch > start_epoch
         if fresh and crossed:
             raise DatasetError(

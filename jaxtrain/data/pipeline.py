@@ -109,6 +109,8 @@ def build_train_loader(
         global_batch_size=args.total_batch_size,
         accumulation_steps=args.gradient_accumulation_steps,
         packing=args.packing,
+        packing_window=args.packing_window,
+        split_long_documents=args.split_long_documents,
     )
 
 

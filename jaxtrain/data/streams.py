@@ -61,7 +61,7 @@ class StreamUnits:
         if window < 1:
             raise ValueError(f"stream_window must be >= 1, got {window}")
         self.source, self.featurizer = source, featurizer
-        self.seed, self.window = seed, window if shuffle else 1
+        self.seed, self.window, self.shuffle = seed, window if shuffle else 1, shuffle
         self.process_index, self.process_count = process_index, process_count
 
     def iterate(self, start: Position = (0, 0)) -> Iterator[tuple[Position, dict[str, Any]]]:

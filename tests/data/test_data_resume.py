@@ -38,6 +38,7 @@ CASES = [  # (input kind, TrainingArguments overrides)
     ("map", {"packing": True}),
     ("hf_stream", {}),
     ("hf_stream", {"packing": True}),
+    ("map", {"packing": True, "packing_window": 4}),  # many blocks, resumed inside one
     ("list", {"streaming": True, "packing": True}),
 ]
 
@@ -78,6 +79,35 @@ def test_resume_after_k_batches_equals_uninterrupted(kind, extra):
     fresh = build_train_loader(args(**extra), as_input(kind, docs(n_docs)))
     assert fresh.check_data_state(saved) == k
     assert_same(take(fresh, more, start=k), whole[k:])
+
+
+def long_docs(n: int) -> list[dict]:
+    """Document i: 1 + (3 * i) % 20 tokens (rows of 8: about half are split)."""
+    return [{"input_ids": [i + 1] * (1 + (3 * i) % 20)} for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["map", "hf_stream"])
+def test_split_documents_resume_exactly_and_stay_apart(kind):
+    n_docs, k, more = 24, 7, 5
+    a = args(packing=True, packing_window=6)
+    whole = take(build_train_loader(a, as_input(kind, long_docs(n_docs))), k + more)
+    first = build_train_loader(a, as_input(kind, long_docs(n_docs)))
+    assert_same(take(first, k), whole[:k])
+    saved = json.loads(json.dumps(first.data_state(k)))
+    assert saved["long_documents"] == "split" and saved["packing_window"] == 6
+    fresh = build_train_loader(a, as_input(kind, long_docs(n_docs)))
+    assert fresh.check_data_state(saved) == k
+    assert_same(take(fresh, more, start=k), whole[k:])
+    # Every segment holds one document's tokens only (pieces included), positions from 0.
+    for b in whole:
+        ids, seg, pos = (b[f].reshape(-1, T) for f in ("input_ids", "segment_ids", "positions"))
+        for r in range(ids.shape[0]):
+            for s in set(seg[r].tolist()) - {0}:
+                assert len(set(ids[r][seg[r] == s].tolist())) == 1
+                assert pos[r][seg[r] == s].tolist() == list(range(int((seg[r] == s).sum())))
+    truncating = build_train_loader(args(packing=True, split_long_documents=False), long_docs(24))
+    with pytest.raises(DatasetError, match="long_documents: saved 'split', now 'keep_end'"):
+        truncating.check_data_state(saved)
 
 
 def test_stream_resume_refuses_another_configuration():
