@@ -13,7 +13,7 @@ USAGE = """usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
                  [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
-  jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T]
+  jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
   jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
 
@@ -229,6 +229,7 @@ def _print_sample(model, tokenizer, sample: dict[str, Any]) -> None:
         max_new_tokens=sample.get("max_new_tokens", 64),
         temperature=sample.get("temperature", 0.0),
         top_k=sample.get("top_k"),
+        top_p=sample.get("top_p", 1.0),
         eos_token_id=tokenizer.eos_token_id,
     )
     print("--- sample " + "-" * 50)
