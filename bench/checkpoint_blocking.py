@@ -22,8 +22,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
+from jaxtrain.cli.run_config import DEFAULT_CONFIG
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-from jaxtrain.run_config import DEFAULT_CONFIG
 from jaxtrain.training.checkpoint import Checkpointer
 from jaxtrain.training.step import make_train_step
 
