@@ -147,7 +147,7 @@ def _default_cache_dir() -> Path:
 
 
 def _train_tokenizer(texts: Iterator[str] | list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    from tokenizers import ByteLevelBPETokenizer
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
@@ -159,7 +159,7 @@ def _train_tokenizer(texts: Iterator[str] | list[str], vocab_size: int) -> PreTr
         special_tokens=[EOS_TOKEN, PAD_TOKEN],
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe._tokenizer,
+        tokenizer_object=Tokenizer.from_str(bpe.to_str()),  # the public way to its Tokenizer
         bos_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,

@@ -57,7 +57,7 @@ def prepare_source(
         return mode
     first = source.first_row()
     if first is None:
-        if source._one_shot:
+        if source.one_shot:
             return "unknown"  # decided at the first row read
         raise DatasetError(f"{name} is empty (no rows); pass a dataset with at least one row")
     return featurizer.detect(first)

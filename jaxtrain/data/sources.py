@@ -90,7 +90,8 @@ class IterableSource:
 
     def __init__(self, data: Any, *, name: str) -> None:
         self.data, self.name = data, name
-        self._one_shot = iter(data) is data if not is_hf_iterable(data) else False
+        # A one-shot iterator (a generator) can be read once: no peeking, no second epoch.
+        self.one_shot = iter(data) is data if not is_hf_iterable(data) else False
         self._used = False
 
     def iterate(
@@ -107,7 +108,7 @@ class IterableSource:
             rows: Iterable[Any] = data
             start = skip
         else:
-            if self._one_shot and self._used:
+            if self.one_shot and self._used:
                 raise DatasetError(
                     f"{self.name} is a one-shot iterator ({type(data).__name__}) and was read "
                     "to its end already; a second epoch or a resume needs a re-iterable source "
@@ -122,7 +123,7 @@ class IterableSource:
             yield _as_row(row, name=self.name, where=f"row {i} (of process {process_index})")
 
     def first_row(self) -> Row | None:
-        if self._one_shot:
+        if self.one_shot:
             return None  # peeking would consume it
         for row in self.iterate():
             return row

@@ -92,7 +92,7 @@ def render_model_card(config: Any, hf_config: dict[str, Any], summary: dict[str,
         'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")',
         "```",
         "",
-        "or in jaxtrain: `jaxtrain.models.AutoModelForCausalLM.from_pretrained(path)`.",
+        "or in jaxtrain: `jaxtrain.hf.AutoModelForCausalLM.from_pretrained(path)`.",
     ]
     if summary.get("arguments"):
         lines += [

@@ -174,28 +174,6 @@ class LlamaForCausalLM(nnx.Module):
                 rngs=rngs,
             )
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        *,
-        dtype: DType = jnp.float32,
-        param_dtype: DType = jnp.float32,
-        sharding_for: Any = None,
-    ) -> LlamaForCausalLM:
-        """Load a local Hugging Face model directory (see ``jaxtrain.hf.from_pretrained``)."""
-        from jaxtrain.hf import from_pretrained
-
-        return from_pretrained(
-            path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for
-        )
-
-    def save_pretrained(self, save_directory: str, **kwargs: Any) -> Any:
-        """Write a Hugging Face directory (see ``jaxtrain.hf.save_pretrained`` for kwargs)."""
-        from jaxtrain.hf import save_pretrained
-
-        return save_pretrained(self, save_directory, **kwargs)
-
     def __call__(
         self,
         input_ids: Array,

@@ -8,7 +8,7 @@ import yaml
 from hf_fixtures import forward, hf_logits, random_ids, save_hf, tiny_tokenizer
 
 from jaxtrain.cli import main
-from jaxtrain.models import LlamaForCausalLM
+from jaxtrain.hf import AutoModelForCausalLM
 
 TINY = [
     "--max_steps", "2",
@@ -48,12 +48,12 @@ def test_fine_tune_a_local_hf_model_then_export_it(tmp_path, capsys):
     assert (out / "tokenizer.json").is_file()
 
     ids = random_ids((2, 12), seed=4)
-    exported = LlamaForCausalLM.from_pretrained(out)
+    exported = AutoModelForCausalLM.from_pretrained(out)
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     reference = hf_logits(torch_model, ids)
     ours = np.asarray(forward(exported, ids))
     assert np.abs(ours - reference).max() / np.abs(reference).max() < 2e-5
-    base_model = LlamaForCausalLM.from_pretrained(base)
+    base_model = AutoModelForCausalLM.from_pretrained(base)
     assert np.abs(np.asarray(forward(base_model, ids)) - ours).max() > 1e-3  # it trained
 
     # A checkpoint step directory works too, with a dtype for the files.

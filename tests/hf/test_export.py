@@ -12,8 +12,8 @@ from flax import nnx
 from hf_fixtures import VOCAB, forward, hf_logits, random_ids, save_hf, tiny_tokenizer
 
 from jaxtrain import Trainer, TrainingArguments
-from jaxtrain.hf import HFError
-from jaxtrain.models import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from jaxtrain.hf import AutoModelForCausalLM, HFError, save_pretrained
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 
 
 def token_rows(rows: int = 32, seq: int = 16) -> datasets.Dataset:
@@ -69,7 +69,7 @@ def test_fine_tuned_model_round_trips_through_transformers(tmp_path):
     base_logits = hf_logits(load_in_transformers(base), ids)
     assert np.abs(base_logits - reference).max() > 1e-3
 
-    assert_same_params(trained, LlamaForCausalLM.from_pretrained(out))
+    assert_same_params(trained, AutoModelForCausalLM.from_pretrained(out))
 
     # The rest of the directory: tokenizer, generation config, model card.
     reloaded = transformers.AutoTokenizer.from_pretrained(out)
@@ -107,7 +107,7 @@ def test_jaxtrain_born_model_exports_sharded(tmp_path, model_type, extra):
         **extra,
     )
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(1))
-    out = model.save_pretrained(tmp_path, max_shard_size="16KB")
+    out = save_pretrained(model, tmp_path, max_shard_size="16KB")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
     assert len(files) > 2 and all((out / f).is_file() for f in files)
@@ -115,9 +115,9 @@ def test_jaxtrain_born_model_exports_sharded(tmp_path, model_type, extra):
     reference = hf_logits(load_in_transformers(out), ids)
     ours = np.asarray(forward(model, jnp.asarray(ids)))
     assert np.abs(ours - reference).max() / np.abs(reference).max() < 2e-5
-    assert_same_params(model, LlamaForCausalLM.from_pretrained(out))
+    assert_same_params(model, AutoModelForCausalLM.from_pretrained(out))
     # A second export into the same directory replaces the shards instead of mixing them.
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
     assert not (tmp_path / "model.safetensors.index.json").exists()
 
@@ -126,9 +126,9 @@ def test_bfloat16_export_loads_in_both_libraries(tmp_path):
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=1, num_attention_heads=4)  # fmt: skip
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-    model.save_pretrained(tmp_path, dtype="bfloat16")
+    save_pretrained(model, tmp_path, dtype="bfloat16")
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
-    back = LlamaForCausalLM.from_pretrained(tmp_path, param_dtype=jnp.bfloat16)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, param_dtype=jnp.bfloat16)
     kernel = back.lm_head.kernel[...]
     assert kernel.dtype == jnp.bfloat16
     np.testing.assert_array_equal(kernel, model.lm_head.kernel[...].astype(jnp.bfloat16))
@@ -144,9 +144,9 @@ def test_export_refuses_configs_transformers_cannot_express(tmp_path):
         lambda: LlamaForCausalLM(LlamaConfig(**small, model_type="mistral"), rngs=nnx.Rngs(0))
     )
     with pytest.raises(HFError, match="max_shard_size"):
-        mistral.save_pretrained(tmp_path, max_shard_size="lots")
+        save_pretrained(mistral, tmp_path, max_shard_size="lots")
     llama = nnx.eval_shape(
         lambda: LlamaForCausalLM(LlamaConfig(**small, model_type="llama"), rngs=nnx.Rngs(0))
     )
     with pytest.raises(HFError, match="sliding_window"):  # HF Llama has no sliding window
-        llama.save_pretrained(tmp_path)
+        save_pretrained(llama, tmp_path)

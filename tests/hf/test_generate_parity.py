@@ -5,7 +5,8 @@ import pytest
 import torch
 from hf_fixtures import CASES, random_ids, save_hf
 
-from jaxtrain.models import AutoModelForCausalLM, generate
+from jaxtrain.hf import AutoModelForCausalLM
+from jaxtrain.models import generate
 
 NEW = 10
 

@@ -8,7 +8,8 @@ import torch
 from flax import nnx
 from hf_fixtures import CASES, forward, hf_logits, random_ids, save_hf
 
-from jaxtrain.models import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from jaxtrain.hf import AutoModelForCausalLM
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.training.step import IGNORE_INDEX, causal_lm_sums
 
 
@@ -51,7 +52,7 @@ def test_features_are_really_exercised(tmp_path):
         ("qwen3_qk_norm", "qk_norm", False),
     ]:
         save_hf(name, tmp_path / name)
-        model = LlamaForCausalLM.from_pretrained(tmp_path / name)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / name)
         changed = LlamaConfig.from_dict({**model.config.to_dict(), field: off})
         other = nnx.eval_shape(lambda c=changed: LlamaForCausalLM(c, rngs=nnx.Rngs(0)))
         kept = [
@@ -65,7 +66,9 @@ def test_features_are_really_exercised(tmp_path):
 
 def test_dtype_and_param_dtype_are_honoured(tmp_path):
     reference_model = save_hf("llama", tmp_path)
-    model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+    )
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert {p.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
     ids = random_ids((1, 16))
@@ -80,14 +83,14 @@ def test_sharded_checkpoint_with_index_loads(tmp_path):
     shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
     ids = random_ids((2, 12))
-    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert relative_error(forward(model, jnp.asarray(ids)), hf_logits(reference_model, ids)) < 2e-5
 
 
 def test_bf16_checkpoint_loads_into_float32(tmp_path):
     reference_model = save_hf("llama_tied", tmp_path)
     reference_model.to(torch.bfloat16).save_pretrained(tmp_path)
-    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
     embedding = nnx.state(model, nnx.Param)["model"]["embed_tokens"]["embedding"][...]
     assert embedding.dtype == jnp.float32
     expected = reference_model.model.embed_tokens.weight.float().detach().numpy()

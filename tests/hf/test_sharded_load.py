@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flax import nnx
-from jaxtrain.models import AutoModelForCausalLM
+from jaxtrain.hf import AutoModelForCausalLM, save_pretrained
 
 assert jax.device_count() == 4, jax.devices()
 mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
@@ -53,7 +53,7 @@ np.testing.assert_allclose(
     np.asarray(jax.jit(lambda m, x: m(x))(sharded, ids)), np.asarray(jax.jit(lambda m, x: m(x))(plain, ids)),
     rtol=1e-5, atol=1e-5)
 # A sharded model exports too (each parameter gathered in turn), and nothing imported torch.
-out = sharded.save_pretrained(sys.argv[2])
+out = save_pretrained(sharded, sys.argv[2])
 back = AutoModelForCausalLM.from_pretrained(out)
 for path, var in nnx.to_flat_state(nnx.state(back, nnx.Param)):
     np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(reference[path][...]))

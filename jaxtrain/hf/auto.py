@@ -1,4 +1,8 @@
-"""AutoModelForCausalLM: build the jaxtrain model a Hugging Face directory describes."""
+"""AutoModelForCausalLM: build the jaxtrain model a Hugging Face directory describes.
+
+It lives in `jaxtrain.hf`, not `jaxtrain.models`: the hf package depends on the models,
+never the other way round (tests/test_imports.py checks it).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+
+from jaxtrain.hf.load import from_pretrained
 
 
 class AutoModelForCausalLM:
@@ -26,8 +32,6 @@ class AutoModelForCausalLM:
         sharding_for: Any = None,
     ):
         """Load a local HF model directory; see ``jaxtrain.hf.from_pretrained``."""
-        from jaxtrain.hf import from_pretrained
-
         return from_pretrained(
             path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for
         )

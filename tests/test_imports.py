@@ -1,0 +1,153 @@
+"""The package's shape, checked statically: no import circle, no reaching into privates.
+
+Both checks read the source with `ast` (nothing is imported), so they see every import,
+including those inside functions that a runtime check would miss.
+"""
+
+import ast
+from pathlib import Path
+
+import jaxtrain
+
+ROOT = Path(jaxtrain.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of import nodes under `if TYPE_CHECKING:` (never executed, so not an edge)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            skipped |= {id(n) for n in ast.walk(node)}
+    return skipped
+
+
+def imports_of(name: str) -> set[str]:
+    """The jaxtrain modules `name` imports anywhere in its source (functions included).
+
+    `from pkg import x` is an edge to `pkg.x` when that is a module, else to `pkg` (whose
+    __init__ runs). Parent packages are not implicit edges: every module would then depend
+    on jaxtrain/__init__, which re-exports the whole public API.
+    """
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = _type_checking_only(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_the_scanner_sees_imports_inside_functions():
+    # The cycle finder is only as good as the edges: a lazy import must count.
+    assert "jaxtrain.cli.commands" in GRAPH["jaxtrain.cli"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_errors_is_a_leaf():
+    assert GRAPH["jaxtrain.errors"] == set()
+
+
+def test_models_do_not_depend_on_hf_or_training():
+    # Models are the bottom layer: hf, parallel, training and the CLI build on them.
+    for name, targets in GRAPH.items():
+        if name.startswith("jaxtrain.models"):
+            bad = {t for t in targets if not t.startswith(("jaxtrain.models", "jaxtrain.errors"))}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def _private_names_defined(tree: ast.Module) -> set[str]:
+    """Private names a module defines: functions, classes, globals, `self._name = ...`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)  # not `other._x = ...`: that is reaching in too
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def test_no_module_reaches_a_private_name_of_another_module():
+    """`obj._name` is allowed only where `_name` is defined in the same module (a class's
+    own helpers); elsewhere a private attribute is somebody else's business. Importing a
+    private name from another module is refused likewise."""
+    offences = []
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text())
+        own = _private_names_defined(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                attr = node.attr
+                if attr.startswith("_") and not attr.startswith("__") and attr not in own:
+                    offences.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxtrain"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        offences.append(f"{path}:{node.lineno}: imports {alias.name}")
+    assert not offences, "\n".join(offences)
+
+
+def test_the_loop_uses_only_the_trainers_public_interface():
+    # The issue's own grep: nothing outside trainer.py touches `trainer._...`.
+    users = [
+        f"{path}: {line.strip()}"
+        for name, path in MODULES.items()
+        if not name.endswith("training.trainer")
+        for line in path.read_text().splitlines()
+        if "trainer._" in line
+    ]
+    assert not users, "\n".join(users)
