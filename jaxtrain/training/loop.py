@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxtrain.data import prefetch
 from jaxtrain.observability.progress import make_progress
-from jaxtrain.training.hooks import call_hooks
+from jaxtrain.training.hooks import Cadence
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.stopping import (
     Deadline,
@@ -65,13 +65,18 @@ class TrainingLoop:
         self.stop_reason = "completed"
         self.guard = NonFiniteGuard(self.args.on_nan, self.args.max_nan_skips)
         self.pending = None  # a closed logging window whose device metrics are read one step late
+        self.hooks = trainer.hooks  # who hears about the run, fixed for its duration
+        self.train_step = None  # compiled at the first batch; this run owns it
+        # When to evaluate and save: cadences in steps, decided here once.
+        self.eval_every = Cadence(self._eval_steps())
+        self.save_every = Cadence(self.args.save_steps)
 
     def run(self) -> TrainerOutput:
         trainer, args = self.trainer, self.args
         state, step, resumed_from = trainer._initial_state()
         state = jax.device_put(state, trainer.state_shardings)  # no-op unless placed elsewhere
         self._write_run_files()
-        self.log = trainer._monitor.open(args.output_dir, step)  # written by process 0 only
+        self.log = trainer.monitor.open(args.output_dir, step)  # written by process 0 only
         batches = self._batches(step)
         primary = jax.process_index() == 0
         self.progress = make_progress(
@@ -86,7 +91,7 @@ class TrainingLoop:
         if resumed_from is not None:
             self.progress.write(f"resumed from {resumed_from} at step {step}")
             self.checkpoint_path = str(resumed_from)
-        call_hooks(trainer._receivers, "on_train_start", trainer, state)
+        self.hooks.call("on_train_start", trainer, state)
         with StopSignals() as signals:
             try:
                 state, step = self._steps(state, step, batches, signals, resumed_from)
@@ -118,30 +123,30 @@ class TrainingLoop:
 
         host_batches = trainer.train_loader.batches(start_step=step, with_stats=True)
         batches = prefetch(placed(host_batches), size=self.args.prefetch_batches)
-        return trainer._monitor.timed(trainer.data_meter.wrap(batches))
+        return trainer.monitor.timed(trainer.data_meter.wrap(batches))
 
     # ------------------------------------------------------------------ loop
     def _steps(self, state, step: int, batches, signals: StopSignals, resumed_from):
         trainer, args, total_steps = self.trainer, self.args, self.total_steps
         last_eval_step = -1
         saved_step = step if resumed_from is not None else -1
-        window = trainer._monitor.window()
+        window = trainer.monitor.window()
         last_save_time = time.monotonic()
         while step < total_steps:
             if trainer.should_stop:
                 self.stop_reason = "callback"
                 break
             host_batch, batch = next(batches)
-            if trainer._train_step is None:
-                trainer._train_step = trainer._compile_train_step(state, batch, self.progress)
+            if self.train_step is None:
+                self.train_step = trainer.compile_train_step(state, batch, self.progress)
                 window.restart_clock()
-            call_hooks(trainer._receivers, "on_step_start", trainer, state, step)
-            state, metrics = trainer._train_step(state, batch)
+            self.hooks.call("on_step_start", trainer, state, step)
+            state, metrics = self.train_step(state, batch)
             step += 1
             self.guard.push(step, metrics["nonfinite"])
-            window.add(metrics, trainer._monitor.count(host_batch))
+            window.add(metrics, trainer.monitor.count(host_batch))
             self._emit_pending()
-            call_hooks(trainer._receivers, "on_step_end", trainer, state, metrics, step)
+            self.hooks.call("on_step_end", trainer, state, metrics, step)
             early_stop, interval_save = self._poll_stops(step, signals, last_save_time)
             if early_stop is not None:
                 self.stop_reason = early_stop
@@ -150,8 +155,11 @@ class TrainingLoop:
                 self.pending = window.close(step, epoch=trainer.train_loader.epoch(step))
             self.progress.update(step)
 
-            eval_now = self._eval_due(step) and early_stop is None
-            save_now = self._save_due(step) or interval_save or early_stop is not None
+            # The run's last step is evaluated even off the cadence; a stop saves at once.
+            eval_now = early_stop is None and (
+                self.eval_every.due(step) or (step == total_steps and self._wants_eval())
+            )
+            save_now = self.save_every.due(step) or interval_save or early_stop is not None
             if eval_now or save_now:
                 self._emit_pending()
                 self.guard.flush()  # never evaluate or save past an unseen NaN
@@ -192,7 +200,7 @@ class TrainingLoop:
             mesh=trainer.mesh,
             stop_reason=self.stop_reason,
         )
-        call_hooks(trainer._receivers, "on_train_end", trainer, output)
+        self.hooks.call("on_train_end", trainer, output)
         return output
 
     # --------------------------------------------------------------- helpers
@@ -217,37 +225,32 @@ class TrainingLoop:
         """Read and write the closed logging window, if any (its step is already done)."""
         if self.pending is None:
             return
-        trainer, monitor = self.trainer, self.trainer._monitor
+        trainer, monitor = self.trainer, self.trainer.monitor
         logs = monitor.step_logs({**self.pending.read(), **trainer.data_meter.fields()})
         self.pending = None
         if self.guard.skipped_total:
             logs["nonfinite_skipped_steps"] = self.guard.skipped_total
         self.log.write(logs["step"], logs)
-        call_hooks(trainer._receivers, "on_log", trainer, logs, logs["step"])
+        self.hooks.call("on_log", trainer, logs, logs["step"])
         self.progress.update(logs["step"], monitor.progress_fields(logs))
         self.last_logs = logs
 
     def _wants_eval(self) -> bool:
         return self.trainer.dataset_eval is not None and self.args.evaluation_strategy != "no"
 
-    def _eval_due(self, step: int) -> bool:
+    def _eval_steps(self) -> int | None:
+        """Steps between evaluations: eval_steps, one epoch, or None (no evaluation)."""
         if not self._wants_eval():
-            return False
-        if step == self.total_steps:
-            return True
+            return None
         if self.args.evaluation_strategy == "steps":
-            return step % self.args.eval_steps == 0
-        return step % self.trainer.train_loader.steps_per_epoch == 0  # "epoch"
-
-    def _save_due(self, step: int) -> bool:
-        save_steps = self.args.save_steps
-        return save_steps is not None and step % save_steps == 0
+            return self.args.eval_steps
+        return self.trainer.train_loader.steps_per_epoch  # "epoch"
 
     def _evaluate(self, state, step: int) -> None:
         trainer = self.trainer
         metrics = trainer.evaluate(state)
         self.log.write(step, metrics)
-        call_hooks(trainer._receivers, "on_evaluate", trainer, metrics, step)
+        self.hooks.call("on_evaluate", trainer, metrics, step)
         line = f"step {step}: eval loss {metrics['eval/loss']:.4f}"
         line += f", ppl {metrics['eval/perplexity']:.2f}"
         if "eval/accuracy" in metrics:  # only objectives that count `correct` have one

@@ -27,7 +27,7 @@ from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
 from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
-from jaxtrain.training.hooks import TrainerCallback, call_hooks
+from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.run_start import initial_state
@@ -107,11 +107,11 @@ class Trainer(TrainerCallback):
         # does not change the optimizer state's structure.
         steps = self.total_steps if self.train_loader else max(args.max_steps, 1)
         self.optimizer, self.schedule = self.create_optimizer(steps)
-        self._train_step = None
         self._evaluator = None  # created at the first evaluation
         self._checkpointer = None  # created at the first save of a run
-        # Trackers, throughput/MFU, compile tracking, weight stats, report (monitor.py).
-        self._monitor = RunMonitor(
+        # Trackers, throughput/MFU, compile tracking, weight stats, report
+        # (jaxtrain.observability); the loop reports through it.
+        self.monitor = RunMonitor(
             args, model_config=self.model_config, num_parameters=self.num_parameters
         )
 
@@ -240,7 +240,7 @@ class Trainer(TrainerCallback):
             )
         path = self._checkpointer.save(state, metadata=self._checkpoint_metadata(state))
         step = int(jax.device_get(state.step))
-        call_hooks(self._receivers, "on_save", self, str(path), step)
+        self.hooks.call("on_save", self, str(path), step)
         return str(path)
 
     def _close_checkpointer(self) -> None:
@@ -257,7 +257,7 @@ class Trainer(TrainerCallback):
             "arguments": self.arguments.to_dict(),
             "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
             "model_class": type(self.model).__name__,
-            "trackers": self._monitor.tracker_state(),
+            "trackers": self.monitor.tracker_state(),
         }
         if self.train_loader is not None:
             data_state = self.train_loader.data_state(step)
@@ -283,9 +283,20 @@ class Trainer(TrainerCallback):
         return ckpt.restore_state(ckpt.find_checkpoint(path), self.abstract_state())
 
     # ------------------------------------------------------------------ train
+    def add_hook(self, hook: Any, *, every: int | None = None) -> None:
+        """Register a callback (an object with any of the seven TrainerCallback methods) or
+        a function called as `on_step_end(trainer, state, metrics, step)`.
+
+        `every=N`: its per-step hooks run only at steps that are multiples of N (see
+        hooks.py). It runs after the Trainer's own hooks and `callbacks`, in order added.
+        """
+        self.callbacks.append(ScheduledHook(hook, every))
+
     @property
-    def _receivers(self) -> list[Any]:
-        return [self, *self.callbacks, self._monitor]
+    def hooks(self) -> HookSet:
+        """Who receives the run's hooks, in order: this Trainer (a subclass's overrides),
+        `callbacks` (and `add_hook`s), then the monitor."""
+        return HookSet([self, *self.callbacks, self.monitor])
 
     def train(self) -> TrainerOutput:
         """Train to the last step, or until a hook, a signal or the time limit stops the run.
@@ -299,7 +310,12 @@ class Trainer(TrainerCallback):
     def _initial_state(self) -> tuple[TrainState, int, Path | None]:
         return initial_state(self)
 
-    def _compile_train_step(self, state: TrainState, batch: dict[str, jax.Array], progress: Any):
+    def compile_train_step(
+        self, state: TrainState, batch: dict[str, jax.Array], progress: Any = None
+    ) -> Any:
+        """The jitted train step for `state` and a global `batch` like the ones to come,
+        compiled now (the caller owns it: `state, metrics = step(state, batch)`). Compiles
+        are reported through the monitor; `progress` shows that one is under way."""
         step_fn = make_train_step(
             graphdef=self.graphdef,
             rest=self.rest,
@@ -311,7 +327,7 @@ class Trainer(TrainerCallback):
         )
         # Compiled ahead of time here; a batch of another shape recompiles with a warning
         # naming the changed shapes, and every compile is logged (compiles.py).
-        compiled = self._monitor.jit(
+        compiled = self.monitor.jit(
             step_fn,
             "train_step",
             progress=progress,
@@ -336,7 +352,7 @@ class Trainer(TrainerCallback):
                 loss_sums_fn=with_activation_sharding(
                     self.compute_loss_sums, self.sharding_plan.rules
                 ),
-                jit=self._monitor.jit,
+                jit=self.monitor.jit,
             )
         batches = self.sharding_plan.batch.place(self.eval_loader.batches(), micro_axis=False)
         yield from self._evaluator.run(state.params, batches, args.max_eval_batches)

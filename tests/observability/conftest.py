@@ -52,8 +52,8 @@ def resumed_run(tmp_path_factory, wandb_offline) -> ResumedRun:
     second_output = second.train()
     return ResumedRun(
         out_dir=out_dir,
-        first_state=first._monitor.tracker_state(),
-        second_state=second._monitor.tracker_state(),
+        first_state=first.monitor.tracker_state(),
+        second_state=second.monitor.tracker_state(),
         first_output=first_output,
         second_output=second_output,
     )

@@ -80,7 +80,10 @@ def main(out_dir: str) -> None:
         ]
         run["opt_shards"] = sorted({str(x.sharding.spec) for x in opt_leaves})
         if name == "dp8":
-            hlo = trainer._train_step.executable.as_text()
+            # The loop owns its compiled step; compile the same one again to read its HLO.
+            host_batch = next(trainer.train_loader.batches())
+            batch = trainer.sharding_plan.batch.to_global(host_batch, micro_axis=True)
+            hlo = trainer.compile_train_step(output.state, batch).executable.as_text()
             run["hlo_all_gather"] = hlo.count("all-gather")
             run["hlo_all_reduce"] = hlo.count("all-reduce")
         if name == "fsdp8":
