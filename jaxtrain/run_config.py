@@ -60,7 +60,13 @@ DATA_KEYS = {
     "eval_files": str,
     "tokenizer": str,  # local directory of a Hugging Face tokenizer
 }
-SAMPLE_KEYS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int}
+SAMPLE_KEYS = {
+    "prompt": str,
+    "max_new_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+}
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, str]:

@@ -1,48 +1,110 @@
-"""Autoregressive sampling for any NNX causal LM called as ``model(input_ids) -> logits``.
+"""Autoregressive generation for NNX causal LMs: a KV cache for the Llama family, and a
+cache-free fallback for any model called as ``model(input_ids) -> logits``.
 
-No KV cache: each step runs the full forward over a fixed-length buffer (prompt +
-max_new_tokens). Causal attention makes the not-yet-written tail irrelevant, and the
-fixed shape means ONE compiled loop serves every prompt of the same total length.
-Meant for demos, evaluation samples and tests, not for high-throughput serving.
+With the cache (``kv_cache.supports_kv_cache``): one prefill of the (left-padded) prompts,
+then one decode step per new token inside a ``lax.while_loop``, all in one jitted program
+whose cache has a fixed size (prompt + new tokens). Without it, every step reruns the full
+forward over a fixed-length buffer; causal attention makes the not-yet-written tail
+irrelevant. Both draw token ``i`` of the buffer with ``fold_in(key, i)``, so they agree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.models.kv_cache import cached_forward, empty_cache, supports_kv_cache
+
+__all__ = ["generate"]
+
+
+def _pick(logits, i, key, temperature, top_p, *, sample: bool, top_k: int | None):
+    """Next tokens [B] from logits [B, V]: argmax, or a draw after temperature/top-k/top-p."""
+    logits = logits.astype(jnp.float32)
+    if not sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    # Nucleus: keep the most likely tokens whose mass before them is < top_p (the first
+    # token is always kept); top_p = 1 keeps everything.
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
+    logits = jnp.where(logits < kept, -jnp.inf, logits)
+    # fold_in(position): the draw at a position does not depend on batch history.
+    return jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new", "sample", "top_k"))
+def _generate_cached(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt: jax.Array,  # [B, P] int32, left-padded
+    pad: jax.Array,  # [B] int32
+    key: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    eos_ids: jax.Array,  # [E] int32; -1 entries never match
+    *,
+    max_new: int,
+    sample: bool,
+    top_k: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    model = nnx.merge(graphdef, state)
+    batch, plen = prompt.shape
+    pick = partial(_pick, key=key, temperature=temperature, top_p=top_p, sample=sample,
+                   top_k=top_k)  # fmt: skip
+    cache = empty_cache(model, batch, plen + max_new)
+    logits, cache = cached_forward(model, prompt, jnp.int32(0), pad, cache)
+    first = pick(logits, plen)
+    out = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos_ids)
+
+    def cond(carry):
+        i, _, _, done = carry
+        return (i < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        i, out, cache, done = carry
+        prev = jax.lax.dynamic_index_in_dim(out, i - 1, axis=1)  # [B, 1]
+        logits, cache = cached_forward(model, prev, plen + i - 1, pad, cache)
+        token = pick(logits, plen + i)
+        # Finished rows keep emitting the (first) eos id so their tail is well defined.
+        token = jnp.where(done, eos_ids[0], token)
+        out = jax.lax.dynamic_update_slice_in_dim(out, token[:, None], i, axis=1)
+        return i + 1, out, cache, done | jnp.isin(token, eos_ids)
+
+    end, out, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, cache, done))
+    return out, end
+
 
 @partial(jax.jit, static_argnames=("graphdef", "sample", "top_k"))
-def _decode(
+def _generate_uncached(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     buf: jax.Array,  # [B, L] int32: prompt, then zeros
     prompt_len: jax.Array,  # scalar int32 (traced: prompts of any length share a compile)
     key: jax.Array,
     temperature: jax.Array,
-    eos_ids: jax.Array,  # [E] int32; -1 entries never match
+    top_p: jax.Array,
+    eos_ids: jax.Array,
     *,
     sample: bool,
     top_k: int | None,
 ) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, state)
     batch, total = buf.shape
-
-    def pick(logits: jax.Array, i: jax.Array) -> jax.Array:
-        logits = logits.astype(jnp.float32)
-        if not sample:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits = logits / temperature
-        if top_k is not None:
-            kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-            logits = jnp.where(logits < kth, -jnp.inf, logits)
-        # fold_in(step): the draw at a position does not depend on batch history.
-        return jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
+    pick = partial(_pick, key=key, temperature=temperature, top_p=top_p, sample=sample,
+                   top_k=top_k)  # fmt: skip
 
     def cond(carry):
         i, _, done = carry
@@ -51,17 +113,44 @@ def _decode(
     def body(carry):
         i, buf, done = carry
         logits = model(buf)  # [B, L, V]
-        last = jax.lax.dynamic_index_in_dim(logits, i - 1, axis=1, keepdims=False)
-        token = pick(last, i)
-        # Finished rows keep emitting the (first) eos id so their tail is well defined.
+        token = pick(jax.lax.dynamic_index_in_dim(logits, i - 1, axis=1, keepdims=False), i)
         token = jnp.where(done, eos_ids[0], token)
         buf = jax.lax.dynamic_update_slice_in_dim(buf, token[:, None], i, axis=1)
-        done = done | jnp.isin(token, eos_ids)
-        return i + 1, buf, done
+        return i + 1, buf, done | jnp.isin(token, eos_ids)
 
     done0 = jnp.zeros((batch,), dtype=bool)
     end, buf, _ = jax.lax.while_loop(cond, body, (prompt_len, buf, done0))
     return buf, end
+
+
+def _prompts(prompt_ids: Any) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(left-padded [B, P] int32, pad [B], single) from [P], [B, P] or a list of lists."""
+    single = False
+    if (
+        isinstance(prompt_ids, (list, tuple))
+        and prompt_ids
+        and all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids)
+    ):
+        rows = [np.asarray(p) for p in prompt_ids]
+    else:
+        arr = np.asarray(prompt_ids)
+        single = arr.ndim == 1
+        if arr.ndim not in (1, 2):
+            raise ValueError(
+                f"prompt_ids must be a non-empty [P] or [B, P] array of token ids (or a list "
+                f"of prompts), got shape {arr.shape}."
+            )
+        rows = list(arr[None] if single else arr)
+    if not rows or any(r.ndim != 1 or r.size == 0 for r in rows):
+        raise ValueError("prompt_ids must hold non-empty prompts of token ids; got an empty one.")
+    if any(not np.issubdtype(r.dtype, np.integer) for r in rows):
+        raise ValueError(f"prompt_ids must hold integers, got dtype {rows[0].dtype}.")
+    plen = max(len(r) for r in rows)
+    prompt = np.zeros((len(rows), plen), np.int32)
+    pad = np.array([plen - len(r) for r in rows], np.int32)
+    for b, r in enumerate(rows):
+        prompt[b, pad[b] :] = r
+    return prompt, pad, single
 
 
 def generate(
@@ -71,35 +160,33 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float = 1.0,
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
+    use_cache: bool = True,
 ) -> np.ndarray:
     """Generate continuations of ``prompt_ids``; returns only the new tokens (int32).
 
-    - prompt_ids [P] -> [n] with n <= max_new_tokens; [B, P] (same-length prompts) ->
-      [B, n] where n is the longest row; a row that ended earlier is filled with eos.
+    - prompt_ids [P] -> [n] with n <= max_new_tokens; [B, P] or a list of prompts of any
+      lengths (left-padded internally) -> [B, n] where n is the longest row; a row that ended
+      earlier is filled with eos.
     - temperature 0 is greedy argmax; otherwise sample from softmax(logits / temperature),
-      optionally restricted to the ``top_k`` most likely tokens. ``seed`` fixes the draws.
+      restricted to the ``top_k`` most likely tokens and/or the smallest set whose
+      probability reaches ``top_p``. ``seed`` fixes the draws.
     - eos_token_id (int or list): generation stops once every row produced one; the eos
       token is kept, what would follow it is dropped. None never stops early.
+    - use_cache: decode with a KV cache when the model supports it (the Llama family);
+      other models, or False, rerun the whole prefix per token (same-length prompts only).
     """
-    prompt = np.asarray(prompt_ids)
-    single = prompt.ndim == 1
-    if single:
-        prompt = prompt[None]
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(
-            f"prompt_ids must be a non-empty [P] or [B, P] array of token ids, got shape "
-            f"{np.asarray(prompt_ids).shape}; pad prompts to a common length or call per prompt."
-        )
-    if not np.issubdtype(prompt.dtype, np.integer):
-        raise ValueError(f"prompt_ids must hold integers, got dtype {prompt.dtype}.")
+    prompt, pad, single = _prompts(prompt_ids)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or a positive int, got {top_k!r}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
     if eos_token_id is None:
         eos = [-1]
     elif isinstance(eos_token_id, (int, np.integer)):
@@ -108,21 +195,29 @@ def generate(
         eos = [int(e) for e in eos_token_id] or [-1]
 
     batch, plen = prompt.shape
-    buf = np.zeros((batch, plen + max_new_tokens), dtype=np.int32)
-    buf[:, :plen] = prompt
     graphdef, state = nnx.split(model)
-    out, end = _decode(
-        graphdef,
-        state,
-        jnp.asarray(buf),
-        jnp.asarray(plen, jnp.int32),
+    common = (
         jax.random.key(seed),
         jnp.asarray(max(temperature, 1e-6), jnp.float32),
+        jnp.asarray(top_p, jnp.float32),
         jnp.asarray(eos, jnp.int32),
-        sample=temperature > 0,
-        top_k=top_k,
     )
-    new = np.asarray(out)[:, plen : int(end)]
+    flags = dict(sample=temperature > 0, top_k=top_k)
+    if use_cache and supports_kv_cache(model):
+        out, end = _generate_cached(graphdef, state, jnp.asarray(prompt), jnp.asarray(pad),
+                                    *common, max_new=max_new_tokens, **flags)  # fmt: skip
+        new = np.asarray(out)[:, : int(end)]
+    else:
+        if pad.any():
+            raise ValueError(
+                "prompts of different lengths need a KV-cache model (the Llama family); "
+                "pad them to one length or generate per prompt."
+            )
+        buf = np.zeros((batch, plen + max_new_tokens), dtype=np.int32)
+        buf[:, :plen] = prompt
+        out, end = _generate_uncached(graphdef, state, jnp.asarray(buf),
+                                      jnp.asarray(plen, jnp.int32), *common, **flags)  # fmt: skip
+        new = np.asarray(out)[:, plen : int(end)]
     if single:
         row = new[0]
         hits = np.flatnonzero(np.isin(row, eos))

@@ -249,14 +249,8 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(
-        self,
-        x: Array,
-        cos: Array,
-        sin: Array,
-        segment_ids: Array | None = None,
-        implementation: str | None = None,
-    ) -> Array:
+    def project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """q [B, T, N, H] and k, v [B, T, K, H], q and k rotated (also used by the KV cache)."""
         b, t = x.shape[:2]
         g = self.q_per_kv
         qkv = self.qkv_proj(x)  # [B, T, K, G + 2, H]
@@ -267,8 +261,17 @@ class Attention(nnx.Module):
             qk = jnp.concatenate([q_normed, k_normed], axis=-2)
         qk = apply_rope(qk, cos, sin)  # rotate q and k in one op
         q = qk[..., :g, :].reshape(b, t, self.num_heads, self.head_dim)
-        k = qk[..., g, :]
-        v = qkv[..., g + 1, :]
+        return q, qk[..., g, :], qkv[..., g + 1, :]
+
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        segment_ids: Array | None = None,
+        implementation: str | None = None,
+    ) -> Array:
+        q, k, v = self.project(x, cos, sin)
         out = causal_attention(
             q,
             k,

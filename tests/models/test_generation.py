@@ -117,3 +117,39 @@ def test_bad_arguments_are_rejected(model, kwargs, field):
         generate(model, prompt(3), **kwargs)
     with pytest.raises(ValueError, match="prompt_ids"):
         generate(model, np.zeros((1, 2, 3), np.int32), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 4, "qk_norm": True}])
+def test_kv_cache_greedy_equals_the_cache_free_path(extra):
+    model = LlamaForCausalLM(LlamaConfig(**{**CFG.to_dict(), **extra}), rngs=nnx.Rngs(5))
+    rows = np.stack([prompt(7, seed=8), prompt(7, seed=9)])
+    cached = generate(model, rows, max_new_tokens=12)
+    plain = generate(model, rows, max_new_tokens=12, use_cache=False)
+    assert cached.shape == (2, 12) and cached.tolist() == plain.tolist()
+    assert len(set(cached.ravel().tolist())) > 2
+    eos = int(plain[0, 5])
+    stopped = generate(model, rows[0], max_new_tokens=12, eos_token_id=eos)
+    assert stopped.tolist() == plain[0, : plain[0].tolist().index(eos) + 1].tolist()
+
+
+def test_prompts_of_different_lengths_are_left_padded(model):
+    prompts = [prompt(3, seed=10), prompt(8, seed=11), prompt(5, seed=12)]
+    out = generate(model, [p.tolist() for p in prompts], max_new_tokens=6)
+    assert out.shape == (3, 6)
+    for p, gen in zip(prompts, out):
+        assert gen.tolist() == generate(model, p, max_new_tokens=6, use_cache=False).tolist()
+    with pytest.raises(ValueError, match="different lengths"):
+        generate(model, [p.tolist() for p in prompts], max_new_tokens=2, use_cache=False)
+
+
+def test_top_p_keeps_the_nucleus(model):
+    p = prompt(5, seed=13)
+    greedy = generate(model, p, max_new_tokens=6)
+    assert generate(model, p, max_new_tokens=6, temperature=1.0, top_p=1e-6).tolist() == (
+        greedy.tolist()
+    )  # only the most likely token is in a tiny nucleus
+    draws = {tuple(generate(model, p, max_new_tokens=6, temperature=2.0, top_p=0.9, seed=s))
+             for s in range(4)}  # fmt: skip
+    assert len(draws) > 1
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, p, max_new_tokens=2, top_p=0.0)
