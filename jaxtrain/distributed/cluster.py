@@ -32,8 +32,6 @@ _DEATH_GRACE_S = 5.0
 class ClusterError(DistributedError):
     """The Ray cluster could not run the job: a process died too often, or none could start."""
 
-    exit_code = 2
-
 
 @dataclasses.dataclass
 class ClusterConfig:

@@ -242,3 +242,12 @@ def test_given_state_comes_before_a_given_model(bucket, tmp_path):
     assert job.source.kind == "state" and context.events[0][:2] == ("start", 1)
     assert_same(output.state.params, state.params)
     assert int(output.state.step) == 2
+
+
+def test_importing_jaxtrain_and_the_distributed_package_does_not_import_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, jaxtrain, jaxtrain.distributed; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
