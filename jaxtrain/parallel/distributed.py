@@ -68,9 +68,7 @@ def detect_cluster(args: Any, env: dict[str, str] | None = None) -> ClusterSpec 
         task = slurm_task(env)  # None when srun's per-task variables are missing
         if task is None:
             return ClusterSpec("slurm")  # JAX's own SLURM detection fills in the rest
-        return ClusterSpec(
-            "slurm", task.coordinator_address, task.num_processes, task.process_id
-        )
+        return ClusterSpec("slurm", task.coordinator_address, task.num_processes, task.process_id)
     hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if len(hosts) > 1:
         return ClusterSpec("tpu")
