@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.arguments import ArgumentError
+from jaxtrain.errors import ArgumentError
 
 BUILD_KEYS = ("dtype", "param_dtype", "seed")
 ARGUMENT_KEYS = (

@@ -6,8 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.arguments import ArgumentError
 from jaxtrain.distributed.config import RayDistributedConfig
+from jaxtrain.errors import ArgumentError
 
 
 def base_config(config: RayDistributedConfig) -> Any:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from jaxtrain.arguments import ArgumentError
+from jaxtrain.errors import ArgumentError
 
 # Coordinator ports: PORT_BASE + job id modulo PORT_SPAN, the same on every task of a job.
 PORT_BASE, PORT_SPAN = 20000, 20000

@@ -110,4 +110,3 @@ class HookSet:
 def call_hooks(receivers: list[Any], name: str, *args: Any) -> None:
     """Call hook `name` on every receiver that defines it, in order (no cadence)."""
     HookSet(receivers).call(name, *args)
-

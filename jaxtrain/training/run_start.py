@@ -55,7 +55,7 @@ def initial_state(trainer: Trainer) -> tuple[TrainState, int, Path | None]:
         reset_optimizer=args.reset_optimizer,
     )
     step = int(metadata["step"])
-    trainer._monitor.resume_state = metadata.get("trackers") or {}  # same TB dir, W&B run
+    trainer.monitor.resume_state = metadata.get("trackers") or {}  # same TB dir, W&B run
     if "data_state" in metadata and trainer.train_loader is not None:
         data_step = trainer.train_loader.check_data_state(metadata["data_state"])
         if data_step != step:
