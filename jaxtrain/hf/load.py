@@ -24,6 +24,7 @@ from jaxtrain.hf.safetensors_io import SafetensorsFile
 from jaxtrain.hf.weights import ignorable, param_maps
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.llama import LlamaForCausalLM
+from jaxtrain.pytrees import path_str
 
 # sharding_for(path, shape, logical_axes) -> the parameter's Sharding, or None for the default
 # device. path is "/"-joined, e.g. "model/layers/0/self_attn/qkv_proj/kernel".
@@ -151,7 +152,7 @@ def from_pretrained(
     used: set[str] = set()
     target = np.dtype(jnp.dtype(param_dtype))
     for path_tuple, var in nnx.to_flat_state(params):
-        key = "/".join(str(p) for p in path_tuple)
+        key = path_str(path_tuple)
         spec = maps[key]
         arrays = []
         for name, shape in zip(spec.hf_names, spec.hf_shapes):

@@ -24,6 +24,7 @@ from jaxtrain.hf.load import INDEX_FILE, SINGLE_FILE
 from jaxtrain.hf.model_card import render_model_card
 from jaxtrain.hf.safetensors_io import write_safetensors
 from jaxtrain.hf.weights import param_maps
+from jaxtrain.pytrees import path_str
 
 _UNITS = {
     "": 1,
@@ -67,7 +68,7 @@ def save_pretrained(
         raise HFError(f"save_pretrained needs a LlamaForCausalLM, got {type(model).__name__}.")
     limit = parse_size(max_shard_size)
     flat = {
-        "/".join(str(p) for p in path): var.get_value()
+        path_str(path): var.get_value()
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
     if dtype is None:

@@ -26,6 +26,7 @@ from jaxtrain.models.layers import (
     rope_inv_freq,
 )
 from jaxtrain.models.sharding import constrain
+from jaxtrain.pytrees import path_str
 
 Array = jax.Array
 DType = Any
@@ -241,7 +242,7 @@ def logical_axes(state_or_model: nnx.State | nnx.Module) -> nnx.State:
         state = state_or_model
 
     def axes_of(path: tuple[Any, ...], var: Any) -> tuple[str | None, ...]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        name = path_str(path)
         if not isinstance(var, nnx.Variable):
             raise ValueError(
                 f"logical_axes: leaf {name!r} is a {type(var).__name__}, not an nnx.Variable; "

@@ -8,7 +8,6 @@ few numbers per group (and 64 histogram counts) travel to the host.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,17 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain.pytrees import path_str
+
 HISTOGRAM_BINS = 64
 
 
 def group_name(path: tuple[Any, ...]) -> str:
-    parts = []
-    for key in path:
-        name = str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
-        if name == "value":
-            continue
-        parts.append("all" if re.fullmatch(r"\d+", name) else name)
-    return "/".join(parts)
+    """The parameter's path with layer indices folded: 'model/layers/all/mlp/...'."""
+    return "/".join("all" if part.isdigit() else part for part in path_str(path).split("/"))
 
 
 def parameter_groups(params: Any) -> dict[str, list[int]]:

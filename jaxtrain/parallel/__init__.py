@@ -10,7 +10,8 @@ from jaxtrain.parallel.distributed import (
 from jaxtrain.parallel.init import ModelFactory
 from jaxtrain.parallel.mesh import MESH_AXES, MeshError, build_mesh, resolve_axis_dims
 from jaxtrain.parallel.plan import ShardingPlan
-from jaxtrain.parallel.rules import DEFAULT_RULES, ShardingRuleError, ShardingRules, path_str
+from jaxtrain.parallel.rules import DEFAULT_RULES, ShardingRuleError, ShardingRules
+from jaxtrain.pytrees import path_str
 
 __all__ = [
     "DEFAULT_RULES",

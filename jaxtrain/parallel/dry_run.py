@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.parallel.mesh import describe_mesh
-from jaxtrain.parallel.rules import path_str
+from jaxtrain.pytrees import path_str
 
 
 def _shard_bytes(leaf: Any, sharding: Any) -> int:

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ShardingRuleError
 from jaxtrain.parallel.mesh import MESH_AXES
+from jaxtrain.pytrees import path_str
 
 AxisRule = str | tuple[str, ...] | None
 
@@ -57,14 +58,6 @@ ACTIVATION_RULES: dict[str, AxisRule] = {
     "expert": "ep",
     "embed": None,
 }
-
-
-def path_str(path: Sequence[Any]) -> str:
-    """'model/layers/0/mlp/down_proj/kernel' for a pytree key path (a trailing .value dropped)."""
-    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-    if names and names[-1] == "value":
-        names = names[:-1]
-    return "/".join(names)
 
 
 def _as_axes(rule: Any, where: str) -> tuple[str, ...]:

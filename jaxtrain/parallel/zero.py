@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.parallel.rules import path_str
+from jaxtrain.pytrees import path_str
 
 
 def _keys(path: Any) -> tuple[str, ...]:
