@@ -18,6 +18,7 @@ import yaml
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.llama import REMAT_POLICIES
+from jaxtrain.parallel.batch import check_divisible
 from jaxtrain.training.optim import OPTIMIZERS, SCHEDULERS
 from jaxtrain.training.stopping import parse_duration
 
@@ -365,13 +366,12 @@ def _validate(args: TrainingArguments) -> None:
             f"TrainingArguments.prefetch_batches must be >= 1, got {args.prefetch_batches}. "
             "Use 1 for the least read-ahead (one batch prepared while a step runs)."
         )
-    if args.total_batch_size % args.gradient_accumulation_steps:
-        raise ArgumentError(
-            f"TrainingArguments.total_batch_size={args.total_batch_size} is not divisible by "
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: every micro-batch "
-            "must hold the same number of rows. Pick a total_batch_size that is a multiple of "
-            "gradient_accumulation_steps."
-        )
+    check_divisible(  # the one check of every batch split (parallel/batch.py)
+        args.total_batch_size,
+        args.gradient_accumulation_steps,
+        what="TrainingArguments.total_batch_size",
+        over="gradient_accumulation_steps",
+    )
     if args.max_steps == 0 or args.max_steps < -1:
         raise ArgumentError(
             f"TrainingArguments.max_steps must be > 0, or -1 to train for num_train_epochs; "

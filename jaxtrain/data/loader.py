@@ -32,6 +32,7 @@ from jaxtrain.data.packing import PACKED_FIELDS, Packer
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source
 from jaxtrain.data.streams import StreamUnits
 from jaxtrain.data.units import MapUnits, Position, epoch_order
+from jaxtrain.parallel.batch import check_divisible
 
 __all__ = ["BatchLoader", "DatasetError", "UnitLoader", "prepare_source", "validate_dataset"]
 
@@ -82,12 +83,12 @@ def _check_batch(global_batch_size: int, accumulation_steps: int) -> int:
             f"total_batch_size ({global_batch_size}) and gradient_accumulation_steps "
             f"({accumulation_steps}) must be positive"
         )
-    if global_batch_size % accumulation_steps:
-        raise ValueError(
-            f"total_batch_size={global_batch_size} is not divisible by "
-            f"gradient_accumulation_steps={accumulation_steps}; make it a multiple"
-        )
-    return global_batch_size // accumulation_steps
+    return check_divisible(
+        global_batch_size,
+        accumulation_steps,
+        what="total_batch_size",
+        over="gradient_accumulation_steps",
+    )
 
 
 def check_processes(process_index: int, process_count: int, rows: int, what: str) -> None:
@@ -95,11 +96,7 @@ def check_processes(process_index: int, process_count: int, rows: int, what: str
         raise ValueError(
             f"process_index={process_index} must be in [0, process_count={process_count})"
         )
-    if rows % process_count:
-        raise ValueError(
-            f"{what}={rows} rows are split over process_count={process_count} hosts; "
-            f"make it a multiple of {process_count}"
-        )
+    check_divisible(rows, process_count, what=what, over="process_count")
 
 
 def _check_seed(seed: Any) -> int:

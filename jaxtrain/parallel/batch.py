@@ -8,7 +8,6 @@ array with `jax.make_array_from_process_local_data`: no host ever holds the glob
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -18,6 +17,23 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.parallel.mesh import BATCH_AXES, SEQUENCE_AXIS
+
+
+def check_divisible(rows: int, parts: int, *, what: str, over: str, hint: str = "") -> int:
+    """rows // parts, or an ArgumentError naming both numbers and the fix.
+
+    Every split of a batch is checked here, with one error type: micro-batches
+    (gradient_accumulation_steps), hosts (process_count), data-parallel devices (dp*fsdp)
+    and sequence shards (sp). `hint` adds another way out, e.g. " (or change ...)".
+    """
+    if rows <= 0 or parts <= 0:
+        raise ArgumentError(f"{what}={rows} and {over}={parts} must both be positive.")
+    if rows % parts:
+        raise ArgumentError(
+            f"{what}={rows} is not divisible by {over}={parts}: it is split into {parts} equal "
+            f"parts. Make {what} a multiple of {parts}{hint}."
+        )
+    return rows // parts
 
 
 class BatchLayout:
@@ -31,16 +47,9 @@ class BatchLayout:
 
     def check(self, rows: int, seq_len: int, what: str) -> None:
         """Fail early when `rows` or `seq_len` cannot be split over the mesh."""
-        if rows % self.batch_shards:
-            raise ArgumentError(
-                f"{what}={rows} rows cannot be split over dp*fsdp={self.batch_shards} devices; "
-                f"make it a multiple of {self.batch_shards} (or change sharding_axis_dims)."
-            )
-        if seq_len % self.seq_shards:
-            raise ArgumentError(
-                f"max_sequence_length={seq_len} cannot be split over sp={self.seq_shards}; "
-                f"make it a multiple of {self.seq_shards}."
-            )
+        hint = " (or change sharding_axis_dims)"
+        check_divisible(rows, self.batch_shards, what=what, over="dp*fsdp", hint=hint)
+        check_divisible(seq_len, self.seq_shards, what="max_sequence_length", over="sp", hint=hint)
 
     def spec(self, ndim: int, *, micro_axis: bool) -> P:
         batch = self.batch_axes if len(self.batch_axes) != 1 else self.batch_axes[0]
@@ -67,9 +76,3 @@ class BatchLayout:
             sharding = self.sharding(value.ndim, micro_axis=micro_axis)
             out[key] = jax.make_array_from_process_local_data(sharding, value, tuple(shape))
         return out
-
-    def place(
-        self, batches: Iterable[dict[str, np.ndarray]], *, micro_axis: bool
-    ) -> Iterator[dict[str, jax.Array]]:
-        for batch in batches:
-            yield self.to_global(batch, micro_axis=micro_axis)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import jax
 from flax import nnx
 
-from jaxtrain.data import prefetch
 from jaxtrain.observability.progress import make_progress
 from jaxtrain.training.hooks import Cadence
 from jaxtrain.training.state import TrainState
@@ -97,6 +96,7 @@ class TrainingLoop:
                 state, step = self._steps(state, step, batches, signals, resumed_from)
             finally:
                 trainer._close_checkpointer()  # waits for the background writes to commit
+                self.prefetcher.close()  # the train loader is endless: stop its reader
                 self.progress.close()
                 self.log.close()
         return self._finish(state, step)
@@ -115,15 +115,9 @@ class TrainingLoop:
         """(host batch, global batch on the mesh) pairs from `step` on, prefetched; the wait
         for each is timed and what collation cut or padded is counted."""
         trainer = self.trainer
-        layout = trainer.sharding_plan.batch
-
-        def placed(pairs):
-            for host_batch, stats in pairs:
-                yield (host_batch, layout.to_global(host_batch, micro_axis=True)), stats
-
         host_batches = trainer.train_loader.batches(start_step=step, with_stats=True)
-        batches = prefetch(placed(host_batches), size=self.args.prefetch_batches)
-        return trainer.monitor.timed(trainer.data_meter.wrap(batches))
+        self.prefetcher = trainer.global_batches(host_batches, micro_axis=True)
+        return trainer.monitor.timed(trainer.data_meter.wrap(self.prefetcher))
 
     # ------------------------------------------------------------------ loop
     def _steps(self, state, step: int, batches, signals: StopSignals, resumed_from):

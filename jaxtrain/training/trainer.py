@@ -8,7 +8,7 @@ measurements in `monitor.py`. Subclasses change the objective through `compute_l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments, check_warmup
-from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
+from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
@@ -355,8 +355,28 @@ class Trainer(TrainerCallback):
                 ),
                 jit=self.monitor.jit,
             )
-        batches = self.sharding_plan.batch.place(self.eval_loader.batches(), micro_axis=False)
-        yield from self._evaluator.run(state.params, batches, args.max_eval_batches)
+        host_batches = ((batch, None) for batch in self.eval_loader.batches())
+        prefetched = self.global_batches(host_batches, micro_axis=False)
+        try:
+            batches = (global_batch for (_, global_batch), _ in prefetched)
+            yield from self._evaluator.run(state.params, batches, args.max_eval_batches)
+        finally:
+            prefetched.close()  # an evaluation cut short by max_eval_batches stops its reader
+
+    def global_batches(self, host_batches: Iterable[tuple[Any, Any]], *, micro_axis: bool):
+        """The one path from a loader to the mesh, for train and eval batches alike.
+
+        Each (host batch, extra) becomes ((host batch, global batch), extra); the global
+        batch is assembled on the mesh (each host gives only its rows) in a background
+        thread `prefetch_batches` ahead. Returns the Prefetcher: close() it when done early.
+        """
+        layout = self.sharding_plan.batch
+
+        def placed():
+            for host_batch, extra in host_batches:
+                yield (host_batch, layout.to_global(host_batch, micro_axis=micro_axis)), extra
+
+        return prefetch(placed(), size=self.arguments.prefetch_batches)
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Metrics over the whole eval set (the last value `eval` yields)."""
