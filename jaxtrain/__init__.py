@@ -7,10 +7,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.checkpointing import CheckpointError
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.hf.errors import HFError
 from jaxtrain.parallel import DistributedError, ModelFactory
-from jaxtrain.training.checkpoint import CheckpointError
 from jaxtrain.training.hooks import TrainerCallback
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.stopping import NonFiniteLossError, TrainingInterrupted

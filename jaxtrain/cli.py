@@ -30,11 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     from jaxtrain.arguments import ArgumentError
+    from jaxtrain.checkpointing import CheckpointError
     from jaxtrain.data import DatasetError
     from jaxtrain.hf.cli import cmd_export
     from jaxtrain.hf.errors import HFError
     from jaxtrain.parallel import DistributedError
-    from jaxtrain.training.checkpoint import CheckpointError
 
     commands = {
         "train": cmd_train,
@@ -154,7 +154,7 @@ def _load_run(run_dir: str):
 
 
 def _latest_checkpoint(run_dir: str) -> str:
-    from jaxtrain.training.checkpoint import find_checkpoint
+    from jaxtrain.checkpointing import find_checkpoint
 
     return str(find_checkpoint(run_dir))
 

@@ -1,7 +1,8 @@
-"""Orbax checkpoints of the train state, with the run's arguments and model config beside it.
+"""Checkpoint files on disk: where they live, which are committed, reading them back.
 
-Saves are asynchronous (the loop keeps stepping while bytes go to disk) and Orbax commits a
-step directory atomically. Nothing is pickled: arrays are tensorstore files, metadata JSON.
+A step directory `checkpoints/<step>/` holds `state/` (the TrainState as tensorstore files),
+`meta/` (arguments, model config, data position, trackers as JSON) and `checksums.json`.
+Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from jaxtrain.training.state import TrainState
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written where asked, or cannot be read back."""
+
+    exit_code = 2
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -69,46 +72,6 @@ def prepare_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
     if root.is_dir():
         shutil.rmtree(root)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-
-
-class Checkpointer:
-    """Writes `checkpoints/<step>/{state,meta}` under output_dir, keeping the newest K."""
-
-    def __init__(self, output_dir: str | Path, *, max_to_keep: int | None = None):
-        import orbax.checkpoint as ocp
-
-        self.root = checkpoints_root(output_dir)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            enable_async_checkpointing=True,
-            create=True,
-            # Partial saves of a killed run are removed when the next run opens the directory.
-            cleanup_tmp_directories=True,
-        )
-        self._manager = ocp.CheckpointManager(self.root, options=options)
-
-    def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
-        """Start a background save of `state`; returns the step directory it commits to."""
-        import orbax.checkpoint as ocp
-
-        step = int(jax.device_get(state.step))
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
-            ),
-        )
-        return self.root / str(step)
-
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
 
 
 def restore_state(path: str | Path, abstract_state: TrainState) -> TrainState:
@@ -166,10 +129,46 @@ def restore_params(path: str | Path, abstract_params: Any) -> Any:
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The JSON metadata (step, arguments, model config, data position, trackers) saved
+    beside the train state in the step directory `path`."""
     import orbax.checkpoint as ocp
 
-    meta_dir = Path(path).absolute() / "meta"
+    step_dir = Path(path).absolute()
+    meta_dir = step_dir / "meta"
     if not meta_dir.is_dir():
         raise CheckpointError(f"{path} has no 'meta' folder; is it a jaxtrain checkpoint?")
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-        return checkpointer.restore(meta_dir)
+    try:
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+            metadata = checkpointer.restore(meta_dir)
+    except Exception as err:  # re-raised naming the file and the way forward
+        named = meta_dir / "metadata" if (meta_dir / "metadata").exists() else meta_dir
+        raise damaged(step_dir, named, f"unreadable ({type(err).__name__}: {err})") from err
+    if not isinstance(metadata, dict) or "step" not in metadata:
+        raise damaged(step_dir, meta_dir, "it holds no step; not a jaxtrain checkpoint's metadata")
+    return metadata
+
+
+def damaged(step_dir: Path, path: Path, why: str) -> CheckpointError:
+    """A CheckpointError for a damaged file of the checkpoint `step_dir`, offering the
+    previous committed checkpoint of the same run when there is one."""
+    step_dir = Path(step_dir)
+    return CheckpointError(
+        f"Checkpoint {step_dir} is damaged: {path}: {why}. Nothing was restored. "
+        + previous_checkpoint_advice(step_dir)
+    )
+
+
+def previous_checkpoint_advice(step_dir: Path) -> str:
+    """How to go on from the committed checkpoint before `step_dir`, if there is one."""
+    step_dir = Path(step_dir)
+    if not step_dir.name.isdigit():
+        return "Resume from another checkpoint or start a new run in a new output_dir."
+    older = [s for s in committed_steps(step_dir.parent) if s < int(step_dir.name)]
+    if not older:
+        return "There is no older committed checkpoint; start a new run in a new output_dir."
+    previous = step_dir.parent / str(older[-1])
+    return (
+        f"The previous committed checkpoint is {previous}: delete {step_dir} (or move it "
+        f"out of {step_dir.parent}) and run again to resume from there, or pass "
+        f"--resume_from {previous} with a new output_dir."
+    )

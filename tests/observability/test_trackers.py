@@ -10,7 +10,7 @@ from obs_helpers import obs_trainer
 from tensorboardX.proto import event_pb2
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.training.checkpoint import find_checkpoint, read_metadata
+from jaxtrain.checkpointing import find_checkpoint, read_metadata
 from jaxtrain.training.logs import read_jsonl
 from jaxtrain.training.trackers import TrackerError
 
