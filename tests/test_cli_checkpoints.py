@@ -7,7 +7,7 @@ import shutil
 import pytest
 from test_cli import TINY, jaxtrain
 
-from jaxtrain.training.logs import read_jsonl
+from jaxtrain.observability.logs import read_jsonl
 
 ARGS = [*TINY, "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2"]
 

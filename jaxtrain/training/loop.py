@@ -1,8 +1,8 @@
 """One call of `Trainer.train()`: the loop that orchestrates steps, logs, evals and saves.
 
 The loop only orchestrates: the math is in `step.py` (pure, jitted), data in
-`jaxtrain.data`, checkpoints in `jaxtrain.checkpointing`, measurements in `monitor.py`. The device never
-waits for the host: step n+1 is dispatched before the metrics of step n are read, and metrics
+`jaxtrain.data`, checkpoints in `jaxtrain.checkpointing`, measurements in `monitor.py`.
+The device never waits for the host: step n+1 is dispatched before the metrics of step n are read, and metrics
 are read only at logging cadence (one step late).
 """
 
@@ -18,8 +18,8 @@ from flax import nnx
 
 from jaxtrain.checkpointing import RunStart
 from jaxtrain.data import prefetch
+from jaxtrain.observability.progress import make_progress
 from jaxtrain.training.hooks import call_hooks
-from jaxtrain.training.progress import make_progress
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.stopping import (
     Deadline,

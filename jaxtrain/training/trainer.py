@@ -1,8 +1,8 @@
 """The Trainer: wires arguments, model, mesh, data, optimizer and checkpoints.
 
 `train()` hands one run to `loop.TrainingLoop`; the math lives in `step.py` (pure, jitted),
-data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in `jaxtrain.checkpointing`, and
-measurements in `monitor.py`. Subclasses change the objective through `compute_loss_sums` /
+data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in
+`jaxtrain.checkpointing`, and measurements in `monitor.py`. Subclasses change the objective through `compute_loss_sums` /
 `loss_normalizer` and react to the run through the TrainerCallback hooks.
 """
 
@@ -21,6 +21,7 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.checkpointing import RunCheckpoints, RunStart, load_checked
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
 from jaxtrain.models.sharding import with_activation_sharding
+from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.parallel.dry_run import dry_run_report
@@ -28,7 +29,6 @@ from jaxtrain.parallel.init import cast_floating
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
-from jaxtrain.training.monitor import RunMonitor
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.state import TrainState, count_parameters
 from jaxtrain.training.step import (

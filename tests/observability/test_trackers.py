@@ -11,8 +11,8 @@ from tensorboardX.proto import event_pb2
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.checkpointing import find_checkpoint, read_metadata
-from jaxtrain.training.logs import read_jsonl
-from jaxtrain.training.trackers import TrackerError
+from jaxtrain.observability.logs import read_jsonl
+from jaxtrain.observability.trackers import TrackerError
 
 TRAIN_KEYS = {
     "loss",

@@ -14,7 +14,7 @@ from jaxtrain.arguments import ArgumentError
 from jaxtrain.checkpointing import CheckpointError, read_metadata
 from jaxtrain.data import DatasetError, chunk_dataset, load_default_corpus
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-from jaxtrain.training.logs import read_jsonl
+from jaxtrain.observability.logs import read_jsonl
 
 SEQ = 32
 
