@@ -64,7 +64,9 @@ def test_an_empty_metadata_file_is_refused_offering_the_previous_checkpoint(run_
 def test_a_deleted_manifest_is_refused_and_nothing_is_printed_after_the_error(run_copy):
     step_dir = run_copy / "checkpoints" / "4"
     (step_dir / "state" / "manifest.ocdbt").unlink()
-    (step_dir / "checksums.json").unlink(missing_ok=True)  # as a checkpoint of an older jaxtrain would be
+    (step_dir / "checksums.json").unlink(
+        missing_ok=True
+    )  # as a checkpoint of an older jaxtrain would be
     result = rerun(run_copy)
     assert_refused_cleanly(result, str(step_dir))
     assert result.stderr.strip().count("\n") == 0, result.stderr  # one line, nothing after

@@ -49,7 +49,9 @@ def test_load_checkpoint_refuses_a_flipped_byte_naming_the_file(run_copy):
 
 def test_empty_metadata_without_checksums_names_the_file_and_the_previous_step(run_copy):
     step_dir = run_copy / "checkpoints" / "4"
-    (step_dir / "checksums.json").unlink(missing_ok=True)  # a checkpoint written before checksums existed
+    (step_dir / "checksums.json").unlink(
+        missing_ok=True
+    )  # a checkpoint written before checksums existed
     (step_dir / "meta" / "metadata").write_text("")
     with pytest.raises(CheckpointError, match="meta/metadata") as err:
         tiny_trainer(str(run_copy), max_steps=6).train()
