@@ -213,3 +213,35 @@ def test_bad_values_exit_2_with_one_line_before_anything_is_written(tmp_path, ca
     assert words in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert not run.exists()
+
+
+# ------------------------------------------------------------ 10: quiet file loading
+def test_reading_files_prints_no_datasets_progress(tmp_path, capfd):
+    from datasets.utils import logging as ds_logging
+
+    from jaxtrain.data.files import load_files
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(20)))
+    assert ds_logging.is_progress_bar_enabled()  # the user's setting, restored after
+    rows = load_files(str(path), name="data.train_files")
+    out, err = capfd.readouterr()
+    assert len(rows) == 20 and "Generating" not in out + err and "%" not in out + err
+    assert ds_logging.is_progress_bar_enabled()
+
+
+# ------------------------------------------------------------ 11: what happens to the model
+def test_the_trainer_documents_and_does_what_it_changes_on_the_model(tmp_path):
+    model = tiny_model()
+    assert model.remat_policy == "none"
+    Trainer(
+        arguments=args(tmp_path, dtype="bfloat16", gradient_checkpointing="dots_saveable"),
+        model=model,
+        dataset_train=ragged_rows(),
+    )
+    dtypes = {str(m.dtype) for _, m in nnx.iter_modules(model) if hasattr(m, "dtype")}
+    assert model.remat_policy == "dots_saveable" and dtypes == {"bfloat16"}
+    doc = " ".join(Trainer.__doc__.split())
+    for words in ("changed in place", "compute `dtype` of every submodule", "`remat_policy`",
+                  "holds the trained parameters"):  # fmt: skip
+        assert words in doc

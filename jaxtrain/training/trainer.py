@@ -46,6 +46,15 @@ class Trainer(TrainerCallback):
 
     Subclasses may override `compute_loss_sums` / `loss_normalizer` for another objective and
     any hook of TrainerCallback.
+
+    The model object you pass is changed in place, in three ways:
+    - at construction, `arguments.dtype` (when set) becomes the compute `dtype` of every
+      submodule that has one, and `arguments.gradient_checkpointing` becomes the model's
+      `remat_policy`; build a fresh model if you need the original settings back;
+    - when `train()` returns, the model holds the trained parameters (in `param_dtype`);
+    - nothing else: the parameters are copied onto the mesh for training, so donation and
+      sharding never touch the arrays of your object during the run.
+    A `ModelFactory` is never built unsharded; `trainer.model` is then its abstract model.
     """
 
     def __init__(
