@@ -126,8 +126,8 @@ def restore_run(
     `checkpoint` defaults to the run's newest committed checkpoint; `with_eval_data` also
     rebuilds the eval set (for `jaxtrain eval`).
     """
+    from jaxtrain.checkpointing import find_checkpoint
     from jaxtrain.parallel import initialize_distributed
-    from jaxtrain.training.checkpoint import find_checkpoint
     from jaxtrain.training.trainer import Trainer
 
     checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
