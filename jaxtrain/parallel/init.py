@@ -34,6 +34,15 @@ def cast_floating(params: Any, dtype: Any) -> Any:
     return jax.tree.map(cast, params)
 
 
+def like_dtypes(params: Any, like: Any) -> Any:
+    """`params` with each leaf in the dtype of the matching leaf of `like` (arrays or
+    jax.ShapeDtypeStruct). param_dtype is decided once, on the abstract parameters, by
+    cast_floating; concrete parameters created later follow them with this."""
+    if like is None:
+        return params
+    return jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, like)
+
+
 class ModelFactory:
     """A zero-argument function building the model; pass it to Trainer(model=...).
 
@@ -53,21 +62,18 @@ class ModelFactory:
         """The model with jax.ShapeDtypeStruct in place of arrays (nothing allocated)."""
         return nnx.eval_shape(self.build)
 
-    def split(self, param_dtype: Any = None) -> tuple[Any, Any]:
-        """(params, rest) of a freshly built model; call it inside jit."""
+    def split(self, like: Any = None) -> tuple[Any, Any]:
+        """(params, rest) of a freshly built model, params in the dtypes of the abstract
+        params `like` (None: as built); call it inside jit."""
         _, params, rest = nnx.split(self.build(), nnx.Param, ...)
-        return cast_floating(params, param_dtype), rest
+        return like_dtypes(params, like), rest
 
     def state_initializer(
-        self,
-        make_state: Callable[[Any], Any],
-        shardings: Any,
-        *,
-        param_dtype: Any = None,
+        self, make_state: Callable[[Any], Any], shardings: Any, *, like: Any = None
     ) -> Callable[[], Any]:
         """jit(lambda: make_state(fresh params), out_shardings=shardings): each device builds
         only its shards of the parameters and of whatever `make_state` derives from them."""
-        return jax.jit(lambda: make_state(self.split(param_dtype)[0]), out_shardings=shardings)
+        return jax.jit(lambda: make_state(self.split(like)[0]), out_shardings=shardings)
 
     def init_state(
         self,
@@ -75,21 +81,21 @@ class ModelFactory:
         shardings: Any,
         plan: ShardingPlan,
         rest: Any,
-        param_dtype: Any = None,
+        like: Any = None,
     ) -> tuple[Any, Any]:
         """(train state, non-parameter variables), both created sharded.
 
-        `rest` is the abstract non-Param state of the model (empty for the Llama family)."""
+        `rest` is the abstract non-Param state of the model (empty for the Llama family);
+        `like` the abstract params whose dtypes the new params take (param_dtype)."""
         if jax.tree.leaves(rest):
             rest_shardings = plan.param_shardings(rest)
             rest = jax.jit(lambda: self.split()[1], out_shardings=rest_shardings)()
-        init = self.state_initializer(make_state, shardings, param_dtype=param_dtype)
-        return init(), rest
+        return self.state_initializer(make_state, shardings, like=like)(), rest
 
     def create(self, plan: ShardingPlan, *, param_dtype: Any = None) -> nnx.Module:
         """A concrete model whose variables are created sharded by `plan`'s rules."""
         graphdef, params, rest = nnx.split(self.abstract(), nnx.Param, ...)
-        params = cast_floating(params, param_dtype)
+        like = cast_floating(params, param_dtype)  # param_dtype decided once, abstractly
         shardings = (plan.param_shardings(params), plan.param_shardings(rest))
-        params, rest = jax.jit(lambda: self.split(param_dtype), out_shardings=shardings)()
+        params, rest = jax.jit(lambda: self.split(like), out_shardings=shardings)()
         return nnx.merge(graphdef, params, rest)

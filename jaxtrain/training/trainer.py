@@ -212,7 +212,7 @@ class Trainer(TrainerCallback):
                 shardings,
                 self.sharding_plan,
                 self.rest,
-                self.arguments.param_dtype,
+                like=self._initial_params,  # already in param_dtype (_configure_model)
             )
             return state
         params = jax.device_put(self._initial_params, shardings.params)
