@@ -1,9 +1,12 @@
 """One call of `Trainer.train()`: the loop that orchestrates steps, logs, evals and saves.
 
 The loop only orchestrates: the math is in `step.py` (pure, jitted), data in
-`jaxtrain.data`, checkpoints in `jaxtrain.checkpointing`, measurements in `monitor.py`.
-The device never waits for the host: step n+1 is dispatched before the metrics of step n are read, and metrics
-are read only at logging cadence (one step late).
+`jaxtrain.data`, checkpoints in `jaxtrain.checkpointing`, measurements in
+`jaxtrain.observability`. It talks to the Trainer through its public interface only (see
+trainer.py) and owns what it creates: the compiled step, the progress bar, the log, the
+batch reader. When to evaluate and save are cadences (hooks.Cadence) decided in __init__.
+The device never waits for the host: step n+1 is dispatched before the metrics of step n
+are read, and metrics are read only at logging cadence (one step late).
 """
 
 from __future__ import annotations

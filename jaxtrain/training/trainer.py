@@ -2,8 +2,13 @@
 
 `train()` hands one run to `loop.TrainingLoop`; the math lives in `step.py` (pure, jitted),
 data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in
-`jaxtrain.checkpointing`, and measurements in `monitor.py`. Subclasses change the objective through `compute_loss_sums` /
-`loss_normalizer` and react to the run through the TrainerCallback hooks.
+`jaxtrain.checkpointing`, and measurements in `jaxtrain.observability`. Subclasses change
+the objective through `compute_loss_sums` / `loss_normalizer` (the contract is in
+objective.py) and react to the run through the TrainerCallback hooks.
+
+What the loop uses, and nothing else: `monitor`, `hooks`, `checkpoints`, `start_state()`,
+`compile_train_step()`, `global_batches()`, `save_checkpoint()`, `evaluate()`, and public
+attributes (`arguments`, `model`, `mesh`, `train_loader`, `data_meter`, `should_stop`, ...).
 """
 
 from __future__ import annotations
@@ -154,7 +159,8 @@ class Trainer(TrainerCallback):
         return resolve_pad_token_id(self.processing_class, self.model_config)
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
-        """Sums over one micro-batch; must return at least "loss_sum" and "tokens"."""
+        """Sums over one micro-batch: "loss_sum" and "tokens" at least, every other key
+        logged (the contract and the logging rule are in training/objective.py)."""
         return causal_lm_loss_sums(model, batch, rng)
 
     def loss_normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
