@@ -73,6 +73,7 @@ class Trainer(TrainerCallback):
         self.sharding_plan = ShardingPlan.from_arguments(args, devices)
         self.mesh = self.sharding_plan.mesh
         self._state_shardings = None
+        self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
         self._factory = model if isinstance(model, ModelFactory) else None
         if self._factory is not None:
             model = self._factory.abstract()  # shapes only; create_state makes it, sharded
@@ -90,7 +91,9 @@ class Trainer(TrainerCallback):
             process_count=jax.process_count(),
             pad_token_id=self.pad_token_id,
         )
-        data.update(tokenizer=processing_class, collator=data_collator)
+        data.update(
+            tokenizer=processing_class, collator=data_collator, featurizer=self.create_featurizer
+        )
         self.train_loader = self.eval_loader = None
         if dataset_train is not None:
             self.train_loader = build_train_loader(args, dataset_train, **data)
@@ -142,6 +145,12 @@ class Trainer(TrainerCallback):
             if pad is not None:
                 return int(pad)
         return 0
+
+    def create_featurizer(self, name: str) -> Any:
+        """The Featurizer turning `name`'s rows into examples; None: the default (text,
+        messages or input_ids). Task trainers return their own (preference pairs, ...)."""
+        del name
+        return None
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
         """Sums over one micro-batch; must return at least "loss_sum" and "tokens"."""
@@ -204,9 +213,18 @@ class Trainer(TrainerCallback):
                 self.rest,
                 self.arguments.param_dtype,
             )
+            self._placed_rest = None
             return state
         params = jax.device_put(self._initial_params, shardings.params)
         return jax.jit(self._new_state, out_shardings=shardings)(params)
+
+    def frozen_state(self) -> Any:
+        """The model's non-Param state (frozen weights, buffers) placed on the mesh by the
+        sharding rules, as the jitted steps take it: an argument, never a baked constant."""
+        if self._placed_rest is None:
+            shardings = self.sharding_plan.param_shardings(self.rest)
+            self._placed_rest = (jax.device_put(self.rest, shardings), shardings)
+        return self._placed_rest[0]
 
     def dry_run(self) -> str:
         """Print (process 0) and return mesh, per-device memory and every param's sharding."""
@@ -302,7 +320,6 @@ class Trainer(TrainerCallback):
     def _compile_train_step(self, state: TrainState, batch: dict[str, jax.Array], progress: Any):
         step_fn = make_train_step(
             graphdef=self.graphdef,
-            rest=self.rest,
             optimizer=self.optimizer,
             schedule=self.schedule,
             seed=self.arguments.seed,
@@ -311,14 +328,12 @@ class Trainer(TrainerCallback):
         )
         # Compiled ahead of time here; a batch of another shape recompiles with a warning
         # naming the changed shapes, and every compile is logged (compiles.py).
-        compiled = self._monitor.jit(
-            step_fn,
-            "train_step",
-            progress=progress,
-            **self.sharding_plan.train_step_jit_options(self.state_shardings, batch),
-        )
-        compiled.compile(state, batch)
-        return compiled
+        options = self.sharding_plan.train_step_jit_options(self.state_shardings, batch)
+        frozen = self.frozen_state()
+        options["in_shardings"] = (*options["in_shardings"], self._placed_rest[1])
+        compiled = self._monitor.jit(step_fn, "train_step", progress=progress, **options)
+        compiled.compile(state, batch, frozen)
+        return _WithFrozen(compiled, frozen)
 
     # ------------------------------------------------------------------- eval
     def eval(self, state: TrainState) -> Iterator[dict[str, float]]:
@@ -332,7 +347,7 @@ class Trainer(TrainerCallback):
         if self._evaluator is None:
             self._evaluator = Evaluator(
                 graphdef=self.graphdef,
-                rest=self.rest,
+                rest=self.frozen_state(),
                 loss_sums_fn=with_activation_sharding(
                     self.compute_loss_sums, self.sharding_plan.rules
                 ),
@@ -347,6 +362,19 @@ class Trainer(TrainerCallback):
         for metrics in self.eval(state):  # noqa: B007 - the last yield covers the whole set
             pass
         return metrics
+
+
+class _WithFrozen:
+    """The compiled train step with the frozen state bound: `step(state, batch)`."""
+
+    def __init__(self, compiled: Any, frozen: Any):
+        self.compiled, self.frozen = compiled, frozen
+
+    def __call__(self, state: TrainState, batch: dict[str, jax.Array]):
+        return self.compiled(state, batch, self.frozen)
+
+    def __getattr__(self, name: str) -> Any:  # compiles, lower, ... of the TrackedJit
+        return getattr(self.compiled, name)
 
 
 def param_logical_axes(params: Any) -> Any:
