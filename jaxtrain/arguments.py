@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxtrain.errors import ArgumentError
 from jaxtrain.models.llama import REMAT_POLICIES
 from jaxtrain.training.optim import OPTIMIZERS, SCHEDULERS
 from jaxtrain.training.stopping import parse_duration
@@ -26,10 +27,6 @@ EVALUATION_STRATEGIES = ("no", "steps", "epoch")
 TRUNCATION_MODES = ("keep_end", "keep_start")
 ON_NAN = ("stop", "skip")
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
-
-
-class ArgumentError(ValueError):
-    """An invalid TrainingArguments value; the message names the field and the fix."""
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import time
 
 import yaml
 
-from jaxtrain.training.logs import read_jsonl
+from jaxtrain.observability.logs import read_jsonl
 
 TINY = [
     "--max_steps", "8",

@@ -22,13 +22,9 @@ from typing import Any
 
 import jax
 
+from jaxtrain.errors import DistributedError
+
 DISTRIBUTED_MODES = ("auto", "on", "off")
-
-
-class DistributedError(RuntimeError):
-    """The multi-host cluster could not be formed; the message says what and how to fix it."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)

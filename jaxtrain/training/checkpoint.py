@@ -12,13 +12,10 @@ from typing import Any
 
 import jax
 
+from jaxtrain.errors import CheckpointError
 from jaxtrain.training.state import TrainState
 
 # orbax is imported where it is used: it is not needed before the first save.
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written where asked, or cannot be read back."""
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

@@ -17,8 +17,8 @@ import jax
 from flax import nnx
 
 from jaxtrain.data import prefetch
+from jaxtrain.observability.progress import make_progress
 from jaxtrain.training.hooks import call_hooks
-from jaxtrain.training.progress import make_progress
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.stopping import (
     Deadline,

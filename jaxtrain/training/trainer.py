@@ -20,6 +20,7 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
 from jaxtrain.models.sharding import with_activation_sharding
+from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.parallel.dry_run import dry_run_report
@@ -28,7 +29,6 @@ from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
-from jaxtrain.training.monitor import RunMonitor
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.run_start import initial_state
 from jaxtrain.training.state import TrainState, count_parameters

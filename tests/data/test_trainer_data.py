@@ -8,8 +8,8 @@ from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.observability.logs import read_jsonl
 from jaxtrain.training.checkpoint import read_metadata
-from jaxtrain.training.logs import read_jsonl
 
 
 class LossRecorder:

@@ -13,8 +13,8 @@ from jaxtrain import Trainer, TrainerCallback, TrainingArguments
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.data import DatasetError, chunk_dataset, load_default_corpus
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.observability.logs import read_jsonl
 from jaxtrain.training.checkpoint import CheckpointError, read_metadata
-from jaxtrain.training.logs import read_jsonl
 
 SEQ = 32
 

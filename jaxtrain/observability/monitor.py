@@ -24,12 +24,17 @@ from typing import Any
 
 import jax
 
-from jaxtrain.training import weights
-from jaxtrain.training.compiles import CompileEvent, TrackedJit
-from jaxtrain.training.flops import FlopsCounter, matmul_parameters
-from jaxtrain.training.hardware import device_peak_flops
-from jaxtrain.training.metrics import BatchCounts, DataWaitClock, MetricsWindow, host_token_count
-from jaxtrain.training.trackers import check_trackers, default_run_name, start_trackers
+from jaxtrain.observability import weights
+from jaxtrain.observability.compiles import CompileEvent, TrackedJit
+from jaxtrain.observability.flops import FlopsCounter, matmul_parameters
+from jaxtrain.observability.hardware import device_peak_flops
+from jaxtrain.observability.metrics import (
+    BatchCounts,
+    DataWaitClock,
+    MetricsWindow,
+    host_token_count,
+)
+from jaxtrain.observability.trackers import check_trackers, default_run_name, start_trackers
 
 GIB = 2.0**30
 
@@ -233,7 +238,7 @@ class RunMonitor:
 
     def on_train_end(self, trainer: Any, output: Any) -> None:
         if self.is_writer and self.args.run_report:
-            from jaxtrain.training.report import ReportError, write_report
+            from jaxtrain.observability.report import ReportError, write_report
 
             try:
                 result = write_report(self.args.output_dir)
