@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.models.lora import merge_lora
 from jaxtrain.trainers.base import PairTrainer, concrete_model
-from jaxtrain.trainers.frozen import TaskModel, freeze, unfreeze
+from jaxtrain.trainers.frozen import TaskModel, freeze
 from jaxtrain.trainers.logps import pair_mask
 from jaxtrain.training.state import TrainState
 
@@ -33,6 +35,9 @@ class RewardModel(nnx.Module):
 
     ``model(input_ids, attention_mask)`` -> scores [B] at each row's last real token.
     """
+
+    # The score head stays trainable when LoRA freezes the rest (models/lora.py).
+    lora_keep = ("score",)
 
     def __init__(self, backbone: nnx.Module, *, seed: int = 0):
         config = backbone.config
@@ -56,15 +61,7 @@ class RewardModel(nnx.Module):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        backbone = self.backbone
-        hidden = backbone.model(
-            input_ids,
-            positions,
-            None,
-            remat_policy=backbone.remat_policy,
-            implementation=backbone.attention_implementation,
-        )
+        hidden = self.backbone.hidden_states(input_ids)
         last = jnp.max(jnp.arange(t) * (attention_mask != 0), axis=-1)
         h_BxD = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return (h_BxD.astype(jnp.float32) @ self.score[...].astype(jnp.float32))[:, 0]
@@ -107,14 +104,25 @@ class RewardTrainer(PairTrainer):
             "rewards/margins": (jax.lax.stop_gradient(chosen - rejected) * real).sum(),
         }
 
-    def save_pretrained(self, state: TrainState, save_directory: str | Path, **kwargs: Any) -> Path:
-        """Write a transformers `*ForSequenceClassification` directory (num_labels=1)."""
+    def save_pretrained(
+        self,
+        state: TrainState,
+        save_directory: str | Path,
+        *,
+        lora_format: str = "merged",
+        **kwargs: Any,
+    ) -> Path:
+        """Write a transformers `*ForSequenceClassification` directory (num_labels=1); LoRA
+        adapters are merged into the weights."""
+        if lora_format != "merged":
+            raise ArgumentError("RewardTrainer exports merged weights only (lora_format='merged').")
         from safetensors.numpy import load_file, save_file
 
         from jaxtrain.hf import save_pretrained
 
         reward = self.model_from_state(state)
-        backbone = unfreeze(nnx.clone(reward.backbone))  # the LM head back, for the writer
+        # Adapters folded in, every weight (the unused LM head too) a Param for the writer.
+        backbone = merge_lora(reward.backbone)
         out = Path(save_directory)
         kwargs.setdefault("tokenizer", self.processing_class)
         kwargs["max_shard_size"] = "1000GB"  # one file: the head is added below

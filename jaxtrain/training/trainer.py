@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
+from jaxtrain.models.lora import apply_lora, has_lora, merge_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
@@ -75,6 +76,9 @@ class Trainer(TrainerCallback):
         self._state_shardings = None
         self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
         self._factory = model if isinstance(model, ModelFactory) else None
+        if self._factory is not None and args.lora_rank:
+            build = self._factory.build
+            self._factory = ModelFactory(lambda: self._apply_lora(build()))
         if self._factory is not None:
             model = self._factory.abstract()  # shapes only; create_state makes it, sharded
         self.model = model
@@ -134,10 +138,25 @@ class Trainer(TrainerCallback):
             for _, module in nnx.iter_modules(model):
                 if hasattr(module, "dtype"):
                     module.dtype = compute_dtype
+        if args.lora_rank and self._factory is None:
+            self._apply_lora(model)  # in place: the user's model gains the adapters
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = cast_floating(params, args.param_dtype)
         self._initial_params = params
         self.num_parameters = count_parameters(params)
+
+    def _apply_lora(self, model: nnx.Module) -> nnx.Module:
+        """Adapters on the targeted projections, every other weight frozen (models/lora.py)."""
+        args = self.arguments
+        apply_lora(  # frozen parts (a reference, a teacher) have no Param kernel to adapt
+            model,
+            rank=args.lora_rank,
+            alpha=args.lora_alpha,
+            dropout=args.lora_dropout,
+            targets=args.lora_targets,
+            seed=args.seed,
+        )
+        return model
 
     def _resolve_pad_token_id(self) -> int:
         for source in (self.processing_class, self.model_config):
@@ -151,6 +170,12 @@ class Trainer(TrainerCallback):
         messages or input_ids). Task trainers return their own (preference pairs, ...)."""
         del name
         return None
+
+    def _train_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
+        """compute_loss_sums inside the train step: LoRA dropout draws from the step's key."""
+        if self.arguments.lora_rank and self.arguments.lora_dropout > 0:
+            set_lora_dropout_key(model, jax.random.fold_in(rng, 0x10AA))
+        return self.compute_loss_sums(model, batch, rng)
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
         """Sums over one micro-batch; must return at least "loss_sum" and "tokens"."""
@@ -237,17 +262,35 @@ class Trainer(TrainerCallback):
         """A model object carrying `state`'s parameters (for sampling, export, ...)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
 
-    def save_pretrained(self, state: TrainState, save_directory: str | Path, **kwargs: Any) -> Path:
+    def save_pretrained(
+        self,
+        state: TrainState,
+        save_directory: str | Path,
+        *,
+        lora_format: str = "merged",
+        **kwargs: Any,
+    ) -> Path:
         """Export `state` as a Hugging Face directory (weights, config, tokenizer, model card).
 
         kwargs go to `jaxtrain.hf.save_pretrained` (max_shard_size, dtype, tokenizer).
+        With LoRA, `lora_format="merged"` folds the adapters into the base weights (a plain
+        model); "peft" writes a PEFT adapter directory (adapter_config.json and
+        adapter_model.safetensors) for the base model instead.
         """
         from jaxtrain.hf import save_pretrained
         from jaxtrain.hf.model_card import training_summary
 
+        model = self.model_from_state(state)
+        if has_lora(model) and lora_format == "peft":
+            from jaxtrain.hf.peft import save_peft_adapter
+
+            return save_peft_adapter(model, save_directory, tokenizer=self.processing_class)
+        if lora_format not in ("merged", "peft"):
+            raise ArgumentError(f"lora_format={lora_format!r}: use 'merged' or 'peft'.")
         kwargs.setdefault("tokenizer", self.processing_class)
         summary = {**training_summary(self, state), **kwargs.pop("training_summary", {})}
-        model = self.model_from_state(state)
+        if has_lora(model):
+            model = merge_lora(model)
         return save_pretrained(model, save_directory, training_summary=summary, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
@@ -323,7 +366,7 @@ class Trainer(TrainerCallback):
             optimizer=self.optimizer,
             schedule=self.schedule,
             seed=self.arguments.seed,
-            loss_sums_fn=with_activation_sharding(self.compute_loss_sums, self.sharding_plan.rules),
+            loss_sums_fn=with_activation_sharding(self._train_loss_sums, self.sharding_plan.rules),
             normalizer_fn=self.loss_normalizer,
         )
         # Compiled ahead of time here; a batch of another shape recompiles with a warning
