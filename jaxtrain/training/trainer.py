@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import ArgumentError, TrainingArguments, check_warmup
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
+from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.lora import apply_lora, has_lora, merge_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
@@ -84,6 +85,7 @@ class Trainer(TrainerCallback):
         self.model = model
         self.model_config = getattr(model, "config", None)
         self._configure_model(model)
+        self.sharding_plan.check_expert_axis(self._initial_params)  # ep > 1 needs experts
         self.pad_token_id = self._resolve_pad_token_id()
 
         # Datasets are checked now, before anything is compiled.
@@ -113,6 +115,8 @@ class Trainer(TrainerCallback):
         # Without training data (eval or sampling only) the schedule's length is moot: it
         # does not change the optimizer state's structure.
         steps = self.total_steps if self.train_loader else max(args.max_steps, 1)
+        if self.train_loader is not None:  # epochs: the run's length is known only now
+            check_warmup(args, steps, "num_train_epochs x steps per epoch")
         self.optimizer, self.schedule = self.create_optimizer(steps)
         self._train_step = None
         self._evaluator = None  # created at the first evaluation
@@ -159,11 +163,8 @@ class Trainer(TrainerCallback):
         return model
 
     def _resolve_pad_token_id(self) -> int:
-        for source in (self.processing_class, self.model_config):
-            pad = getattr(source, "pad_token_id", None)
-            if pad is not None:
-                return int(pad)
-        return 0
+        # pad, else eos with a warning; a tokenizer with neither is an ArgumentError.
+        return resolve_pad_token_id(self.processing_class, self.model_config)
 
     def create_featurizer(self, name: str) -> Any:
         """The Featurizer turning `name`'s rows into examples; None: the default (text,
