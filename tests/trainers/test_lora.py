@@ -144,3 +144,24 @@ def test_bad_lora_arguments_name_the_field():
         TrainingArguments(lora_rank=4, lora_targets=["embeddings"])
     with pytest.raises(ArgumentError, match="lora_dropout"):
         TrainingArguments(lora_rank=4, lora_dropout=1.5)
+
+
+def test_dpo_with_lora_on_a_mesh_trains_like_one_device(tmp_path):
+    """DPO + LoRA on dp2 x fsdp2 x tp2 (8 CPU devices): the same losses as one device, and the
+    frozen weights (reference and LoRA base) are sharded by the rules, not replicated."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("sharded_worker.py")
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    single, mesh = results["single"], results["dp2_fsdp2_tp2"]
+    np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=2e-4)
+    assert any("reference" in k for k in mesh["specs"])
+    qkv = [v for k, v in mesh["specs"].items() if k.endswith("qkv_proj/kernel")]
+    assert qkv and all(("fsdp" in v and "tp" in v) for v in qkv), mesh["specs"]
