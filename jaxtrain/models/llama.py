@@ -8,6 +8,7 @@ a rename plus reshape; q/k/v and gate/up are fused (see layers.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -207,6 +208,28 @@ class LlamaForCausalLM(nnx.Module):
         positions [B, T] default to 0..T-1 per row; with packing pass per-document
         positions together with ``segment_ids`` so each document restarts at 0.
         """
+        h = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids)
+        if self.lm_head is None:
+            return constrain(self.model.embed_tokens.attend(h), ACT_BTV)
+        return constrain(self.lm_head(h), ACT_BTV)
+
+    def output_projection(self) -> Callable[[Array], Array]:
+        """The output head as a pure function ``h [..., D] -> logits [..., vocab]`` over the
+        head's weights, for losses that compute logits a chunk at a time."""
+        if self.lm_head is None:
+            table = self.model.embed_tokens.embedding[...].astype(self.dtype)
+            return lambda h: jnp.einsum("...d,vd->...v", h, table)
+        kernel = self.lm_head.kernel[...].astype(self.dtype)
+        return lambda h: jnp.einsum("...d,dv->...v", h, kernel)
+
+    def hidden_states(
+        self,
+        input_ids: Array,
+        *,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+    ) -> Array:
+        """The final-norm hidden states [B, T, hidden] that the output head turns into logits."""
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}; "
@@ -217,16 +240,13 @@ class LlamaForCausalLM(nnx.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        h = self.model(
+        return self.model(
             input_ids,
             positions,
             segment_ids,
             remat_policy=self.remat_policy,
             implementation=self.attention_implementation,
         )
-        if self.lm_head is None:
-            return constrain(self.model.embed_tokens.attend(h), ACT_BTV)
-        return constrain(self.lm_head(h), ACT_BTV)
 
 
 def logical_axes(state_or_model: nnx.State | nnx.Module) -> nnx.State:

@@ -24,13 +24,19 @@ IGNORE_INDEX = -100
 LossSumsFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], dict[str, jax.Array]]
 
 
-def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+def causal_lm_sums(
+    logits: jax.Array, labels: jax.Array, *, shifted: bool = False
+) -> dict[str, jax.Array]:
     """Sums of next-token cross-entropy and accuracy; labels are aligned with the inputs.
 
     logits[:, t] predicts labels[:, t + 1]; positions labelled IGNORE_INDEX do not count.
+    ``shifted=True``: the labels are already the targets of the logits (logits[:, t]
+    predicts labels[:, t]).
     """
-    logits_BxTxV = logits[:, :-1].astype(jnp.float32)
-    targets_BxT = labels[:, 1:]
+    if shifted:
+        logits_BxTxV, targets_BxT = logits.astype(jnp.float32), labels
+    else:
+        logits_BxTxV, targets_BxT = logits[:, :-1].astype(jnp.float32), labels[:, 1:]
     mask_BxT = targets_BxT != IGNORE_INDEX
     safe_targets = jnp.where(mask_BxT, targets_BxT, 0)
     log_norm = jax.nn.logsumexp(logits_BxTxV, axis=-1)
@@ -46,13 +52,67 @@ def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]
     }
 
 
+# Vocabularies from this size on get the chunked loss: float32 logits of a whole batch would
+# dominate memory (vocab 49152, batch 8 x 512: 805 MB, and as much again for their gradient).
+CHUNKED_LOSS_MIN_VOCAB = 32768
+# Target float32 logits per chunk (elements): 2**24 = 64 MiB.
+CHUNK_LOGITS = 2**24
+
+
+def chunked_causal_lm_sums(
+    hidden: jax.Array,
+    project: Callable[[jax.Array], jax.Array],
+    labels: jax.Array,
+    *,
+    chunk_tokens: int,
+) -> dict[str, jax.Array]:
+    """``causal_lm_sums`` from hidden states [B, T, D], ``chunk_tokens`` positions at a time.
+
+    ``project`` maps hidden states to logits (the model's output head). Each chunk's logits
+    live only inside a rematerialised scan step: the forward keeps the chunk sums, the
+    backward recomputes that chunk's logits, so no [B, T, V] array ever exists.
+    """
+    d = hidden.shape[-1]
+    h = hidden[:, :-1].reshape(-1, d)
+    targets = labels[:, 1:].reshape(-1)
+    n = targets.shape[0]
+    chunk_tokens = min(chunk_tokens, n)
+    chunks = -(-n // chunk_tokens)
+    pad = chunks * chunk_tokens - n
+    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(chunks, chunk_tokens, d)
+    targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_INDEX)
+    targets = targets.reshape(chunks, chunk_tokens)
+
+    @jax.checkpoint
+    def chunk_sums(h_c: jax.Array, t_c: jax.Array) -> dict[str, jax.Array]:
+        return causal_lm_sums(project(h_c)[:, None], t_c[:, None], shifted=True)
+
+    def body(carry, xs):
+        sums = chunk_sums(*xs)
+        return jax.tree.map(jnp.add, carry, sums), None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = {"loss_sum": zero, "correct": zero, "tokens": zero}
+    sums, _ = jax.lax.scan(body, init, (h, targets))
+    return sums
+
+
 def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
-    """Default loss of the Trainer: a causal LM called as model(input_ids, ...) -> logits."""
+    """Default loss of the Trainer: a causal LM called as model(input_ids, ...) -> logits.
+
+    Models with ``hidden_states`` and ``output_projection`` (the Llama family) and a
+    vocabulary of at least CHUNKED_LOSS_MIN_VOCAB get the chunked loss (same sums).
+    """
     del rng  # the Llama family has no dropout; custom losses may use it
-    logits = model(
-        batch["input_ids"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
-    )
-    return causal_lm_sums(logits, batch["labels"])
+    kwargs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
+    if vocab >= CHUNKED_LOSS_MIN_VOCAB and hasattr(model, "output_projection"):
+        hidden = model.hidden_states(batch["input_ids"], **kwargs)
+        chunk = max(64, CHUNK_LOGITS // vocab // 64 * 64)
+        return chunked_causal_lm_sums(
+            hidden, model.output_projection(), batch["labels"], chunk_tokens=chunk
+        )
+    return causal_lm_sums(model(batch["input_ids"], **kwargs), batch["labels"])
 
 
 def count_target_tokens(batch: dict[str, jax.Array]) -> jax.Array:
@@ -63,44 +123,50 @@ def count_target_tokens(batch: dict[str, jax.Array]) -> jax.Array:
 def make_train_step(
     *,
     graphdef: nnx.GraphDef,
-    rest: nnx.State,
+    rest: nnx.State | None = None,
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     seed: int,
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
     normalizer_fn: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
-    """Build `train_step(state, batch)`; batch leaves have a leading micro-batch axis [A, ...]."""
+    """Build `train_step(state, batch, frozen=None)`; batch leaves are [A, ...] (micro-batches).
 
-    def micro_loss(params, micro_batch, rng, normalizer):
-        model = nnx.merge(graphdef, params, rest)
+    `frozen` is the model's non-Param state (frozen weights such as a DPO reference, a teacher
+    or LoRA's base kernels): an argument, so that it is placed on the mesh like any input and
+    not baked into the compiled program as a constant. Without it, `rest` is used.
+    """
+
+    def micro_loss(params, frozen, micro_batch, rng, normalizer):
+        model = nnx.merge(graphdef, params, frozen)
         sums = loss_sums_fn(model, micro_batch, rng)
         return sums["loss_sum"] / normalizer, sums
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+    def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: Any = None):
+        frozen = rest if frozen is None else frozen
         normalizer = jnp.maximum(normalizer_fn(batch), 1.0)
         step_key = jax.random.fold_in(jax.random.key(seed), state.step)
         num_micro = jax.tree.leaves(batch)[0].shape[0]
 
         if num_micro == 1:
             micro = jax.tree.map(lambda x: x[0], batch)
-            grads, sums = grad_fn(state.params, micro, step_key, normalizer)
+            grads, sums = grad_fn(state.params, frozen, micro, step_key, normalizer)
         else:
 
             def accumulate(carry, inputs):
                 grads_acc, sums_acc = carry
                 index, micro = inputs
                 micro_key = jax.random.fold_in(step_key, index)
-                grads, sums = grad_fn(state.params, micro, micro_key, normalizer)
+                grads, sums = grad_fn(state.params, frozen, micro, micro_key, normalizer)
                 grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
                 sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
                 return (grads_acc, sums_acc), None
 
             first = jax.tree.map(lambda x: x[0], batch)
             grads_shape, sums_shape = jax.eval_shape(
-                grad_fn, state.params, first, step_key, normalizer
+                grad_fn, state.params, frozen, first, step_key, normalizer
             )
             grads0 = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), grads_shape)
             sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_shape)
@@ -135,13 +201,14 @@ def make_train_step(
 def make_eval_step(
     *,
     graphdef: nnx.GraphDef,
-    rest: nnx.State,
+    rest: nnx.State | None = None,
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
-) -> Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]]:
-    """Build `eval_step(params, batch) -> sums`, the same reduction as training."""
+) -> Callable[..., dict[str, jax.Array]]:
+    """Build `eval_step(params, batch, frozen=None) -> sums`, the same reduction as training."""
 
-    def eval_step(params, batch):
-        model = nnx.merge(graphdef, params, rest)
+    def eval_step(params, batch, frozen=None):
+        frozen = rest if frozen is None else frozen
+        model = nnx.merge(graphdef, params, frozen)
         return loss_sums_fn(model, batch, jax.random.key(0))
 
     return eval_step

@@ -1,0 +1,110 @@
+"""Peak memory of the loss for a large vocabulary: whole-batch logits vs the chunked loss.
+
+    .venv/bin/python bench/chunked_loss.py                 # ~2 minutes on 2 cores
+    .venv/bin/python bench/chunked_loss.py --vocab 151936 --rounds 1
+
+A Llama (hidden 256, 2 layers, vocab 49152 by default) trains with the library's
+``make_train_step`` (AdamW) on batch 8 x seq 512, in its own process per variant:
+
+- ``full``: ``causal_lm_sums(model(input_ids), labels)``: float32 logits [8, 512, vocab];
+- ``chunked``: the Trainer's default loss (``causal_lm_loss_sums``), which at this vocabulary
+  computes the logits ``CHUNK_LOGITS // vocab`` positions at a time under remat.
+
+Reported per variant: XLA's temp buffer size of the compiled step (``memory_analysis``, exact),
+the process's peak RSS (``ru_maxrss``) and the median step time of steps 2..N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def worker(variant: str, vocab: int, steps: int) -> dict:
+    import jax
+    import optax
+    from flax import nnx
+
+    from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+    from jaxtrain.training.state import TrainState
+    from jaxtrain.training.step import causal_lm_loss_sums, causal_lm_sums, make_train_step
+
+    def full(model, batch, rng):
+        return causal_lm_sums(model(batch["input_ids"]), batch["labels"])
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=1024,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    del model
+    optimizer = optax.adamw(3e-4)
+    state = TrainState.create(params, optimizer)
+    loss = full if variant == "full" else causal_lm_loss_sums
+    step = jax.jit(
+        make_train_step(graphdef=graphdef, rest=rest, optimizer=optimizer,
+                        schedule=optax.constant_schedule(3e-4), seed=0, loss_sums_fn=loss),
+        donate_argnums=0,
+    )  # fmt: skip
+    ids = np.random.default_rng(1).integers(0, vocab, (1, 8, 512), dtype=np.int32)
+    batch = {"input_ids": ids, "labels": ids}
+    compiled = step.lower(state, batch).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    times, losses = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+        losses.append(float(metrics["loss_sum"]))
+    return {
+        "variant": variant,
+        "temp_mb": temp / 2**20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_s": statistics.median(times[1:]),
+        "loss_sum": losses[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--worker")
+    opts = parser.parse_args()
+    if opts.worker:
+        print("RESULT " + json.dumps(worker(opts.worker, opts.vocab, opts.steps)))
+        return
+    runs: dict[str, list[dict]] = {"full": [], "chunked": []}
+    for r in range(opts.rounds):
+        for v in ("full", "chunked") if r % 2 == 0 else ("chunked", "full"):
+            cmd = [sys.executable, __file__, "--worker", v, "--vocab", str(opts.vocab),
+                   "--steps", str(opts.steps)]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            runs[v].append(
+                json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
+            )
+    print(f"vocab {opts.vocab}, batch 8 x 512, hidden 256, 2 layers, {opts.rounds} rounds")
+    print("| variant | XLA temp MB | peak RSS MB (median) | step s (median) | first loss sum |")
+    print("| --- | --- | --- | --- | --- |")
+    med = {}
+    for v, rs in runs.items():
+        med[v] = {
+            k: statistics.median(r[k] for r in rs) for k in ("temp_mb", "peak_rss_mb", "step_s")
+        }
+        print(f"| {v} | {med[v]['temp_mb']:.0f} | {med[v]['peak_rss_mb']:.0f} | "
+              f"{med[v]['step_s']:.2f} | {rs[0]['loss_sum']:.2f} |")  # fmt: skip
+    print(f"\nchunked / full: temp {med['chunked']['temp_mb'] / med['full']['temp_mb']:.2f}x, "
+          f"peak RSS {med['chunked']['peak_rss_mb'] / med['full']['peak_rss_mb']:.2f}x, "
+          f"step {med['chunked']['step_s'] / med['full']['step_s']:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

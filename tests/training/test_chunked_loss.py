@@ -1,0 +1,92 @@
+"""Chunked cross-entropy: the same sums and gradients, without whole-batch logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.training.step import (
+    CHUNKED_LOSS_MIN_VOCAB,
+    IGNORE_INDEX,
+    causal_lm_loss_sums,
+    causal_lm_sums,
+    chunked_causal_lm_sums,
+)
+
+B, T = 2, 13
+
+
+def largest_logits(jaxpr, vocab: int, hidden: int) -> int:
+    """Elements of the largest logits-like value ([..., vocab], not a [hidden, vocab] weight
+    or its gradient) in a jaxpr, sub-jaxprs (scan, remat) included."""
+    big = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            shape = getattr(var.aval, "shape", ())
+            if shape and shape[-1] == vocab and hidden not in shape:
+                big = max(big, int(np.prod(shape)))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    big = max(big, largest_logits(inner, vocab, hidden))
+    return big
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = LlamaConfig(vocab_size=CHUNKED_LOSS_MIN_VOCAB, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         initializer_range=0.2)  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+    labels = ids.copy()
+    labels[0, :4] = IGNORE_INDEX
+    return model, {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels)}
+
+
+def full_sums(model, batch):
+    return causal_lm_sums(model(batch["input_ids"]), batch["labels"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_sums_and_grads_equal_the_full_logits(setup, tied):
+    model, batch = setup
+    if tied:
+        model = LlamaForCausalLM(
+            LlamaConfig(**{**model.config.to_dict(), "tie_word_embeddings": True}),
+            rngs=nnx.Rngs(1),
+        )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p, fn):
+        sums = fn(nnx.merge(graphdef, p, rest), batch)
+        return sums["loss_sum"], sums
+
+    def chunked(m, b):  # 5 chunks of 5 positions, the last padded
+        h = m.hidden_states(b["input_ids"])
+        return chunked_causal_lm_sums(h, m.output_projection(), b["labels"], chunk_tokens=5)
+
+    def trainer_default(m, b):  # the Trainer's default loss: chunked at this vocabulary
+        return causal_lm_loss_sums(m, b, None)
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (want, want_sums), want_g = grad(params, full_sums)
+    for fn in (chunked, trainer_default):
+        (got, sums), g = grad(params, fn)
+        assert sorted(sums) == ["correct", "loss_sum", "tokens"]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        assert float(sums["tokens"]) == float(want_sums["tokens"]) == B * (T - 1) - 3
+        assert float(sums["correct"]) == float(want_sums["correct"])
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+
+    # No value of the chunked gradient computation is as large as the batch's logits.
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p, chunked)[0]))(params).jaxpr
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    assert largest_logits(jaxpr, vocab, hidden) == 5 * vocab
+    full = jax.make_jaxpr(jax.grad(lambda p: loss(p, full_sums)[0]))(params).jaxpr
+    assert largest_logits(full, vocab, hidden) >= B * (T - 1) * vocab  # the check can fail
