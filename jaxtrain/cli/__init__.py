@@ -4,6 +4,7 @@
 
   __init__.py    main(): dispatch, and the one place errors become exit codes
   usage.py       the usage text
+  help.py        `jaxtrain COMMAND --help`: every option with its type, default and doc
   run_config.py  config file + --flags -> one mapping (TrainingArguments + model/data/sample)
   run_dir.py     build_model, build_data, load_run, restore_run: a run directory's pieces
   pretrained.py  the `model.pretrained` section (fine-tuning a local Hugging Face model)
@@ -19,7 +20,9 @@ import sys
 
 from jaxtrain.cli.usage import USAGE
 
-__all__ = ["USAGE", "main"]
+__all__ = ["COMMANDS", "USAGE", "main"]
+
+COMMANDS = ("train", "eval", "sample", "export", "report")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
+    if argv[0] in ("--version", "-V", "version"):
+        from jaxtrain import __version__
+
+        print(f"jaxtrain {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    if command in COMMANDS and any(t in ("-h", "--help") for t in rest):
+        from jaxtrain.cli.help import command_help
+
+        print(command_help(command))
+        return 0
     from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
     from jaxtrain.cli.export import cmd_export
     from jaxtrain.errors import JaxtrainError, TrainingInterrupted

@@ -11,8 +11,10 @@ from jaxtrain.errors import EXIT_OK, EXIT_TIME_LIMIT, ArgumentError
 def cmd_train(tokens: list[str]) -> int:
     from jaxtrain.cli.pretrained import pretrained_data_section, run_model_section
     from jaxtrain.cli.run_config import (
+        describe_sources,
+        explain_source,
         parse_overrides,
-        resolve_config,
+        resolve_config_with_sources,
         save_config,
         split_config,
     )
@@ -20,13 +22,20 @@ def cmd_train(tokens: list[str]) -> int:
 
     dry_run = "--dry_run" in tokens
     path, rest = split_positional([t for t in tokens if t != "--dry_run"])
-    config = resolve_config(path, parse_overrides(rest))
-    args, model_section, data, sample = split_config(config)
+    config, sources = resolve_config_with_sources(path, parse_overrides(rest))
+    try:
+        args, model_section, data, sample = split_config(config)
+    except ArgumentError as err:
+        raise explain_source(err, sources) from None
 
     from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
     from jaxtrain.training.trainer import Trainer
 
     initialize_distributed(args)  # before anything touches a device
+    import jax
+
+    if jax.process_index() == 0:
+        print(describe_sources(config, sources), flush=True)
     data = pretrained_data_section(model_section, data)
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
     if "pretrained" in model_section:
@@ -66,17 +75,26 @@ def cmd_train(tokens: list[str]) -> int:
     print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
     if output.stop_reason == "time_limit":
         return EXIT_TIME_LIMIT
-    if sample and tokenizer is not None:
-        print_sample(trainer.model, tokenizer, sample)
+    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0:
+        print_sample(trainer.model, tokenizer, sample, evaluation or train, args)
     return EXIT_OK
 
 
-def print_sample(model: Any, tokenizer: Any, sample: dict[str, Any]) -> None:
-    """Generate from `sample["prompt"]` and print prompt + continuation."""
+def print_sample(
+    model: Any, tokenizer: Any, sample: dict[str, Any], dataset: Any = None, args: Any = None
+) -> None:
+    """A sample from `sample.prompt`, else a prompt in the run's own data format."""
+    from jaxtrain.data.prompts import sample_prompt
     from jaxtrain.models import generate
 
-    prompt = sample.get("prompt", "")
-    ids = tokenizer(prompt)["input_ids"] or [tokenizer.eos_token_id]
+    ids, prompt = sample_prompt(
+        tokenizer,
+        dataset,
+        prompt=sample.get("prompt"),
+        messages_column=getattr(args, "messages_column", "messages"),
+        text_column=getattr(args, "text_column", "text"),
+        chat_template=getattr(args, "chat_template", None),
+    )
     new = generate(
         model,
         ids,

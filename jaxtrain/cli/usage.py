@@ -9,6 +9,9 @@ USAGE = f"""usage:
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   {EXPORT_USAGE}
   jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
+  jaxtrain --version
+
+`jaxtrain COMMAND --help` (or -h) lists every option of COMMAND with its type, default and doc.
 
 Every TrainingArguments field can be set in the config file or as --field value.
 With no config, `jaxtrain train` trains a small Llama on the embedded corpus (the demo).

@@ -17,7 +17,8 @@ from jaxtrain.hf.load import from_pretrained
 class AutoModelForCausalLM:
     """``AutoModelForCausalLM.from_pretrained(path)``: the model for config.json's model_type.
 
-    Every supported type (llama, mistral, qwen2, qwen3) is a jaxtrain LlamaForCausalLM.
+    ``path`` is a local Hugging Face directory (config.json + safetensors) of any causal-LM
+    model_type in ``supported_model_types("causal-lm")``.
     """
 
     def __init__(self) -> None:
@@ -33,5 +34,9 @@ class AutoModelForCausalLM:
     ):
         """Load a local HF model directory; see ``jaxtrain.hf.from_pretrained``."""
         return from_pretrained(
-            path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for
+            path,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            sharding_for=sharding_for,
+            task="causal-lm",
         )

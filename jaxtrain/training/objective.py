@@ -8,16 +8,15 @@ gradient accumulation, data parallelism and logging windows all weight every uni
                        for a preference loss); the update minimises loss_sum / normalizer
   tokens     required  how many units loss_sum sums over; `Trainer.loss_normalizer` should
                        count the same units (it does for the default causal LM loss)
-  correct    optional  units predicted right; logged as `accuracy` = correct / tokens
-  <name>_sum optional  any other sum over the same units; logged as `<name>` = its sum over
-                       the logging window / the window's tokens (a per-unit mean, weighted
-                       exactly like the loss)
-  <other>    optional  any other key is logged as its plain sum over the logging window
-                       (a count, such as `pairs` or `dropped_tokens`)
+  correct    optional  units predicted right; logged as `accuracy`
+  any other  optional  another sum over the same units (a z-loss, a DPO margin, a KL term)
 
-The one rule for logs, in training (`loss`, `accuracy`, `<name>`, `<other>`) and in
-evaluation (the same names under `eval/`): every key an objective returns reaches
-metrics.jsonl and the trackers. `perplexity` = exp(loss) is logged beside the loss.
+The one rule for logs: every value is summed over the logging window (or the whole eval
+set) and divided by the summed `tokens`, so each is a per-unit mean weighted exactly like
+the loss. It is logged under its own name with a trailing `_sum` dropped (`z_loss_sum` ->
+`z_loss`, `rewards/margins` -> `rewards/margins`), `correct` as `accuracy`, and under
+`eval/` in evaluation. `perplexity` = exp(loss) is logged beside the loss; nothing an
+objective returns is dropped.
 The step itself adds `grad_norm`, `learning_rate` and `nonfinite`, so an objective may not
 return those names.
 """
@@ -110,6 +109,5 @@ def summarize_sums(totals: Mapping[str, float], prefix: str = "") -> dict[str, f
     for key, value in totals.items():
         if key in REQUIRED_KEYS or key in STEP_KEYS:
             continue
-        mean = key == "correct" or key.endswith(SUM_SUFFIX)  # per unit, like the loss
-        logs[prefix + log_name(key)] = float(value) / per_unit if mean else float(value)
+        logs[prefix + log_name(key)] = float(value) / per_unit  # per unit, like the loss
     return logs

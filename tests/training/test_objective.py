@@ -35,12 +35,12 @@ def test_names_the_step_or_the_logs_own_are_refused():
 
 
 def test_the_logging_rule():
-    # loss and <name>_sum are per-unit means over `tokens`, correct is accuracy, any other
-    # key is its plain sum; the same with the eval/ prefix.
-    totals = {"loss_sum": 8.0, "tokens": 4.0, "correct": 1.0, "margin_sum": 2.0, "pairs": 3.0}
+    # Every key is a per-unit mean over `tokens` (a trailing _sum dropped), correct is
+    # accuracy; the same with the eval/ prefix.
+    totals = {"loss_sum": 8.0, "tokens": 4.0, "correct": 1.0, "margin_sum": 2.0, "kl/t": 3.0}
     logs = summarize_sums(totals, prefix="eval/")
     assert logs["eval/loss"] == 2.0 and logs["eval/accuracy"] == 0.25
-    assert logs["eval/margin"] == 0.5 and logs["eval/pairs"] == 3.0
+    assert logs["eval/margin"] == 0.5 and logs["eval/kl/t"] == 0.75
     assert logs["eval/perplexity"] == pytest.approx(math.exp(2.0))
     assert "accuracy" not in summarize_sums({"loss_sum": 1.0, "tokens": 1.0})
 
@@ -54,7 +54,8 @@ class MinimalObjective(Trainer):
 
 
 class ExtraSums(Trainer):
-    """An extra per-token sum (a z-loss) and a plain count, as a task objective would add."""
+    """Extra per-token sums, as a task objective would add: a z-loss, and half the token
+    count (whose logged per-token mean must be exactly 0.5 over any window)."""
 
     def compute_loss_sums(self, model, batch, rng):
         logits = model(batch["input_ids"])
@@ -62,7 +63,7 @@ class ExtraSums(Trainer):
         mask = (batch["labels"][:, 1:] != -100).astype(jnp.float32)
         log_z = jnp.log(jnp.exp(logits[:, :-1].astype(jnp.float32)).sum(-1))
         sums["z_loss_sum"] = (log_z**2 * mask).sum()
-        sums["sequences"] = jnp.float32(batch["input_ids"].shape[0])
+        sums["half_sum"] = 0.5 * sums["tokens"]
         return sums
 
 
@@ -91,11 +92,11 @@ def test_an_objective_with_only_the_required_sums_trains_and_logs(tmp_path):
 def test_extra_sums_reach_metrics_jsonl_and_eval(tmp_path):
     output, records = _run(ExtraSums, tmp_path)
     train = [r for r in records if "loss" in r]
-    # 2 steps per window x 8 rows (grad accumulation sums the micro-batches).
-    assert [r["sequences"] for r in train] == [16.0, 16.0]
+    # Summed over micro-batches and steps, divided by the summed tokens: exactly 0.5.
+    assert [r["half"] for r in train] == [0.5, 0.5]
     assert all(r["z_loss"] > 0 and 0 <= r["accuracy"] <= 1 for r in train)
     evals = [r for r in records if "eval/loss" in r]
-    assert evals and evals[-1]["eval/z_loss"] > 0 and evals[-1]["eval/sequences"] == 16.0
+    assert evals and evals[-1]["eval/z_loss"] > 0 and evals[-1]["eval/half"] == 0.5
 
 
 def test_a_broken_objective_fails_before_the_first_step(tmp_path):
