@@ -6,15 +6,22 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.data.errors import DatasetError
-from jaxtrain.hf.errors import HFError
-from jaxtrain.parallel import DistributedError, ModelFactory
-from jaxtrain.training.checkpoint import CheckpointError
+from jaxtrain.arguments import TrainingArguments
+from jaxtrain.errors import (
+    ArgumentError,
+    CheckpointError,
+    DatasetError,
+    DistributedError,
+    HFError,
+    JaxtrainError,
+    NonFiniteLossError,
+    ReportError,
+    TrackerError,
+    TrainingInterrupted,
+)
+from jaxtrain.parallel import ModelFactory
 from jaxtrain.training.hooks import TrainerCallback
 from jaxtrain.training.state import TrainState
-from jaxtrain.training.stopping import NonFiniteLossError, TrainingInterrupted
-from jaxtrain.training.trackers import TrackerError
 from jaxtrain.training.trainer import Trainer, TrainerOutput
 
 __all__ = [
@@ -23,8 +30,10 @@ __all__ = [
     "DatasetError",
     "DistributedError",
     "HFError",
+    "JaxtrainError",
     "ModelFactory",
     "NonFiniteLossError",
+    "ReportError",
     "TrackerError",
     "Trainer",
     "TrainerCallback",

@@ -29,12 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    from jaxtrain.arguments import ArgumentError
-    from jaxtrain.data import DatasetError
+    from jaxtrain.errors import JaxtrainError, TrainingInterrupted
     from jaxtrain.hf.cli import cmd_export
-    from jaxtrain.hf.errors import HFError
-    from jaxtrain.parallel import DistributedError
-    from jaxtrain.training.checkpoint import CheckpointError
 
     commands = {
         "train": cmd_train,
@@ -46,18 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     if command not in commands:
         print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    from jaxtrain.training.stopping import EXIT_BAD_INPUT, NonFiniteLossError, TrainingInterrupted
-
     try:
         return commands[command](rest)
-    except (ArgumentError, DatasetError, CheckpointError, HFError) as err:
-        print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except DistributedError as err:
-        print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except (TrainingInterrupted, NonFiniteLossError) as err:
-        print(f"jaxtrain {command}: {err}", file=sys.stderr)
+    except JaxtrainError as err:
+        # One place turns every deliberate error into its message and exit code; anything
+        # else is a bug and keeps its traceback (exit 1).
+        label = "" if isinstance(err, TrainingInterrupted) else "error: "
+        print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
         return err.exit_code
 
 
@@ -154,7 +145,7 @@ def _load_run(run_dir: str):
 
 
 def _latest_checkpoint(run_dir: str) -> str:
-    from jaxtrain.training.checkpoint import find_checkpoint
+    from jaxtrain.checkpointing import find_checkpoint
 
     return str(find_checkpoint(run_dir))
 
@@ -294,7 +285,7 @@ def cmd_sample(tokens: list[str]) -> int:
 
 def cmd_report(tokens: list[str]) -> int:
     from jaxtrain.arguments import ArgumentError
-    from jaxtrain.training.report import write_report
+    from jaxtrain.observability.report import write_report
 
     if len(tokens) != 1 or tokens[0].startswith("--"):
         raise ArgumentError(f"jaxtrain report takes one RUN_DIR.\n\n{USAGE}")

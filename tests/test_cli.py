@@ -9,7 +9,7 @@ import time
 
 import yaml
 
-from jaxtrain.training.logs import read_jsonl
+from jaxtrain.observability.logs import read_jsonl
 
 TINY = [
     "--max_steps", "8",
@@ -104,7 +104,7 @@ def logged_step(line: str) -> int:
 
 
 def test_signals_and_time_limit_stop_after_saving_and_a_rerun_resumes(tmp_path):
-    from jaxtrain.training.checkpoint import committed_steps
+    from jaxtrain.checkpointing import committed_steps
 
     run = tmp_path / "run"
     command = [

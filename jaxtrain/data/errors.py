@@ -1,9 +1,7 @@
-"""The one exception of the data pipeline."""
+"""The one exception of the data pipeline (defined in jaxtrain.errors)."""
 
 from __future__ import annotations
 
+from jaxtrain.errors import DatasetError
+
 __all__ = ["DatasetError"]
-
-
-class DatasetError(ValueError):
-    """A dataset cannot be used as given; the message names the dataset, file/row/column and fix."""

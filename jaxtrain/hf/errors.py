@@ -1,11 +1,7 @@
-"""The one error type of the Hugging Face interop."""
+"""The one error type of the Hugging Face interop (defined in jaxtrain.errors)."""
 
 from __future__ import annotations
 
+from jaxtrain.errors import HFError
 
-class HFError(ValueError):
-    """A Hugging Face directory, config or weight file jaxtrain cannot load or write.
-
-    The message names the file, the field or tensor, and how to fix it. The CLI turns it
-    into exit code 2 (bad input).
-    """
+__all__ = ["HFError"]

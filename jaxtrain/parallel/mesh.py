@@ -18,15 +18,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxtrain.arguments import ArgumentError
+from jaxtrain.errors import MeshError
 
 MESH_AXES = ("dp", "fsdp", "ep", "tp", "sp")
 BATCH_AXES = ("dp", "fsdp")
 SEQUENCE_AXIS = "sp"
-
-
-class MeshError(ArgumentError):
-    """`sharding_axis_dims` does not fit the devices; the message says why and how to fix it."""
 
 
 def parse_axis_dims(value: object) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.arguments import ArgumentError
+from jaxtrain.errors import ShardingRuleError
 from jaxtrain.parallel.mesh import MESH_AXES
 
 AxisRule = str | tuple[str, ...] | None
@@ -57,10 +57,6 @@ ACTIVATION_RULES: dict[str, AxisRule] = {
     "expert": "ep",
     "embed": None,
 }
-
-
-class ShardingRuleError(ArgumentError):
-    """A sharding rule does not fit a parameter; the message names it, its shape and the axes."""
 
 
 def path_str(path: Sequence[Any]) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from jaxtrain.training.metrics import eval_summary
+from jaxtrain.observability.metrics import eval_summary
 from jaxtrain.training.step import make_eval_step
 
 

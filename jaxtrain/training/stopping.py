@@ -15,33 +15,15 @@ from typing import Any
 import jax
 import numpy as np
 
-# Exit codes of `jaxtrain train`, one per way a run can end (documented in the README).
-EXIT_OK = 0
-EXIT_CRASH = 1
-EXIT_BAD_INPUT = 2
-EXIT_TIME_LIMIT = 3  # stopped at training_time_limit after saving: rerun to continue
-EXIT_NONFINITE = 4  # the loss became NaN/Inf (on_nan="stop" or too many skips)
-# A signal ends the run with 128 + its number, as shells report it: 130 SIGINT, 143 SIGTERM.
-
-
-class TrainingInterrupted(Exception):
-    """SIGINT or SIGTERM arrived; the step in flight finished and a checkpoint was saved."""
-
-    def __init__(self, signal_name: str, step: int, checkpoint_path: str | None):
-        self.signal_name, self.step, self.checkpoint_path = signal_name, step, checkpoint_path
-        self.exit_code = 128 + int(getattr(signal, signal_name))
-        where = f"checkpoint {checkpoint_path}" if checkpoint_path else "no checkpoint"
-        super().__init__(
-            f"{signal_name} received: stopped after step {step} and saved {where}. "
-            "Run the same command again to resume."
-        )
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or the gradients became NaN/Inf; the offending update was not applied."""
-
-    exit_code = EXIT_NONFINITE
-
+from jaxtrain.errors import (  # noqa: F401  (re-exported: their old home)
+    EXIT_BAD_INPUT,
+    EXIT_CRASH,
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_TIME_LIMIT,
+    NonFiniteLossError,
+    TrainingInterrupted,
+)
 
 # ------------------------------------------------------------------ time limit
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])")

@@ -1,8 +1,8 @@
 """The Trainer: wires arguments, model, mesh, data, optimizer and checkpoints.
 
 `train()` hands one run to `loop.TrainingLoop`; the math lives in `step.py` (pure, jitted),
-data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, files in `checkpoint.py`, and
-measurements in `monitor.py`. Subclasses change the objective through `compute_loss_sums` /
+data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in
+`jaxtrain.checkpointing`, and measurements in `monitor.py`. Subclasses change the objective through `compute_loss_sums` /
 `loss_normalizer` and react to the run through the TrainerCallback hooks.
 """
 
@@ -17,20 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import ArgumentError, TrainingArguments, check_warmup
+from jaxtrain.checkpointing import RunCheckpoints, RunStart, load_checked
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
+from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.sharding import with_activation_sharding
+from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
-from jaxtrain.training import checkpoint as ckpt
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import TrainerCallback, call_hooks
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
-from jaxtrain.training.monitor import RunMonitor
 from jaxtrain.training.optim import build_optimizer, build_schedule
-from jaxtrain.training.run_start import initial_state
 from jaxtrain.training.state import TrainState, count_parameters
 from jaxtrain.training.step import (
     causal_lm_loss_sums,
@@ -46,6 +46,15 @@ class Trainer(TrainerCallback):
 
     Subclasses may override `compute_loss_sums` / `loss_normalizer` for another objective and
     any hook of TrainerCallback.
+
+    The model object you pass is changed in place, in three ways:
+    - at construction, `arguments.dtype` (when set) becomes the compute `dtype` of every
+      submodule that has one, and `arguments.gradient_checkpointing` becomes the model's
+      `remat_policy`; build a fresh model if you need the original settings back;
+    - when `train()` returns, the model holds the trained parameters (in `param_dtype`);
+    - nothing else: the parameters are copied onto the mesh for training, so donation and
+      sharding never touch the arrays of your object during the run.
+    A `ModelFactory` is never built unsharded; `trainer.model` is then its abstract model.
     """
 
     def __init__(
@@ -79,6 +88,7 @@ class Trainer(TrainerCallback):
         self.model = model
         self.model_config = getattr(model, "config", None)
         self._configure_model(model)
+        self.sharding_plan.check_expert_axis(self._initial_params)  # ep > 1 needs experts
         self.pad_token_id = self._resolve_pad_token_id()
 
         # Datasets are checked now, before anything is compiled.
@@ -106,10 +116,13 @@ class Trainer(TrainerCallback):
         # Without training data (eval or sampling only) the schedule's length is moot: it
         # does not change the optimizer state's structure.
         steps = self.total_steps if self.train_loader else max(args.max_steps, 1)
+        if self.train_loader is not None:  # epochs: the run's length is known only now
+            check_warmup(args, steps, "num_train_epochs x steps per epoch")
         self.optimizer, self.schedule = self.create_optimizer(steps)
         self._train_step = None
         self._evaluator = None  # created at the first evaluation
-        self._checkpointer = None  # created at the first save of a run
+        # Where train() starts, its saves, keep-N (jaxtrain.checkpointing).
+        self.checkpoints = RunCheckpoints(args)
         # Trackers, throughput/MFU, compile tracking, weight stats, report (monitor.py).
         self._monitor = RunMonitor(
             args, model_config=self.model_config, num_parameters=self.num_parameters
@@ -137,11 +150,8 @@ class Trainer(TrainerCallback):
         self.num_parameters = count_parameters(params)
 
     def _resolve_pad_token_id(self) -> int:
-        for source in (self.processing_class, self.model_config):
-            pad = getattr(source, "pad_token_id", None)
-            if pad is not None:
-                return int(pad)
-        return 0
+        # pad, else eos with a warning; a tokenizer with neither is an ArgumentError.
+        return resolve_pad_token_id(self.processing_class, self.model_config)
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
         """Sums over one micro-batch; must return at least "loss_sum" and "tokens"."""
@@ -233,29 +243,22 @@ class Trainer(TrainerCallback):
         return save_pretrained(model, save_directory, training_summary=summary, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, state: TrainState) -> str:
-        if self._checkpointer is None:
-            self._checkpointer = ckpt.Checkpointer(
-                self.arguments.output_dir, max_to_keep=self.arguments.save_total_limit
-            )
-        path = self._checkpointer.save(state, metadata=self._checkpoint_metadata(state))
+    def save_checkpoint(self, state: TrainState, *, evaluated: bool = False) -> str:
+        """Start a background save of `state` under output_dir/checkpoints/<step>; returns
+        that step directory. `self.checkpoints.wait()` blocks until it is committed.
+        `evaluated`: the run has evaluated (and logged) this step already."""
+        metadata = {**self._checkpoint_metadata(state), "evaluated": evaluated}
+        path = self.checkpoints.save(state, metadata=metadata)
         step = int(jax.device_get(state.step))
         call_hooks(self._receivers, "on_save", self, str(path), step)
         return str(path)
 
-    def _close_checkpointer(self) -> None:
-        """Wait for the background writes to commit; the next run opens a new one."""
-        if self._checkpointer is not None:
-            self._checkpointer.close()
-            self._checkpointer = None
-
     def _checkpoint_metadata(self, state: TrainState) -> dict[str, Any]:
-        config = self.model_config
         step = int(jax.device_get(state.step))
         metadata = {
             "step": step,
             "arguments": self.arguments.to_dict(),
-            "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "model_config": self._model_config_dict(),
             "model_class": type(self.model).__name__,
             "trackers": self._monitor.tracker_state(),
         }
@@ -280,7 +283,31 @@ class Trainer(TrainerCallback):
 
         `path` is a step directory or a run directory (its newest committed checkpoint).
         """
-        return ckpt.restore_state(ckpt.find_checkpoint(path), self.abstract_state())
+        return load_checked(
+            path,
+            self.abstract_state(),
+            model_class=type(self.model).__name__,
+            model_config=self._model_config_dict(),
+            optimizer=self.arguments.optimizer,
+        )
+
+    def start_state(self) -> RunStart:
+        """Where `train()` starts: a fresh state, or the checkpoint it resumes (with the
+        step and the trackers' saved state). Clears or refuses output_dir's old checkpoints
+        as `jaxtrain.checkpointing.run` describes."""
+        loader = self.train_loader
+        return self.checkpoints.start(
+            fresh_state=self.create_state,
+            abstract_state=self.abstract_state,
+            model_class=type(self.model).__name__,
+            model_config=self._model_config_dict(),
+            init_optimizer=self.optimizer.init,
+            check_data_state=loader.check_data_state if loader is not None else None,
+        )
+
+    def _model_config_dict(self) -> dict[str, Any] | None:
+        config = self.model_config
+        return config.to_dict() if hasattr(config, "to_dict") else None
 
     # ------------------------------------------------------------------ train
     @property
@@ -295,9 +322,6 @@ class Trainer(TrainerCallback):
         TrainingInterrupted is raised. NaN/Inf losses follow `on_nan`.
         """
         return TrainingLoop(self).run()
-
-    def _initial_state(self) -> tuple[TrainState, int, Path | None]:
-        return initial_state(self)
 
     def _compile_train_step(self, state: TrainState, batch: dict[str, jax.Array], progress: Any):
         step_fn = make_train_step(

@@ -5,7 +5,7 @@ import logging
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.training.compiles import TrackedJit
+from jaxtrain.observability.compiles import TrackedJit
 
 
 def step(params, batch):
@@ -51,7 +51,7 @@ def test_a_dtype_change_is_named_too():
 
 
 def test_the_train_step_compiles_once_per_process(resumed_run):
-    from jaxtrain.training.logs import read_jsonl
+    from jaxtrain.observability.logs import read_jsonl
 
     records = read_jsonl(resumed_run.out_dir / "metrics.jsonl")
     compiles = [r for r in records if "compile/train_step_s" in r]

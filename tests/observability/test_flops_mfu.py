@@ -6,7 +6,7 @@ import pytest
 from obs_helpers import CONFIG, tiny_model
 
 from jaxtrain.models import LlamaConfig
-from jaxtrain.training.flops import (
+from jaxtrain.observability.flops import (
     FlopsCounter,
     attention_flops_per_token,
     dense_flops_per_token,
@@ -15,8 +15,8 @@ from jaxtrain.training.flops import (
     mean_attended_keys,
     sequence_lengths,
 )
-from jaxtrain.training.hardware import device_peak_flops, measured_cpu_peak, table_peak
-from jaxtrain.training.metrics import MetricsWindow
+from jaxtrain.observability.hardware import device_peak_flops, measured_cpu_peak, table_peak
+from jaxtrain.observability.metrics import MetricsWindow
 
 # L=2 layers, d=64, H=4 query heads, K=2 kv heads, Q=16 head dim, I=128, V=512.
 KNOWN = LlamaConfig(

@@ -5,10 +5,10 @@ import pytest
 from matplotlib import image
 
 from jaxtrain.cli import main
-from jaxtrain.training.logs import read_jsonl
-from jaxtrain.training.monitor import RunMonitor
-from jaxtrain.training.progress import make_progress
-from jaxtrain.training.report import write_report
+from jaxtrain.observability.logs import read_jsonl
+from jaxtrain.observability.monitor import RunMonitor
+from jaxtrain.observability.progress import make_progress
+from jaxtrain.observability.report import write_report
 from jaxtrain.training.stopping import EXIT_BAD_INPUT
 
 
@@ -64,8 +64,8 @@ def test_progress_shows_epoch_loss_lr_tokens_and_eta(capsys):
 def test_a_report_that_cannot_be_written_is_an_error_after_the_checkpoint(tmp_path):
     from obs_helpers import obs_trainer
 
-    from jaxtrain.training.checkpoint import checkpoints_root, committed_steps
-    from jaxtrain.training.report import ReportError
+    from jaxtrain.checkpointing import checkpoints_root, committed_steps
+    from jaxtrain.observability.report import ReportError
 
     out_dir = tmp_path / "run"
     (out_dir / "report.png").mkdir(parents=True)  # a directory where the PNG must go

@@ -9,9 +9,9 @@ from obs_helpers import CONFIG, ROW_LEN, SEQ
 
 from jaxtrain.data import collate_examples
 from jaxtrain.models import LlamaConfig
-from jaxtrain.training.flops import FlopsCounter, flops_per_token
-from jaxtrain.training.logs import read_jsonl
-from jaxtrain.training.metrics import host_token_count
+from jaxtrain.observability.flops import FlopsCounter, flops_per_token
+from jaxtrain.observability.logs import read_jsonl
+from jaxtrain.observability.metrics import host_token_count
 
 
 def test_a_batch_with_known_padding_gives_the_known_counts():

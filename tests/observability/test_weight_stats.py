@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 from obs_helpers import tiny_model
 
-from jaxtrain.training import weights
+from jaxtrain.observability import weights
 
 
 def test_group_statistics_match_numpy_over_all_layers():

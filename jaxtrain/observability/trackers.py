@@ -17,15 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.arguments import ArgumentError
-from jaxtrain.training.logs import JsonlLog
+from jaxtrain.errors import TrackerError
+from jaxtrain.observability.logs import JsonlLog
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 _EXTRAS = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
-
-
-class TrackerError(ArgumentError):
-    """A tracker named in report_to cannot start; the message says why and how to fix it."""
 
 
 def _numeric(values: dict[str, Any]) -> dict[str, float]:

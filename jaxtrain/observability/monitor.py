@@ -25,12 +25,17 @@ from typing import Any
 
 import jax
 
-from jaxtrain.training import weights
-from jaxtrain.training.compiles import CompileEvent, TrackedJit
-from jaxtrain.training.flops import FlopsCounter, matmul_parameters
-from jaxtrain.training.hardware import device_peak_flops
-from jaxtrain.training.metrics import BatchCounts, DataWaitClock, MetricsWindow, host_token_count
-from jaxtrain.training.trackers import check_trackers, default_run_name, start_trackers
+from jaxtrain.observability import weights
+from jaxtrain.observability.compiles import CompileEvent, TrackedJit
+from jaxtrain.observability.flops import FlopsCounter, matmul_parameters
+from jaxtrain.observability.hardware import device_peak_flops
+from jaxtrain.observability.metrics import (
+    BatchCounts,
+    DataWaitClock,
+    MetricsWindow,
+    host_token_count,
+)
+from jaxtrain.observability.trackers import check_trackers, default_run_name, start_trackers
 
 GIB = 2.0**30
 
@@ -90,8 +95,8 @@ class RunMonitor:
         self.is_writer = jax.process_index() == 0
         self.flops = FlopsCounter(model_config, num_parameters)
         self.num_parameters = num_parameters
-        # Set from a checkpoint's metadata["trackers"] when the run resumes (run_start.py).
-        self.resume_state: dict[str, Any] = {}
+        # A resumed run's metadata["trackers"] (given to `open`): same TB dir, W&B run.
+        self._resume_state: dict[str, Any] = {}
         self.run_name: str | None = None
         self.data_wait = DataWaitClock()
         self._log = MonitorLog([])
@@ -106,10 +111,14 @@ class RunMonitor:
             check_trackers(args.report_to, args.output_dir)
 
     # ------------------------------------------------------------ startup
-    def open(self, out_dir: str | Path, start_step: int) -> MonitorLog:
-        """Start the trackers (resuming their runs when resume_state says so)."""
+    def open(
+        self, out_dir: str | Path, start_step: int, tracker_state: dict[str, Any] | None = None
+    ) -> MonitorLog:
+        """Start the trackers; `tracker_state` (what `tracker_state()` returned when the
+        resumed checkpoint was saved) continues their runs."""
         self._step = start_step
-        self.run_name = self.resume_state.get("run_name") or self.args.run_name
+        self._resume_state = dict(tracker_state or {})
+        self.run_name = self._resume_state.get("run_name") or self.args.run_name
         self.run_name = self.run_name or default_run_name()
         if not self.is_writer:
             return self._log
@@ -121,7 +130,7 @@ class RunMonitor:
             project=self.args.project_name,
             config=self.args.to_dict(),
             start_step=start_step,
-            resume=self.resume_state,
+            resume=self._resume_state,
         )
         self._log = MonitorLog(
             self._trackers, before_close=[self._flush_weights, self._ensure_run_info]
@@ -256,7 +265,7 @@ class RunMonitor:
 
     def on_train_end(self, trainer: Any, output: Any) -> None:
         if self.is_writer and self.args.run_report:
-            from jaxtrain.training.report import ReportError, write_report
+            from jaxtrain.observability.report import ReportError, write_report
 
             try:
                 result = write_report(self.args.output_dir)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.arguments import ArgumentError
-from jaxtrain.training.logs import read_jsonl
+from jaxtrain.errors import ArgumentError, ReportError  # noqa: F401  (ReportError: its old home)
+from jaxtrain.observability.logs import read_jsonl
 
 Series = dict[str, tuple[list[int], list[float]]]
 
@@ -199,10 +199,6 @@ img{{max-width:100%}}</style></head>
 {rows}
 </table><p>Data: metrics.jsonl in the run directory.</p></body></html>
 """
-
-
-class ReportError(RuntimeError):
-    """run_report=True and the report could not be written (the training itself finished)."""
 
 
 def write_report(run_dir: str | Path) -> Report:

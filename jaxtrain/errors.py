@@ -1,0 +1,124 @@
+"""Every error jaxtrain raises on purpose, in one family.
+
+A leaf module: it imports nothing from jaxtrain, so any module may raise these without an
+import circle. Each error carries the exit code `jaxtrain` ends with when it escapes a
+command (the CLI catches `JaxtrainError` once). The classes stay importable from the
+modules that raise them (jaxtrain.arguments.ArgumentError, jaxtrain.parallel.MeshError...).
+
+Bad-input errors also subclass ValueError and runtime failures RuntimeError, so code that
+caught the built-in types before this family existed keeps working.
+"""
+
+from __future__ import annotations
+
+import signal
+
+# Exit codes of `jaxtrain`, one per way a run can end (documented in the README).
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_BAD_INPUT = 2
+EXIT_TIME_LIMIT = 3  # stopped at training_time_limit after saving: rerun to continue
+EXIT_NONFINITE = 4  # the loss became NaN/Inf (on_nan="stop" or too many skips)
+# A signal ends the run with 128 + its number, as shells report it: 130 SIGINT, 143 SIGTERM.
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_CRASH",
+    "EXIT_NONFINITE",
+    "EXIT_OK",
+    "EXIT_TIME_LIMIT",
+    "ArgumentError",
+    "CheckpointError",
+    "DatasetError",
+    "DistributedError",
+    "HFError",
+    "JaxtrainError",
+    "MeshError",
+    "NonFiniteLossError",
+    "ReportError",
+    "ShardingRuleError",
+    "TrackerError",
+    "TrainingInterrupted",
+]
+
+
+class JaxtrainError(Exception):
+    """Base of every error jaxtrain raises on purpose; `exit_code` is what the CLI exits with."""
+
+    exit_code: int = EXIT_CRASH
+
+
+# ------------------------------------------------------------------ bad input (exit 2)
+class ArgumentError(JaxtrainError, ValueError):
+    """An invalid TrainingArguments value; the message names the field and the fix."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class MeshError(ArgumentError):
+    """`sharding_axis_dims` does not fit the devices; the message says why and how to fix it."""
+
+
+class ShardingRuleError(ArgumentError):
+    """A sharding rule does not fit a parameter; the message names it, its shape and the axes."""
+
+
+class TrackerError(ArgumentError):
+    """A tracker named in report_to cannot start; the message says why and how to fix it."""
+
+
+class DatasetError(JaxtrainError, ValueError):
+    """A dataset cannot be used as given; the message names the dataset, file/row/column and fix."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class HFError(JaxtrainError, ValueError):
+    """A Hugging Face directory, config or weight file jaxtrain cannot load or write.
+
+    The message names the file, the field or tensor, and how to fix it.
+    """
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class CheckpointError(JaxtrainError, RuntimeError):
+    """A checkpoint that cannot be written where asked, or cannot be read back."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class DistributedError(JaxtrainError, RuntimeError):
+    """The multi-host cluster could not be formed; the message says what and how to fix it."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+# ------------------------------------------------------------------ a run that ended early
+class NonFiniteLossError(JaxtrainError, RuntimeError):
+    """The loss or the gradients became NaN/Inf; the offending update was not applied."""
+
+    exit_code = EXIT_NONFINITE
+
+
+class ReportError(JaxtrainError, RuntimeError):
+    """run_report=True and the report could not be written (the training itself finished)."""
+
+    exit_code = EXIT_CRASH
+
+
+class TrainingInterrupted(JaxtrainError):
+    """SIGINT or SIGTERM arrived; the step in flight finished and a checkpoint was saved.
+
+    Not a failure: the CLI prints the message without "error:" and exits 128 + the signal's
+    number, as shells report a signal.
+    """
+
+    def __init__(self, signal_name: str, step: int, checkpoint_path: str | None):
+        self.signal_name, self.step, self.checkpoint_path = signal_name, step, checkpoint_path
+        self.exit_code = 128 + int(getattr(signal, signal_name))
+        where = f"checkpoint {checkpoint_path}" if checkpoint_path else "no checkpoint"
+        super().__init__(
+            f"{signal_name} received: stopped after step {step} and saved {where}. "
+            "Run the same command again to resume."
+        )
