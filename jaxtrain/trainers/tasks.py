@@ -11,9 +11,17 @@ __all__ = ["TASKS", "task_classes"]
 # task -> (arguments class, trainer class path, rows it reads)
 TASKS: dict[str, tuple[str, str, str]] = {
     "lm": ("TrainingArguments", "jaxtrain.training.trainer.Trainer", "text or input_ids"),
-    "sft": ("SFTArguments", "jaxtrain.trainers.sft.SFTTrainer", "text, messages or prompt+completion"),
+    "sft": (
+        "SFTArguments",
+        "jaxtrain.trainers.sft.SFTTrainer",
+        "text, messages or prompt+completion",
+    ),
     "dpo": ("DPOArguments", "jaxtrain.trainers.dpo.DPOTrainer", "prompt, chosen, rejected"),
-    "reward": ("TrainingArguments", "jaxtrain.trainers.reward.RewardTrainer", "prompt, chosen, rejected"),
+    "reward": (
+        "TrainingArguments",
+        "jaxtrain.trainers.reward.RewardTrainer",
+        "prompt, chosen, rejected",
+    ),
     "distill": (
         "DistillationArguments",
         "jaxtrain.trainers.distill.DistillationTrainer",

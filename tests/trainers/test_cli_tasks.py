@@ -53,7 +53,8 @@ def files(tokenizer, tmp_path_factory):
             root / "no_chosen.jsonl", [{"prompt": p["prompt"], "rejected": "1"} for p in pairs]
         ),
         "empty_rejected": write_rows(
-            root / "empty.jsonl", [{**p, "rejected": "" if i == 1 else "1"} for i, p in enumerate(pairs)]
+            root / "empty.jsonl",
+            [{**p, "rejected": "" if i == 1 else "1"} for i, p in enumerate(pairs)],
         ),
     }
 
@@ -64,7 +65,11 @@ def config(files, task: str, rows: str, **extra) -> str:
         "task": task,
         "output_dir": str(files["root"] / f"run_{task}_{rows}"),
         "model": dict(MODEL),
-        "data": {"source": "files", "train_files": str(files[rows]), "tokenizer": str(files["root"] / "tokenizer")},
+        "data": {
+            "source": "files",
+            "train_files": str(files[rows]),
+            "tokenizer": str(files["root"] / "tokenizer"),
+        },
         **extra,
     }
     path = files["root"] / f"{task}_{rows}.yaml"
@@ -83,7 +88,9 @@ def config(files, task: str, rows: str, **extra) -> str:
 )
 def test_every_task_trains_from_the_command_line(files, task, rows, extra):
     assert main(["train", config(files, task, rows, **extra)]) == 0
-    logs = [json.loads(line) for line in (files["root"] / f"run_{task}_{rows}" / "metrics.jsonl").open()]
+    logs = [
+        json.loads(line) for line in (files["root"] / f"run_{task}_{rows}" / "metrics.jsonl").open()
+    ]
     assert any("loss" in entry for entry in logs)
 
 
