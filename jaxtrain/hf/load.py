@@ -87,13 +87,14 @@ def read_config(
     if task is not None and family.task != task:
         raise HFError(
             f"{path}: model_type {hf.get('model_type')!r} is a {family.task} model, not a "
-            f"{task} model; load it with {family.model_class.__name__}.from_pretrained."
+            f"{task} model; load it with jaxtrain.hf.from_pretrained(path, "
+            f"model_class={family.model_class.__name__})."
         )
     if model_class is not None and family.model_class is not model_class:
         raise HFError(
             f"{path}: model_type {hf.get('model_type')!r} is a {family.model_class.__name__}, "
-            f"not a {model_class.__name__}; load it with {family.model_class.__name__}"
-            ".from_pretrained or AutoModelForCausalLM.from_pretrained."
+            f"not a {model_class.__name__}; load it with jaxtrain.hf.from_pretrained(path) "
+            "or AutoModelForCausalLM.from_pretrained(path)."
         )
     return family, family.from_hf_config(hf, str(path))
 

@@ -133,6 +133,7 @@ class TrainingLoop:
         last_eval_step = step if start.evaluated else -1
         saved_step = step if resumed else -1
         window = trainer.monitor.window()
+        first_step = step + 1
         last_save_time = time.monotonic()
         while step < total_steps:
             if trainer.should_stop:
@@ -145,6 +146,8 @@ class TrainingLoop:
             self.hooks.call("on_step_start", trainer, state, step)
             state, metrics = self.train_step(state, batch)
             step += 1
+            if step == first_step:
+                trainer.monitor.first_step_done(state)
             self.guard.push(step, metrics["nonfinite"])
             window.add(metrics, trainer.monitor.count(host_batch))
             self._emit_pending()
