@@ -16,6 +16,8 @@ USAGE = """usage:
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
   jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
+  jaxtrain launch --ray|--slurm [options] COMMAND ...   (one jaxtrain per Ray actor / SLURM task)
+  jaxtrain tune CONFIG.yaml --search 'lr=loguniform(1e-4,1e-2)' [--num_samples N] [--scheduler asha]
   jaxtrain --version
 
 `jaxtrain COMMAND --help` (or -h) lists every option of COMMAND with its type, default and doc.
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(command_help(command))
         return 0
+    from jaxtrain.distributed.cli import cmd_launch, cmd_tune
     from jaxtrain.errors import JaxtrainError, TrainingInterrupted
     from jaxtrain.hf.cli import cmd_export
 
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         "sample": cmd_sample,
         "export": cmd_export,
         "report": cmd_report,
+        "launch": cmd_launch,
+        "tune": cmd_tune,
     }
     if command not in commands:
         print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
@@ -167,7 +172,7 @@ def _latest_checkpoint(run_dir: str) -> str:
 
 
 # ---------------------------------------------------------------- commands
-def cmd_train(tokens: list[str]) -> int:
+def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     from jaxtrain.errors import ArgumentError
     from jaxtrain.run_config import (
         describe_sources,
@@ -223,7 +228,7 @@ def cmd_train(tokens: list[str]) -> int:
         dataset_train=train,
         dataset_eval=evaluation,
         processing_class=tokenizer,
-        callbacks=[SaveConfig()],
+        callbacks=[SaveConfig(), *(callbacks or [])],
     )
     if dry_run:
         trainer.dry_run()
