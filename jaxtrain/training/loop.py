@@ -131,6 +131,7 @@ class TrainingLoop:
         last_eval_step = step if start.evaluated else -1
         saved_step = step if resumed else -1
         window = trainer._monitor.window()
+        first_step = step + 1
         last_save_time = time.monotonic()
         while step < total_steps:
             if trainer.should_stop:
@@ -143,6 +144,8 @@ class TrainingLoop:
             call_hooks(trainer._receivers, "on_step_start", trainer, state, step)
             state, metrics = trainer._train_step(state, batch)
             step += 1
+            if step == first_step:
+                trainer._monitor.first_step_done(state)
             self.guard.push(step, metrics["nonfinite"])
             window.add(metrics, trainer._monitor.count(host_batch))
             self._emit_pending()
