@@ -258,8 +258,9 @@ class TrainingLoop:
         metrics = trainer.evaluate(state)
         self.log.write(step, metrics)
         call_hooks(trainer._receivers, "on_evaluate", trainer, metrics, step)
-        self.progress.write(
-            f"step {step}: eval loss {metrics['eval/loss']:.4f}, "
-            f"ppl {metrics['eval/perplexity']:.2f}, acc {metrics['eval/accuracy']:.3f}"
-        )
+        line = f"step {step}: eval loss {metrics['eval/loss']:.4f}"
+        line += f", ppl {metrics['eval/perplexity']:.2f}"
+        if "eval/accuracy" in metrics:  # only objectives that count `correct` have one
+            line += f", acc {metrics['eval/accuracy']:.3f}"
+        self.progress.write(line)
         self.eval_metrics = metrics
