@@ -120,8 +120,8 @@ def run_trial(params: dict[str, Any], base: dict[str, Any], root: str) -> None:
     """One Tune trial: write its config and train it with `jaxtrain train`."""
     from ray import tune
 
-    from jaxtrain.cli import cmd_train
-    from jaxtrain.run_config import save_config
+    from jaxtrain.cli.commands import cmd_train
+    from jaxtrain.cli.run_config import save_config
 
     trial_dir = Path(root) / "trials" / tune.get_context().get_trial_id()
     config = apply_values(base, params)
@@ -143,7 +143,7 @@ class TuneSummary:
 
 def evaluations_per_run(config: dict[str, Any]) -> int:
     """How many times one trial reports: evaluations at eval_steps up to max_steps."""
-    from jaxtrain.run_config import split_config
+    from jaxtrain.cli.run_config import split_config
 
     args = split_config(config)[0]
     if args.max_steps <= 0 or args.evaluation_strategy != "steps":

@@ -1,7 +1,7 @@
 """`jaxtrain launch` and `jaxtrain tune`: runs past one machine (Ray, SLURM, Ray Tune).
 
 The machinery is in jaxtrain.distributed (Ray is imported only when a cluster starts); this
-module turns the command line into its options. `jaxtrain.cli.main` dispatches here.
+module turns the command line into its options.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ _TUNE_OPTIONS = {
 
 
 def cmd_tune(tokens: list[str]) -> int:
+    from jaxtrain.cli.run_config import parse_overrides, resolve_config
     from jaxtrain.distributed.tune import parse_search, tune_runs
-    from jaxtrain.run_config import parse_overrides, resolve_config
 
     path, rest = (
         (tokens[0], tokens[1:]) if tokens and not tokens[0].startswith("--") else (None, tokens)
