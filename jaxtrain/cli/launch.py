@@ -101,6 +101,9 @@ def split_launch(tokens: list[str]) -> tuple[str, dict[str, Any], list[str]]:
 
 
 def cmd_launch(tokens: list[str]) -> int:
+    if tokens[:1] in (["-h"], ["--help"]):
+        print(LAUNCH_USAGE, end="")
+        return 0
     backend, options, command = split_launch(tokens)
     if backend == "slurm":
         from jaxtrain.distributed.slurm import SbatchOptions, sbatch_script, submit
@@ -133,6 +136,9 @@ _TUNE_OPTIONS = {
 
 
 def cmd_tune(tokens: list[str]) -> int:
+    if any(t in ("-h", "--help") for t in tokens):
+        print(TUNE_USAGE, end="")
+        return 0
     from jaxtrain.cli.run_config import parse_overrides, resolve_config
     from jaxtrain.distributed.tune import parse_search, tune_runs
 

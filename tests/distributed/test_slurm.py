@@ -124,3 +124,5 @@ def test_cli_launch_slurm_prints_the_script_and_rejects_mixed_options(capsys):
     assert "pass --ray or --slurm" in capsys.readouterr().err
     assert main(["launch", "--ray", "--nodes", "x", "train"]) == 2
     assert "--nodes 'x': expected int" in capsys.readouterr().err
+    assert main(["launch", "--help"]) == 0 and "--num_processes N" in capsys.readouterr().out
+    assert main(["tune", "-h"]) == 0 and "--search KEY=SPACE" in capsys.readouterr().out
