@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         "sample": cmd_sample,
         "export": cmd_export,
         "report": cmd_report,
-        "launch": cmd_launch,
+        "launch": lambda tokens: cmd_launch(tokens, entry=main),  # workers run this CLI
         "tune": cmd_tune,
     }
     if command not in commands:

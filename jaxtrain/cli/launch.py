@@ -100,7 +100,8 @@ def split_launch(tokens: list[str]) -> tuple[str, dict[str, Any], list[str]]:
     return backend, options, command
 
 
-def cmd_launch(tokens: list[str]) -> int:
+def cmd_launch(tokens: list[str], entry: Any = None) -> int:
+    """`entry`: the CLI's main, run by every process (jaxtrain.cli.main passes itself)."""
     if tokens[:1] in (["-h"], ["--help"]):
         print(LAUNCH_USAGE, end="")
         return 0
@@ -117,7 +118,7 @@ def cmd_launch(tokens: list[str]) -> int:
     from jaxtrain.distributed.cluster import ClusterConfig
     from jaxtrain.distributed.launch import launch_ray
 
-    return launch_ray(command, ClusterConfig(**options))
+    return launch_ray(command, ClusterConfig(**options), entry)
 
 
 _TUNE_OPTIONS = {

@@ -10,6 +10,7 @@ terminal through Ray's log forwarding.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxtrain.distributed.cluster import ClusterConfig, run_on_cluster
@@ -17,18 +18,22 @@ from jaxtrain.distributed.cluster import ClusterConfig, run_on_cluster
 
 @dataclasses.dataclass
 class CliJob:
-    """`jaxtrain <tokens...>` in every process; the result is the command's exit code."""
+    """`jaxtrain <tokens...>` in every process; the result is the command's exit code.
+
+    `entry` is the CLI's main function, handed in by the caller (it pickles by reference):
+    the launcher runs a command line and does not import the CLI that imports it.
+    """
 
     tokens: list[str]
+    entry: Callable[[list[str]], int]
 
     def run(self, context: Any) -> int:
-        from jaxtrain.cli import main
-
-        return main(list(self.tokens))
+        return self.entry(list(self.tokens))
 
 
-def launch_ray(tokens: list[str], cluster: ClusterConfig) -> int:
-    """Run `jaxtrain <tokens>` on `cluster.num_processes` actors; process 0's exit code."""
+def launch_ray(tokens: list[str], cluster: ClusterConfig, entry: Callable[[list[str]], int]) -> int:
+    """Run `entry(tokens)` (`jaxtrain <tokens>`) on `cluster.num_processes` actors; process
+    0's exit code."""
     from jaxtrain.distributed.cluster import Attempt
 
     attempts: list[Attempt] = []
@@ -39,7 +44,9 @@ def launch_ray(tokens: list[str], cluster: ClusterConfig) -> int:
 
     try:
         code = int(
-            run_on_cluster(lambda _: CliJob(tokens), cluster, on_event=report, attempts=attempts)
+            run_on_cluster(
+                lambda _: CliJob(tokens, entry), cluster, on_event=report, attempts=attempts
+            )
         )
     finally:
         for attempt in attempts:

@@ -161,8 +161,8 @@ def from_gguf(
     sharding_for: Any = None,
 ):
     """The jaxtrain model of a .gguf file, every tensor dequantised to ``param_dtype``."""
-    from jaxtrain.hf.load import load_weights
-    from jaxtrain.models.auto import get_family
+    from jaxtrain.hf.params import load_weights
+    from jaxtrain.hf.registry import get_family
 
     gguf = _import_gguf()
     path = Path(path)

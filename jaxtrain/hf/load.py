@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxtrain.hf.errors import HFError
+from jaxtrain.hf.params import ShardingFor, load_weights  # noqa: F401 (ShardingFor: its old home)
 from jaxtrain.hf.registry import ModelFamily, get_family
 from jaxtrain.hf.safetensors_io import SafetensorsFile
-from jaxtrain.pytrees import path_str
-
-# sharding_for(path, shape, logical_axes) -> the parameter's Sharding, or None for the default
-# device. path is "/"-joined, e.g. "model/layers/0/self_attn/qkv_proj/kernel".
-ShardingFor = Callable[
-    [str, tuple[int, ...], tuple[str | None, ...]], "jax.sharding.Sharding | None"
-]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -197,72 +188,6 @@ def gguf_path(path: str | Path) -> Path | None:
             )
         return found[0] if found else None
     return None
-
-
-def load_weights(
-    family: ModelFamily,
-    config: Any,
-    tensors: dict[str, Any],
-    *,
-    source: str | Path,
-    dtype: Any = jnp.float32,
-    param_dtype: Any = jnp.float32,
-    sharding_for: ShardingFor | None = None,
-) -> nnx.Module:
-    """``family.model_class(config)`` filled from ``tensors`` (HF name -> an object with
-    ``shape(name)``, ``get(name)`` and ``path``, e.g. SafetensorsFile); every tensor is used
-    or ignorable, every parameter found with the shape the config implies."""
-    model_dir = source
-    abstract = nnx.eval_shape(
-        lambda: family.model_class(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
-    )
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    maps = {m.path: m for m in family.param_maps(config)}
-    used: set[str] = set()
-    target = np.dtype(jnp.dtype(param_dtype))
-    for path_tuple, var in nnx.to_flat_state(params):
-        key = path_str(path_tuple)
-        spec = maps[key]
-        arrays = []
-        for name, shape in zip(spec.hf_names, spec.hf_shapes):
-            if name not in tensors:
-                files = sorted({f.path.name for f in tensors.values()})
-                raise HFError(
-                    f"{model_dir}: tensor {name!r} is missing (looked in {', '.join(files)}); "
-                    f"the config describes a model that needs it for {key}. The weights are "
-                    "incomplete or belong to another architecture."
-                )
-            actual = tensors[name].shape(name)
-            if actual != shape:
-                raise HFError(
-                    f"{tensors[name].path}: tensor {name!r} has shape {list(actual)}, but "
-                    f"config.json implies {list(shape)}. The weights do not match the config."
-                )
-            arrays.append(tensors[name].get(name))
-            used.add(name)
-        host = spec.to_jax(arrays)
-        axes = tuple(var.get_metadata().get("logical_axes") or (None,) * host.ndim)
-        sharding = sharding_for(key, host.shape, axes) if sharding_for is not None else None
-        var.set_value(_place(host, target, sharding))
-    extra = sorted(n for n in tensors if n not in used and not family.ignorable(n, config))
-    if extra:
-        raise HFError(
-            f"{model_dir}: {len(extra)} tensor(s) that the config.json model has no place for, "
-            f"e.g. {extra[:3]} in {tensors[extra[0]].path.name}. Loading would drop them and "
-            "give a different network; check that config.json matches the weights."
-        )
-    return nnx.merge(graphdef, params, rest)
-
-
-def _place(host: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
-    """Host array -> device array of ``dtype``; with a sharding each device gets its slice."""
-    # Always a private copy: on CPU, JAX may alias a numpy buffer, and a buffer backed by
-    # the file mapping would change (or fault) if the file were overwritten later.
-    if sharding is None:
-        return jax.device_put(np.array(host, dtype=dtype, copy=True))
-    return jax.make_array_from_callback(
-        host.shape, sharding, lambda index: np.array(host[index], dtype=dtype, copy=True)
-    )
 
 
 def load_tokenizer(path: str | Path) -> Any:
