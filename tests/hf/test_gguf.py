@@ -10,8 +10,8 @@ import torch
 import transformers
 from hf_fixtures import CASES, forward, hf_logits, hf_model, random_ids
 
-from jaxtrain.hf import HFError, load_tokenizer
-from jaxtrain.models import AutoModelForCausalLM, LlamaForCausalLM
+from jaxtrain.hf import AutoModelForCausalLM, HFError, load_tokenizer
+from jaxtrain.models import LlamaForCausalLM
 
 gguf = pytest.importorskip("gguf")
 
