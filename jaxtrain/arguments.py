@@ -358,8 +358,13 @@ def _validate(args: TrainingArguments) -> None:
         _positive(args, name)
     for name in ("logging_steps", "eval_steps", "num_train_epochs"):
         _positive(args, name)
-    for name in ("warmup_steps", "weight_decay", "adam_epsilon", "prefetch_batches"):
+    for name in ("warmup_steps", "weight_decay", "adam_epsilon"):
         _positive(args, name, allow_zero=True)
+    if args.prefetch_batches < 1:  # the loader's background queue holds at least one batch
+        raise ArgumentError(
+            f"TrainingArguments.prefetch_batches must be >= 1, got {args.prefetch_batches}. "
+            "Use 1 for the least read-ahead (one batch prepared while a step runs)."
+        )
     if args.total_batch_size % args.gradient_accumulation_steps:
         raise ArgumentError(
             f"TrainingArguments.total_batch_size={args.total_batch_size} is not divisible by "
@@ -401,6 +406,7 @@ def _validate(args: TrainingArguments) -> None:
             "TrainingArguments.scheduler='warmup_cosine' needs warmup_steps > 0. "
             "Set --warmup_steps, or use scheduler 'cosine'."
         )
+    _validate_warmup(args)
     if not args.output_dir:
         raise ArgumentError("TrainingArguments.output_dir must be a non-empty path.")
     _validate_data(args)
@@ -421,6 +427,37 @@ def _validate(args: TrainingArguments) -> None:
             "TrainingArguments.resume_from and overwrite_output_dir=True contradict each other "
             "(overwriting deletes the run's checkpoints). Drop one of them."
         )
+
+
+def _validate_warmup(args: TrainingArguments) -> None:
+    """Warmup must leave steps to decay; with max_steps set this is known now (with epochs,
+    the Trainer checks it once the dataset gives the number of steps)."""
+    if args.max_steps > 0:
+        check_warmup(args, args.max_steps, "max_steps")
+
+
+def check_warmup(args: TrainingArguments, total_steps: int, what: str) -> None:
+    """ArgumentError naming warmup_steps and the run's length when the schedule cannot fit."""
+    if args.scheduler == "constant":
+        return
+    fix = (
+        f"Lower --warmup_steps below {total_steps} (e.g. --warmup_steps {total_steps // 10}) "
+        "or train longer."
+    )
+    if args.warmup_steps >= total_steps:
+        raise ArgumentError(
+            f"TrainingArguments.warmup_steps={args.warmup_steps} must be smaller than the run's "
+            f"{total_steps} steps ({what}) so the {args.scheduler} schedule has steps to "
+            f"decay. {fix}"
+        )
+    if args.scheduler == "wsd":
+        decay = max(1, round(args.wsd_decay_fraction * total_steps))
+        if args.warmup_steps + decay > total_steps:
+            raise ArgumentError(
+                f"TrainingArguments.warmup_steps={args.warmup_steps} plus the wsd decay "
+                f"({decay} steps = wsd_decay_fraction * {total_steps}) exceed the run's "
+                f"{total_steps} steps ({what}). Lower warmup_steps or wsd_decay_fraction."
+            )
 
 
 def _validate_data(args: TrainingArguments) -> None:

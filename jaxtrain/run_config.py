@@ -13,6 +13,8 @@ so `jaxtrain eval RUN_DIR` can rebuild the same model and data.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import typing
 from pathlib import Path
 from typing import Any
@@ -131,27 +133,50 @@ def split_config(config: dict[str, Any]) -> tuple[TrainingArguments, dict, dict,
     return args, model, data, sample
 
 
+def _unknown_keys(unknown: list[str], known: list[str], name: str) -> ArgumentError:
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{name}.{key}" + (f" (did you mean {name}.{close[0]}?)" if close else ""))
+    return ArgumentError(
+        f"Unknown key(s) in section {name!r}: {', '.join(hints)}. Known: {', '.join(known)}."
+    )
+
+
 def typed_section(values: dict, schema: dict[str, type], name: str) -> dict[str, Any]:
     unknown = sorted(set(values) - set(schema))
     if unknown:
-        raise ArgumentError(
-            f"Unknown key(s) {unknown} in section {name!r}; known: {', '.join(schema)}."
-        )
+        raise _unknown_keys(unknown, list(schema), name)
     return {
         k: coerce_value(schema[k] | None, v, field=f"{name}.{k}", source="config")
         for k, v in values.items()
     }
 
 
+# Keys of the model section besides LlamaConfig's fields.
+MODEL_EXTRA_KEYS = ("pretrained", "base_model")
+
+
 def typed_model_section(values: dict[str, Any]) -> dict[str, Any]:
-    """LlamaConfig fields parsed by their declared types (unknown keys fail in from_dict)."""
+    """LlamaConfig fields parsed by their declared types and checked together, before any
+    data is read: a misspelled key or an inconsistent shape is an ArgumentError."""
     from jaxtrain.models import LlamaConfig
 
     hints = typing.get_type_hints(LlamaConfig)
-    return {
+    known = [f.name for f in dataclasses.fields(LlamaConfig)] + list(MODEL_EXTRA_KEYS)
+    unknown = sorted(k for k in values if k not in known)
+    if unknown:
+        raise _unknown_keys(unknown, known, "model")
+    typed = {
         k: coerce_value(hints[k], v, field=f"model.{k}", source="config") if k in hints else v
         for k, v in values.items()
     }
+    if "pretrained" not in typed:  # a pretrained model's architecture is its config.json
+        try:  # vocab_size may still come from the tokenizer: any positive stand-in checks
+            LlamaConfig(**{"vocab_size": 1, **{k: typed[k] for k in typed if k in hints}})
+        except ValueError as err:
+            raise ArgumentError(f"model section: {err}") from None
+    return typed
 
 
 def save_config(config: dict[str, Any], output_dir: str | Path) -> Path:

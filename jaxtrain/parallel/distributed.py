@@ -3,8 +3,9 @@
 Sources, first match wins:
 1. arguments: coordinator_address (+ num_processes, process_id);
 2. JAXTRAIN_COORDINATOR_ADDRESS / JAXTRAIN_NUM_PROCESSES / JAXTRAIN_PROCESS_ID;
-3. SLURM (SLURM_NTASKS > 1) or Cloud TPU pods (TPU_WORKER_HOSTNAMES with several hosts):
-   JAX's own cluster detection fills in everything.
+3. SLURM (SLURM_NTASKS > 1): the first node of the job on a port derived from the job id,
+   SLURM_NTASKS processes, SLURM_PROCID (jaxtrain/distributed/slurm.py);
+   Cloud TPU pods (TPU_WORKER_HOSTNAMES with several hosts): JAX's own detection.
 `distributed="auto"` initialises only when one of these says there is more than one process;
 "on" insists (an error if nothing is found), "off" never initialises.
 
@@ -62,7 +63,12 @@ def detect_cluster(args: Any, env: dict[str, str] | None = None) -> ClusterSpec 
             _int_env(env, "JAXTRAIN_PROCESS_ID"),
         )
     if env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
-        return ClusterSpec("slurm")
+        from jaxtrain.distributed.slurm import slurm_task
+
+        task = slurm_task(env)  # None when srun's per-task variables are missing
+        if task is None:
+            return ClusterSpec("slurm")  # JAX's own SLURM detection fills in the rest
+        return ClusterSpec("slurm", task.coordinator_address, task.num_processes, task.process_id)
     hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if len(hosts) > 1:
         return ClusterSpec("tpu")

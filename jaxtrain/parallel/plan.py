@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.errors import MeshError
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.parallel.rules import ShardingRules
@@ -47,6 +48,29 @@ class ShardingPlan:
 
     def param_shardings(self, params: Any) -> Any:
         return self.rules.tree_shardings(params)
+
+    def check_expert_axis(self, params: Any) -> None:
+        """MeshError when ep > 1 but no parameter is split over ep: every ep group would then
+        hold the whole model and do the same work (the batch is not split over ep either)."""
+        ep = self.mesh.shape["ep"]
+        if ep == 1:
+            return
+        specs = jax.tree.leaves(
+            self.param_shardings(params), is_leaf=lambda x: isinstance(x, NamedSharding)
+        )
+        for sharding in specs:
+            for entry in sharding.spec:
+                if entry == "ep" or (isinstance(entry, tuple) and "ep" in entry):
+                    return
+        dims = list(self.mesh.shape.values())
+        fixed = dims.copy()
+        fixed[1], fixed[2] = dims[1] * ep, 1
+        raise MeshError(
+            f"sharding_axis_dims={tuple(dims)} sets ep={ep}, but no parameter of this model "
+            "has an expert axis (logical axis 'expert' or a rule naming 'ep'), so each ep "
+            "group would repeat the same work. Fold ep into fsdp or dp, e.g. "
+            f"--sharding_axis_dims {','.join(map(str, fixed))}."
+        )
 
     def train_step_jit_options(self, state_shardings: Any, batch: dict[str, Any]) -> dict:
         """`jax.jit` options of the train step: state and batch placed on the mesh, the state

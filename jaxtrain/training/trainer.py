@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import ArgumentError, TrainingArguments, check_warmup
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
+from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
@@ -79,6 +80,7 @@ class Trainer(TrainerCallback):
         self.model = model
         self.model_config = getattr(model, "config", None)
         self._configure_model(model)
+        self.sharding_plan.check_expert_axis(self._initial_params)  # ep > 1 needs experts
         self.pad_token_id = self._resolve_pad_token_id()
 
         # Datasets are checked now, before anything is compiled.
@@ -106,6 +108,8 @@ class Trainer(TrainerCallback):
         # Without training data (eval or sampling only) the schedule's length is moot: it
         # does not change the optimizer state's structure.
         steps = self.total_steps if self.train_loader else max(args.max_steps, 1)
+        if self.train_loader is not None:  # epochs: the run's length is known only now
+            check_warmup(args, steps, "num_train_epochs x steps per epoch")
         self.optimizer, self.schedule = self.create_optimizer(steps)
         self._train_step = None
         self._evaluator = None  # created at the first evaluation
@@ -137,11 +141,8 @@ class Trainer(TrainerCallback):
         self.num_parameters = count_parameters(params)
 
     def _resolve_pad_token_id(self) -> int:
-        for source in (self.processing_class, self.model_config):
-            pad = getattr(source, "pad_token_id", None)
-            if pad is not None:
-                return int(pad)
-        return 0
+        # pad, else eos with a warning; a tokenizer with neither is an ArgumentError.
+        return resolve_pad_token_id(self.processing_class, self.model_config)
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
         """Sums over one micro-batch; must return at least "loss_sum" and "tokens"."""

@@ -1,0 +1,18 @@
+"""Past one machine: Ray actors forming one JAX cluster, Ray Tune, SLURM scripts.
+
+Ray is an optional extra (`pip install jaxtrain[ray]`), imported only when a cluster starts;
+`import jaxtrain` never imports this package.
+"""
+
+from jaxtrain.distributed.cluster import Attempt, ClusterConfig, ClusterError, run_on_cluster
+from jaxtrain.distributed.config import RayDistributedConfig
+from jaxtrain.distributed.trainer import RayDistributedTrainer
+
+__all__ = [
+    "Attempt",
+    "ClusterConfig",
+    "ClusterError",
+    "RayDistributedConfig",
+    "RayDistributedTrainer",
+    "run_on_cluster",
+]

@@ -1,0 +1,165 @@
+"""What every process of a Ray run executes: build the model from its source, train, gather.
+
+A TrainJob is pickled on the driver and unpickled in each process after the cluster is
+formed. Models and states travel as host (numpy) arrays; each process places them on the
+global mesh, so no process holds device arrays before `jax.distributed.initialize`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.distributed.worker import JobContext
+
+SOURCE_KINDS = ("state", "model", "checkpoint", "new")
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """Where a run's weights come from, in the order RayDistributedTrainer.train picks it."""
+
+    kind: str  # one of SOURCE_KINDS
+    description: str
+    # The architecture of a model built here ("new", "checkpoint", "state" without a model).
+    config: Any = None
+    build: dict[str, Any] = dataclasses.field(default_factory=dict)  # dtype, param_dtype, seed
+    # A given model as (graphdef, host state): "model", or "state" with a model.
+    module: tuple[Any, Any] | None = None
+    state: Any = None  # a given TrainState on the host ("state")
+    checkpoint: str | None = None  # step directory ("checkpoint")
+
+    def model(self) -> Any:
+        """The model to hand to the Trainer: a concrete module, or a ModelFactory."""
+        from flax import nnx
+
+        from jaxtrain.parallel import ModelFactory
+
+        if self.module is not None:
+            graphdef, state = self.module
+            return nnx.merge(graphdef, state)
+        from jaxtrain.distributed.models import build_llama
+
+        config, build = self.config, dict(self.build)
+        return ModelFactory(lambda: build_llama(config, **build))
+
+
+class _Forward:
+    """Process 0's hooks, sent to the driver (RayDistributedTrainer's listeners)."""
+
+    def __init__(self, context: JobContext) -> None:
+        self.context = context
+
+    def on_train_start(self, trainer: Any, state: Any) -> None:
+        import jax
+
+        self.context.emit("start", int(jax.device_get(state.step)), {})
+
+    def on_log(self, trainer: Any, logs: dict[str, float], step: int) -> None:
+        self.context.emit("log", step, dict(logs))
+
+    def on_evaluate(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
+        self.context.emit("evaluate", step, dict(metrics))
+
+    def on_save(self, trainer: Any, checkpoint_path: str, step: int) -> None:
+        self.context.emit("save", step, str(checkpoint_path))
+
+
+def _starting_from(trainer_class: type, state: Any) -> type:
+    """`trainer_class` whose fresh start is `state` (a resume still wins over it)."""
+
+    class StartFromState(trainer_class):
+        def create_state(self):
+            import jax
+
+            try:
+                return jax.device_put(state, self.state_shardings)
+            except ValueError as err:
+                raise ArgumentError(
+                    "the given state does not fit this run's model and optimizer "
+                    f"({err}); pass a state created with the same model, optimizer and "
+                    "TrainingArguments, or pass model= instead."
+                ) from err
+
+        def _initial_state(self):
+            import jax
+
+            new, step, resumed = super()._initial_state()
+            if resumed is None:
+                step = int(jax.device_get(new.step))  # the state goes on from its own step
+            return new, step, resumed
+
+    StartFromState.__name__ = StartFromState.__qualname__ = trainer_class.__name__
+    return StartFromState
+
+
+@dataclasses.dataclass
+class TrainJob:
+    arguments: TrainingArguments
+    source: ModelSource
+    dataset_train: Any = None
+    dataset_eval: Any = None
+    data_collator: Any = None
+    processing_class: Any = None
+    callbacks: list[Any] = dataclasses.field(default_factory=list)
+    trainer_class: type | None = None
+    # Gather the final state onto the driver (every process joins the gather).
+    return_state: bool = True
+
+    def arguments_for(self, attempt: int) -> TrainingArguments:
+        """This attempt's arguments: a restart resumes the run's newest committed checkpoint."""
+        from jaxtrain.training.checkpoint import checkpoints_root, committed_steps
+
+        changes: dict[str, Any] = {}
+        if self.source.kind == "checkpoint":
+            changes["resume_from"] = self.source.checkpoint
+        if attempt > 0:
+            changes["overwrite_output_dir"] = False  # never wipe what the first try wrote
+            if committed_steps(checkpoints_root(self.arguments.output_dir)):
+                changes.update(resume_from=None, resume_if_possible=True)
+        return dataclasses.replace(self.arguments, **changes)
+
+    def run(self, context: JobContext) -> Any:
+        import jax
+
+        from jaxtrain.training.loop import TrainerOutput
+        from jaxtrain.training.trainer import Trainer
+
+        trainer_class = self.trainer_class or Trainer
+        if self.source.kind == "state":
+            trainer_class = _starting_from(trainer_class, self.source.state)
+        callbacks = list(self.callbacks)
+        if jax.process_index() == 0:
+            callbacks.append(_Forward(context))
+        trainer = trainer_class(
+            arguments=self.arguments_for(context.attempt),
+            model=self.source.model(),
+            dataset_train=self.dataset_train,
+            dataset_eval=self.dataset_eval,
+            data_collator=self.data_collator,
+            processing_class=self.processing_class,
+            callbacks=callbacks,
+        )
+        output = trainer.train()
+        state = gather_state(output.state) if self.return_state else None
+        if jax.process_index() != 0:
+            return None
+        return TrainerOutput(
+            state=state,
+            metrics=dict(output.metrics),
+            checkpoint_path=output.checkpoint_path,
+            mesh=None,  # the mesh's devices belong to the cluster's processes
+            stop_reason=output.stop_reason,
+        )
+
+
+def gather_state(state: Any) -> Any:
+    """`state` as host numpy arrays, complete on every process (a collective)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_get(state)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(state, tiled=True)

@@ -1,0 +1,301 @@
+"""Real Ray, real processes: actors forming one JAX cluster, faults and restarts.
+
+One local Ray instance serves the whole module. Each run trains a tiny Llama with SGD on a
+mesh of 8 CPU devices: one actor with 8 devices, or two actors with 4 each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from jaxtrain import TrainingArguments  # noqa: E402
+from jaxtrain.distributed import ClusterConfig, ClusterError, RayDistributedTrainer  # noqa: E402
+
+VOCAB, SEQ = 64, 16
+MODEL = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+class RecordingRows(list):
+    """A list-of-dicts dataset that remembers which rows this process's training read (the
+    loader's prefetch thread; validation peeks happen on the caller's thread)."""
+
+    read: list[int]
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and threading.current_thread().name == "jaxtrain-prefetch":
+            self.__dict__.setdefault("read", []).append(index)
+        return super().__getitem__(index)
+
+
+class ReportReads:
+    """In every process: write what training read."""
+
+    def __init__(self, rows: RecordingRows, out_dir: str) -> None:
+        self.rows, self.out_dir = rows, out_dir
+
+    def on_train_end(self, trainer, output) -> None:
+        import jax
+
+        loader = trainer.train_loader
+        steps = trainer.total_steps
+        result = {
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+            "local_devices": jax.local_device_count(),
+            "global_devices": jax.device_count(),
+            "rows_read": self.rows.read,
+            "global_indices": [loader.global_indices(s).tolist() for s in range(steps)],
+            "pid": os.getpid(),
+        }
+        Path(self.out_dir, f"process_{jax.process_index()}.json").write_text(json.dumps(result))
+
+
+class KillSelf:
+    """Process `victim` SIGKILLs itself before step `at_step` (once `wait_for` is committed),
+    or when training starts (`at_step=None`), on the first attempt only (a marker file
+    remembers) or on every attempt."""
+
+    def __init__(
+        self,
+        victim: int,
+        at_step: int,
+        marker: str,
+        wait_for: str | None = None,
+        every_attempt: bool = False,
+    ) -> None:
+        self.victim, self.at_step, self.marker = victim, at_step, marker
+        self.wait_for, self.every_attempt = wait_for, every_attempt
+
+    def on_step_start(self, trainer, state, step) -> None:
+        import jax
+
+        if jax.process_index() != self.victim or step != self.at_step:
+            return
+        self.kill()
+
+    def on_train_start(self, trainer, state) -> None:
+        import jax
+
+        if self.at_step is None and jax.process_index() == self.victim:
+            self.kill()
+
+    def kill(self) -> None:
+        if os.path.exists(self.marker) and not self.every_attempt:
+            return
+        Path(self.marker).write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while self.wait_for and not os.path.isdir(self.wait_for):
+            assert time.monotonic() < deadline, f"{self.wait_for} was never committed"
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.starts: list[int] = []
+        self.saves: list[int] = []
+        self.restarts: list[dict] = []
+
+    def on_train_start(self, trainer, step) -> None:
+        self.starts.append(step)
+
+    def on_log(self, trainer, logs, step) -> None:
+        self.losses.append(float(logs["loss"]))
+
+    def on_save(self, trainer, path, step) -> None:
+        self.saves.append(step)
+
+    def on_restart(self, trainer, info) -> None:
+        self.restarts.append(info)
+
+
+def rows(n: int = 64) -> RecordingRows:
+    rng = np.random.default_rng(0)
+    return RecordingRows(
+        [
+            {"input_ids": rng.integers(1, VOCAB - 1, size=int(k)).tolist()}
+            for k in rng.integers(4, SEQ + 1, size=n)
+        ]
+    )
+
+
+def arguments(output_dir: Path, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=str(output_dir),
+        optimizer="sgd",
+        learning_rate=0.5,
+        scheduler="constant",
+        max_steps=4,
+        total_batch_size=16,
+        max_sequence_length=SEQ,
+        logging_steps=1,
+        evaluation_strategy="no",
+        save_steps=2,
+        progress_bar="none",
+        run_report=False,
+        seed=3,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def trainer() -> RayDistributedTrainer:
+    return RayDistributedTrainer(
+        MODEL,
+        config_scaling_variables={"hidden_size": 16, "intermediate_size": 32},
+        # dp2 x fsdp2 x tp2: data, parameters and heads are all split over the 8 devices.
+        config_variables={"sharding_axis_dims": (2, 2, 1, 2, 1), "seed": 5},
+    )
+
+
+def two_processes(**overrides) -> ClusterConfig:
+    values = dict(
+        num_processes=2,
+        devices_per_process=4,
+        cpus_per_process=1,
+        teardown_timeout_s=30,
+        start_timeout_s=120,
+    )
+    values.update(overrides)
+    return ClusterConfig(**values)
+
+
+def params_of(output) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(output.state.params)]
+
+
+def all_pids(attempts) -> list[int]:
+    return [p["pid"] for a in attempts for p in a.processes]
+
+
+def gone(pids: list[int], within_s: float = 10.0) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from ray import cloudpickle
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp = tempfile.mkdtemp(prefix="jtray", dir="/tmp")  # short: Ray puts sockets there
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
+    ray.init(include_dashboard=False, num_cpus=2, _temp_dir=temp, log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory):
+    """The same training on one process with 8 devices and on two with 4 each."""
+    out = {}
+    for name, cluster in [
+        ("one", ClusterConfig(num_processes=1, devices_per_process=8)),
+        ("two", two_processes()),
+    ]:
+        tmp = tmp_path_factory.mktemp(name)
+        data, listener, rt = rows(), Listener(), trainer()
+        output = rt.train(
+            2,
+            arguments(tmp / "run"),
+            data,
+            callbacks=[ReportReads(data, str(tmp))],
+            listeners=[listener],
+            cluster=cluster,
+        )
+        out[name] = dict(output=output, listener=listener, attempts=rt.attempts, tmp=tmp)
+    return out
+
+
+def test_two_actors_train_like_one_process_and_read_only_their_half(runs):
+    one, two = runs["one"], runs["two"]
+    assert len(one["listener"].losses) == len(two["listener"].losses) == 4
+    np.testing.assert_allclose(two["listener"].losses, one["listener"].losses, rtol=1e-5)
+    for a, b in zip(params_of(two["output"]), params_of(one["output"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert two["output"].checkpoint_path.endswith("checkpoints/4")
+    assert two["listener"].saves == [2, 4] and two["listener"].starts == [0]
+    for i in range(2):
+        r = json.loads((two["tmp"] / f"process_{i}.json").read_text())
+        assert (r["process_index"], r["process_count"]) == (i, 2)
+        assert (r["local_devices"], r["global_devices"]) == (4, 8)
+        # Exactly this process's half of every global batch of 16 rows, in order.
+        mine = [row for g in r["global_indices"] for row in g[0][i * 8 : (i + 1) * 8]]
+        assert r["rows_read"][: len(mine)] == mine and len(mine) == 4 * 8
+    # Both attempts' processes were torn down once the run was over.
+    assert len(two["attempts"]) == 1 and gone(all_pids(two["attempts"]))
+
+
+def test_sigkilled_actor_restarts_from_the_checkpoint_and_ends_like_no_fault(runs, tmp_path):
+    run = tmp_path / "run"
+    data, listener, rt = rows(), Listener(), trainer()
+    kill = KillSelf(1, 3, str(tmp_path / "killed"), wait_for=str(run / "checkpoints" / "2"))
+    output = rt.train(
+        2,
+        arguments(run),
+        data,
+        callbacks=[kill],
+        listeners=[listener],
+        cluster=two_processes(max_restarts=1),
+    )
+    assert len(rt.attempts) == 2
+    first = rt.attempts[0]
+    assert first.failed_process == 1 and "died" in first.cause.lower() or "exit" in first.cause
+    assert first.processes[1]["pid"] == int((tmp_path / "killed").read_text())
+    assert listener.restarts == [{"attempt": 0, "process": 1}]
+    assert listener.starts == [0, 2]  # the second attempt resumed the step-2 checkpoint
+    reference = params_of(runs["two"]["output"])
+    for a, b in zip(params_of(output), reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert gone(all_pids(rt.attempts))
+
+
+def test_exhausted_restarts_raise_an_error_naming_the_dead_process(ray_session, tmp_path):
+    data, rt = rows(), trainer()
+    kill = KillSelf(1, None, str(tmp_path / "killed"), every_attempt=True)
+    with pytest.raises(ClusterError, match=r"process 1 of 2 \(pid \d+ on node .*\) died") as err:
+        rt.train(
+            2,
+            arguments(tmp_path / "run"),
+            data,
+            callbacks=[kill],
+            cluster=two_processes(max_restarts=0),
+        )
+    assert "max_restarts=0 is exhausted" in str(err.value)
+    assert len(rt.attempts) == 1 and rt.attempts[0].failed_process == 1
+    assert gone(all_pids(rt.attempts))

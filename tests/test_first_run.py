@@ -1,0 +1,182 @@
+"""What a new user trips over on a first run (issue 16 list, issue 17 items 1-3): each bad
+value is one clear error naming the fields, raised before anything is written."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import datasets
+import numpy as np
+import pytest
+from flax import nnx
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
+
+from jaxtrain import Trainer, TrainingArguments
+from jaxtrain.cli import main
+from jaxtrain.errors import ArgumentError, MeshError
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 64
+
+
+def tiny_model(**overrides):
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=None,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    values.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**values), rngs=nnx.Rngs(0))
+
+
+def ragged_rows(n: int = 16) -> datasets.Dataset:
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(3, VOCAB, size=int(rng.integers(4, 12))).tolist() for _ in range(n)]
+    return datasets.Dataset.from_dict({"input_ids": rows})
+
+
+def args(tmp_path, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        total_batch_size=4,
+        max_sequence_length=16,
+        max_steps=4,
+        progress_bar="none",
+        run_report=False,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def word_tokenizer(**special: str) -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "</s>": 1, "<s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", **special)
+
+
+# ------------------------------------------------------------ 1 / issue 17.3: warmup
+def test_warmup_longer_than_the_run_names_both_fields():
+    with pytest.raises(ArgumentError, match=r"warmup_steps=30 .* 4 steps \(max_steps\)"):
+        TrainingArguments(max_steps=4, warmup_steps=30)
+    with pytest.raises(ArgumentError, match="wsd_decay_fraction"):
+        TrainingArguments(max_steps=10, warmup_steps=6, scheduler="wsd", wsd_decay_fraction=0.5)
+    TrainingArguments(max_steps=4, warmup_steps=30, scheduler="constant")  # nothing decays
+
+
+def test_warmup_longer_than_an_epoch_run_fails_in_the_constructor(tmp_path):
+    # 16 rows / 4 per batch = 4 steps; known only once the Trainer sees the dataset.
+    arguments = args(tmp_path, max_steps=-1, warmup_steps=10)
+    with pytest.raises(ArgumentError, match=r"warmup_steps=10 .*num_train_epochs"):
+        Trainer(arguments=arguments, model=tiny_model(), dataset_train=ragged_rows())
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------ 2: prefetch_batches
+def test_prefetch_batches_zero_is_refused_at_construction():
+    with pytest.raises(ArgumentError, match="prefetch_batches must be >= 1"):
+        TrainingArguments(prefetch_batches=0)
+
+
+# ------------------------------------------------------------ 4: pad token fallback
+def test_a_tokenizer_without_pad_pads_with_eos_and_says_so(tmp_path, caplog):
+    tokenizer = word_tokenizer(eos_token="</s>")
+    assert tokenizer.pad_token_id is None
+    with caplog.at_level(logging.WARNING, logger="jaxtrain.data"):
+        trainer = Trainer(
+            arguments=args(tmp_path),
+            model=tiny_model(),
+            dataset_train=ragged_rows(),
+            processing_class=tokenizer,
+        )
+    assert trainer.pad_token_id == tokenizer.eos_token_id == 1
+    assert "no pad token: padding with its eos token id 1" in caplog.text
+    batch, _ = trainer.train_loader.batch_at(0)
+    ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
+    padded = labels == -100
+    assert padded.any() and (ids[padded[..., :]] == 1).all()
+
+
+def test_a_tokenizer_without_pad_or_eos_is_an_error(tmp_path):
+    with pytest.raises(ArgumentError, match="neither a pad token nor an eos token"):
+        Trainer(
+            arguments=args(tmp_path),
+            model=tiny_model(),
+            dataset_train=ragged_rows(),
+            processing_class=word_tokenizer(),
+        )
+
+
+# ------------------------------------------------------------ 5: ep without experts
+def test_expert_parallel_on_a_model_without_experts_is_an_error(tmp_path):
+    code = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_first_run import args, ragged_rows, tiny_model
+from pathlib import Path
+from jaxtrain import Trainer
+from jaxtrain.errors import MeshError
+try:
+    Trainer(arguments=args(Path({str(tmp_path)!r}), sharding_axis_dims=(1, 1, 2, 1, 1)),
+            model=tiny_model(), dataset_train=ragged_rows())
+except MeshError as err:
+    print("MeshError:", err)
+"""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MeshError: sharding_axis_dims=(1, 1, 2, 1, 1) sets ep=2" in proc.stdout
+    assert "--sharding_axis_dims 1,2,1,1,1" in proc.stdout
+    assert MeshError.exit_code == 2
+
+
+# ------------------------------------------------------------ the command line
+def jaxtrain(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    code = "import sys; from jaxtrain.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        # issue 16.1 / 17.3: the demo's warmup (30) does not fit a 20-step run
+        (["--max_steps", "20"], "warmup_steps=30 must be smaller than the run's 20 steps"),
+        (["--warmup_steps", "30", "--max_steps", "4"], "warmup_steps=30"),
+        # issue 17.1: misspelled section keys get a suggestion, like top-level flags
+        (["--model.hiden_size", "32"], "model.hiden_size (did you mean model.hidden_size?)"),
+        (["--data.vocab_sise", "32"], "data.vocab_sise (did you mean data.vocab_size?)"),
+        (["--sample.max_new_token", "3"], "(did you mean sample.max_new_tokens?)"),
+        # issue 17.2: an inconsistent architecture is one line, before any data is read
+        (
+            ["--model.hidden_size", "30", "--model.num_attention_heads", "4"],
+            "model section: hidden_size (30) is not divisible by num_attention_heads (4)",
+        ),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_before_anything_is_written(tmp_path, capsys, flags, words):
+    run = tmp_path / "run"
+    code = main(["train", "--output_dir", str(run), *flags])  # the CLI's own entry point
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert words in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert not run.exists()
