@@ -79,7 +79,9 @@ def from_hf_moe_config(hf: dict[str, Any], source: str = "config.json") -> MoeCo
         values["mlp_only_layers"] = list(hf.get("mlp_only_layers") or [])
     if model_type == "qwen2_moe":
         values["attention_bias"] = bool(hf.get("qkv_bias", True))
-        values["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
+        values["shared_expert_intermediate_size"] = int(
+            hf.get("shared_expert_intermediate_size") or 0
+        )
         if not values["shared_expert_intermediate_size"]:
             raise fail(
                 "shared_expert_intermediate_size",
@@ -131,9 +133,7 @@ def to_hf_moe_config(config: MoeConfig, dtype: str = "float32") -> dict[str, Any
         out["router_jitter_noise"] = 0.0
         return out
     if mt == "qwen3_moe" and config.shared_expert_intermediate_size:
-        raise HFError(
-            "cannot export model_type='qwen3_moe' with a shared expert; use qwen2_moe."
-        )
+        raise HFError("cannot export model_type='qwen3_moe' with a shared expert; use qwen2_moe.")
     out["num_experts"] = config.num_experts
     out["moe_intermediate_size"] = config.moe_intermediate_size
     out["norm_topk_prob"] = config.norm_topk_prob
@@ -217,4 +217,3 @@ def moe_param_maps(config: MoeConfig) -> list[ParamMap]:
 
 def moe_ignorable(name: str, config: MoeConfig) -> bool:
     return llama_ignorable(name, config)
-

@@ -33,9 +33,7 @@ def default_implementation() -> str:
     return "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
 
 
-def route(
-    logits: Array, top_k: int, *, normalize: bool
-) -> tuple[Array, Array, Array]:
+def route(logits: Array, top_k: int, *, normalize: bool) -> tuple[Array, Array, Array]:
     """(weights [N, k], experts [N, k], probabilities [N, E]) from router logits [N, E].
 
     Softmax over all experts in float32, then the top k; ``normalize`` rescales the k
@@ -142,9 +140,7 @@ def expert_mlp(
     total = local if num_experts is None else num_experts
     implementation = implementation or default_implementation()
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"moe implementation={implementation!r} is not one of {IMPLEMENTATIONS}."
-        )
+        raise ValueError(f"moe implementation={implementation!r} is not one of {IMPLEMENTATIONS}.")
     rows = n * k
     # Local experts first (0..L-1), in expert order, then the rows of other devices' experts.
     key = (experts.reshape(-1) - first_expert) % total
