@@ -3,7 +3,7 @@
     python bench/checkpoint_blocking.py [--models demo,large] [--steps N]
 
 For each model: the median time of a jitted train step (the Trainer's step function, state
-donated), the time `Checkpointer.save` holds the loop (device-to-host copy, then the files
+donated), the time `RunCheckpoints.save` holds the loop (device-to-host copy, then the files
 are written in the background), and the time until the save is committed on disk. The ratio
 "blocked / step" says how many steps' worth of time a save costs the loop.
 """
@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
+from jaxtrain.checkpointing import RunCheckpoints
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.run_config import DEFAULT_CONFIG
-from jaxtrain.training.checkpoint import Checkpointer
 from jaxtrain.training.step import make_train_step
 
 MODELS = {
@@ -73,7 +73,7 @@ def measure(name: str, steps: int) -> dict[str, float]:
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
 
-        checkpointer = Checkpointer(out)
+        checkpointer = RunCheckpoints(args)
         blocked, committed = [], []
         for index in range(3):
             state, _ = step(state, batch)

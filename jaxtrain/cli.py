@@ -145,7 +145,7 @@ def _load_run(run_dir: str):
 
 
 def _latest_checkpoint(run_dir: str) -> str:
-    from jaxtrain.training.checkpoint import find_checkpoint
+    from jaxtrain.checkpointing import find_checkpoint
 
     return str(find_checkpoint(run_dir))
 

@@ -104,7 +104,7 @@ def logged_step(line: str) -> int:
 
 
 def test_signals_and_time_limit_stop_after_saving_and_a_rerun_resumes(tmp_path):
-    from jaxtrain.training.checkpoint import committed_steps
+    from jaxtrain.checkpointing import committed_steps
 
     run = tmp_path / "run"
     command = [

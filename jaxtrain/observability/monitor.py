@@ -94,8 +94,8 @@ class RunMonitor:
         self.is_writer = jax.process_index() == 0
         self.flops = FlopsCounter(model_config, num_parameters)
         self.num_parameters = num_parameters
-        # Set from a checkpoint's metadata["trackers"] when the run resumes (run_start.py).
-        self.resume_state: dict[str, Any] = {}
+        # A resumed run's metadata["trackers"] (given to `open`): same TB dir, W&B run.
+        self._resume_state: dict[str, Any] = {}
         self.run_name: str | None = None
         self.data_wait = DataWaitClock()
         self._log = MonitorLog([])
@@ -109,10 +109,14 @@ class RunMonitor:
             check_trackers(args.report_to, args.output_dir)
 
     # ------------------------------------------------------------ startup
-    def open(self, out_dir: str | Path, start_step: int) -> MonitorLog:
-        """Start the trackers (resuming their runs when resume_state says so)."""
+    def open(
+        self, out_dir: str | Path, start_step: int, tracker_state: dict[str, Any] | None = None
+    ) -> MonitorLog:
+        """Start the trackers; `tracker_state` (what `tracker_state()` returned when the
+        resumed checkpoint was saved) continues their runs."""
         self._step = start_step
-        self.run_name = self.resume_state.get("run_name") or self.args.run_name
+        self._resume_state = dict(tracker_state or {})
+        self.run_name = self._resume_state.get("run_name") or self.args.run_name
         self.run_name = self.run_name or default_run_name()
         if not self.is_writer:
             return self._log
@@ -124,7 +128,7 @@ class RunMonitor:
             project=self.args.project_name,
             config=self.args.to_dict(),
             start_step=start_step,
-            resume=self.resume_state,
+            resume=self._resume_state,
         )
         self._log = MonitorLog(self._trackers, before_close=[self._flush_weights])
         self._write_run_info(out_dir)

@@ -1,8 +1,8 @@
 """One call of `Trainer.train()`: the loop that orchestrates steps, logs, evals and saves.
 
 The loop only orchestrates: the math is in `step.py` (pure, jitted), data in
-`jaxtrain.data`, files in `checkpoint.py`, measurements in `monitor.py`. The device never
-waits for the host: step n+1 is dispatched before the metrics of step n are read, and metrics
+`jaxtrain.data`, checkpoints in `jaxtrain.checkpointing`, measurements in `monitor.py`.
+The device never waits for the host: step n+1 is dispatched before the metrics of step n are read, and metrics
 are read only at logging cadence (one step late).
 """
 
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import jax
 from flax import nnx
 
+from jaxtrain.checkpointing import RunStart
 from jaxtrain.data import prefetch
 from jaxtrain.observability.progress import make_progress
 from jaxtrain.training.hooks import call_hooks
@@ -68,10 +69,12 @@ class TrainingLoop:
 
     def run(self) -> TrainerOutput:
         trainer, args = self.trainer, self.args
-        state, step, resumed_from = trainer._initial_state()
+        start = trainer.start_state()
+        state, step, resumed_from = start.state, start.step, start.resumed_from
         state = jax.device_put(state, trainer.state_shardings)  # no-op unless placed elsewhere
         self._write_run_files()
-        self.log = trainer._monitor.open(args.output_dir, step)  # written by process 0 only
+        # Written by process 0 only; a resumed run continues its trackers' runs.
+        self.log = trainer._monitor.open(args.output_dir, step, start.tracker_state)
         batches = self._batches(step)
         primary = jax.process_index() == 0
         self.progress = make_progress(
@@ -80,7 +83,7 @@ class TrainingLoop:
         self.progress.write(
             f"jaxtrain: {trainer.num_parameters / 1e6:.2f}M parameters, {self.total_steps} "
             f"steps, {args.total_batch_size} x {args.max_sequence_length} tokens per step, "
-            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+            f"devices: {trainer.mesh.devices.size} x {trainer.mesh.devices.flat[0].device_kind}, "
             f"mesh {dict(trainer.mesh.shape)}"
         )
         if resumed_from is not None:
@@ -89,9 +92,9 @@ class TrainingLoop:
         call_hooks(trainer._receivers, "on_train_start", trainer, state)
         with StopSignals() as signals:
             try:
-                state, step = self._steps(state, step, batches, signals, resumed_from)
+                state, step = self._steps(state, step, batches, signals, start)
             finally:
-                trainer._close_checkpointer()  # waits for the background writes to commit
+                trainer.checkpoints.close()  # waits for the background writes to commit
                 self.progress.close()
                 self.log.close()
         return self._finish(state, step)
@@ -121,10 +124,12 @@ class TrainingLoop:
         return trainer._monitor.timed(trainer.data_meter.wrap(batches))
 
     # ------------------------------------------------------------------ loop
-    def _steps(self, state, step: int, batches, signals: StopSignals, resumed_from):
+    def _steps(self, state, step: int, batches, signals: StopSignals, start: RunStart):
         trainer, args, total_steps = self.trainer, self.args, self.total_steps
-        last_eval_step = -1
-        saved_step = step if resumed_from is not None else -1
+        resumed = start.resumed_from is not None
+        # A rerun of a finished run (or one killed after its last commit) adds nothing twice.
+        last_eval_step = step if start.evaluated else -1
+        saved_step = step if resumed else -1
         window = trainer._monitor.window()
         last_save_time = time.monotonic()
         while step < total_steps:
@@ -159,7 +164,8 @@ class TrainingLoop:
                     self._evaluate(state, step)
                     last_eval_step = step
                 if save_now:
-                    self.checkpoint_path = trainer.save_checkpoint(state)
+                    evaluated = last_eval_step == step
+                    self.checkpoint_path = trainer.save_checkpoint(state, evaluated=evaluated)
                     saved_step, last_save_time = step, time.monotonic()
                 window.restart_clock()
             if early_stop is not None:
@@ -170,7 +176,8 @@ class TrainingLoop:
         if finished and self._wants_eval() and last_eval_step != step:
             self._evaluate(state, step)
         if (args.save_final or not finished) and saved_step != step:
-            self.checkpoint_path = trainer.save_checkpoint(state)
+            evaluated = last_eval_step == step
+            self.checkpoint_path = trainer.save_checkpoint(state, evaluated=evaluated)
         return state, step
 
     def _finish(self, state, step: int) -> TrainerOutput:

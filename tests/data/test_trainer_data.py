@@ -7,9 +7,9 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
+from jaxtrain.checkpointing import read_metadata
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.observability.logs import read_jsonl
-from jaxtrain.training.checkpoint import read_metadata
 
 
 class LossRecorder:

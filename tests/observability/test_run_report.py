@@ -64,8 +64,8 @@ def test_progress_shows_epoch_loss_lr_tokens_and_eta(capsys):
 def test_a_report_that_cannot_be_written_is_an_error_after_the_checkpoint(tmp_path):
     from obs_helpers import obs_trainer
 
+    from jaxtrain.checkpointing import checkpoints_root, committed_steps
     from jaxtrain.observability.report import ReportError
-    from jaxtrain.training.checkpoint import checkpoints_root, committed_steps
 
     out_dir = tmp_path / "run"
     (out_dir / "report.png").mkdir(parents=True)  # a directory where the PNG must go

@@ -10,9 +10,9 @@ from obs_helpers import obs_trainer
 from tensorboardX.proto import event_pb2
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.checkpointing import find_checkpoint, read_metadata
 from jaxtrain.observability.logs import read_jsonl
 from jaxtrain.observability.trackers import TrackerError
-from jaxtrain.training.checkpoint import find_checkpoint, read_metadata
 
 TRAIN_KEYS = {
     "loss",

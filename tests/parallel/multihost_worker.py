@@ -112,7 +112,7 @@ def packed_resume(port: str, process_id: str, out_dir: str) -> None:
 
     straight = run("straight")
     resumed = run("resumed", resume_from=f"{out_dir}/straight/checkpoints/2")
-    from jaxtrain.training.checkpoint import read_metadata
+    from jaxtrain.checkpointing import read_metadata
 
     metadata = read_metadata(f"{out_dir}/straight/checkpoints/2")
     result = {"straight": straight, "resumed": resumed, "data_state": metadata["data_state"]}

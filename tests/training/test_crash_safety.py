@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import tiny_run
 
-from jaxtrain.training.checkpoint import committed_steps, read_metadata
+from jaxtrain.checkpointing import committed_steps, read_metadata
 
 WORKER = Path(tiny_run.__file__)
 STEPS = 24

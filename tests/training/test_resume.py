@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from tiny_run import tiny_model, tiny_trainer, token_dataset
 
+from jaxtrain.checkpointing import CheckpointError, committed_steps, read_metadata
 from jaxtrain.data import DatasetError
 from jaxtrain.observability.logs import read_jsonl
-from jaxtrain.training.checkpoint import CheckpointError, committed_steps, read_metadata
 
 
 class LossRecorder:

@@ -12,8 +12,8 @@ from tiny_run import VOCAB, tiny_arguments, tiny_model, tiny_trainer, token_data
 
 from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.checkpointing import committed_steps, read_metadata
 from jaxtrain.observability.logs import read_jsonl
-from jaxtrain.training.checkpoint import committed_steps, read_metadata
 from jaxtrain.training.stopping import NonFiniteLossError, StopSignals, parse_duration
 
 POISON = VOCAB - 1  # a token id that token_dataset never draws

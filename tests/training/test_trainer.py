@@ -11,10 +11,10 @@ from flax import nnx
 
 from jaxtrain import Trainer, TrainerCallback, TrainingArguments
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.checkpointing import CheckpointError, read_metadata
 from jaxtrain.data import DatasetError, chunk_dataset, load_default_corpus
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.observability.logs import read_jsonl
-from jaxtrain.training.checkpoint import CheckpointError, read_metadata
 
 SEQ = 32
 

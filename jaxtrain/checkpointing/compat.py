@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.training.checkpoint import (
+from jaxtrain.checkpointing.files import (
     CheckpointError,
     checkpoints_root,
     committed_steps,

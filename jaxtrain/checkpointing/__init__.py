@@ -1,0 +1,30 @@
+"""Checkpointing: a run's checkpoints (`RunCheckpoints`), and reading them back.
+
+- `run.py`: where a run starts (fresh, resumed, `resume_from`), its saves, keep-N, close;
+- `compat.py`: whether a checkpoint fits this run (model, optimizer), trimming the metric log;
+- `files.py`: the files on disk (committed steps, restore, metadata).
+"""
+
+from jaxtrain.checkpointing.files import (
+    CheckpointError,
+    checkpoints_root,
+    committed_steps,
+    find_checkpoint,
+    read_metadata,
+    restore_params,
+    restore_state,
+)
+from jaxtrain.checkpointing.run import RunCheckpoints, RunStart, load_checked
+
+__all__ = [
+    "CheckpointError",
+    "RunCheckpoints",
+    "RunStart",
+    "checkpoints_root",
+    "committed_steps",
+    "find_checkpoint",
+    "load_checked",
+    "read_metadata",
+    "restore_params",
+    "restore_state",
+]

@@ -1,0 +1,250 @@
+"""One run's checkpoints: where it starts, its saves, keep-N, and closing them.
+
+Where a run starts is decided once, in this order (the first that applies wins):
+
+1. `resume_from` names a checkpoint: resume from it (it must exist; an output_dir that
+   already holds checkpoints of its own is refused, so two runs never mix).
+2. `overwrite_output_dir`: start fresh, deleting output_dir's old checkpoints.
+3. `resume_if_possible` and output_dir holds a committed checkpoint: resume from the newest.
+4. Otherwise start fresh; an output_dir with committed checkpoints is refused.
+
+A resume that cannot happen (another model, optimizer or data; damaged files) is an error
+that says what differs and how to go on; a run never falls back to a fresh start on its own.
+
+`RunCheckpoints` takes what it needs as arguments and returns plain values (`RunStart`); it
+knows nothing of the Trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.checkpointing import compat
+from jaxtrain.checkpointing import files as ckpt
+from jaxtrain.checkpointing.checksums import verify_checksums, write_checksums
+from jaxtrain.checkpointing.files import CheckpointError
+from jaxtrain.training.state import TrainState
+
+
+@dataclasses.dataclass
+class RunStart:
+    """Where a run starts."""
+
+    state: TrainState
+    step: int
+    # The step directory resumed from, or None for a fresh start.
+    resumed_from: Path | None = None
+    # What the trackers saved in that checkpoint (TensorBoard dir, W&B run id, run name).
+    tracker_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Whether the resumed run had evaluated at `step` before saving it (a rerun of a
+    # finished run must not log that evaluation twice).
+    evaluated: bool = False
+
+
+class RunCheckpoints:
+    """The checkpoints of the run writing into `output_dir`.
+
+    `start(...)` decides where the run starts, `save(...)` writes a checkpoint in the
+    background (keeping the newest `max_to_keep`), `close()` waits for the writes to commit.
+    """
+
+    def __init__(self, arguments: Any):
+        self.arguments = arguments
+        self.root = ckpt.checkpoints_root(arguments.output_dir)
+        self._saver: _Saver | None = None  # opened at the first save of a run
+
+    # ------------------------------------------------------------------ start
+    def start(
+        self,
+        *,
+        fresh_state: Callable[[], TrainState],
+        abstract_state: Callable[[], TrainState],
+        model_class: str,
+        model_config: dict[str, Any] | None,
+        init_optimizer: Callable[[Any], Any],
+        check_data_state: Callable[[dict[str, Any]], int] | None = None,
+    ) -> RunStart:
+        """Where the run starts (see the module docstring for the order).
+
+        A fresh start clears output_dir's leftovers; a resume checks the checkpoint was
+        written for this model (`model_class`, `model_config`), optimizer and data
+        (`check_data_state` returns the step a saved data position belongs to), then restores
+        onto `abstract_state()` (its shardings), or only the parameters with a new optimizer
+        state from `init_optimizer(params)` when `reset_optimizer`.
+        """
+        args = self.arguments
+        path = compat.resume_checkpoint(args)
+        if path is None:
+            refused = bool(ckpt.committed_steps(self.root)) and not args.overwrite_output_dir
+            # One process clears leftovers while the others wait; a refusal raises everywhere.
+            if jax.process_index() == 0 or refused:
+                ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
+                (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+            _barrier("jaxtrain_prepare_output_dir")
+            return RunStart(state=fresh_state(), step=0)
+        if path.parent != self.root and ckpt.committed_steps(self.root):
+            raise CheckpointError(
+                f"resume_from={args.resume_from} is another run's checkpoint, but output_dir "
+                f"{args.output_dir} already holds checkpoints of its own. Choose a new "
+                "output_dir for the resumed run."
+            )
+        metadata = read_verified(path)
+        compat.check_compatible(
+            metadata,
+            path=path,
+            model_class=model_class,
+            model_config=model_config,
+            optimizer=args.optimizer,
+            reset_optimizer=args.reset_optimizer,
+        )
+        step = int(metadata["step"])
+        if "data_state" in metadata and check_data_state is not None:
+            data_step = check_data_state(metadata["data_state"])
+            if data_step != step:
+                raise CheckpointError(
+                    f"{path}: its data position (step {data_step}) does not match its train "
+                    f"state (step {step}); the checkpoint is inconsistent. Resume from another."
+                )
+        abstract = abstract_state()
+        if args.reset_optimizer:
+            params = ckpt.restore_params(path, abstract.params)
+            opt_state = jax.jit(init_optimizer)(params)
+            state = TrainState(
+                step=jnp.asarray(step, jnp.int32), params=params, opt_state=opt_state
+            )
+        else:
+            state = ckpt.restore_state(path, abstract)
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            compat.trim_metric_log(Path(args.output_dir) / "metrics.jsonl", step)
+        _barrier("jaxtrain_resume")
+        return RunStart(
+            state=state,
+            step=step,
+            resumed_from=path,
+            tracker_state=metadata.get("trackers") or {},
+            evaluated=bool(metadata.get("evaluated", False)),
+        )
+
+    # ------------------------------------------------------------------ saves
+    def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
+        """Start a background save of `state` with `metadata` (JSON); returns the step
+        directory it commits to. The save before it is committed first."""
+        if self._saver is None:
+            self._saver = _Saver(self.root, max_to_keep=self.arguments.save_total_limit)
+        return self._saver.save(state, metadata=metadata)
+
+    def wait(self) -> None:
+        """Block until every save started so far is committed."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    def close(self) -> None:
+        """Wait for the background writes to commit; a later save opens a new writer."""
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            saver.close()
+
+
+def load_checked(
+    path: str | Path,
+    abstract: TrainState,
+    *,
+    model_class: str,
+    model_config: dict[str, Any] | None,
+    optimizer: str,
+) -> TrainState:
+    """The TrainState at `path` (a step, checkpoints or run directory) restored onto
+    `abstract`, after checking it was written for this model and optimizer (the same
+    messages as a resume)."""
+    step_dir = ckpt.find_checkpoint(path)
+    metadata = read_verified(step_dir)
+    compat.check_compatible(
+        metadata,
+        path=step_dir,
+        model_class=model_class,
+        model_config=model_config,
+        optimizer=optimizer,
+        reset_optimizer=False,
+    )
+    return ckpt.restore_state(step_dir, abstract)
+
+
+def read_verified(step_dir: Path) -> dict[str, Any]:
+    """The metadata of `step_dir` once every file it committed matches its checksum (a
+    damaged checkpoint is refused before anything is restored or compiled)."""
+    verify_checksums(step_dir)
+    return ckpt.read_metadata(step_dir)
+
+
+class _Saver:
+    """Orbax's CheckpointManager writing `<root>/<step>/{state,meta}`, keeping the newest K.
+
+    Saves are asynchronous (the loop keeps stepping while bytes go to disk) and Orbax commits
+    a step directory atomically (written as `<step>.orbax-checkpoint-tmp-*`, then renamed).
+    """
+
+    def __init__(self, root: Path, *, max_to_keep: int | None = None):
+        import orbax.checkpoint as ocp
+
+        self.root = root
+        self._saving: int | None = None  # the step whose background write is in flight
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=True,
+            create=True,
+            # Partial saves of a killed run are removed when the next run opens the directory.
+            cleanup_tmp_directories=True,
+            # Runs in Orbax's background thread after the files are finalized and before
+            # the step directory is renamed into place: the checksums are part of the commit.
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._before_commit),
+        )
+        self._manager = ocp.CheckpointManager(root, options=options)
+
+    def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
+        import orbax.checkpoint as ocp
+
+        step = int(jax.device_get(state.step))
+        self._manager.wait_until_finished()  # Orbax would wait too; _saving is one step
+        self._saving = step
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
+            ),
+        )
+        return self.root / str(step)
+
+    def _before_commit(self) -> None:
+        if jax.process_index() != 0 or self._saving is None:
+            return
+        pending = sorted(
+            self.root.glob(f"{self._saving}.orbax-checkpoint-tmp*"),
+            key=lambda p: p.stat().st_mtime,
+        )
+        # Where Orbax commits by writing a marker file instead of renaming, the step
+        # directory already has its final name.
+        step_dir = pending[-1] if pending else self.root / str(self._saving)
+        write_checksums(step_dir)
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
