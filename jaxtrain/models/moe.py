@@ -104,7 +104,15 @@ class MoeConfig(LlamaConfig):
                 f"shared_expert_intermediate_size must be an integer >= 0 (0: no shared "
                 f"expert), got {size!r}."
             )
-        self.mlp_only_layers = [int(i) for i in self.mlp_only_layers]
+        layers = self.mlp_only_layers
+        if isinstance(layers, str):  # from the command line: "1,3" or "[1, 3]"
+            layers = [p for p in layers.strip("[]() ").replace(",", " ").split()]
+        try:
+            self.mlp_only_layers = [int(i) for i in layers]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"mlp_only_layers must be a list of layer indices, got {self.mlp_only_layers!r}."
+            ) from None
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(
