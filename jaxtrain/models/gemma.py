@@ -166,7 +166,9 @@ class GemmaMLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :])
+        return self.down_proj(
+            jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
+        )
 
 
 class GemmaDecoderLayer(nnx.Module):

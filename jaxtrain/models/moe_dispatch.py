@@ -66,8 +66,11 @@ def router_losses(logits: Array, experts: Array, num_experts: int) -> tuple[Arra
 def _block_products(x: Array, w: Array, block_expert: Array, used: Array) -> Array:
     """y[j] = x[j] @ w[block_expert[j]] for blocks j < used, zeros after. x [NB, B, K]."""
 
+    # dynamic_index / dynamic_update (not .at[] scatters): XLA updates the carry in place.
     def body(j, y):
-        return y.at[j].set(x[j] @ w[block_expert[j]])
+        w_j = jax.lax.dynamic_index_in_dim(w, block_expert[j], keepdims=False)
+        x_j = jax.lax.dynamic_index_in_dim(x, j, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(y, x_j @ w_j, j, axis=0)
 
     zeros = jnp.zeros((*x.shape[:2], w.shape[-1]), x.dtype)
     return jax.lax.fori_loop(0, used, body, zeros)
@@ -92,7 +95,11 @@ def _grouped_bwd(res, dy):
     dx = _block_products(dy, jnp.swapaxes(w, 1, 2), block_expert, used)
 
     def body(j, dw):
-        return dw.at[block_expert[j]].add(x[j].T @ dy[j])
+        e = block_expert[j]
+        x_j = jax.lax.dynamic_index_in_dim(x, j, keepdims=False)
+        dy_j = jax.lax.dynamic_index_in_dim(dy, j, keepdims=False)
+        dw_e = jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + x_j.T @ dy_j
+        return jax.lax.dynamic_update_index_in_dim(dw, dw_e, e, axis=0)
 
     dw = jax.lax.fori_loop(0, used, body, jnp.zeros_like(w))
     return dx, dw, None, None

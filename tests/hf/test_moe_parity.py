@@ -22,8 +22,12 @@ CASES = {
     "mixtral": lambda: transformers.MixtralConfig(**BASE, **MOE, num_local_experts=4),
     # A dense layer (mlp_only_layers), a gated shared expert, q/k/v bias, top-k not renormalised.
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **BASE, **MOE, num_experts=4, moe_intermediate_size=16,
-        shared_expert_intermediate_size=24, mlp_only_layers=[1],
+        **BASE,
+        **MOE,
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        mlp_only_layers=[1],
     ),  # fmt: skip
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **BASE, **MOE, num_experts=4, moe_intermediate_size=16, head_dim=8, norm_topk_prob=True

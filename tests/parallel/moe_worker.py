@@ -45,13 +45,23 @@ CONFIG = MoeConfig(
 )
 
 
+class LogRecorder(LossRecorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logs: list[dict] = []
+
+    def on_log(self, trainer, logs, step) -> None:
+        super().on_log(trainer, logs, step)
+        self.logs.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
+
+
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     results: dict = {"runs": {}}
     dataset = token_dataset()
     finals = {}
     for name, dims in MOE_MESHES.items():
-        recorder = LossRecorder()
+        recorder = LogRecorder()
         trainer = Trainer(
             arguments=parallel_arguments(
                 str(out / name),
@@ -70,6 +80,7 @@ def main(out_dir: str) -> None:
         leaves = jax.tree_util.tree_leaves_with_path(output.state.params)
         results["runs"][name] = {
             "losses": recorder.losses,
+            "logs": recorder.logs,
             "shards": {
                 jax.tree_util.keystr(p).removesuffix(".value"): [
                     list(x.shape),

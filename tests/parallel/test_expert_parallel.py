@@ -32,6 +32,11 @@ def test_ep_meshes_train_like_one_device(moe_results):
     runs = moe_results["runs"]
     single = runs["single"]["losses"]
     assert len(single) == 2 and single[-1] < single[0]
+    # The router losses are logged (per-token means, like the loss, which includes them).
+    for logs in runs["single"]["logs"]:
+        assert logs["router_balance"] >= 1.0 and logs["router_z"] > 0  # >= 1: k=2, unbalanced
+        added = 0.01 * logs["router_balance"] + 0.001 * logs["router_z"]
+        assert abs(logs["aux_loss"] - added) < 1e-5
     for name, run in runs.items():
         # SGD: the only differences are float32 reductions in another order.
         assert run["max_param_diff"] < 1e-5, (name, run["max_param_diff"])
