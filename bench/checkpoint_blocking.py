@@ -23,8 +23,8 @@ from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.checkpointing import RunCheckpoints
+from jaxtrain.cli.run_config import DEFAULT_CONFIG
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-from jaxtrain.run_config import DEFAULT_CONFIG
 from jaxtrain.training.step import make_train_step
 
 MODELS = {

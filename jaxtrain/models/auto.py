@@ -63,6 +63,7 @@ _FAMILIES: dict[str, str | ModelFamily] = {
     "qwen3_moe": "jaxtrain.hf.families:MOE",
     "gemma2": "jaxtrain.hf.families:GEMMA",
     "gemma3_text": "jaxtrain.hf.families:GEMMA",
+    "gpt2": "jaxtrain.hf.gpt2:GPT2",
 }
 
 

@@ -99,6 +99,6 @@ class DistillationTrainer(TaskTrainer):
         return {
             **sums,
             "loss_sum": alpha * temperature**2 * kl + (1 - alpha) * ce,
-            "distill/kl": kl,
-            "distill/ce": ce,
+            "distill/kl_sum": kl,
+            "distill/ce_sum": ce,
         }
