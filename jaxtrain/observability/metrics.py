@@ -132,7 +132,6 @@ class _ClosedWindow:
             "padded_tokens_per_second": positions / elapsed,
             "sequences_per_second": sequences / elapsed,
         }
-        logs.update(extra_means(values, tokens))
         if flops > 0:
             per_device = flops / elapsed / self._window.num_devices
             logs["tflops_per_device"] = per_device / 1e12
@@ -150,11 +149,4 @@ def eval_summary(totals: dict[str, float], sums: dict[str, Any], batches: int) -
         **summarize_sums(totals, prefix="eval/"),
         "eval/tokens": totals.get("tokens", 0.0),
         "eval/batches": batches,
-        **{f"eval/{k}": v for k, v in extra_means([totals], tokens).items()},
     }
-
-
-def extra_means(values: list[dict[str, Any]], tokens: float) -> dict[str, float]:
-    """Per-token means of a loss's extra ``<name>_sum`` entries (e.g. an MoE's router losses)."""
-    names = [k for k in values[0] if k.endswith("_sum") and k != "loss_sum"]
-    return {k[: -len("_sum")]: sum(float(v[k]) for v in values) / max(tokens, 1.0) for k in names}
