@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    from jaxtrain import interrupts
+
+    interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
+    return _dispatch(command, rest)
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     from jaxtrain.errors import JaxtrainError, TrainingInterrupted
     from jaxtrain.hf.cli import cmd_export
 
