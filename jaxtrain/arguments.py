@@ -106,6 +106,16 @@ class TrainingArguments:
     # Rematerialisation policy of each decoder layer.
     gradient_checkpointing: str = "none"
 
+    # LoRA: rank of the adapters (0 = off). Only the adapters are trained, held in the
+    # optimizer state and checkpointed; the base weights stay frozen (jaxtrain.models.lora).
+    lora_rank: int = 0
+    # Adapter scale alpha / rank.
+    lora_alpha: float = 16.0
+    # Dropout on the adapters' input during training.
+    lora_dropout: float = 0.0
+    # Projections that get adapters: "attention", "mlp", or names such as q_proj, o_proj.
+    lora_targets: list[str] = dataclasses.field(default_factory=lambda: ["attention", "mlp"])
+
     # Cadences (in optimizer steps).
     logging_steps: int = 10
     evaluation_strategy: str = "steps"
@@ -410,6 +420,7 @@ def _validate(args: TrainingArguments) -> None:
     if not args.output_dir:
         raise ArgumentError("TrainingArguments.output_dir must be a non-empty path.")
     _validate_data(args)
+    _validate_lora(args)
     _choice(args, "on_nan", ON_NAN)
     _positive(args, "max_nan_skips", allow_zero=True)
     if args.save_interval_minutes is not None and not args.save_interval_minutes > 0:
@@ -427,6 +438,25 @@ def _validate(args: TrainingArguments) -> None:
             "TrainingArguments.resume_from and overwrite_output_dir=True contradict each other "
             "(overwriting deletes the run's checkpoints). Drop one of them."
         )
+
+
+def _validate_lora(args: TrainingArguments) -> None:
+    from jaxtrain.models.lora import resolve_targets
+
+    if isinstance(args.lora_rank, bool) or not isinstance(args.lora_rank, int):
+        raise ArgumentError(f"TrainingArguments.lora_rank must be an int, got {args.lora_rank!r}.")
+    _positive(args, "lora_rank", allow_zero=True)
+    _positive(args, "lora_alpha")
+    if not 0 <= args.lora_dropout < 1:
+        raise ArgumentError(
+            f"TrainingArguments.lora_dropout must be in [0, 1), got {args.lora_dropout!r}."
+        )
+    if isinstance(args.lora_targets, str):  # CLI: --lora_targets attention,mlp
+        args.lora_targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    try:
+        resolve_targets(list(args.lora_targets or []))
+    except ValueError as err:
+        raise ArgumentError(f"TrainingArguments.{err}") from None
 
 
 def _validate_warmup(args: TrainingArguments) -> None:

@@ -1,6 +1,7 @@
 """What a new user trips over on a first run (issue 16 list, issue 17 items 1-3): each bad
 value is one clear error naming the fields, raised before anything is written."""
 
+import io
 import logging
 import os
 import subprocess
@@ -19,6 +20,7 @@ from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.cli import main
 from jaxtrain.errors import ArgumentError, MeshError
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.observability.progress import make_progress
 
 VOCAB = 64
 
@@ -117,33 +119,64 @@ def test_a_tokenizer_without_pad_or_eos_is_an_error(tmp_path):
         )
 
 
-# ------------------------------------------------------------ 5: ep without experts
-def test_expert_parallel_on_a_model_without_experts_is_an_error(tmp_path):
-    code = f"""
+# ------------------------------------------------------------ 5 and 6: two devices
+TWO_DEVICES = """
 import sys
-sys.path.insert(0, {os.path.dirname(__file__)!r})
-from test_first_run import args, ragged_rows, tiny_model
+sys.path.insert(0, {tests!r})
 from pathlib import Path
+import jax
+from test_first_run import args, ragged_rows, tiny_model
 from jaxtrain import Trainer
 from jaxtrain.errors import MeshError
+out = Path({out!r})
 try:
-    Trainer(arguments=args(Path({str(tmp_path)!r}), sharding_axis_dims=(1, 1, 2, 1, 1)),
-            model=tiny_model(), dataset_train=ragged_rows())
+    Trainer(arguments=args(out, sharding_axis_dims=(1, 1, 2, 1, 1)), model=tiny_model(),
+            dataset_train=ragged_rows())
 except MeshError as err:
     print("MeshError:", err)
+# A mesh over one of the two devices: the start-up line counts the mesh's devices.
+Trainer(arguments=args(out, max_steps=1, warmup_steps=0, save_final=False, sharding_axis_dims=(1, 1, 1, 1, 1)),
+        model=tiny_model(), dataset_train=ragged_rows(), devices=jax.devices()[:1]).train()
 """
+
+
+@pytest.fixture(scope="module")
+def two_devices(tmp_path_factory) -> subprocess.CompletedProcess:
+    code = TWO_DEVICES.format(
+        tests=os.path.dirname(__file__), out=str(tmp_path_factory.mktemp("two"))
+    )
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "MeshError: sharding_axis_dims=(1, 1, 2, 1, 1) sets ep=2" in proc.stdout
-    assert "--sharding_axis_dims 1,2,1,1,1" in proc.stdout
+    return proc
+
+
+def test_expert_parallel_on_a_model_without_experts_is_an_error(two_devices):
+    assert "MeshError: sharding_axis_dims=(1, 1, 2, 1, 1) sets ep=2" in two_devices.stdout
+    assert "--sharding_axis_dims 1,2,1,1,1" in two_devices.stdout
     assert MeshError.exit_code == 2
+
+
+def test_the_start_up_line_counts_the_mesh_devices(two_devices):
+    assert "devices: 1 x cpu" in two_devices.stderr, two_devices.stderr[-2000:]
+
+
+def test_progress_bars_become_plain_lines_outside_a_terminal():
+    stream = io.StringIO()  # not a TTY, like a log file or a pipe
+    for kind in ("rich", "tqdm"):
+        progress = make_progress(kind, 10, stream=stream)
+        progress.update(3)  # an unlogged step prints nothing
+        progress.update(5, {"loss": 2.5, "tok/s": 1234.0})
+        progress.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and all(line.startswith("train 5/10 eta ") for line in lines)
+    assert lines[0].endswith("loss=2.5 tok/s=1,234") and "\r" not in stream.getvalue()
 
 
 # ------------------------------------------------------------ the command line
@@ -180,3 +213,35 @@ def test_bad_values_exit_2_with_one_line_before_anything_is_written(tmp_path, ca
     assert words in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert not run.exists()
+
+
+# ------------------------------------------------------------ 10: quiet file loading
+def test_reading_files_prints_no_datasets_progress(tmp_path, capfd):
+    from datasets.utils import logging as ds_logging
+
+    from jaxtrain.data.files import load_files
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{{"text": "row {i}"}}\n' for i in range(20)))
+    assert ds_logging.is_progress_bar_enabled()  # the user's setting, restored after
+    rows = load_files(str(path), name="data.train_files")
+    out, err = capfd.readouterr()
+    assert len(rows) == 20 and "Generating" not in out + err and "%" not in out + err
+    assert ds_logging.is_progress_bar_enabled()
+
+
+# ------------------------------------------------------------ 11: what happens to the model
+def test_the_trainer_documents_and_does_what_it_changes_on_the_model(tmp_path):
+    model = tiny_model()
+    assert model.remat_policy == "none"
+    Trainer(
+        arguments=args(tmp_path, dtype="bfloat16", gradient_checkpointing="dots_saveable"),
+        model=model,
+        dataset_train=ragged_rows(),
+    )
+    dtypes = {str(m.dtype) for _, m in nnx.iter_modules(model) if hasattr(m, "dtype")}
+    assert model.remat_policy == "dots_saveable" and dtypes == {"bfloat16"}
+    doc = " ".join(Trainer.__doc__.split())
+    for words in ("changed in place", "compute `dtype` of every submodule", "`remat_policy`",
+                  "holds the trained parameters"):  # fmt: skip
+        assert words in doc

@@ -7,8 +7,9 @@ the ``datasets`` builders: memory-mapped Arrow (map-style) or, with ``streaming=
 
 from __future__ import annotations
 
+import contextlib
 import glob
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,26 @@ def resolve_files(pattern: str | Path | Sequence[str | Path], *, name: str) -> l
 def _load(builder: str, paths: list[str], streaming: bool) -> Any:
     import datasets
 
-    return datasets.load_dataset(builder, data_files=paths, split="train", streaming=streaming)
+    with quiet_datasets():
+        return datasets.load_dataset(builder, data_files=paths, split="train", streaming=streaming)
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """No `datasets` progress bars ("Generating train split") or info logs while jaxtrain
+    reads files: jaxtrain's own output (progress_bar) decides what the user sees. The
+    user's own settings are restored afterwards; errors still raise."""
+    from datasets.utils import logging as ds_logging
+
+    bars, verbosity = ds_logging.is_progress_bar_enabled(), ds_logging.get_verbosity()
+    ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(ds_logging.ERROR)
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars:
+            ds_logging.enable_progress_bar()
 
 
 def load_files(

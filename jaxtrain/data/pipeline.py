@@ -8,6 +8,7 @@ Every option is checked here, before anything is compiled. ``process_index`` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxtrain.data.assemble import Collation, Collator
@@ -22,7 +23,16 @@ from jaxtrain.data.units import MapUnits
 __all__ = ["build_eval_loader", "build_train_loader"]
 
 
-def _featurizer(args: Any, tokenizer: Any, name: str) -> Featurizer:
+# name -> a Featurizer for that dataset, or None for the default one (task trainers' rows).
+FeaturizerFactory = Callable[[str], "Featurizer | None"]
+
+
+def _featurizer(
+    args: Any, tokenizer: Any, name: str, factory: FeaturizerFactory | None = None
+) -> Featurizer:
+    custom = factory(name) if factory is not None else None
+    if custom is not None:
+        return custom
     return Featurizer(
         name=name,
         tokenizer=tokenizer,
@@ -52,6 +62,7 @@ def build_train_loader(
     pad_token_id: int | None = 0,
     process_index: int = 0,
     process_count: int = 1,
+    featurizer: FeaturizerFactory | None = None,
 ) -> BatchLoader | UnitLoader:
     """A ``BatchLoader`` (random-access data, no packing) or a ``UnitLoader`` (packing or
     streaming). Raises DatasetError/ValueError naming what to fix."""
@@ -59,7 +70,7 @@ def build_train_loader(
     micro = args.total_batch_size // args.gradient_accumulation_steps
     check_processes(process_index, process_count, micro, "micro-batch size")
     source = as_source(dataset, name=name, streaming=args.streaming)
-    featurizer = _featurizer(args, tokenizer, name)
+    featurizer = _featurizer(args, tokenizer, name, featurizer)
     collation = _collation(args, collator, pad_token_id, name)
     stream = isinstance(source, IterableSource)
     if not stream and not args.packing:
@@ -122,6 +133,7 @@ def build_eval_loader(
     pad_token_id: int | None = 0,
     process_index: int = 0,
     process_count: int = 1,
+    featurizer: FeaturizerFactory | None = None,
 ) -> EvalLoader:
     """Every eval row exactly once per evaluation, one document per row."""
     name = "dataset_eval"
@@ -129,7 +141,7 @@ def build_eval_loader(
         dataset,
         batch_size=args.resolved_eval_batch_size,
         collation=_collation(args, collator, pad_token_id, name),
-        featurizer=_featurizer(args, tokenizer, name),
+        featurizer=_featurizer(args, tokenizer, name, featurizer),
         process_index=process_index,
         process_count=process_count,
     )

@@ -63,6 +63,9 @@ class Projection(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        lora = getattr(self, "lora", None)  # a LoRA adapter (jaxtrain.models.lora)
+        if lora is not None:
+            y = y + lora(x)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

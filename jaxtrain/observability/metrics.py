@@ -30,11 +30,12 @@ class BatchCounts(NamedTuple):
 
 def host_token_count(batch: dict[str, np.ndarray], flops: Any = None) -> BatchCounts:
     """Counts of a host batch; `flops` is a FlopsCounter (or None: no FLOPs counted)."""
-    labels = np.asarray(batch["labels"])
-    targets = int((labels[..., 1:] != IGNORE_INDEX).sum())
-    sequences = int(np.prod(labels.shape[:-1]))
+    # Preference pairs (task trainers) carry a second sequence per row: "rejected_labels".
+    sides = [np.asarray(batch[k]) for k in ("labels", "rejected_labels") if k in batch]
+    targets = sum(int((labels[..., 1:] != IGNORE_INDEX).sum()) for labels in sides)
+    sequences = sum(int(np.prod(labels.shape[:-1])) for labels in sides)
     model_flops = flops.batch_flops(batch) if flops is not None else 0.0
-    return BatchCounts(targets, int(labels.size), sequences, model_flops)
+    return BatchCounts(targets, sum(int(labels.size) for labels in sides), sequences, model_flops)
 
 
 class DataWaitClock:

@@ -1,5 +1,8 @@
 """Progress display: rich (default), tqdm, json lines (for log collectors) or none.
 
+rich and tqdm redraw a bar in place, so they are used only when the stream is a terminal;
+anywhere else (a log file, a pipe) the same fields come as one plain line per logged step.
+
 Each shows the step out of the total and the ETA itself; the loop passes the rest at logging
 cadence (RunMonitor.progress_fields: epoch, loss, lr, tokens/s, MFU)."""
 
@@ -28,6 +31,28 @@ class NoProgress:
         print(message, file=self.stream, flush=True)
 
     def close(self) -> None: ...
+
+
+class LineProgress(NoProgress):
+    """Plain log lines, one per logged step: what rich/tqdm become outside a terminal (a log
+    file, a pipe, a batch job), where a redrawn bar would squeeze into one unreadable line."""
+
+    def __init__(self, total: int, initial: int = 0, stream: TextIO | None = None):
+        super().__init__(total, initial, stream)
+        self._start, self._initial = time.perf_counter(), initial
+
+    def update(self, step: int, postfix: dict[str, Any] | None = None) -> None:
+        if postfix:
+            elapsed = time.perf_counter() - self._start
+            eta = elapsed / max(step - self._initial, 1) * (self.total - step)
+            fields = " ".join(f"{k}={_fmt(v)}" for k, v in postfix.items())
+            line = f"train {step}/{self.total} eta {_clock(eta)} {fields}"
+            print(line, file=self.stream, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 class JsonProgress(NoProgress):
@@ -111,7 +136,17 @@ class RichProgress(NoProgress):
 
 
 PROGRESS_CLASSES = {"rich": RichProgress, "tqdm": TqdmProgress, "json": JsonProgress}
+INTERACTIVE = ("rich", "tqdm")  # redraw in place: only in a terminal
 
 
-def make_progress(kind: str, total: int, initial: int = 0):
-    return PROGRESS_CLASSES.get(kind, NoProgress)(total, initial)
+def make_progress(kind: str, total: int, initial: int = 0, stream: TextIO | None = None):
+    """The display for `progress_bar`; rich/tqdm fall back to plain lines outside a TTY."""
+    stream = stream or (sys.stdout if kind == "json" else sys.stderr)
+    if kind in INTERACTIVE and not _is_terminal(stream):
+        return LineProgress(total, initial, stream)
+    return PROGRESS_CLASSES.get(kind, NoProgress)(total, initial, stream)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())

@@ -25,7 +25,9 @@ class Evaluator:
         loss_sums_fn: Callable[..., Any],
         jit: Callable[..., Any] | None = None,
     ):
-        self._step_fn = make_eval_step(graphdef=graphdef, rest=rest, loss_sums_fn=loss_sums_fn)
+        # The non-Param state goes in as an argument (placed on the mesh), not as a constant.
+        self._step_fn = make_eval_step(graphdef=graphdef, loss_sums_fn=loss_sums_fn)
+        self._rest = rest
         self._compiled = None
         # jit(fn, name) -> a TrackedJit (RunMonitor.jit): its compiles are logged.
         self._jit = jit
@@ -33,9 +35,9 @@ class Evaluator:
     def compile(self, params: Any, batch: Any) -> Callable[..., Any]:
         if self._jit is not None:
             tracked = self._jit(self._step_fn, "eval_step")
-            tracked.compile(params, batch)
+            tracked.compile(params, batch, self._rest)
             return tracked
-        return jax.jit(self._step_fn).lower(params, batch).compile()
+        return jax.jit(self._step_fn).lower(params, batch, self._rest).compile()
 
     def run(
         self, params: Any, batches: Iterable[Any], max_batches: int | None = None
@@ -49,7 +51,7 @@ class Evaluator:
                 break
             if self._compiled is None:
                 self._compiled = self.compile(params, batch)
-            sums = self._compiled(params, batch)
+            sums = self._compiled(params, batch, self._rest)
             # Read the previous batch's sums only after this one is dispatched.
             if previous is not None:
                 count += 1

@@ -83,7 +83,7 @@ class TrainingLoop:
         self.progress.write(
             f"jaxtrain: {trainer.num_parameters / 1e6:.2f}M parameters, {self.total_steps} "
             f"steps, {args.total_batch_size} x {args.max_sequence_length} tokens per step, "
-            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+            f"devices: {trainer.mesh.devices.size} x {trainer.mesh.devices.flat[0].device_kind}, "
             f"mesh {dict(trainer.mesh.shape)}"
         )
         if resumed_from is not None:

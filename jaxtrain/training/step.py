@@ -123,44 +123,50 @@ def count_target_tokens(batch: dict[str, jax.Array]) -> jax.Array:
 def make_train_step(
     *,
     graphdef: nnx.GraphDef,
-    rest: nnx.State,
+    rest: nnx.State | None = None,
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     seed: int,
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
     normalizer_fn: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
-    """Build `train_step(state, batch)`; batch leaves have a leading micro-batch axis [A, ...]."""
+    """Build `train_step(state, batch, frozen=None)`; batch leaves are [A, ...] (micro-batches).
 
-    def micro_loss(params, micro_batch, rng, normalizer):
-        model = nnx.merge(graphdef, params, rest)
+    `frozen` is the model's non-Param state (frozen weights such as a DPO reference, a teacher
+    or LoRA's base kernels): an argument, so that it is placed on the mesh like any input and
+    not baked into the compiled program as a constant. Without it, `rest` is used.
+    """
+
+    def micro_loss(params, frozen, micro_batch, rng, normalizer):
+        model = nnx.merge(graphdef, params, frozen)
         sums = loss_sums_fn(model, micro_batch, rng)
         return sums["loss_sum"] / normalizer, sums
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+    def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: Any = None):
+        frozen = rest if frozen is None else frozen
         normalizer = jnp.maximum(normalizer_fn(batch), 1.0)
         step_key = jax.random.fold_in(jax.random.key(seed), state.step)
         num_micro = jax.tree.leaves(batch)[0].shape[0]
 
         if num_micro == 1:
             micro = jax.tree.map(lambda x: x[0], batch)
-            grads, sums = grad_fn(state.params, micro, step_key, normalizer)
+            grads, sums = grad_fn(state.params, frozen, micro, step_key, normalizer)
         else:
 
             def accumulate(carry, inputs):
                 grads_acc, sums_acc = carry
                 index, micro = inputs
                 micro_key = jax.random.fold_in(step_key, index)
-                grads, sums = grad_fn(state.params, micro, micro_key, normalizer)
+                grads, sums = grad_fn(state.params, frozen, micro, micro_key, normalizer)
                 grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
                 sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
                 return (grads_acc, sums_acc), None
 
             first = jax.tree.map(lambda x: x[0], batch)
             grads_shape, sums_shape = jax.eval_shape(
-                grad_fn, state.params, first, step_key, normalizer
+                grad_fn, state.params, frozen, first, step_key, normalizer
             )
             grads0 = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), grads_shape)
             sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_shape)
@@ -195,13 +201,14 @@ def make_train_step(
 def make_eval_step(
     *,
     graphdef: nnx.GraphDef,
-    rest: nnx.State,
+    rest: nnx.State | None = None,
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
-) -> Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]]:
-    """Build `eval_step(params, batch) -> sums`, the same reduction as training."""
+) -> Callable[..., dict[str, jax.Array]]:
+    """Build `eval_step(params, batch, frozen=None) -> sums`, the same reduction as training."""
 
-    def eval_step(params, batch):
-        model = nnx.merge(graphdef, params, rest)
+    def eval_step(params, batch, frozen=None):
+        frozen = rest if frozen is None else frozen
+        model = nnx.merge(graphdef, params, frozen)
         return loss_sums_fn(model, batch, jax.random.key(0))
 
     return eval_step

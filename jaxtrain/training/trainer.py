@@ -21,6 +21,7 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments, check_warmup
 from jaxtrain.checkpointing import RunCheckpoints, RunStart, load_checked
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader
 from jaxtrain.data.padding import resolve_pad_token_id
+from jaxtrain.models.lora import apply_lora, has_lora, merge_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
@@ -46,6 +47,15 @@ class Trainer(TrainerCallback):
 
     Subclasses may override `compute_loss_sums` / `loss_normalizer` for another objective and
     any hook of TrainerCallback.
+
+    The model object you pass is changed in place, in three ways:
+    - at construction, `arguments.dtype` (when set) becomes the compute `dtype` of every
+      submodule that has one, and `arguments.gradient_checkpointing` becomes the model's
+      `remat_policy`; build a fresh model if you need the original settings back;
+    - when `train()` returns, the model holds the trained parameters (in `param_dtype`);
+    - nothing else: the parameters are copied onto the mesh for training, so donation and
+      sharding never touch the arrays of your object during the run.
+    A `ModelFactory` is never built unsharded; `trainer.model` is then its abstract model.
     """
 
     def __init__(
@@ -73,7 +83,11 @@ class Trainer(TrainerCallback):
         self.sharding_plan = ShardingPlan.from_arguments(args, devices)
         self.mesh = self.sharding_plan.mesh
         self._state_shardings = None
+        self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
         self._factory = model if isinstance(model, ModelFactory) else None
+        if self._factory is not None and args.lora_rank:
+            build = self._factory.build
+            self._factory = ModelFactory(lambda: self._apply_lora(build()))
         if self._factory is not None:
             model = self._factory.abstract()  # shapes only; create_state makes it, sharded
         self.model = model
@@ -91,7 +105,9 @@ class Trainer(TrainerCallback):
             process_count=jax.process_count(),
             pad_token_id=self.pad_token_id,
         )
-        data.update(tokenizer=processing_class, collator=data_collator)
+        data.update(
+            tokenizer=processing_class, collator=data_collator, featurizer=self.create_featurizer
+        )
         self.train_loader = self.eval_loader = None
         if dataset_train is not None:
             self.train_loader = build_train_loader(args, dataset_train, **data)
@@ -135,14 +151,41 @@ class Trainer(TrainerCallback):
             for _, module in nnx.iter_modules(model):
                 if hasattr(module, "dtype"):
                     module.dtype = compute_dtype
+        if args.lora_rank and self._factory is None:
+            self._apply_lora(model)  # in place: the user's model gains the adapters
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = cast_floating(params, args.param_dtype)
         self._initial_params = params
         self.num_parameters = count_parameters(params)
 
+    def _apply_lora(self, model: nnx.Module) -> nnx.Module:
+        """Adapters on the targeted projections, every other weight frozen (models/lora.py)."""
+        args = self.arguments
+        apply_lora(  # frozen parts (a reference, a teacher) have no Param kernel to adapt
+            model,
+            rank=args.lora_rank,
+            alpha=args.lora_alpha,
+            dropout=args.lora_dropout,
+            targets=args.lora_targets,
+            seed=args.seed,
+        )
+        return model
+
     def _resolve_pad_token_id(self) -> int:
         # pad, else eos with a warning; a tokenizer with neither is an ArgumentError.
         return resolve_pad_token_id(self.processing_class, self.model_config)
+
+    def create_featurizer(self, name: str) -> Any:
+        """The Featurizer turning `name`'s rows into examples; None: the default (text,
+        messages or input_ids). Task trainers return their own (preference pairs, ...)."""
+        del name
+        return None
+
+    def _train_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
+        """compute_loss_sums inside the train step: LoRA dropout draws from the step's key."""
+        if self.arguments.lora_rank and self.arguments.lora_dropout > 0:
+            set_lora_dropout_key(model, jax.random.fold_in(rng, 0x10AA))
+        return self.compute_loss_sums(model, batch, rng)
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
         """Sums over one micro-batch; must return at least "loss_sum" and "tokens"."""
@@ -205,9 +248,18 @@ class Trainer(TrainerCallback):
                 self.rest,
                 self.arguments.param_dtype,
             )
+            self._placed_rest = None
             return state
         params = jax.device_put(self._initial_params, shardings.params)
         return jax.jit(self._new_state, out_shardings=shardings)(params)
+
+    def frozen_state(self) -> Any:
+        """The model's non-Param state (frozen weights, buffers) placed on the mesh by the
+        sharding rules, as the jitted steps take it: an argument, never a baked constant."""
+        if self._placed_rest is None:
+            shardings = self.sharding_plan.param_shardings(self.rest)
+            self._placed_rest = (jax.device_put(self.rest, shardings), shardings)
+        return self._placed_rest[0]
 
     def dry_run(self) -> str:
         """Print (process 0) and return mesh, per-device memory and every param's sharding."""
@@ -220,17 +272,35 @@ class Trainer(TrainerCallback):
         """A model object carrying `state`'s parameters (for sampling, export, ...)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
 
-    def save_pretrained(self, state: TrainState, save_directory: str | Path, **kwargs: Any) -> Path:
+    def save_pretrained(
+        self,
+        state: TrainState,
+        save_directory: str | Path,
+        *,
+        lora_format: str = "merged",
+        **kwargs: Any,
+    ) -> Path:
         """Export `state` as a Hugging Face directory (weights, config, tokenizer, model card).
 
         kwargs go to `jaxtrain.hf.save_pretrained` (max_shard_size, dtype, tokenizer).
+        With LoRA, `lora_format="merged"` folds the adapters into the base weights (a plain
+        model); "peft" writes a PEFT adapter directory (adapter_config.json and
+        adapter_model.safetensors) for the base model instead.
         """
         from jaxtrain.hf import save_pretrained
         from jaxtrain.hf.model_card import training_summary
 
+        model = self.model_from_state(state)
+        if has_lora(model) and lora_format == "peft":
+            from jaxtrain.hf.peft import save_peft_adapter
+
+            return save_peft_adapter(model, save_directory, tokenizer=self.processing_class)
+        if lora_format not in ("merged", "peft"):
+            raise ArgumentError(f"lora_format={lora_format!r}: use 'merged' or 'peft'.")
         kwargs.setdefault("tokenizer", self.processing_class)
         summary = {**training_summary(self, state), **kwargs.pop("training_summary", {})}
-        model = self.model_from_state(state)
+        if has_lora(model):
+            model = merge_lora(model)
         return save_pretrained(model, save_directory, training_summary=summary, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
@@ -317,23 +387,20 @@ class Trainer(TrainerCallback):
     def _compile_train_step(self, state: TrainState, batch: dict[str, jax.Array], progress: Any):
         step_fn = make_train_step(
             graphdef=self.graphdef,
-            rest=self.rest,
             optimizer=self.optimizer,
             schedule=self.schedule,
             seed=self.arguments.seed,
-            loss_sums_fn=with_activation_sharding(self.compute_loss_sums, self.sharding_plan.rules),
+            loss_sums_fn=with_activation_sharding(self._train_loss_sums, self.sharding_plan.rules),
             normalizer_fn=self.loss_normalizer,
         )
         # Compiled ahead of time here; a batch of another shape recompiles with a warning
         # naming the changed shapes, and every compile is logged (compiles.py).
-        compiled = self._monitor.jit(
-            step_fn,
-            "train_step",
-            progress=progress,
-            **self.sharding_plan.train_step_jit_options(self.state_shardings, batch),
-        )
-        compiled.compile(state, batch)
-        return compiled
+        options = self.sharding_plan.train_step_jit_options(self.state_shardings, batch)
+        frozen = self.frozen_state()
+        options["in_shardings"] = (*options["in_shardings"], self._placed_rest[1])
+        compiled = self._monitor.jit(step_fn, "train_step", progress=progress, **options)
+        compiled.compile(state, batch, frozen)
+        return _WithFrozen(compiled, frozen)
 
     # ------------------------------------------------------------------- eval
     def eval(self, state: TrainState) -> Iterator[dict[str, float]]:
@@ -347,7 +414,7 @@ class Trainer(TrainerCallback):
         if self._evaluator is None:
             self._evaluator = Evaluator(
                 graphdef=self.graphdef,
-                rest=self.rest,
+                rest=self.frozen_state(),
                 loss_sums_fn=with_activation_sharding(
                     self.compute_loss_sums, self.sharding_plan.rules
                 ),
@@ -362,6 +429,19 @@ class Trainer(TrainerCallback):
         for metrics in self.eval(state):  # noqa: B007 - the last yield covers the whole set
             pass
         return metrics
+
+
+class _WithFrozen:
+    """The compiled train step with the frozen state bound: `step(state, batch)`."""
+
+    def __init__(self, compiled: Any, frozen: Any):
+        self.compiled, self.frozen = compiled, frozen
+
+    def __call__(self, state: TrainState, batch: dict[str, jax.Array]):
+        return self.compiled(state, batch, self.frozen)
+
+    def __getattr__(self, name: str) -> Any:  # compiles, lower, ... of the TrackedJit
+        return getattr(self.compiled, name)
 
 
 def param_logical_axes(params: Any) -> Any:

@@ -1,0 +1,90 @@
+"""LoRA adapters as a PEFT directory: adapter_config.json + adapter_model.safetensors.
+
+PEFT keeps one adapter per Hugging Face linear layer: lora_A [r, in] and lora_B [out, r].
+jaxtrain's fused projections (q/k/v in one kernel, gate/up in another) share one A across
+the fused outputs, which PEFT represents exactly by repeating A for each of them and
+splitting B along the output dims the way the weight map splits the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtrain.hf.errors import HFError
+from jaxtrain.models.lora import lora_projections
+
+__all__ = ["save_peft_adapter"]
+
+PREFIX = "base_model.model"
+
+
+def _split(
+    name: str, a: np.ndarray, b: np.ndarray, g: int
+) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(HF module name, lora_A [r, in], lora_B [out, r]) of one jaxtrain projection."""
+    r = a.shape[-1]
+    a_rows = a.reshape(-1, r).T  # in dims flattened in the kernel's order
+    if name == "qkv_proj":  # b [r, k, g + 2, h]
+        return [
+            ("q_proj", a_rows, b[:, :, :g].reshape(r, -1).T),
+            ("k_proj", a_rows, b[:, :, g].reshape(r, -1).T),
+            ("v_proj", a_rows, b[:, :, g + 1].reshape(r, -1).T),
+        ]
+    if name == "gate_up_proj":  # b [r, 2, f]
+        return [("gate_proj", a_rows, b[:, 0].T), ("up_proj", a_rows, b[:, 1].T)]
+    return [(name, a_rows, b.reshape(r, -1).T)]  # o_proj, down_proj
+
+
+def save_peft_adapter(
+    model: Any, save_directory: str | Path, *, tokenizer: Any = None, base_model: str | None = None
+) -> Path:
+    """Write the adapters of `model` (a LlamaForCausalLM with LoRA) in PEFT's format."""
+    from safetensors.numpy import save_file
+
+    config = getattr(model, "config", None)
+    projections = lora_projections(model)
+    if config is None or not projections:
+        raise HFError("save_peft_adapter needs a LlamaForCausalLM with LoRA adapters.")
+    tensors: dict[str, np.ndarray] = {}
+    modules: set[str] = set()
+    first = projections[0][1].lora
+    g = config.num_queries_per_kv
+    for path, projection in projections:
+        lora = projection.lora
+        a = np.asarray(jax.device_get(lora.a[...]), np.float32)
+        b = np.asarray(jax.device_get(lora.b[...]), np.float32)
+        parent = ".".join(str(p) for p in path[:-1])
+        for hf_name, lora_a, lora_b in _split(str(path[-1]), a, b, g):
+            modules.add(hf_name)
+            stem = f"{PREFIX}.{parent}.{hf_name}"
+            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(lora_a)
+            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(lora_b)
+    out = Path(save_directory)
+    if jax.process_index() != 0:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or getattr(model, "name_or_path", None),
+        "r": first.rank,
+        "lora_alpha": first.alpha,
+        "lora_dropout": first.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,99 @@
+"""What the task trainers share: concrete models, the task model's export, pair data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
+from jaxtrain.trainers.data import PairCollator, PairFeaturizer
+from jaxtrain.trainers.logps import pair_mask
+from jaxtrain.training.state import TrainState
+from jaxtrain.training.trainer import Trainer
+
+__all__ = ["PairTrainer", "TaskTrainer", "concrete_model"]
+
+
+def concrete_model(model: Any, args: TrainingArguments, devices: Any = None) -> nnx.Module:
+    """A ModelFactory is created sharded on the run's mesh (a frozen copy needs arrays)."""
+    if isinstance(model, ModelFactory):
+        initialize_distributed(args)
+        plan = ShardingPlan.from_arguments(args, devices)
+        return model.create(plan, param_dtype=args.param_dtype)
+    if model is None:
+        raise ArgumentError("the task trainer needs a model: Trainer(arguments=..., model=...).")
+    return model
+
+
+class TaskTrainer(Trainer):
+    """A Trainer whose `self.model` is a TaskModel: exports and samples use the trained part."""
+
+    def model_from_state(self, state: TrainState) -> nnx.Module:
+        return nnx.merge(self.graphdef, state.params, self.rest).model
+
+
+class PairTrainer(TaskTrainer):
+    """Preference pairs (prompt, chosen, rejected): featurizer, collator, pair-count loss.
+
+    The loss of an update is the sum of per-pair losses over every micro-batch divided by the
+    number of real pairs of the whole global batch (filler rows count as no pair). "tokens"
+    of the step's sums therefore counts pairs, so the logged loss is the mean per pair.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        arguments = kwargs.get("arguments")
+        if arguments is not None and arguments.packing:
+            raise ArgumentError(
+                f"{type(self).__name__} trains on (chosen, rejected) pairs, which cannot be "
+                "packed; set packing=False."
+            )
+        if kwargs.get("data_collator") is None:
+            kwargs["data_collator"] = PairCollator(
+                arguments.max_sequence_length if arguments else 0, self
+            )
+        super().__init__(*args, **kwargs)
+
+    def create_featurizer(self, name: str) -> PairFeaturizer:
+        return PairFeaturizer(
+            name=name,
+            tokenizer=self.processing_class,
+            max_length=self.arguments.max_sequence_length,
+            chat_template=self.arguments.chat_template,
+        )
+
+    def loss_normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
+        return pair_mask(batch["labels"]).sum().astype(jnp.float32)
+
+
+def dataset_columns(dataset: Any) -> list[str]:
+    """Column names of a datasets.Dataset, a dict of columns or a list of row dicts."""
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, dict):  # DatasetDict
+        raise ArgumentError("pass one split (dataset['train']), not a DatasetDict")
+    if names is not None:
+        return list(names)
+    if isinstance(dataset, dict):
+        return list(dataset)
+    if isinstance(dataset, (list, tuple)) and dataset and isinstance(dataset[0], dict):
+        return list(dataset[0])
+    return []
+
+
+def add_columns(dataset: Any, columns: dict[str, np.ndarray]) -> Any:
+    """`dataset` with extra columns (datasets.Dataset, dict of columns or list of rows)."""
+    if hasattr(dataset, "add_column"):
+        for name, values in columns.items():
+            if name in dataset.column_names:
+                dataset = dataset.remove_columns(name)
+            dataset = dataset.add_column(name, [float(v) for v in values])
+        return dataset
+    if isinstance(dataset, dict):
+        return {**dataset, **{k: [float(x) for x in v] for k, v in columns.items()}}
+    return [
+        {**row, **{k: float(v[i]) for k, v in columns.items()}} for i, row in enumerate(dataset)
+    ]

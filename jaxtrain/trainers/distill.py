@@ -1,0 +1,104 @@
+"""Knowledge distillation: a student learns from a frozen teacher's token distributions.
+
+Per target token, with temperature T and weight alpha:
+    loss = alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T))
+           + (1 - alpha) * cross-entropy(student, label)
+summed over the tokens of every micro-batch and divided by the global batch's target tokens
+(token-weighted, like the base loss). The T^2 factor keeps the KL gradient's scale
+independent of T (Hinton et al. 2015). The teacher (any causal LM with the student's
+vocabulary) is frozen: no gradient, no optimizer state, sharded on the same mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.trainers.base import TaskTrainer, concrete_model
+from jaxtrain.trainers.frozen import TaskModel
+from jaxtrain.training.step import causal_lm_sums
+
+__all__ = ["DistillationArguments", "DistillationTrainer", "distillation_kl"]
+
+
+@dataclasses.dataclass
+class DistillationArguments(TrainingArguments):
+    # Weight of the KL term; 1 - distill_alpha weighs the hard-label cross-entropy.
+    distill_alpha: float = 0.5
+    # Softmax temperature of both distributions in the KL term.
+    distill_temperature: float = 2.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.distill_alpha <= 1:
+            raise ArgumentError(
+                f"DistillationArguments.distill_alpha must be in [0, 1], got {self.distill_alpha!r}."
+            )
+        if not self.distill_temperature > 0:
+            raise ArgumentError(
+                "DistillationArguments.distill_temperature must be > 0, got "
+                f"{self.distill_temperature!r}."
+            )
+
+
+def distillation_kl(
+    student: jax.Array, teacher: jax.Array, labels: jax.Array, temperature: float
+) -> jax.Array:
+    """Sum over target positions of KL(teacher_T || student_T) (logits[:, t] predicts
+    labels[:, t + 1]; positions labelled -100 do not count)."""
+    s = jax.nn.log_softmax(student[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+    t = jax.nn.log_softmax(teacher[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+    kl_BxT = (jnp.exp(t) * (t - s)).sum(-1)
+    return (kl_BxT * (labels[:, 1:] != -100)).sum()
+
+
+class DistillationTrainer(TaskTrainer):
+    """Train `model` (the student) towards `teacher_model` on SFT rows."""
+
+    def __init__(
+        self,
+        arguments: DistillationArguments | None = None,
+        model: Any = None,
+        teacher_model: Any = None,
+        **kwargs: Any,
+    ):
+        args = arguments if arguments is not None else DistillationArguments()
+        if not isinstance(args, DistillationArguments):
+            raise ArgumentError(
+                "DistillationTrainer needs DistillationArguments (distill_alpha, "
+                "distill_temperature)."
+            )
+        if teacher_model is None:
+            raise ArgumentError("DistillationTrainer needs teacher_model=<a causal LM>.")
+        model = concrete_model(model, args, kwargs.get("devices"))
+        teacher = concrete_model(teacher_model, args, kwargs.get("devices"))
+        vocab = [getattr(getattr(m, "config", None), "vocab_size", None) for m in (model, teacher)]
+        if None not in vocab and vocab[0] != vocab[1]:
+            raise ArgumentError(
+                f"the teacher's vocabulary ({vocab[1]}) differs from the student's ({vocab[0]}); "
+                "distillation needs the same tokenizer for both"
+            )
+        self.distill_args = args
+        super().__init__(arguments=args, model=TaskModel(model, teacher=teacher), **kwargs)
+
+    def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
+        del rng
+        args = self.distill_args
+        inputs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+        student = model.model(batch["input_ids"], **inputs)
+        teacher = jax.lax.stop_gradient(model.teacher(batch["input_ids"], **inputs))
+        sums = causal_lm_sums(student, batch["labels"])
+        temperature = args.distill_temperature
+        kl = distillation_kl(student, teacher, batch["labels"], temperature)
+        ce = sums["loss_sum"]
+        alpha = args.distill_alpha
+        return {
+            **sums,
+            "loss_sum": alpha * temperature**2 * kl + (1 - alpha) * ce,
+            "distill/kl": kl,
+            "distill/ce": ce,
+        }

@@ -1,0 +1,269 @@
+"""Direct Preference Optimization (Rafailov et al. 2023) on the base Trainer.
+
+With h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected)), log
+probabilities summed over each response's tokens, the per-pair losses are
+
+- sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (eps: label_smoothing)
+- ipo:     (h' - 1 / (2 beta))^2, h' built from log-probs averaged over the response tokens
+- hinge:   max(0, 1 - beta h)
+
+The reference is a frozen model (a copy of the policy at the start by default: no gradient,
+no optimizer state, an argument of the compiled step), or log-probs precomputed once and
+stored in the dataset (`reference_chosen_logps`, `reference_rejected_logps`), or nothing at
+all (`reference_free`: ref = 0). Policy and reference see chosen and rejected in one batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.data.errors import DatasetError
+from jaxtrain.trainers.base import PairTrainer, add_columns, concrete_model, dataset_columns
+from jaxtrain.trainers.data import PairCollator, PairFeaturizer
+from jaxtrain.trainers.frozen import TaskModel
+from jaxtrain.trainers.logps import pair_mask, sequence_logps
+
+__all__ = ["DPOArguments", "DPOTrainer", "dpo_losses", "reference_logps"]
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
+
+
+@dataclasses.dataclass
+class DPOArguments(TrainingArguments):
+    # Strength of the implicit KL penalty towards the reference (the "temperature" of DPO).
+    beta: float = 0.1
+    # "sigmoid" (DPO), "ipo" (Azar et al. 2023) or "hinge" (SLiC).
+    loss_type: str = "sigmoid"
+    # sigmoid only: probability that a preference label is flipped (conservative DPO).
+    label_smoothing: float = 0.0
+    # Compare with a uniform reference (reference log-probs 0): no reference model at all.
+    reference_free: bool = False
+    # Compute the reference log-probs once before training and store them in the datasets;
+    # the step then runs the policy only (the reference is not kept on the devices).
+    precompute_reference_logps: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.loss_type not in LOSS_TYPES:
+            raise ArgumentError(
+                f"DPOArguments.loss_type={self.loss_type!r} is not one of {LOSS_TYPES}."
+            )
+        if not self.beta > 0:
+            raise ArgumentError(f"DPOArguments.beta must be > 0, got {self.beta!r}.")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ArgumentError(
+                f"DPOArguments.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}."
+            )
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ArgumentError("DPOArguments.label_smoothing applies to loss_type='sigmoid' only.")
+
+
+def dpo_losses(
+    chosen: jax.Array,
+    rejected: jax.Array,
+    ref_chosen: jax.Array,
+    ref_rejected: jax.Array,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> jax.Array:
+    """Per-pair losses from (policy, reference) log-probs of chosen and rejected ([N] each)."""
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if loss_type == "sigmoid":
+        return -(1 - label_smoothing) * jax.nn.log_sigmoid(
+            beta * h
+        ) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
+    if loss_type == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    if loss_type == "hinge":
+        return jax.nn.relu(1 - beta * h)
+    raise ValueError(f"unknown DPO loss_type {loss_type!r}; use one of {LOSS_TYPES}")
+
+
+def _both(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Chosen rows then rejected rows: one forward over [2N, T]."""
+    ids = jnp.concatenate([batch["input_ids"], batch["rejected_input_ids"]])
+    labels = jnp.concatenate([batch["labels"], batch["rejected_labels"]])
+    return ids, labels
+
+
+def pair_logps(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """(chosen logps, rejected logps, chosen tokens, rejected tokens), each [N]."""
+    n = batch["input_ids"].shape[0]
+    logps, tokens = sequence_logps(model, *_both(batch))
+    return logps[:n], logps[n:], tokens[:n], tokens[n:]
+
+
+class DPOTrainer(PairTrainer):
+    """Train a policy on (prompt, chosen, rejected) pairs with the DPO family of losses.
+
+    `reference_model=None` freezes a copy of `model` as it is now. Logged (through the
+    objective's sums, per pair): loss, accuracy (= rewards/accuracies), rewards/chosen,
+    rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen, logps/rejected.
+    """
+
+    def __init__(
+        self,
+        arguments: DPOArguments | None = None,
+        model: Any = None,
+        reference_model: Any = None,
+        dataset_train: Any = None,
+        dataset_eval: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ):
+        args = arguments if arguments is not None else DPOArguments()
+        if not isinstance(args, DPOArguments):
+            raise ArgumentError(
+                "DPOTrainer needs DPOArguments (TrainingArguments plus beta, loss_type, ...)."
+            )
+        model = concrete_model(model, args, kwargs.get("devices"))
+        self.dpo_args = args
+        reference = None
+        if not args.reference_free:
+            reference = (
+                concrete_model(reference_model, args, kwargs.get("devices"))
+                if (reference_model is not None)
+                else nnx.clone(model)
+            )
+            if args.precompute_reference_logps:
+                self.processing_class = processing_class
+                dataset_train, dataset_eval = (
+                    self._with_reference_logps(reference, d, processing_class)
+                    for d in (dataset_train, dataset_eval)
+                )
+            # With the log-probs stored in every dataset the reference is not needed.
+            stored = [
+                all(c in dataset_columns(d) for c in REFERENCE_COLUMNS)
+                for d in (dataset_train, dataset_eval)
+                if d is not None
+            ]
+            if stored and all(stored):
+                reference = None
+            elif any(stored):
+                raise DatasetError(
+                    "dataset_train and dataset_eval must both hold reference_chosen_logps and "
+                    "reference_rejected_logps, or neither"
+                )
+        super().__init__(
+            arguments=args,
+            model=TaskModel(model, reference=reference),
+            dataset_train=dataset_train,
+            dataset_eval=dataset_eval,
+            processing_class=processing_class,
+            **kwargs,
+        )
+
+    # ---------------------------------------------------------------- objective
+    def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
+        del rng
+        args = self.dpo_args
+        chosen, rejected, chosen_n, rejected_n = pair_logps(model.model, batch)
+        if "reference_chosen_logps" in batch:
+            ref_chosen = batch["reference_chosen_logps"]
+            ref_rejected = batch["reference_rejected_logps"]
+        elif model.reference is not None:
+            ref = pair_logps(model.reference, batch)
+            ref_chosen, ref_rejected = jax.lax.stop_gradient(ref[0]), jax.lax.stop_gradient(ref[1])
+        else:  # reference_free
+            ref_chosen = ref_rejected = jnp.zeros_like(chosen)
+        if args.loss_type == "ipo":  # IPO compares mean per-token log-probs
+            c_n, r_n = jnp.maximum(chosen_n, 1.0), jnp.maximum(rejected_n, 1.0)
+            terms = (chosen / c_n, rejected / r_n, ref_chosen / c_n, ref_rejected / r_n)
+        else:
+            terms = (chosen, rejected, ref_chosen, ref_rejected)
+        losses = dpo_losses(
+            *terms, beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing
+        )
+        real = pair_mask(batch["labels"]).astype(jnp.float32)
+        reward_chosen = args.beta * jax.lax.stop_gradient(chosen - ref_chosen)
+        reward_rejected = args.beta * jax.lax.stop_gradient(rejected - ref_rejected)
+        won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
+        return {
+            "loss_sum": (losses * real).sum(),
+            "tokens": real.sum(),
+            "correct": won.sum(),
+            "rewards/chosen": (reward_chosen * real).sum(),
+            "rewards/rejected": (reward_rejected * real).sum(),
+            "rewards/margins": ((reward_chosen - reward_rejected) * real).sum(),
+            "rewards/accuracies": won.sum(),
+            "logps/chosen": (jax.lax.stop_gradient(chosen) * real).sum(),
+            "logps/rejected": (jax.lax.stop_gradient(rejected) * real).sum(),
+        }
+
+    # --------------------------------------------------------------- precompute
+    def _with_reference_logps(self, reference: nnx.Module, dataset: Any, tokenizer: Any) -> Any:
+        if dataset is None or all(c in dataset_columns(dataset) for c in REFERENCE_COLUMNS):
+            return dataset
+        columns = reference_logps(
+            reference,
+            dataset,
+            tokenizer=tokenizer,
+            max_length=self.dpo_args.max_sequence_length,
+            batch_size=self.dpo_args.resolved_eval_batch_size,
+            chat_template=self.dpo_args.chat_template,
+            pad_token_id=_pad_id(tokenizer, reference),
+        )
+        return add_columns(dataset, columns)
+
+
+def _pad_id(tokenizer: Any, model: Any) -> int:
+    for source in (tokenizer, getattr(model, "config", None)):
+        pad = getattr(source, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+    return 0
+
+
+class _Pad:
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+
+def reference_logps(
+    reference: nnx.Module,
+    dataset: Any,
+    *,
+    tokenizer: Any,
+    max_length: int,
+    batch_size: int = 8,
+    chat_template: str | None = None,
+    pad_token_id: int = 0,
+) -> dict[str, np.ndarray]:
+    """`reference_chosen_logps` and `reference_rejected_logps` of every row of `dataset`
+    (the columns DPOTrainer reads instead of running a reference model)."""
+    from jaxtrain.data.sources import as_source
+
+    source = as_source(dataset, name="dataset")
+    featurizer = PairFeaturizer(
+        name="dataset", tokenizer=tokenizer, max_length=max_length, chat_template=chat_template
+    )
+    featurizer.detect(source.read([0])[0], source.columns)
+    collate = PairCollator(max_length, _Pad(pad_token_id))
+    graphdef, state = nnx.split(reference)
+
+    @jax.jit
+    def logps(state, batch):
+        chosen, rejected, _, _ = pair_logps(nnx.merge(graphdef, state), batch)
+        return chosen, rejected
+
+    n = len(source)
+    out = {c: np.zeros(n, np.float32) for c in REFERENCE_COLUMNS}
+    for start in range(0, n, batch_size):
+        index = list(range(start, min(start + batch_size, n)))
+        examples = featurizer(source.read(index), index)
+        examples += [examples[0]] * (batch_size - len(examples))  # one shape, one compile
+        batch = {k: v for k, v in collate(examples).items() if k not in REFERENCE_COLUMNS}
+        chosen, rejected = jax.device_get(logps(state, batch))
+        out[REFERENCE_COLUMNS[0]][start : start + len(index)] = chosen[: len(index)]
+        out[REFERENCE_COLUMNS[1]][start : start + len(index)] = rejected[: len(index)]
+    return out

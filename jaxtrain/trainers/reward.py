@@ -1,0 +1,157 @@
+"""Reward models: a scalar head on a causal LM, trained on preference pairs.
+
+Bradley-Terry loss per pair: -log sigmoid(r(chosen) - r(rejected) - margin), with `margin`
+the dataset's optional column (0 without it). The score of a sequence is the head applied to
+the final hidden state of its last real token, which is what transformers'
+`*ForSequenceClassification` models do, so `RewardTrainer.save_pretrained` writes a
+directory that `AutoModelForSequenceClassification.from_pretrained` loads with the same
+scores (num_labels=1, the LM head dropped, the tokenizer's pad token in the config).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.models.lora import merge_lora
+from jaxtrain.trainers.base import PairTrainer, concrete_model
+from jaxtrain.trainers.frozen import TaskModel, freeze
+from jaxtrain.trainers.logps import pair_mask
+from jaxtrain.training.state import TrainState
+
+__all__ = ["RewardModel", "RewardTrainer"]
+
+
+class RewardModel(nnx.Module):
+    """`backbone` (a LlamaForCausalLM) without its LM head, plus a scalar `score` head.
+
+    ``model(input_ids, attention_mask)`` -> scores [B] at each row's last real token.
+    """
+
+    # The score head stays trainable when LoRA freezes the rest (models/lora.py).
+    lora_keep = ("score",)
+
+    def __init__(self, backbone: nnx.Module, *, seed: int = 0):
+        config = backbone.config
+        self.backbone = backbone
+        self.config = config
+        if backbone.lm_head is not None:
+            freeze(backbone.lm_head)  # unused: neither trained nor in the optimizer state
+        std = getattr(config, "initializer_range", 0.02)
+        init = jax.random.normal(jax.random.key(seed), (config.hidden_size, 1)) * std
+        self.score = nnx.Param(init.astype(backbone.param_dtype), logical_axes=("embed", None))
+
+    @property
+    def remat_policy(self) -> Any:
+        return self.backbone.remat_policy
+
+    @remat_policy.setter
+    def remat_policy(self, policy: Any) -> None:
+        self.backbone.remat_policy = policy
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), jnp.int32)
+        hidden = self.backbone.hidden_states(input_ids)
+        last = jnp.max(jnp.arange(t) * (attention_mask != 0), axis=-1)
+        h_BxD = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return (h_BxD.astype(jnp.float32) @ self.score[...].astype(jnp.float32))[:, 0]
+
+
+class RewardTrainer(PairTrainer):
+    """Train a reward model on (prompt, chosen, rejected) pairs (Bradley-Terry).
+
+    `model` is a causal LM (a RewardModel is built around it) or a RewardModel. Logged per
+    pair: loss, accuracy (chosen scored above rejected), rewards/chosen, rewards/rejected,
+    rewards/margins.
+    """
+
+    def __init__(self, arguments: Any = None, model: Any = None, **kwargs: Any):
+        from jaxtrain.arguments import TrainingArguments
+
+        args = arguments if arguments is not None else TrainingArguments()
+        model = concrete_model(model, args, kwargs.get("devices"))
+        if not isinstance(model, RewardModel):
+            model = RewardModel(model, seed=args.seed)
+        super().__init__(arguments=args, model=TaskModel(model), **kwargs)
+
+    def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
+        del rng
+        n = batch["input_ids"].shape[0]
+        ids = jnp.concatenate([batch["input_ids"], batch["rejected_input_ids"]])
+        mask = jnp.concatenate([batch["attention_mask"], batch["rejected_attention_mask"]])
+        scores = model.model(ids, mask)
+        chosen, rejected = scores[:n], scores[n:]
+        margin = batch.get("margin", jnp.zeros_like(chosen))
+        losses = -jax.nn.log_sigmoid(chosen - rejected - margin)
+        real = pair_mask(batch["labels"]).astype(jnp.float32)
+        won = (chosen > rejected).astype(jnp.float32) * real
+        return {
+            "loss_sum": (losses * real).sum(),
+            "tokens": real.sum(),
+            "correct": won.sum(),
+            "rewards/chosen": (jax.lax.stop_gradient(chosen) * real).sum(),
+            "rewards/rejected": (jax.lax.stop_gradient(rejected) * real).sum(),
+            "rewards/margins": (jax.lax.stop_gradient(chosen - rejected) * real).sum(),
+        }
+
+    def save_pretrained(
+        self,
+        state: TrainState,
+        save_directory: str | Path,
+        *,
+        lora_format: str = "merged",
+        **kwargs: Any,
+    ) -> Path:
+        """Write a transformers `*ForSequenceClassification` directory (num_labels=1); LoRA
+        adapters are merged into the weights."""
+        if lora_format != "merged":
+            raise ArgumentError("RewardTrainer exports merged weights only (lora_format='merged').")
+        from safetensors.numpy import load_file, save_file
+
+        from jaxtrain.hf import save_pretrained
+
+        reward = self.model_from_state(state)
+        # Adapters folded in, every weight (the unused LM head too) a Param for the writer.
+        backbone = merge_lora(reward.backbone)
+        out = Path(save_directory)
+        kwargs.setdefault("tokenizer", self.processing_class)
+        kwargs["max_shard_size"] = "1000GB"  # one file: the head is added below
+        with tempfile.TemporaryDirectory() as tmp:
+            written = save_pretrained(backbone, tmp, **kwargs)
+            if jax.process_index() != 0:
+                return out
+            out.mkdir(parents=True, exist_ok=True)
+            tensors = load_file(str(written / "model.safetensors"))
+            tensors.pop("lm_head.weight", None)
+            score = np.asarray(jax.device_get(reward.score[...]))
+            tensors["score.weight"] = np.ascontiguousarray(
+                score.T.astype(tensors[next(iter(tensors))].dtype)
+            )
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+            config = json.loads((written / "config.json").read_text())
+            config["architectures"] = [
+                a.replace("ForCausalLM", "ForSequenceClassification")
+                for a in config["architectures"]
+            ]
+            config.update(
+                num_labels=1,
+                id2label={"0": "LABEL_0"},
+                label2id={"LABEL_0": 0},
+                pad_token_id=self.pad_token_id,
+            )
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            for extra in written.iterdir():  # tokenizer files and the model card
+                skip = ("model.safetensors", "config.json", "generation_config.json")
+                if extra.is_file() and extra.name not in skip:
+                    (out / extra.name).write_bytes(extra.read_bytes())
+        return out

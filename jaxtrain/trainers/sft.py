@@ -1,0 +1,51 @@
+"""Supervised fine-tuning: the base Trainer's chat path, named so that users find it.
+
+Rows: ``text``, ``messages`` (chat template) or ``prompt`` + ``completion`` (strings or
+message lists). Differences from the base Trainer: the loss is on the responses only
+(``completion_only_loss=True``) and packing is on whenever the run has a known length
+(``max_steps`` set; packing cannot be used with epoch-based runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxtrain.arguments import TrainingArguments
+from jaxtrain.trainers.data import SFTFeaturizer
+from jaxtrain.training.trainer import Trainer
+
+__all__ = ["SFTArguments", "SFTTrainer"]
+
+
+@dataclasses.dataclass
+class SFTArguments(TrainingArguments):
+    # Learn the assistant turns / completions only (prompt tokens carry label -100).
+    completion_only_loss: bool = True
+    # None: on when max_steps > 0 (packing needs a known run length), else off.
+    packing: bool | None = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.packing is None:
+            self.packing = isinstance(self.max_steps, int) and self.max_steps > 0
+        super().__post_init__()
+
+
+class SFTTrainer(Trainer):
+    """Trainer with SFT defaults (SFTArguments) and ``prompt``/``completion`` rows."""
+
+    def __init__(self, arguments: TrainingArguments | None = None, model: Any = None, **kwargs):
+        super().__init__(arguments if arguments is not None else SFTArguments(), model, **kwargs)
+
+    def create_featurizer(self, name: str) -> SFTFeaturizer:
+        args = self.arguments
+        return SFTFeaturizer(
+            name=name,
+            tokenizer=self.processing_class,
+            text_column=args.text_column,
+            messages_column=args.messages_column,
+            completion_only_loss=args.completion_only_loss,
+            chat_template=args.chat_template,
+            drop_columns=args.ids_to_pop_from_dataset or (),
+            max_length=args.max_sequence_length,
+        )
