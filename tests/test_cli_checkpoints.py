@@ -80,3 +80,14 @@ def test_rerunning_a_finished_run_adds_no_second_eval_record(run_copy):
     logged = [r["step"] for r in records if "loss" in r]
     assert evals == [2, 4], json.dumps(records)
     assert logged == sorted(set(logged)), json.dumps(records)
+
+
+def test_export_into_a_directory_it_cannot_create_is_one_clear_error(finished_run, tmp_path):
+    # As root (CI containers) permissions do not stop writes, so the unwritable directory is
+    # one whose parent is a file: the same OSError path as a PermissionError.
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("")
+    result = jaxtrain("export", str(finished_run), str(blocker / "hf"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"cannot write to {blocker / 'hf'}" in result.stderr

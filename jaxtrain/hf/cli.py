@@ -83,6 +83,22 @@ def locate_run(source: str) -> tuple[Path, Path | None]:
     )
 
 
+def _check_writable(out_dir: Path) -> None:
+    """Refuse an OUT_DIR that cannot be created or written, naming it and the reason."""
+    from jaxtrain.errors import HFError
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".jaxtrain-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise HFError(
+            f"cannot write to {out_dir}: {err.strerror or err} ({type(err).__name__}). "
+            "Nothing was exported; choose a directory you can write to."
+        ) from err
+
+
 def cmd_export(tokens: list[str]) -> int:
     from jaxtrain.arguments import ArgumentError
     from jaxtrain.cli import _restore_run
@@ -95,6 +111,7 @@ def cmd_export(tokens: list[str]) -> int:
     if len(positional) != 2:
         raise ArgumentError(f"expected RUN_OR_CHECKPOINT and OUT_DIR.\nusage: {EXPORT_USAGE}")
     run_dir, checkpoint = locate_run(positional[0])
+    _check_writable(Path(positional[1]))  # before the checkpoint is read
     options = parse_overrides(tokens)
     unknown = sorted(set(options) - {"max_shard_size", "dtype"})
     if unknown:
