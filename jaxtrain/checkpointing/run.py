@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import shutil
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ from jaxtrain.checkpointing import compat
 from jaxtrain.checkpointing import files as ckpt
 from jaxtrain.checkpointing.checksums import verify_checksums, write_checksums
 from jaxtrain.checkpointing.files import CheckpointError
+from jaxtrain.checkpointing.quiet import quiet_orbax
 from jaxtrain.training.state import TrainState
 
 
@@ -217,7 +215,7 @@ class _Saver:
         )
         with self._failures():
             self._manager = ocp.CheckpointManager(root, options=options)
-        _quiet_orbax_errors()
+        quiet_orbax()
 
     def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
         import orbax.checkpoint as ocp
@@ -286,43 +284,6 @@ class _Saver:
                     self._manager.wait_until_finished()
             finally:
                 self._manager.close()
-
-
-class _OrbaxErrors(logging.Filter):
-    """Drops Orbax's own ERROR logs (tracebacks from its background threads): every failed
-    write reaches the user once, as the CheckpointError `_Saver` raises for it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or "orbax" not in record.pathname
-
-
-def _quiet_orbax_errors() -> None:
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
-        logger.addFilter(_OrbaxErrors())
-    if not getattr(sys.excepthook, "jaxtrain_closed_loop", False):
-        sys.excepthook = _without_closed_loop_reports(sys.excepthook)
-
-
-def _without_closed_loop_reports(previous: Callable[..., None]) -> Callable[..., None]:
-    """Tensorstore completes a write's future after Orbax closed the asyncio loop that
-    waited for it; the callback's RuntimeError("Event loop is closed") is printed through
-    sys.excepthook as a bare traceback (often after jaxtrain's own error). Nothing is lost
-    (the write had finished), so exactly that report is dropped."""
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        frames = traceback.extract_tb(tb)
-        if (
-            kind is RuntimeError
-            and str(value) == "Event loop is closed"
-            and frames
-            and frames[0].name == "call_soon_threadsafe"
-        ):
-            return
-        previous(kind, value, tb)
-
-    hook.jaxtrain_closed_loop = True  # type: ignore[attr-defined]
-    return hook
 
 
 def _barrier(name: str) -> None:
