@@ -16,6 +16,9 @@ USAGE = """usage:
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
   jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
+  jaxtrain --version
+
+`jaxtrain COMMAND --help` (or -h) lists every option of COMMAND with its type, default and doc.
 
 Every TrainingArguments field can be set in the config file or as --field value.
 With no config, `jaxtrain train` trains a small Llama on the embedded corpus (the demo).
@@ -23,12 +26,25 @@ With no config, `jaxtrain train` trains a small Llama on the embedded corpus (th
 """
 
 
+COMMANDS = ("train", "eval", "sample", "export", "report")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
+    if argv[0] in ("--version", "-V", "version"):
+        from jaxtrain import __version__
+
+        print(f"jaxtrain {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    if command in COMMANDS and any(t in ("-h", "--help") for t in rest):
+        from jaxtrain.cli_help import command_help
+
+        print(command_help(command))
+        return 0
     from jaxtrain import interrupts
 
     interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
@@ -159,12 +175,23 @@ def _latest_checkpoint(run_dir: str) -> str:
 
 # ---------------------------------------------------------------- commands
 def cmd_train(tokens: list[str]) -> int:
-    from jaxtrain.run_config import parse_overrides, resolve_config, save_config, split_config
+    from jaxtrain.errors import ArgumentError
+    from jaxtrain.run_config import (
+        describe_sources,
+        explain_source,
+        parse_overrides,
+        resolve_config_with_sources,
+        save_config,
+        split_config,
+    )
 
     dry_run = "--dry_run" in tokens
     path, rest = _split_positional([t for t in tokens if t != "--dry_run"])
-    config = resolve_config(path, parse_overrides(rest))
-    args, model_section, data, sample = split_config(config)
+    config, sources = resolve_config_with_sources(path, parse_overrides(rest))
+    try:
+        args, model_section, data, sample = split_config(config)
+    except ArgumentError as err:
+        raise explain_source(err, sources) from None
 
     from jaxtrain import Trainer
     from jaxtrain.hf.cli import pretrained_data_section, run_model_section
@@ -172,6 +199,10 @@ def cmd_train(tokens: list[str]) -> int:
     from jaxtrain.training.stopping import EXIT_OK, EXIT_TIME_LIMIT
 
     initialize_distributed(args)  # before anything touches a device
+    import jax
+
+    if jax.process_index() == 0:
+        print(describe_sources(config, sources), flush=True)
     data = pretrained_data_section(model_section, data)
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
     if "pretrained" in model_section:
@@ -211,16 +242,24 @@ def cmd_train(tokens: list[str]) -> int:
     print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
     if output.stop_reason == "time_limit":
         return EXIT_TIME_LIMIT
-    if sample and tokenizer is not None:
-        _print_sample(trainer.model, tokenizer, sample)
+    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0:
+        _print_sample(trainer.model, tokenizer, sample, evaluation or train, args)
     return EXIT_OK
 
 
-def _print_sample(model, tokenizer, sample: dict[str, Any]) -> None:
+def _print_sample(model, tokenizer, sample: dict[str, Any], dataset=None, args=None) -> None:
+    """A sample from `sample.prompt`, else a prompt in the run's own data format."""
+    from jaxtrain.data.prompts import sample_prompt
     from jaxtrain.models import generate
 
-    prompt = sample.get("prompt", "")
-    ids = tokenizer(prompt)["input_ids"] or [tokenizer.eos_token_id]
+    ids, prompt = sample_prompt(
+        tokenizer,
+        dataset,
+        prompt=sample.get("prompt"),
+        messages_column=getattr(args, "messages_column", "messages"),
+        text_column=getattr(args, "text_column", "text"),
+        chat_template=getattr(args, "chat_template", None),
+    )
     new = generate(
         model,
         ids,

@@ -7,7 +7,8 @@ data: {source: default, vocab_size: 4096}              # or train_files / eval_f
 sample: {prompt: "def ", max_new_tokens: 80}
 ```
 The CLI resolves file + `--flags` into this mapping and saves it as `<output_dir>/config.yaml`,
-so `jaxtrain eval RUN_DIR` can rebuild the same model and data.
+so `jaxtrain eval RUN_DIR` can rebuild the same model and data. The demo's settings are the
+base only when no config file and no `model.pretrained` are given (`uses_demo`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -63,11 +65,11 @@ DATA_KEYS = {
     "tokenizer": str,  # local directory of a Hugging Face tokenizer
 }
 SAMPLE_KEYS = {
-    "prompt": str,
-    "max_new_tokens": int,
-    "temperature": float,
-    "top_k": int,
-    "top_p": float,
+    "prompt": str,  # default: taken from the run's data (chat template for chat rows)
+    "max_new_tokens": int,  # tokens to generate (default 64; 0 = no sample)
+    "temperature": float,  # 0 = greedy (default)
+    "top_k": int,  # sample from the k most likely tokens
+    "top_p": float,  # nucleus sampling: the smallest set holding this probability
 }
 
 
@@ -92,15 +94,48 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
     return overrides
 
 
+# Where a value of the resolved config came from (`resolve_config_with_sources`).
+DEMO, FLAG = "demo", "command line"
+
+
+def uses_demo(path: str | None, overrides: dict[str, str]) -> bool:
+    """The merge rule: the demo's settings (DEFAULT_CONFIG) are the base only when neither a
+    config file nor `model.pretrained` is given, so `jaxtrain train --max_steps 100` is a
+    shorter demo, while a config file starts from the TrainingArguments and LlamaConfig
+    defaults (a YAML of three lines means those three values and the defaults)."""
+    if path is not None:
+        return False
+    return "model.pretrained" not in overrides
+
+
 def resolve_config(
     path: str | None, overrides: dict[str, str], base: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Default (or `base`) <- config file <- command-line overrides, sections merged per key."""
-    config = copy.deepcopy(DEFAULT_CONFIG if base is None else base)
+    """Base <- config file <- command-line overrides, sections merged per key."""
+    return resolve_config_with_sources(path, overrides, base)[0]
+
+
+def resolve_config_with_sources(
+    path: str | None, overrides: dict[str, str], base: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """-> (config, {"key" or "section.key": where its value came from}).
+
+    The base is `base` if given, else the demo (see `uses_demo`), else only
+    `data: {source: default}`; fields absent from the result take their defaults.
+    """
+    if base is None:
+        base = DEFAULT_CONFIG if uses_demo(path, overrides) else {"data": {"source": "default"}}
+        label = DEMO if base is DEFAULT_CONFIG else "default"
+    else:
+        label = "base"
+    config = copy.deepcopy(base)
+    sources = dict.fromkeys(_flat_keys(config), label)
     if path is not None:
         from jaxtrain.arguments import read_config_file
 
-        _merge(config, read_config_file(path))
+        update = read_config_file(path)
+        _merge(config, update)
+        sources.update(dict.fromkeys(_flat_keys(update), str(path)))
     for key, raw in overrides.items():
         section, _, field = key.partition(".")
         if field:
@@ -112,7 +147,49 @@ def resolve_config(
             config.setdefault(section, {})[field] = raw
         else:
             config[key] = raw
-    return config
+        sources[key] = FLAG
+    return config, sources
+
+
+def _flat_keys(config: dict[str, Any]) -> list[str]:
+    keys = []
+    for key, value in config.items():
+        if key in SECTIONS and isinstance(value, dict):
+            keys.extend(f"{key}.{field}" for field in value)
+        else:
+            keys.append(key)
+    return keys
+
+
+def describe_sources(config: dict[str, Any], sources: dict[str, str]) -> str:
+    """One line per origin: which values came from the demo, the file, the command line."""
+    by_source: dict[str, list[str]] = {}
+    for key, source in sources.items():
+        section, _, field = key.partition(".")
+        value = config[section][field] if field else config[key]
+        by_source.setdefault(source, []).append(
+            f"{key}={value!r}" if isinstance(value, str) and " " in value else f"{key}={value}"
+        )
+    lines = [f"config from {source}: {', '.join(items)}" for source, items in by_source.items()]
+    lines.append("config: every other field has its default (jaxtrain train --help)")
+    return "\n".join(lines)
+
+
+def explain_source(err: ArgumentError, sources: dict[str, str]) -> ArgumentError:
+    """The same error, saying which of the values it names came from the demo's settings
+    (the one origin a user did not write down)."""
+    message = str(err)
+    demo = [
+        key for key, source in sources.items()
+        if source == DEMO and re.search(rf"\b{re.escape(key.rpartition('.')[2])}\b", message)
+    ]  # fmt: skip
+    if not demo:
+        return err
+    named = ", ".join(demo)
+    return type(err)(
+        f"{message} ({named} came from the demo's settings, used because no config file "
+        "was given; override it with --" + demo[0] + ")"
+    )
 
 
 def _merge(config: dict[str, Any], update: dict[str, Any]) -> None:

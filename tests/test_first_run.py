@@ -245,3 +245,95 @@ def test_the_trainer_documents_and_does_what_it_changes_on_the_model(tmp_path):
     for words in ("changed in place", "compute `dtype` of every submodule", "`remat_policy`",
                   "holds the trained parameters"):  # fmt: skip
         assert words in doc
+
+
+# ------------------------------------------------------------ 3: which settings apply
+def test_a_config_file_starts_from_the_defaults_not_from_the_demo(tmp_path):
+    from jaxtrain.run_config import (
+        DEFAULT_CONFIG,
+        describe_sources,
+        resolve_config_with_sources,
+        split_config,
+    )
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("learning_rate: 0.01\nmax_steps: 50\nmodel: {hidden_size: 64}\n")
+    config, sources = resolve_config_with_sources(str(path), {"total_batch_size": "8"})
+    arguments, model, data, sample = split_config(config)
+    defaults = TrainingArguments()
+    for name in ("weight_decay", "warmup_steps", "max_sequence_length", "eval_steps"):
+        assert getattr(arguments, name) == getattr(defaults, name), name
+    assert model == {"hidden_size": 64} and data == {"source": "default"} and sample == {}
+    text = describe_sources(config, sources)
+    assert f"config from {path}: learning_rate=0.01, max_steps=50, model.hidden_size=64" in text
+    assert "config from command line: total_batch_size=8" in text and "demo" not in text
+
+    # No file: the command line adjusts the demo; --model.pretrained leaves it out too.
+    config, sources = resolve_config_with_sources(None, {"max_steps": "100"})
+    assert config["weight_decay"] == DEFAULT_CONFIG["weight_decay"] and sources["max_steps"]
+    assert describe_sources(config, sources).startswith("config from demo: output_dir=")
+    config, _ = resolve_config_with_sources(None, {"model.pretrained": "some/dir"})
+    assert "weight_decay" not in config and config["model"] == {"pretrained": "some/dir"}
+
+
+def test_an_error_in_a_demo_value_says_it_came_from_the_demo(capsys):
+    assert main(["train", "--max_steps", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "warmup_steps came from the demo's settings" in err and "--warmup_steps" in err
+
+
+# ------------------------------------------------------------ 9: the end-of-run sample
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def test_the_sample_prompt_follows_the_runs_data_format():
+    from jaxtrain.data.prompts import MAX_PROMPT_TOKENS, sample_prompt
+
+    tokenizer = word_tokenizer(eos_token="</s>")
+    chat = datasets.Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "w3 w4"},
+                    {"role": "assistant", "content": "w5"},
+                ]
+            }
+        ]
+    )
+    ids, text = sample_prompt(tokenizer, chat, chat_template=CHAT_TEMPLATE)
+    assert text == "<user> w3 w4 <assistant> " and "w5" not in text
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    ids, text = sample_prompt(tokenizer, ragged_rows())  # token rows: the first half of row 0
+    row = ragged_rows()[0]["input_ids"]
+    assert ids == row[: min(len(row) // 2, MAX_PROMPT_TOKENS)] and text == tokenizer.decode(ids)
+
+    ids, text = sample_prompt(tokenizer, chat, prompt="w7 w8")  # set by the user: it wins
+    assert text == "w7 w8" and ids == [7, 8]
+
+
+# ------------------------------------------------------------ 12: help and version
+def test_help_of_every_command_and_version(capsys):
+    from dataclasses import fields
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "jaxtrain 0.1.0"
+    for flag in ("--help", "-h"):
+        assert main(["train", flag]) == 0
+        text = capsys.readouterr().out
+        lines = text.splitlines()
+        for prefix, cls in (("", TrainingArguments), ("model.", LlamaConfig)):
+            for f in fields(cls):
+                (i,) = [
+                    i for i, line in enumerate(lines) if line.startswith(f"  --{prefix}{f.name} ")
+                ]
+                assert "(default: " in lines[i], lines[i]
+                assert lines[i + 1].startswith("      ") and len(lines[i + 1].strip()) > 8, f.name
+        assert "  --learning_rate FLOAT  (default: 0.0003)" in text
+        assert "  --data.train_files STR" in text and "  --sample.prompt STR" in text
+    for command in ("eval", "sample", "export", "report"):
+        assert main([command, "--help"]) == 0
+        assert capsys.readouterr().out.startswith(f"usage: jaxtrain {command} ")

@@ -82,13 +82,13 @@ def _starting_from(trainer_class: type, state: Any) -> type:
                     "TrainingArguments, or pass model= instead."
                 ) from err
 
-        def _initial_state(self):
+        def start_state(self):
             import jax
 
-            new, step, resumed = super()._initial_state()
-            if resumed is None:
-                step = int(jax.device_get(new.step))  # the state goes on from its own step
-            return new, step, resumed
+            start = super().start_state()
+            if start.resumed_from is None:  # the state goes on from its own step
+                start = dataclasses.replace(start, step=int(jax.device_get(start.state.step)))
+            return start
 
     StartFromState.__name__ = StartFromState.__qualname__ = trainer_class.__name__
     return StartFromState

@@ -1,4 +1,4 @@
-"""Load a local Hugging Face model directory into a jaxtrain LlamaForCausalLM.
+"""Load a local Hugging Face model directory into the jaxtrain model of its model_type.
 
 Weights go straight from the memory-mapped safetensors files to their devices, one
 parameter at a time: with a ``sharding_for`` callback each device receives only its own
@@ -18,12 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.hf.config import from_hf_config
 from jaxtrain.hf.errors import HFError
 from jaxtrain.hf.safetensors_io import SafetensorsFile
-from jaxtrain.hf.weights import ignorable, param_maps
-from jaxtrain.models.config import LlamaConfig
-from jaxtrain.models.llama import LlamaForCausalLM
+from jaxtrain.models.auto import ModelFamily, get_family
 
 # sharding_for(path, shape, logical_axes) -> the parameter's Sharding, or None for the default
 # device. path is "/"-joined, e.g. "model/layers/0/self_attn/qkv_proj/kernel".
@@ -73,14 +70,31 @@ def _cached_snapshot(repo_id: str) -> Path | None:
     return found if (found / "config.json").is_file() else None
 
 
-def read_config(model_dir: str | Path) -> LlamaConfig:
-    """LlamaConfig from ``model_dir/config.json``."""
+def read_config(
+    model_dir: str | Path, task: str | None = None, model_class: type | None = None
+) -> tuple[ModelFamily, Any]:
+    """(family, config) from ``model_dir/config.json``; ``task`` / ``model_class`` refuse
+    other kinds of model."""
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise HFError(f"{path}: cannot read it as JSON ({err}).") from err
-    return from_hf_config(hf, source=str(path))
+    if not isinstance(hf, dict):
+        raise HFError(f"{path}: expected a JSON object, got {type(hf).__name__}.")
+    family = get_family(hf.get("model_type"), source=str(path))
+    if task is not None and family.task != task:
+        raise HFError(
+            f"{path}: model_type {hf.get('model_type')!r} is a {family.task} model, not a "
+            f"{task} model; load it with {family.model_class.__name__}.from_pretrained."
+        )
+    if model_class is not None and family.model_class is not model_class:
+        raise HFError(
+            f"{path}: model_type {hf.get('model_type')!r} is a {family.model_class.__name__}, "
+            f"not a {model_class.__name__}; load it with {family.model_class.__name__}"
+            ".from_pretrained or AutoModelForCausalLM.from_pretrained."
+        )
+    return family, family.from_hf_config(hf, str(path))
 
 
 def open_weights(model_dir: str | Path) -> dict[str, SafetensorsFile]:
@@ -134,20 +148,50 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
     sharding_for: ShardingFor | None = None,
-) -> LlamaForCausalLM:
-    """LlamaForCausalLM with the weights of the HF model directory ``path``.
+    task: str | None = None,
+    model_class: type | None = None,
+) -> nnx.Module:
+    """The model of config.json's model_type with the weights of the HF directory ``path``.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the stored one (the checkpoint's
     dtype is converted). ``sharding_for`` places each parameter (see ShardingFor).
+    ``task`` ("causal-lm", "image-classification") or ``model_class`` refuse other models.
     """
     model_dir = resolve_model_dir(path)
-    config = read_config(model_dir)
+    family, config = read_config(model_dir, task, model_class)
     tensors = open_weights(model_dir)
+    model = load_weights(
+        family,
+        config,
+        tensors,
+        source=model_dir,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        sharding_for=sharding_for,
+    )
+    model.name_or_path = str(path)
+    return model
+
+
+def load_weights(
+    family: ModelFamily,
+    config: Any,
+    tensors: dict[str, Any],
+    *,
+    source: str | Path,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    sharding_for: ShardingFor | None = None,
+) -> nnx.Module:
+    """``family.model_class(config)`` filled from ``tensors`` (HF name -> an object with
+    ``shape(name)``, ``get(name)`` and ``path``, e.g. SafetensorsFile); every tensor is used
+    or ignorable, every parameter found with the shape the config implies."""
+    model_dir = source
     abstract = nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+        lambda: family.model_class(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    maps = {m.path: m for m in param_maps(config)}
+    maps = {m.path: m for m in family.param_maps(config)}
     used: set[str] = set()
     target = np.dtype(jnp.dtype(param_dtype))
     for path_tuple, var in nnx.to_flat_state(params):
@@ -159,7 +203,7 @@ def from_pretrained(
                 files = sorted({f.path.name for f in tensors.values()})
                 raise HFError(
                     f"{model_dir}: tensor {name!r} is missing (looked in {', '.join(files)}); "
-                    f"config.json describes a model that needs it for {key}. The weights are "
+                    f"the config describes a model that needs it for {key}. The weights are "
                     "incomplete or belong to another architecture."
                 )
             actual = tensors[name].shape(name)
@@ -174,16 +218,14 @@ def from_pretrained(
         axes = tuple(var.get_metadata().get("logical_axes") or (None,) * host.ndim)
         sharding = sharding_for(key, host.shape, axes) if sharding_for is not None else None
         var.set_value(_place(host, target, sharding))
-    extra = sorted(n for n in tensors if n not in used and not ignorable(n, config))
+    extra = sorted(n for n in tensors if n not in used and not family.ignorable(n, config))
     if extra:
         raise HFError(
             f"{model_dir}: {len(extra)} tensor(s) that the config.json model has no place for, "
             f"e.g. {extra[:3]} in {tensors[extra[0]].path.name}. Loading would drop them and "
             "give a different network; check that config.json matches the weights."
         )
-    model = nnx.merge(graphdef, params, rest)
-    model.name_or_path = str(path)
-    return model
+    return nnx.merge(graphdef, params, rest)
 
 
 def _place(host: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:

@@ -57,13 +57,25 @@ def final_metrics(metrics_log: Path, *, up_to_step: int | None = None) -> dict[s
     return found
 
 
-def render_model_card(config: Any, hf_config: dict[str, Any], summary: dict[str, Any]) -> str:
+def render_model_card(
+    config: Any, hf_config: dict[str, Any], summary: dict[str, Any], task: str = "causal-lm"
+) -> str:
     base = summary.get("base_model")
-    front = ["---", "library_name: transformers", "tags: [jaxtrain, text-generation]"]
+    tag = "text-generation" if task == "causal-lm" else task
+    front = ["---", "library_name: transformers", f"tags: [jaxtrain, {tag}]"]
     if base:
         front.append(f"base_model: {json.dumps(str(base))}")
     front.append("---")
     n_params = config.num_parameters()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    auto = "AutoModelForCausalLM" if task == "causal-lm" else "AutoModelForImageClassification"
+    jaxtrain_class = "AutoModelForCausalLM" if task == "causal-lm" else type_name(config)
+    vocab = (
+        f"vocabulary {config.vocab_size}"
+        if hasattr(config, "vocab_size")
+        else f"{getattr(config, 'num_labels', '?')} labels"
+    )
     lines = [
         *front,
         "",
@@ -71,8 +83,7 @@ def render_model_card(config: Any, hf_config: dict[str, Any], summary: dict[str,
         "",
         f"- Architecture: `{hf_config['model_type']}`, {n_params / 1e6:.2f}M parameters, "
         f"{config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
-        f"{config.num_attention_heads} heads ({config.num_key_value_heads} key/value heads), "
-        f"vocabulary {config.vocab_size}.",
+        f"{heads} heads ({kv_heads} key/value heads), {vocab}.",
         f"- Base model: {base if base else 'none (trained from random initialisation)'}",
     ]
     if summary.get("data"):
@@ -88,11 +99,11 @@ def render_model_card(config: Any, hf_config: dict[str, Any], summary: dict[str,
         "## Usage",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM",
-        'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")',
+        f"from transformers import {auto}",
+        f'model = {auto}.from_pretrained("path/to/this/directory")',
         "```",
         "",
-        "or in jaxtrain: `jaxtrain.models.AutoModelForCausalLM.from_pretrained(path)`.",
+        f"or in jaxtrain: `jaxtrain.models.{jaxtrain_class}.from_pretrained(path)`.",
     ]
     if summary.get("arguments"):
         lines += [
@@ -104,3 +115,10 @@ def render_model_card(config: Any, hf_config: dict[str, Any], summary: dict[str,
             "```",
         ]
     return "\n".join(lines) + "\n"
+
+
+def type_name(config: Any) -> str:
+    """The jaxtrain class that loads a model of this config."""
+    from jaxtrain.models.auto import family_of
+
+    return family_of(config).model_class.__name__

@@ -1,4 +1,4 @@
-"""Write a jaxtrain LlamaForCausalLM as a Hugging Face model directory.
+"""Write a jaxtrain model (any registered family) as a Hugging Face model directory.
 
 Layout (what ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` reads):
 config.json, generation_config.json, model.safetensors or model-0000i-of-0000n.safetensors
@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.hf.config import to_hf_config
 from jaxtrain.hf.errors import HFError
 from jaxtrain.hf.load import INDEX_FILE, SINGLE_FILE
 from jaxtrain.hf.model_card import render_model_card
 from jaxtrain.hf.safetensors_io import write_safetensors
-from jaxtrain.hf.weights import param_maps
+from jaxtrain.models.auto import ModelFamily, family_of
 
 _UNITS = {
     "": 1,
@@ -56,7 +55,7 @@ def save_pretrained(
     dtype: Any = None,
     training_summary: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` (a LlamaForCausalLM) as an HF directory; returns the directory.
+    """Write ``model`` (of a registered family) as an HF directory; returns the directory.
 
     ``dtype``: the weights' dtype on disk (default: the parameters' own dtype).
     ``training_summary``: facts for the README.md model card (see model_card.py).
@@ -64,7 +63,10 @@ def save_pretrained(
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
-        raise HFError(f"save_pretrained needs a LlamaForCausalLM, got {type(model).__name__}.")
+        raise HFError(
+            f"save_pretrained needs a jaxtrain model with a config, got {type(model).__name__}."
+        )
+    family = family_of(config)
     limit = parse_size(max_shard_size)
     flat = {
         "/".join(str(p) for p in path): var.get_value()
@@ -73,7 +75,7 @@ def save_pretrained(
     if dtype is None:
         dtype = next(iter(flat.values())).dtype
     dtype_name = jnp.dtype(dtype).name
-    hf_config = to_hf_config(config, dtype=dtype_name)
+    hf_config = family.to_hf_config(config, dtype_name)
     out = Path(save_directory)
     writer = jax.process_index() == 0
     if writer:
@@ -85,7 +87,7 @@ def save_pretrained(
     total = 0
     current: dict[str, np.ndarray] = {}
     current_bytes = 0
-    for name, tensor in _hf_tensors(config, flat, np.dtype(jnp.dtype(dtype))):
+    for name, tensor in _hf_tensors(family, config, flat, np.dtype(jnp.dtype(dtype))):
         if current and current_bytes + tensor.nbytes > limit:
             shards.append(_write_shard(out, len(shards), current, writer))
             current, current_bytes = {}, 0
@@ -118,13 +120,15 @@ def save_pretrained(
         tokenizer.save_pretrained(str(out))
     summary = dict(training_summary or {})
     summary.setdefault("base_model", getattr(model, "name_or_path", None))
-    (out / "README.md").write_text(render_model_card(config, hf_config, summary))
+    (out / "README.md").write_text(render_model_card(config, hf_config, summary, family.task))
     return out
 
 
-def _hf_tensors(config, flat: dict[str, Any], dtype: np.dtype) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_tensors(
+    family: ModelFamily, config: Any, flat: dict[str, Any], dtype: np.dtype
+) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host array) in checkpoint order, one parameter gathered at a time."""
-    for spec in param_maps(config):
+    for spec in family.param_maps(config):
         if spec.path not in flat:
             raise HFError(
                 f"the model has no parameter {spec.path} that its config implies; was the "

@@ -187,7 +187,7 @@ class LlamaForCausalLM(nnx.Module):
         from jaxtrain.hf import from_pretrained
 
         return from_pretrained(
-            path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for
+            path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for, model_class=cls
         )
 
     def save_pretrained(self, save_directory: str, **kwargs: Any) -> Any:

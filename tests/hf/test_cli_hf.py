@@ -34,7 +34,12 @@ def test_fine_tune_a_local_hf_model_then_export_it(tmp_path, capsys):
         ["train", "--output_dir", str(run), "--model.pretrained", str(base),
          "--data.source", "files", "--data.train_files", str(train_file), *TINY]
     )  # fmt: skip
-    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    # No demo settings under a pretrained model, and the sample continues the run's own data
+    # (the first half of its first row), not the demo's "def " prompt.
+    assert "config from demo" not in printed.out
+    assert "--- sample" in printed.out and "def add(a" in printed.out.split("--- sample")[1]
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["model"]["base_model"] == str(base) and saved["model"]["tie_word_embeddings"]
     assert saved["data"]["tokenizer"] == str(base)  # the model's own tokenizer was used

@@ -57,7 +57,7 @@ def test_tensors_the_config_has_no_place_for_are_an_error(llama_dir, tmp_path):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"model_type": "gpt2"}, "model_type"),
+        ({"model_type": "bert"}, "model_type"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters.rope_type"),
         (
             {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},

@@ -1,0 +1,237 @@
+"""`--help` of every `jaxtrain` command, generated from the dataclasses the CLI parses.
+
+Every field is listed with its type, default and the one-line doc written as a comment
+above it in the source (TrainingArguments, LlamaConfig) or beside it (the data and sample
+schemas), so the help cannot drift from the code.
+
+Why jaxtrain keeps its own parser rather than tyro, jsonargparse or draccus (all three are
+well kept and on PyPI; draccus, Levanter's, comes closest with dotted `--model.x` keys and
+YAML): the command line's contract is already set and tested, and each library would change
+it. `--flag value` for booleans (`--overwrite_output_dir true`), comma lists (`--report_to
+jsonl,wandb`, `--sharding_axis_dims 1,-1,1,1,1`), YAML mappings as values (`--sharding_rules
+'{mlp: tp}'`), a model section that is either LlamaConfig fields or `pretrained: DIR`, the
+demo-or-defaults merge rule with printed origins, errors from the JaxtrainError family with
+"did you mean" and exit code 2, and the run directory's config.yaml read back by eval/sample
+all need either adapters around the library's own parsing, type coercion and error exits,
+or breaking changes for users. What the libraries would add beyond that is help text; it
+is generated here from the same dataclasses in ~150 lines, with no new dependency on the
+start-up path of every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import typing
+from typing import Any
+
+# One-line docs of fields whose source has no comment of their own (grouped fields).
+MORE_DOCS = {
+    "seed": "Seed of parameter init, data order and per-step randomness.",
+    "learning_rate": "Peak learning rate (reached at the end of warmup).",
+    "optimizer": "The optimizer.",
+    "scheduler": "Learning-rate schedule after warmup.",
+    "warmup_steps": "Steps of linear warmup to learning_rate; must be < the run's steps.",
+    "adam_beta1": "Adam/Lion first-moment decay.",
+    "adam_beta2": "Adam/Lion second-moment decay.",
+    "adam_epsilon": "Adam denominator epsilon.",
+    "max_steps": "Optimizer updates of the run; -1 = num_train_epochs over the data.",
+    "max_sequence_length": "Tokens per row; longer rows are truncated (truncation_mode).",
+    "shuffle_train": "Shuffle the training rows each epoch (seeded).",
+    "param_dtype": "dtype of the master parameters and optimizer state; None = as built.",
+    "evaluation_strategy": "When to evaluate on dataset_eval.",
+    "eval_steps": "Evaluate every this many steps (evaluation_strategy='steps').",
+    "max_nan_skips": "on_nan='skip': stop after this many consecutive skipped updates.",
+    "progress_bar": "Progress display; rich/tqdm print plain lines outside a terminal.",
+    "run_name": "Name of the run in trackers (default: run-<date>-<time>).",
+    "coordinator_address": "Multi-host: host:port of process 0.",
+    "num_processes": "Multi-host: number of processes of the cluster.",
+    "process_id": "Multi-host: this process's index.",
+    "vocab_size": "Vocabulary size (default: the tokenizer's).",
+    "hidden_size": "Width of the residual stream.",
+    "intermediate_size": "Width of the MLP.",
+    "num_hidden_layers": "Decoder layers.",
+    "num_attention_heads": "Query heads; must divide hidden_size unless head_dim is set.",
+    "num_key_value_heads": "Key/value heads (grouped-query attention); None = num_attention_heads.",
+    "head_dim": "Per-head width; None = hidden_size // num_attention_heads.",
+    "hidden_act": "MLP activation.",
+    "max_position_embeddings": "Longest sequence the rotary embedding is set up for.",
+    "initializer_range": "Std of the normal parameter init.",
+    "rms_norm_eps": "RMSNorm epsilon.",
+    "rope_theta": "Rotary embedding base.",
+    "rope_scaling": "Rotary scaling as in HF configs, e.g. {rope_type: llama3, factor: 8}.",
+    "mlp_bias": "Biases in the MLP projections.",
+    "tie_word_embeddings": "Share the embedding matrix with the output projection.",
+    "sliding_window": "Attend only to this many previous tokens; None = full causal.",
+    "bos_token_id": "Begin-of-sequence id (default: the tokenizer's).",
+    "eos_token_id": "End-of-sequence id(s) (default: the tokenizer's).",
+    "pad_token_id": "Padding id (default: the tokenizer's, else its eos).",
+    "model_type": "Architecture family of the config.",
+}
+
+_FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=]+?(=.*)?$")
+_SCHEMA_ENTRY = re.compile(r'^\s+"(\w+)":\s*[\w.]+,\s*#\s*(.*)$')
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: the comment lines right above it} from the class source ("" if none)."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            text = stripped.lstrip("#").strip()
+            # Section banners ("--- data ---", "Optimisation.") are not a field's doc.
+            if not text.startswith("---") and not re.fullmatch(r"\w+\.", text):
+                pending.append(text)
+            continue
+        match = _FIELD.match(line)
+        if match and match.group(1) in names and match.group(1) not in docs:
+            docs[match.group(1)] = " ".join(pending)
+        pending = []
+    return docs
+
+
+def schema_docs(module: Any, name: str) -> dict[str, str]:
+    """{key: inline comment} of a `NAME = {"key": type,  # doc}` mapping in `module`."""
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return {}
+    block = source.split(f"{name} = {{", 1)[-1].split("\n}", 1)[0]
+    return {m.group(1): m.group(2) for m in map(_SCHEMA_ENTRY.match, block.splitlines()) if m}
+
+
+def type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def _entry(flag: str, kind: str, default: Any, doc: str) -> str:
+    default_text = "" if default is dataclasses.MISSING else f"  (default: {default!r})"
+    head = f"  --{flag} {kind.upper() if kind.isidentifier() else kind}{default_text}"
+    return head + (f"\n      {doc}" if doc else "")
+
+
+def dataclass_help(cls: type, prefix: str = "", choices: dict[str, tuple] | None = None) -> str:
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    entries = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        doc = docs.get(f.name) or MORE_DOCS.get(f.name, "")
+        if choices and f.name in choices:
+            doc = (doc + " " if doc else "") + f"One of: {', '.join(choices[f.name])}."
+        entries.append(_entry(prefix + f.name, type_name(hints[f.name]), default, doc))
+    return "\n".join(entries)
+
+
+def schema_help(schema: dict[str, type], docs: dict[str, str], prefix: str, defaults: dict) -> str:
+    return "\n".join(
+        _entry(
+            prefix + key, kind.__name__, defaults.get(key, dataclasses.MISSING), docs.get(key, "")
+        )
+        for key, kind in schema.items()
+    )
+
+
+def train_help() -> str:
+    from jaxtrain import arguments, run_config
+    from jaxtrain.arguments import TrainingArguments
+    from jaxtrain.models import LlamaConfig
+
+    choices = {
+        "optimizer": arguments.OPTIMIZERS,
+        "scheduler": arguments.SCHEDULERS,
+        "dtype": arguments.DTYPES,
+        "param_dtype": arguments.DTYPES,
+        "gradient_checkpointing": arguments.REMAT_POLICIES,
+        "progress_bar": arguments.PROGRESS_BARS,
+        "evaluation_strategy": arguments.EVALUATION_STRATEGIES,
+        "truncation_mode": arguments.TRUNCATION_MODES,
+        "on_nan": arguments.ON_NAN,
+        "report_to": arguments.REPORT_TO,
+    }
+    demo = run_config.DEFAULT_CONFIG
+    return f"""usage: jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value]
+                      [--data.field value] [--sample.field value] [--dry_run]
+
+Train a model. With no CONFIG and no --model.pretrained the demo's settings are the base
+(a small Llama on the embedded corpus: `jaxtrain train` alone runs the demo); with a CONFIG
+or --model.pretrained the defaults below are. The CONFIG file overrides the base, flags
+override the file. Values are written `--field value` or `--field=value`; lists as a,b.
+
+  --dry_run
+      Print the mesh, per-device memory and every parameter's sharding; train nothing.
+  -h, --help
+      Show this message.
+
+TrainingArguments (--field value, or `field: value` at the top of CONFIG):
+{dataclass_help(TrainingArguments, choices=choices)}
+
+model section (--model.field value; LlamaConfig fields; vocab_size and special token ids
+follow the tokenizer unless set):
+  --model.pretrained DIR
+      Fine-tune the local Hugging Face model in DIR (its config.json is the architecture).
+{dataclass_help(LlamaConfig, prefix="model.")}
+
+data section (--data.field value):
+{schema_help(run_config.DATA_KEYS, schema_docs(run_config, "DATA_KEYS"), "data.", demo["data"])}
+
+sample section (--sample.field value; the sample printed when training ends):
+{schema_help(run_config.SAMPLE_KEYS, schema_docs(run_config, "SAMPLE_KEYS"), "sample.", {})}
+"""
+
+
+def command_help(command: str) -> str:
+    """`jaxtrain COMMAND --help`."""
+    if command == "train":
+        return train_help()
+    from jaxtrain import run_config
+
+    sample = schema_help(run_config.SAMPLE_KEYS, schema_docs(run_config, "SAMPLE_KEYS"), "", {})
+    texts = {
+        "eval": """usage: jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
+
+Evaluate a run's checkpoint (default: its newest) on the run's eval data.
+
+  --checkpoint PATH
+      A step directory <run>/checkpoints/<step> (default: the newest committed one).
+  --max_eval_batches INT
+      Cap on eval batches (default: the run's max_eval_batches).
+""",
+        "sample": f"""usage: jaxtrain sample RUN_DIR [--checkpoint PATH] [--field value ...]
+
+Generate text from a run's checkpoint (default: its newest) with the run's tokenizer.
+
+  --checkpoint PATH
+      A step directory <run>/checkpoints/<step> (default: the newest committed one).
+{sample}
+""",
+        "export": """usage: jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
+
+Write a run's checkpoint as a Hugging Face directory (safetensors, config, tokenizer, card).
+
+  --max_shard_size STR  (default: '5GB')
+      Largest safetensors shard.
+  --dtype STR
+      Cast the weights to float32, bfloat16 or float16 (default: as trained).
+""",
+        "report": """usage: jaxtrain report RUN_DIR
+
+Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.
+""",
+    }
+    return texts[command]

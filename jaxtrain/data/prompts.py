@@ -1,0 +1,71 @@
+"""The prompt of the end-of-run sample, in the run's own data format.
+
+`jaxtrain train` ends with a sample. A prompt the user set (`sample.prompt`) wins; otherwise
+it is taken from the run's data, so a chat fine-tune is sampled through its chat template
+and a code or prose model continues the beginning of a real held-out row, never a prompt
+written for another dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+# A continuation prompt is the first half of a row, at most this many tokens.
+MAX_PROMPT_TOKENS = 32
+
+
+def first_row(dataset: Any) -> Mapping[str, Any] | None:
+    """Row 0 of a map-style dataset, or the first row of a stream; None when empty."""
+    if dataset is None:
+        return None
+    try:
+        if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+            return dataset[0] if len(dataset) else None
+        return next(iter(dataset), None)
+    except (IndexError, StopIteration):
+        return None
+
+
+def sample_prompt(
+    tokenizer: Any,
+    dataset: Any,
+    *,
+    prompt: str | None = None,
+    messages_column: str = "messages",
+    text_column: str = "text",
+    chat_template: str | None = None,
+) -> tuple[list[int], str]:
+    """-> (prompt token ids, the prompt as text) for the end-of-run sample.
+
+    Order: `prompt` if given; chat rows: the conversation up to its last assistant reply,
+    rendered with the chat template and its generation prompt; token or text rows: the first
+    half (at most MAX_PROMPT_TOKENS tokens) of the first row.
+    """
+    if prompt is not None:
+        ids = list(tokenizer(prompt)["input_ids"])
+        return ids or [tokenizer.eos_token_id], prompt
+    row = first_row(dataset) or {}
+    messages = row.get(messages_column)
+    if isinstance(messages, list | tuple) and messages:
+        turns = [dict(m) for m in messages]
+        while turns and turns[-1].get("role") == "assistant":
+            turns.pop()  # the model writes the reply
+        text = tokenizer.apply_chat_template(
+            turns or [dict(messages[0])],
+            tokenize=False,
+            add_generation_prompt=True,
+            chat_template=chat_template,
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+    ids = row.get("input_ids")
+    if ids is None and isinstance(row.get(text_column), str):
+        ids = tokenizer(row[text_column])["input_ids"]
+    if ids is not None:
+        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        ids = ids[: max(1, min(len(ids) // 2, MAX_PROMPT_TOKENS))]
+        return ids, tokenizer.decode(ids)
+    eos = tokenizer.eos_token_id
+    return ([eos] if eos is not None else [0]), ""
