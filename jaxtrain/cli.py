@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
-    from jaxtrain.errors import JaxtrainError, TrainingInterrupted
+    from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
     from jaxtrain.hf.cli import cmd_export
 
     commands = {
@@ -72,6 +73,14 @@ def _dispatch(command: str, rest: list[str]) -> int:
         # else is a bug and keeps its traceback (exit 1).
         label = "" if isinstance(err, TrainingInterrupted) else "error: "
         print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
+        if isinstance(err, CheckpointError):
+            # Tensorstore reads or writes still in flight when Orbax gave up complete during
+            # interpreter shutdown and print "Event loop is closed" tracebacks after this
+            # line. Nothing here needs the exit hooks: the loop already closed the logs and
+            # trackers, and a refused restore opened none.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(err.exit_code)
         return err.exit_code
 
 
