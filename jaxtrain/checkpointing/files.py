@@ -136,6 +136,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     meta_dir = step_dir / "meta"
     if not meta_dir.is_dir():
         raise CheckpointError(f"{path} has no 'meta' folder; is it a jaxtrain checkpoint?")
+    quiet_orbax()
     try:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
             metadata = checkpointer.restore(meta_dir)
