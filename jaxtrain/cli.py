@@ -80,6 +80,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
             # trackers, and a refused restore opened none.
             sys.stdout.flush()
             sys.stderr.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # their threads print nothing more
             os._exit(err.exit_code)
         return err.exit_code
 
