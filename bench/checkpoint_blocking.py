@@ -27,8 +27,8 @@ from flax import nnx
 from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.checkpointing import RunCheckpoints
 from jaxtrain.checkpointing.checksums import verify_checksums, write_checksums
+from jaxtrain.cli.run_config import DEFAULT_CONFIG
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-from jaxtrain.run_config import DEFAULT_CONFIG
 from jaxtrain.training.step import make_train_step
 
 MODELS = {

@@ -4,7 +4,7 @@
     .venv/bin/python bench/data_throughput.py --batches 20 --train-steps 20 --json out.json
 
 Every pipeline variant produces batches of the demo's shape (total_batch_size x
-max_sequence_length from jaxtrain.run_config.DEFAULT_CONFIG) from the embedded corpus, on one
+max_sequence_length from jaxtrain.cli.run_config.DEFAULT_CONFIG) from the embedded corpus, on one
 thread, without prefetch; the Trainer then trains the demo model on the pre-tokenized corpus.
 "Tokens" are real (non-padding) tokens in both columns, so the ratio says how many times
 faster the input pipeline is than the step it feeds (> 1: the device never waits for data,
@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
+from jaxtrain.cli.run_config import DEFAULT_CONFIG
 from jaxtrain.data import build_train_loader, chunk_dataset, load_default_corpus
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-from jaxtrain.run_config import DEFAULT_CONFIG
 
 
 def pipeline_rate(name: str, args: TrainingArguments, data, tokenizer, batches: int) -> dict:

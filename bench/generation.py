@@ -3,7 +3,7 @@
     .venv/bin/python bench/generation.py                      # ~1-2 minutes on 2 cores
     .venv/bin/python bench/generation.py --prompt 64 --new 256 --rounds 3 --batch 1
 
-The demo model (jaxtrain.run_config.DEFAULT_CONFIG, vocab 4096, random weights) generates
+The demo model (jaxtrain.cli.run_config.DEFAULT_CONFIG, vocab 4096, random weights) generates
 ``--new`` tokens after a ``--prompt``-token prompt, greedy, no eos, with
 ``generate(use_cache=True)`` and ``generate(use_cache=False)`` (the generate() before issue 12).
 Each variant is compiled once first; the rounds then alternate the two variants and time
@@ -20,8 +20,8 @@ import time
 import numpy as np
 from flax import nnx
 
+from jaxtrain.cli.run_config import DEFAULT_CONFIG
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
-from jaxtrain.run_config import DEFAULT_CONFIG
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "JaxtrainError",
     "MeshError",
     "NonFiniteLossError",
+    "ObjectiveError",
     "ReportError",
     "ShardingRuleError",
     "TrackerError",
@@ -90,6 +91,13 @@ class CheckpointError(JaxtrainError, RuntimeError):
 
 class DistributedError(JaxtrainError, RuntimeError):
     """The multi-host cluster could not be formed; the message says what and how to fix it."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ObjectiveError(JaxtrainError, TypeError):
+    """A loss function broke the objective contract (jaxtrain/training/objective.py): the
+    message names the missing or malformed key. Raised when the step is traced."""
 
     exit_code = EXIT_BAD_INPUT
 

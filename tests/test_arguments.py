@@ -3,7 +3,7 @@ import json
 import pytest
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.run_config import parse_overrides, resolve_config, split_config
+from jaxtrain.cli.run_config import parse_overrides, resolve_config, split_config
 
 
 def test_defaults_are_valid_and_derived_values():

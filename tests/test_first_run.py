@@ -249,7 +249,7 @@ def test_the_trainer_documents_and_does_what_it_changes_on_the_model(tmp_path):
 
 # ------------------------------------------------------------ 3: which settings apply
 def test_a_config_file_starts_from_the_defaults_not_from_the_demo(tmp_path):
-    from jaxtrain.run_config import (
+    from jaxtrain.cli.run_config import (
         DEFAULT_CONFIG,
         describe_sources,
         resolve_config_with_sources,

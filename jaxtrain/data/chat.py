@@ -14,11 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
 
 __all__ = ["render_chat"]
-
-IGNORE_INDEX = -100
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:

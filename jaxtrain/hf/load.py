@@ -156,7 +156,14 @@ def from_pretrained(
     ``dtype`` is the compute dtype, ``param_dtype`` the stored one (the checkpoint's
     dtype is converted). ``sharding_for`` places each parameter (see ShardingFor).
     ``task`` ("causal-lm", "image-classification") or ``model_class`` refuse other models.
+    A ``.gguf`` file, or a directory holding one and no config.json, goes to the GGUF importer
+    (``jaxtrain.hf.gguf``, needs the gguf extra).
     """
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:
+        from jaxtrain.hf.gguf import from_gguf
+
+        return from_gguf(gguf_file, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for)
     model_dir = resolve_model_dir(path)
     family, config = read_config(model_dir, task, model_class)
     tensors = open_weights(model_dir)
@@ -171,6 +178,23 @@ def from_pretrained(
     )
     model.name_or_path = str(path)
     return model
+
+
+def gguf_path(path: str | Path) -> Path | None:
+    """The .gguf file ``path`` names: the file itself, or the one in a directory that has no
+    config.json (an HF directory with a stray .gguf loads as HF)."""
+    local = Path(path).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return local
+    if local.is_dir() and not (local / "config.json").exists():
+        found = sorted(local.glob("*.gguf"))
+        if len(found) > 1:
+            raise HFError(
+                f"{local} holds {len(found)} .gguf files ({', '.join(p.name for p in found)}); "
+                "pass the path of the one to load."
+            )
+        return found[0] if found else None
+    return None
 
 
 def load_weights(
@@ -240,7 +264,12 @@ def _place(host: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding | 
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer saved in an HF model directory, or None when it has none."""
+    """The tokenizer saved in an HF model directory (or a .gguf file), or None when it has none."""
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:
+        from jaxtrain.hf.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(gguf_file)
     model_dir = resolve_model_dir(path)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         return None

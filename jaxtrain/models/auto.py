@@ -58,6 +58,7 @@ _FAMILIES: dict[str, str | ModelFamily] = {
     "mistral": "jaxtrain.hf.families:LLAMA",
     "qwen2": "jaxtrain.hf.families:LLAMA",
     "qwen3": "jaxtrain.hf.families:LLAMA",
+    "gpt2": "jaxtrain.hf.gpt2:GPT2",
 }
 
 

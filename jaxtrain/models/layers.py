@@ -256,15 +256,26 @@ class Attention(nnx.Module):
         """q [B, T, N, H] and k, v [B, T, K, H], q and k rotated (also used by the KV cache)."""
         b, t = x.shape[:2]
         g = self.q_per_kv
-        qkv = self.qkv_proj(x)  # [B, T, K, G + 2, H]
-        qk = qkv[..., : g + 1, :]
+        proj = self.qkv_proj
+        # Slice the fused KERNEL, not its [B, T, K, G + 2, H] output: three matmuls whose
+        # outputs are used whole, so the backward pass adds weight-sized slices instead of
+        # padding and concatenating activation-sized gradients.
+        if getattr(proj, "lora", None) is not None:  # the adapter adds to the fused output
+            qkv = proj(x)  # [B, T, K, G + 2, H]
+            q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
+        else:
+            kernel = proj.kernel[...].astype(proj.dtype)  # [D, K, G + 2, H]
+            x = x.astype(proj.dtype)
+            q = jnp.einsum("btd,dkgh->btkgh", x, kernel[:, :, :g])
+            k = jnp.einsum("btd,dkh->btkh", x, kernel[:, :, g])
+            v = jnp.einsum("btd,dkh->btkh", x, kernel[:, :, g + 1])
+            if proj.bias is not None:
+                bias = proj.bias[...].astype(proj.dtype)  # [K, G + 2, H]
+                q, k, v = q + bias[:, :g], k + bias[:, g], v + bias[:, g + 1]
         if self.q_norm is not None:
-            q_normed = self.q_norm(qk[..., :g, :])
-            k_normed = self.k_norm(qk[..., g : g + 1, :])
-            qk = jnp.concatenate([q_normed, k_normed], axis=-2)
-        qk = apply_rope(qk, cos, sin)  # rotate q and k in one op
-        q = qk[..., :g, :].reshape(b, t, self.num_heads, self.head_dim)
-        return q, qk[..., g, :], qkv[..., g + 1, :]
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).reshape(b, t, self.num_heads, self.head_dim)
+        return q, apply_rope(k, cos, sin), v
 
     def __call__(
         self,
@@ -308,5 +319,17 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x: Array) -> Array:
-        gate_up = self.gate_up_proj(x)  # [B, T, 2, F]
-        return self.down_proj(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
+        # Like q/k/v: slice the fused (embed, 2, mlp) kernel, not the [B, T, 2, F] output.
+        proj = self.gate_up_proj
+        if getattr(proj, "lora", None) is not None:  # the adapter adds to the fused output
+            gate_up = proj(x)  # [B, T, 2, F]
+            gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+        else:
+            kernel = proj.kernel[...].astype(proj.dtype)
+            x = x.astype(proj.dtype)
+            gate = jnp.einsum("btd,df->btf", x, kernel[:, 0])
+            up = jnp.einsum("btd,df->btf", x, kernel[:, 1])
+            if proj.bias is not None:
+                bias = proj.bias[...].astype(proj.dtype)  # [2, F]
+                gate, up = gate + bias[0], up + bias[1]
+        return self.down_proj(jax.nn.silu(gate) * up)

@@ -25,6 +25,7 @@ from jaxtrain.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from jaxtrain.models.masking import apply_padding_mask
 from jaxtrain.models.sharding import constrain
 
 Array = jax.Array
@@ -202,13 +203,19 @@ class LlamaForCausalLM(nnx.Module):
         *,
         positions: Array | None = None,
         segment_ids: Array | None = None,
+        attention_mask: Array | None = None,
     ) -> Array:
         """input_ids [B, T] int -> logits [B, T, vocab] in the compute dtype.
 
         positions [B, T] default to 0..T-1 per row; with packing pass per-document
         positions together with ``segment_ids`` so each document restarts at 0.
+        ``attention_mask`` [B, T] (1 real, 0 padding): padding is never attended to and,
+        without explicit positions, each row's real tokens are numbered from 0 (so a
+        left-padded row's logits equal the unpadded row's; see models/masking.py).
         """
-        h = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids)
+        h = self.hidden_states(
+            input_ids, positions=positions, segment_ids=segment_ids, attention_mask=attention_mask
+        )
         if self.lm_head is None:
             return constrain(self.model.embed_tokens.attend(h), ACT_BTV)
         return constrain(self.lm_head(h), ACT_BTV)
@@ -228,6 +235,7 @@ class LlamaForCausalLM(nnx.Module):
         *,
         positions: Array | None = None,
         segment_ids: Array | None = None,
+        attention_mask: Array | None = None,
     ) -> Array:
         """The final-norm hidden states [B, T, hidden] that the output head turns into logits."""
         if self.remat_policy not in REMAT_POLICIES:
@@ -238,6 +246,9 @@ class LlamaForCausalLM(nnx.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}.")
         b, t = input_ids.shape
+        positions, segment_ids = apply_padding_mask(
+            attention_mask, input_ids, positions, segment_ids
+        )
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         return self.model(

@@ -8,7 +8,6 @@ count real tokens only (see flops.py), so MFU does not reward padding.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -16,7 +15,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-IGNORE_INDEX = -100
+from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.training.objective import STEP_KEYS, summarize_sums
 
 
 class BatchCounts(NamedTuple):
@@ -112,16 +112,17 @@ class _ClosedWindow:
         now = time.perf_counter()
         elapsed = max(now - self._window._clock, 1e-9)
         self._window._clock = now
-        tokens = sum(float(v["tokens"]) for v in values)
-        loss = sum(float(v["loss_sum"]) for v in values) / max(tokens, 1.0)
+        totals: dict[str, float] = {}
+        for step_values in values:  # every sum the objective returned (objective.py)
+            for key, value in step_values.items():
+                if key not in STEP_KEYS:
+                    totals[key] = totals.get(key, 0.0) + float(value)
         targets, positions, sequences, flops = (float(c) for c in self._counts)
         steps = len(values)
         logs = {
             "step": self.step,
             "epoch": round(self.epoch, 4),
-            "loss": loss,
-            "perplexity": math.exp(min(loss, 80.0)),
-            "accuracy": sum(float(v["correct"]) for v in values) / max(tokens, 1.0),
+            **summarize_sums(totals),
             "learning_rate": float(values[-1]["learning_rate"]),
             "grad_norm": float(values[-1]["grad_norm"]),
             "step_time_s": elapsed / steps,
@@ -140,15 +141,12 @@ class _ClosedWindow:
 
 
 def eval_summary(totals: dict[str, float], sums: dict[str, Any], batches: int) -> dict[str, float]:
-    """Add one eval batch's sums into `totals` and return the running metrics."""
+    """Add one eval batch's sums into `totals` and return the running metrics: the
+    objective's keys under `eval/` by the rule of objective.py, plus tokens and batches."""
     for key, value in sums.items():
         totals[key] = totals.get(key, 0.0) + float(value)
-    tokens = max(totals.get("tokens", 0.0), 1.0)
-    loss = totals["loss_sum"] / tokens
     return {
-        "eval/loss": loss,
-        "eval/perplexity": math.exp(min(loss, 80.0)),
-        "eval/accuracy": totals.get("correct", 0.0) / tokens,
+        **summarize_sums(totals, prefix="eval/"),
         "eval/tokens": totals.get("tokens", 0.0),
         "eval/batches": batches,
     }

@@ -19,6 +19,7 @@ on_train_end). Only process 0 writes anything.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,7 @@ class RunMonitor:
         self._pending_weights: tuple[int, Any] | None = None
         self._peak: tuple[str, float | None] | None = None
         self._window: MetricsWindow | None = None
+        self._run_info_dir: Path | None = None  # run_info.json still to write there
         if self.is_writer:
             check_trackers(args.report_to, args.output_dir)
 
@@ -130,9 +132,29 @@ class RunMonitor:
             start_step=start_step,
             resume=self._resume_state,
         )
-        self._log = MonitorLog(self._trackers, before_close=[self._flush_weights])
-        self._write_run_info(out_dir)
+        self._log = MonitorLog(
+            self._trackers, before_close=[self._flush_weights, self._ensure_run_info]
+        )
+        # run_info.json holds the device's peak FLOP/s, which on a CPU is measured: that
+        # waits until the first step is done (first_step_done) instead of delaying it.
+        self._run_info_dir = out_dir
         return self._log
+
+    def first_step_done(self, state: Any) -> None:
+        """After the run's first step: measure the CPU peak (on an idle device: waits for the
+        step), give it to the open window without counting the wait, write run_info.json."""
+        start = time.perf_counter()
+        jax.block_until_ready(state)
+        _ = self.peak
+        if self._window is not None:
+            self._window.peak_flops = self.peak[1]
+            self._window.exclude(time.perf_counter() - start)
+        self._ensure_run_info()
+
+    def _ensure_run_info(self) -> None:
+        if self._run_info_dir is not None:
+            out_dir, self._run_info_dir = self._run_info_dir, None
+            self._write_run_info(out_dir)
 
     def _write_run_info(self, out_dir: Path) -> None:
         description, peak = self.peak
@@ -171,8 +193,9 @@ class RunMonitor:
         return self.data_wait.timed(iter(batches))
 
     def window(self) -> MetricsWindow:
+        peak = self._peak[1] if self._peak is not None else None  # set by first_step_done
         self._window = MetricsWindow(
-            num_devices=jax.device_count(), peak_flops=self.peak[1], data_wait=self.data_wait
+            num_devices=jax.device_count(), peak_flops=peak, data_wait=self.data_wait
         )
         return self._window
 

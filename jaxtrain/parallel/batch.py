@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.arguments import ArgumentError
+from jaxtrain.errors import ArgumentError
 from jaxtrain.parallel.mesh import BATCH_AXES, SEQUENCE_AXIS
 
 

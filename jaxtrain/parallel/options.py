@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from jaxtrain.arguments import ArgumentError
+from jaxtrain.errors import ArgumentError
 from jaxtrain.parallel.distributed import DISTRIBUTED_MODES
 from jaxtrain.parallel.mesh import MESH_AXES, parse_axis_dims
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 
@@ -32,7 +33,6 @@ __all__ = [
     "truncate_keep_response",
 ]
 
-IGNORE_INDEX = -100
 PAIR_FLOAT_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps", "margin")
 
 

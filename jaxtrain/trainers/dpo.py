@@ -192,12 +192,12 @@ class DPOTrainer(PairTrainer):
             "loss_sum": (losses * real).sum(),
             "tokens": real.sum(),
             "correct": won.sum(),
-            "rewards/chosen": (reward_chosen * real).sum(),
-            "rewards/rejected": (reward_rejected * real).sum(),
-            "rewards/margins": ((reward_chosen - reward_rejected) * real).sum(),
-            "rewards/accuracies": won.sum(),
-            "logps/chosen": (jax.lax.stop_gradient(chosen) * real).sum(),
-            "logps/rejected": (jax.lax.stop_gradient(rejected) * real).sum(),
+            "rewards/chosen_sum": (reward_chosen * real).sum(),
+            "rewards/rejected_sum": (reward_rejected * real).sum(),
+            "rewards/margins_sum": ((reward_chosen - reward_rejected) * real).sum(),
+            "rewards/accuracies_sum": won.sum(),
+            "logps/chosen_sum": (jax.lax.stop_gradient(chosen) * real).sum(),
+            "logps/rejected_sum": (jax.lax.stop_gradient(rejected) * real).sum(),
         }
 
     # --------------------------------------------------------------- precompute

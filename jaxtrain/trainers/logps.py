@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-IGNORE_INDEX = -100
+from jaxtrain.data.collate import IGNORE_INDEX
 
 
 def token_logps(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -99,9 +99,9 @@ class RewardTrainer(PairTrainer):
             "loss_sum": (losses * real).sum(),
             "tokens": real.sum(),
             "correct": won.sum(),
-            "rewards/chosen": (jax.lax.stop_gradient(chosen) * real).sum(),
-            "rewards/rejected": (jax.lax.stop_gradient(rejected) * real).sum(),
-            "rewards/margins": (jax.lax.stop_gradient(chosen - rejected) * real).sum(),
+            "rewards/chosen_sum": (jax.lax.stop_gradient(chosen) * real).sum(),
+            "rewards/rejected_sum": (jax.lax.stop_gradient(rejected) * real).sum(),
+            "rewards/margins_sum": (jax.lax.stop_gradient(chosen - rejected) * real).sum(),
         }
 
     def save_pretrained(

@@ -133,6 +133,7 @@ class TrainingLoop:
         last_eval_step = step if start.evaluated else -1
         saved_step = step if resumed else -1
         window = trainer._monitor.window()
+        first_step = step + 1
         last_save_time = time.monotonic()
         while step < total_steps:
             if trainer.should_stop:
@@ -145,6 +146,8 @@ class TrainingLoop:
             call_hooks(trainer._receivers, "on_step_start", trainer, state, step)
             state, metrics = trainer._train_step(state, batch)
             step += 1
+            if step == first_step:
+                trainer._monitor.first_step_done(state)
             self.guard.push(step, metrics["nonfinite"])
             window.add(metrics, trainer._monitor.count(host_batch))
             self._emit_pending()
@@ -257,8 +260,9 @@ class TrainingLoop:
         metrics = trainer.evaluate(state)
         self.log.write(step, metrics)
         call_hooks(trainer._receivers, "on_evaluate", trainer, metrics, step)
-        self.progress.write(
-            f"step {step}: eval loss {metrics['eval/loss']:.4f}, "
-            f"ppl {metrics['eval/perplexity']:.2f}, acc {metrics['eval/accuracy']:.3f}"
-        )
+        line = f"step {step}: eval loss {metrics['eval/loss']:.4f}"
+        line += f", ppl {metrics['eval/perplexity']:.2f}"
+        if "eval/accuracy" in metrics:  # only objectives that count `correct` have one
+            line += f", acc {metrics['eval/accuracy']:.3f}"
+        self.progress.write(line)
         self.eval_metrics = metrics

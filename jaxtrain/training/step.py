@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.training.objective import Objective, check_loss_sums
 from jaxtrain.training.state import TrainState
 
-IGNORE_INDEX = -100
-
-# (model, batch, rng) -> dict of sums over the batch; must hold "loss_sum" and "tokens".
-LossSumsFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], dict[str, jax.Array]]
+# (model, batch, rng) -> dict of sums over the batch: the contract is in objective.py.
+LossSumsFn = Objective
 
 
 def causal_lm_sums(
@@ -139,7 +139,7 @@ def make_train_step(
 
     def micro_loss(params, frozen, micro_batch, rng, normalizer):
         model = nnx.merge(graphdef, params, frozen)
-        sums = loss_sums_fn(model, micro_batch, rng)
+        sums = check_loss_sums(loss_sums_fn(model, micro_batch, rng))  # at trace time
         return sums["loss_sum"] / normalizer, sums
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -209,6 +209,6 @@ def make_eval_step(
     def eval_step(params, batch, frozen=None):
         frozen = rest if frozen is None else frozen
         model = nnx.merge(graphdef, params, frozen)
-        return loss_sums_fn(model, batch, jax.random.key(0))
+        return check_loss_sums(loss_sums_fn(model, batch, jax.random.key(0)))
 
     return eval_step

@@ -89,9 +89,9 @@ def test_step_zero_is_ln2_with_zero_rewards(trained):
     first = seen.steps[0]
     assert first["tokens"] == 8  # pairs
     assert first["loss_sum"] / first["tokens"] == pytest.approx(math.log(2), abs=1e-6)
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+    for key in ("rewards/chosen_sum", "rewards/rejected_sum", "rewards/margins_sum"):
         assert first[key] == pytest.approx(0.0, abs=1e-6), key
-    assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+    assert first["logps/chosen_sum"] < 0 and first["logps/rejected_sum"] < 0
 
 
 def test_synthetic_preferences_reach_reward_accuracy(trained):

@@ -148,8 +148,9 @@ def schema_help(schema: dict[str, type], docs: dict[str, str], prefix: str, defa
 
 
 def train_help() -> str:
-    from jaxtrain import arguments, run_config
+    from jaxtrain import arguments
     from jaxtrain.arguments import TrainingArguments
+    from jaxtrain.cli import run_config
     from jaxtrain.models import LlamaConfig
 
     choices = {
@@ -199,7 +200,7 @@ def command_help(command: str) -> str:
     """`jaxtrain COMMAND --help`."""
     if command == "train":
         return train_help()
-    from jaxtrain import run_config
+    from jaxtrain.cli import run_config
 
     sample = schema_help(run_config.SAMPLE_KEYS, schema_docs(run_config, "SAMPLE_KEYS"), "", {})
     texts = {

@@ -1,0 +1,82 @@
+"""`jaxtrain train | eval | sample | export | report`: the command line.
+
+`jaxtrain train` with no arguments trains the demo model on the embedded corpus.
+
+  __init__.py    main(): dispatch, and the one place errors become exit codes
+  usage.py       the usage text
+  help.py        `jaxtrain COMMAND --help`: every option with its type, default and doc
+  run_config.py  config file + --flags -> one mapping (TrainingArguments + model/data/sample)
+  run_dir.py     build_model, build_data, load_run, restore_run: a run directory's pieces
+  pretrained.py  the `model.pretrained` section (fine-tuning a local Hugging Face model)
+  commands.py    train, eval, sample, report
+  export.py      export (a run or checkpoint -> a Hugging Face directory)
+
+Heavy imports (jax, transformers) happen inside the commands, so `jaxtrain --help` is fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from jaxtrain.cli.usage import USAGE
+
+__all__ = ["COMMANDS", "USAGE", "main"]
+
+COMMANDS = ("train", "eval", "sample", "export", "report")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    if argv[0] in ("--version", "-V", "version"):
+        from jaxtrain import __version__
+
+        print(f"jaxtrain {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in COMMANDS and any(t in ("-h", "--help") for t in rest):
+        from jaxtrain.cli.help import command_help
+
+        print(command_help(command))
+        return 0
+    from jaxtrain import interrupts
+
+    interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
+    return _dispatch(command, rest)
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
+    from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
+    from jaxtrain.cli.export import cmd_export
+    from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
+
+    commands = {
+        "train": cmd_train,
+        "eval": cmd_eval,
+        "sample": cmd_sample,
+        "export": cmd_export,
+        "report": cmd_report,
+    }
+    if command not in commands:
+        print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return commands[command](rest)
+    except JaxtrainError as err:
+        # The one place a deliberate error becomes its message and exit code; anything
+        # else is a bug and keeps its traceback (exit 1).
+        label = "" if isinstance(err, TrainingInterrupted) else "error: "
+        print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
+        if isinstance(err, CheckpointError):
+            # Tensorstore reads or writes still in flight when Orbax gave up complete during
+            # interpreter shutdown and print "Event loop is closed" tracebacks after this
+            # line. Nothing here needs the exit hooks: the loop already closed the logs and
+            # trackers, and a refused restore opened none.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # their threads print nothing more
+            os._exit(err.exit_code)
+        return err.exit_code

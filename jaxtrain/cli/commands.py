@@ -1,0 +1,172 @@
+"""`jaxtrain train | eval | sample | report`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtrain.cli.usage import USAGE, split_positional
+from jaxtrain.errors import EXIT_OK, EXIT_TIME_LIMIT, ArgumentError
+
+
+def cmd_train(tokens: list[str]) -> int:
+    from jaxtrain.cli.pretrained import pretrained_data_section, run_model_section
+    from jaxtrain.cli.run_config import (
+        describe_sources,
+        explain_source,
+        parse_overrides,
+        resolve_config_with_sources,
+        save_config,
+        split_config,
+    )
+    from jaxtrain.cli.run_dir import build_data, build_model
+
+    dry_run = "--dry_run" in tokens
+    path, rest = split_positional([t for t in tokens if t != "--dry_run"])
+    config, sources = resolve_config_with_sources(path, parse_overrides(rest))
+    try:
+        args, model_section, data, sample = split_config(config)
+    except ArgumentError as err:
+        raise explain_source(err, sources) from None
+    from jaxtrain.cli.task import task_trainer
+
+    task = str(config.get("task") or "lm")
+
+    from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
+
+    initialize_distributed(args)  # before anything touches a device
+    import jax
+
+    if jax.process_index() == 0:
+        print(describe_sources(config, sources), flush=True)
+    data = pretrained_data_section(model_section, data)
+    train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
+    if "pretrained" in model_section:
+        # Each tensor goes straight from the file to its shards on the mesh.
+        plan = ShardingPlan.from_arguments(args)
+        model = build_model(
+            model_section, tokenizer, seed=args.seed, sharding_for=plan.sharding_for
+        )
+        section = run_model_section(model)
+    else:
+        # Built abstractly, then created already sharded on the mesh by the Trainer.
+        model = ModelFactory(lambda: build_model(model_section, tokenizer, seed=args.seed))
+        section = run_model_section(model.abstract())
+    resolved = {**args.to_dict(), "model": section, "data": data, "sample": sample}
+    trainer_class, task_kwargs, task_config = task_trainer(
+        task, config, data, tokenizer, args, build_model
+    )
+    resolved.update(task_config)
+
+    class SaveConfig:
+        # Written once the run owns output_dir (after resume checks), so an interrupted run
+        # can be evaluated, sampled or resumed from its directory.
+        def on_train_start(self, trainer: Any, state: Any) -> None:
+            save_config(resolved, args.output_dir)
+
+    trainer = trainer_class(
+        arguments=args,
+        model=model,
+        dataset_train=train,
+        dataset_eval=evaluation,
+        processing_class=tokenizer,
+        callbacks=[SaveConfig()],
+        **task_kwargs,
+    )
+    if dry_run:
+        trainer.dry_run()
+        return EXIT_OK
+    output = trainer.train()
+    summary = ", ".join(
+        f"{k}={output.metrics[k]:.4f}" for k in ("loss", "eval/loss") if k in output.metrics
+    )
+    print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
+    if output.stop_reason == "time_limit":
+        return EXIT_TIME_LIMIT
+    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0 and task != "reward":
+        # The trained causal LM (a task trainer's policy or student), not the task's container.
+        model = trainer.model_from_state(output.state)
+        print_sample(model, tokenizer, sample, evaluation or train, args)
+    return EXIT_OK
+
+
+def print_sample(
+    model: Any, tokenizer: Any, sample: dict[str, Any], dataset: Any = None, args: Any = None
+) -> None:
+    """A sample from `sample.prompt`, else a prompt in the run's own data format."""
+    from jaxtrain.data.prompts import sample_prompt
+    from jaxtrain.models import generate
+
+    ids, prompt = sample_prompt(
+        tokenizer,
+        dataset,
+        prompt=sample.get("prompt"),
+        messages_column=getattr(args, "messages_column", "messages"),
+        text_column=getattr(args, "text_column", "text"),
+        chat_template=getattr(args, "chat_template", None),
+    )
+    new = generate(
+        model,
+        ids,
+        max_new_tokens=sample.get("max_new_tokens", 64),
+        temperature=sample.get("temperature", 0.0),
+        top_k=sample.get("top_k"),
+        top_p=sample.get("top_p", 1.0),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    print("--- sample " + "-" * 50)
+    print(prompt + tokenizer.decode(list(new), skip_special_tokens=True))
+    print("-" * 61)
+
+
+def _restore(tokens: list[str], *, with_eval_data: bool):
+    """`RUN_DIR [--checkpoint PATH] [--options]` -> (restored run, leftover options)."""
+    from jaxtrain.cli.run_config import parse_overrides
+    from jaxtrain.cli.run_dir import restore_run
+
+    run_dir, rest = split_positional(tokens)
+    if run_dir is None:
+        raise ArgumentError(f"missing RUN_DIR.\n\n{USAGE}")
+    overrides = parse_overrides(rest)
+    checkpoint = overrides.pop("checkpoint", None)
+    return restore_run(run_dir, checkpoint, with_eval_data=with_eval_data), overrides
+
+
+def cmd_eval(tokens: list[str]) -> int:
+    from jaxtrain.arguments import coerce_value
+
+    run, overrides = _restore(tokens, with_eval_data=True)
+    trainer = run.trainer
+    if "max_eval_batches" in overrides:
+        raw = overrides.pop("max_eval_batches")
+        trainer.arguments.max_eval_batches = coerce_value(
+            int | None, raw, field="max_eval_batches", source="command line"
+        )
+    if overrides:
+        raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
+    metrics = trainer.evaluate(run.state)
+    print(f"checkpoint: {run.checkpoint}")
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    return EXIT_OK
+
+
+def cmd_sample(tokens: list[str]) -> int:
+    from jaxtrain.cli.run_config import SAMPLE_KEYS, typed_section
+
+    run, overrides = _restore(tokens, with_eval_data=False)
+    sample = {**run.sections.sample, **typed_section(overrides, SAMPLE_KEYS, "sample")}
+    tokenizer = run.sections.tokenizer
+    if tokenizer is None:
+        raise ArgumentError("the run directory has no tokenizer/ to encode the prompt.")
+    print_sample(run.trainer.model_from_state(run.state), tokenizer, sample)
+    return EXIT_OK
+
+
+def cmd_report(tokens: list[str]) -> int:
+    from jaxtrain.observability.report import write_report
+
+    if len(tokens) != 1 or tokens[0].startswith("--"):
+        raise ArgumentError(f"jaxtrain report takes one RUN_DIR.\n\n{USAGE}")
+    report = write_report(tokens[0])
+    print(f"report: {report.png} and {report.html}")
+    return EXIT_OK

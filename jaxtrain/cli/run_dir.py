@@ -1,0 +1,141 @@
+"""A run's pieces from its sections or its directory: model, data, and a restored Trainer.
+
+`jaxtrain train` builds a model and data from the resolved config; `eval`, `sample` and
+`export` rebuild the same from `<run_dir>/config.yaml` and restore a checkpoint into it.
+These are public so scripts can do the same as the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.errors import ArgumentError
+
+
+def build_model(model_section: dict[str, Any], tokenizer: Any, *, seed: int, sharding_for=None):
+    """The model of a run's `model` section; `sharding_for` places pretrained weights."""
+    from flax import nnx
+
+    from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+
+    values = dict(model_section)
+    base_model = values.pop("base_model", None)  # where a run's weights came from
+    if "pretrained" in values:
+        from jaxtrain.cli.pretrained import build_pretrained_model
+
+        return build_pretrained_model(values, tokenizer, sharding_for=sharding_for)
+    if tokenizer is not None:
+        values.setdefault("vocab_size", len(tokenizer))
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, name, None) is not None:
+                values.setdefault(name, getattr(tokenizer, name))
+    config = LlamaConfig.from_dict(values)
+    if tokenizer is not None and config.vocab_size < len(tokenizer):
+        raise ArgumentError(
+            f"model.vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({len(tokenizer)}). Set --model.vocab_size {len(tokenizer)} or larger."
+        )
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+    if base_model:
+        model.name_or_path = base_model
+    return model
+
+
+def build_data(data: dict[str, Any], seq_len: int):
+    """-> (train dataset, eval dataset, tokenizer) from the `data` section."""
+    source = data.get("source", "default")
+    if source == "default":
+        from jaxtrain.data import chunk_dataset, load_default_corpus
+
+        kwargs = {k: data[k] for k in ("max_train_bytes", "vocab_size") if k in data}
+        corpus = load_default_corpus(**kwargs)
+        tokenizer = corpus.tokenizer
+        if data.get("tokenizer"):  # e.g. a pretrained model's own tokenizer
+            tokenizer = _load_tokenizer(data["tokenizer"])
+        train = chunk_dataset(corpus.train, tokenizer, seq_len)
+        evaluation = chunk_dataset(corpus.eval, tokenizer, seq_len)
+        return train, evaluation, tokenizer
+    if source == "files":
+        from jaxtrain.data.files import load_files
+
+        if "train_files" not in data:
+            raise ArgumentError("data.source='files' needs data.train_files (a path or glob).")
+        tokenizer = _load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
+        train = load_files(data["train_files"], name="data.train_files")
+        evaluation = (
+            load_files(data["eval_files"], name="data.eval_files")
+            if data.get("eval_files")
+            else None
+        )
+        return train, evaluation, tokenizer
+    raise ArgumentError(f"data.source={source!r} is not supported; use 'default' or 'files'.")
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@dataclass
+class RunSections:
+    """What `<run_dir>/config.yaml` (and tokenizer/) describe."""
+
+    args: Any  # TrainingArguments
+    model: dict[str, Any]
+    data: dict[str, Any]
+    sample: dict[str, Any]
+    tokenizer: Any
+
+
+def load_run(run_dir: str | Path) -> RunSections:
+    """Arguments, model, data and sample sections and the tokenizer of a run directory."""
+    from transformers import AutoTokenizer
+
+    from jaxtrain.arguments import read_config_file
+    from jaxtrain.cli.run_config import split_config
+
+    config_path = Path(run_dir) / "config.yaml"
+    if not config_path.is_file():
+        raise ArgumentError(
+            f"{run_dir} has no config.yaml: not a run directory written by `jaxtrain train`."
+        )
+    args, model_section, data, sample = split_config(read_config_file(config_path))
+    tokenizer_dir = Path(run_dir) / "tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir.is_dir() else None
+    return RunSections(args, model_section, data, sample, tokenizer)
+
+
+@dataclass
+class RestoredRun:
+    """A run directory rebuilt: its Trainer, a restored state and where it came from."""
+
+    trainer: Any  # Trainer
+    state: Any  # TrainState
+    checkpoint: str
+    sections: RunSections
+
+
+def restore_run(
+    run_dir: str | Path, checkpoint: str | Path | None = None, *, with_eval_data: bool = False
+) -> RestoredRun:
+    """Rebuild a finished (or interrupted) run's Trainer and restore a checkpoint into it.
+
+    `checkpoint` defaults to the run's newest committed checkpoint; `with_eval_data` also
+    rebuilds the eval set (for `jaxtrain eval`).
+    """
+    from jaxtrain.checkpointing import find_checkpoint
+    from jaxtrain.parallel import initialize_distributed
+    from jaxtrain.training.trainer import Trainer
+
+    checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
+    sections = load_run(run_dir)
+    args = sections.args
+    initialize_distributed(args)  # before the model touches a device
+    evaluation = build_data(sections.data, args.max_sequence_length)[1] if with_eval_data else None
+    model = build_model(sections.model, sections.tokenizer, seed=args.seed)
+    trainer = Trainer(arguments=args, model=model, dataset_eval=evaluation)
+    state = trainer.load_checkpoint(checkpoint)
+    return RestoredRun(trainer, state, checkpoint, sections)

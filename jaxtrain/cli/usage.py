@@ -1,0 +1,27 @@
+"""The usage text of `jaxtrain` (a leaf: every command module may quote it)."""
+
+EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]"
+
+USAGE = f"""usage:
+  jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
+                 [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
+                 [--task lm|sft|dpo|reward|distill]  (the trainer; distill: --teacher.pretrained DIR)
+  jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
+  jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
+  {EXPORT_USAGE}
+  jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
+  jaxtrain --version
+
+`jaxtrain COMMAND --help` (or -h) lists every option of COMMAND with its type, default and doc.
+
+Every TrainingArguments field can be set in the config file or as --field value.
+With no config, `jaxtrain train` trains a small Llama on the embedded corpus (the demo).
+`--model.pretrained DIR` fine-tunes a local Hugging Face model; `export` writes one.
+"""
+
+
+def split_positional(tokens: list[str]) -> tuple[str | None, list[str]]:
+    """(the leading positional argument or None, the rest)."""
+    if tokens and not tokens[0].startswith("--"):
+        return tokens[0], tokens[1:]
+    return None, tokens
