@@ -10,6 +10,7 @@
   pretrained.py  the `model.pretrained` section (fine-tuning a local Hugging Face model)
   commands.py    train, eval, sample, report
   export.py      export (a run or checkpoint -> a Hugging Face directory)
+  launch.py      launch (--ray / --slurm) and tune: runs past one machine
 
 Heavy imports (jax, transformers) happen inside the commands, so `jaxtrain --help` is fast.
 """
@@ -44,13 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from jaxtrain import interrupts
 
-    interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
+    if command in ("train", "eval", "sample", "export", "report"):  # launch/tune: Ray's own
+        interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
     return _dispatch(command, rest)
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
     from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
     from jaxtrain.cli.export import cmd_export
+    from jaxtrain.cli.launch import cmd_launch, cmd_tune
     from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
 
     commands = {
@@ -59,6 +62,8 @@ def _dispatch(command: str, rest: list[str]) -> int:
         "sample": cmd_sample,
         "export": cmd_export,
         "report": cmd_report,
+        "launch": cmd_launch,
+        "tune": cmd_tune,
     }
     if command not in commands:
         print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

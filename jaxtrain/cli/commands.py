@@ -8,7 +8,8 @@ from jaxtrain.cli.usage import USAGE, split_positional
 from jaxtrain.errors import EXIT_OK, EXIT_TIME_LIMIT, ArgumentError
 
 
-def cmd_train(tokens: list[str]) -> int:
+def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
+    """`jaxtrain train`; `callbacks` join the Trainer's (jaxtrain tune reports through one)."""
     from jaxtrain.cli.pretrained import pretrained_data_section, run_model_section
     from jaxtrain.cli.run_config import (
         describe_sources,
@@ -69,7 +70,7 @@ def cmd_train(tokens: list[str]) -> int:
         dataset_train=train,
         dataset_eval=evaluation,
         processing_class=tokenizer,
-        callbacks=[SaveConfig()],
+        callbacks=[SaveConfig(), *(callbacks or [])],
         **task_kwargs,
     )
     if dry_run:

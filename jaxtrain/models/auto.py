@@ -59,6 +59,7 @@ _FAMILIES: dict[str, str | ModelFamily] = {
     "qwen2": "jaxtrain.hf.families:LLAMA",
     "qwen3": "jaxtrain.hf.families:LLAMA",
     "gpt2": "jaxtrain.hf.gpt2:GPT2",
+    "vit": "jaxtrain.hf.vit:VIT",
 }
 
 

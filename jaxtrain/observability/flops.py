@@ -64,7 +64,9 @@ def _dims(config: Any) -> tuple[int, int, int, int, int, int, int]:
 def matmul_parameters(config: Any) -> int:
     """N_matmul: parameters that take part in a matrix multiply per token (see module doc)."""
     L, d, H, K, Q, I, V = _dims(config)  # noqa: E741
-    return L * (d * Q * (2 * H + 2 * K) + 3 * d * I) + d * V
+    # d x I matrices per MLP: 3 for SwiGLU (gate, up, down); a config says otherwise (GPT-2: 2).
+    mlp = int(getattr(config, "mlp_matrices", 3))
+    return L * (d * Q * (2 * H + 2 * K) + mlp * d * I) + d * V
 
 
 def dense_flops_per_token(config: Any) -> float:
