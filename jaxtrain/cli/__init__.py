@@ -10,12 +10,14 @@
   pretrained.py  the `model.pretrained` section (fine-tuning a local Hugging Face model)
   commands.py    train, eval, sample, report
   export.py      export (a run or checkpoint -> a Hugging Face directory)
+  launch.py      launch (--ray / --slurm) and tune: runs past one machine
 
 Heavy imports (jax, transformers) happen inside the commands, so `jaxtrain --help` is fast.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from jaxtrain.cli.usage import USAGE
@@ -41,9 +43,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(command_help(command))
         return 0
+    from jaxtrain import interrupts
+
+    if command in ("train", "eval", "sample", "export", "report"):  # launch/tune: Ray's own
+        interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
+    return _dispatch(command, rest)
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
     from jaxtrain.cli.export import cmd_export
-    from jaxtrain.errors import JaxtrainError, TrainingInterrupted
+    from jaxtrain.cli.launch import cmd_launch, cmd_tune
+    from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
 
     commands = {
         "train": cmd_train,
@@ -51,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         "sample": cmd_sample,
         "export": cmd_export,
         "report": cmd_report,
+        "launch": cmd_launch,
+        "tune": cmd_tune,
     }
     if command not in commands:
         print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
@@ -62,4 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         # else is a bug and keeps its traceback (exit 1).
         label = "" if isinstance(err, TrainingInterrupted) else "error: "
         print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
+        if isinstance(err, CheckpointError):
+            # Tensorstore reads or writes still in flight when Orbax gave up complete during
+            # interpreter shutdown and print "Event loop is closed" tracebacks after this
+            # line. Nothing here needs the exit hooks: the loop already closed the logs and
+            # trackers, and a refused restore opened none.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # their threads print nothing more
+            os._exit(err.exit_code)
         return err.exit_code

@@ -8,7 +8,8 @@ from jaxtrain.cli.usage import USAGE, split_positional
 from jaxtrain.errors import EXIT_OK, EXIT_TIME_LIMIT, ArgumentError
 
 
-def cmd_train(tokens: list[str]) -> int:
+def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
+    """`jaxtrain train`; `callbacks` join the Trainer's (jaxtrain tune reports through one)."""
     from jaxtrain.cli.pretrained import pretrained_data_section, run_model_section
     from jaxtrain.cli.run_config import (
         describe_sources,
@@ -27,9 +28,11 @@ def cmd_train(tokens: list[str]) -> int:
         args, model_section, data, sample = split_config(config)
     except ArgumentError as err:
         raise explain_source(err, sources) from None
+    from jaxtrain.cli.task import task_trainer
+
+    task = str(config.get("task") or "lm")
 
     from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
-    from jaxtrain.training.trainer import Trainer
 
     initialize_distributed(args)  # before anything touches a device
     import jax
@@ -50,6 +53,10 @@ def cmd_train(tokens: list[str]) -> int:
         model = ModelFactory(lambda: build_model(model_section, tokenizer, seed=args.seed))
         section = run_model_section(model.abstract())
     resolved = {**args.to_dict(), "model": section, "data": data, "sample": sample}
+    trainer_class, task_kwargs, task_config = task_trainer(
+        task, config, data, tokenizer, args, build_model
+    )
+    resolved.update(task_config)
 
     class SaveConfig:
         # Written once the run owns output_dir (after resume checks), so an interrupted run
@@ -57,13 +64,14 @@ def cmd_train(tokens: list[str]) -> int:
         def on_train_start(self, trainer: Any, state: Any) -> None:
             save_config(resolved, args.output_dir)
 
-    trainer = Trainer(
+    trainer = trainer_class(
         arguments=args,
         model=model,
         dataset_train=train,
         dataset_eval=evaluation,
         processing_class=tokenizer,
-        callbacks=[SaveConfig()],
+        callbacks=[SaveConfig(), *(callbacks or [])],
+        **task_kwargs,
     )
     if dry_run:
         trainer.dry_run()
@@ -75,8 +83,10 @@ def cmd_train(tokens: list[str]) -> int:
     print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
     if output.stop_reason == "time_limit":
         return EXIT_TIME_LIMIT
-    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0:
-        print_sample(trainer.model, tokenizer, sample, evaluation or train, args)
+    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0 and task != "reward":
+        # The trained causal LM (a task trainer's policy or student), not the task's container.
+        model = trainer.model_from_state(output.state)
+        print_sample(model, tokenizer, sample, evaluation or train, args)
     return EXIT_OK
 
 

@@ -25,7 +25,7 @@ import yaml
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments, coerce_value
 
-SECTIONS = ("model", "data", "sample")
+SECTIONS = ("model", "data", "sample", "teacher")
 
 # The demo: a small Llama on the embedded corpus, ~10 minutes on 2 CPU cores.
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -202,8 +202,12 @@ def _merge(config: dict[str, Any], update: dict[str, Any]) -> None:
 
 def split_config(config: dict[str, Any]) -> tuple[TrainingArguments, dict, dict, dict]:
     """-> (TrainingArguments, model section, data section, sample section), all validated."""
-    fields = {k: v for k, v in config.items() if k not in SECTIONS}
-    args = TrainingArguments.from_dict(fields, source="config")
+    from jaxtrain.trainers.tasks import task_classes
+
+    fields = {k: v for k, v in config.items() if k not in SECTIONS and k != "task"}
+    # `task` (sft, dpo, reward, distill) picks the arguments class: DPOArguments has beta...
+    arguments_class, _ = task_classes(str(config.get("task") or "lm"))
+    args = arguments_class.from_dict(fields, source="config")
     model = typed_model_section(config.get("model") or {})
     data = typed_section(config.get("data") or {}, DATA_KEYS, "data")
     sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample")

@@ -5,10 +5,13 @@ EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB]
 USAGE = f"""usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
                  [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
+                 [--task lm|sft|dpo|reward|distill]  (the trainer; distill: --teacher.pretrained DIR)
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   {EXPORT_USAGE}
   jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
+  jaxtrain launch --ray|--slurm [options] COMMAND ...   (one jaxtrain per Ray actor / SLURM task)
+  jaxtrain tune CONFIG.yaml --search 'lr=loguniform(1e-4,1e-2)' [--num_samples N] [--scheduler asha]
   jaxtrain --version
 
 `jaxtrain COMMAND --help` (or -h) lists every option of COMMAND with its type, default and doc.

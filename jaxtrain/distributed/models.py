@@ -20,7 +20,13 @@ def base_config(config: RayDistributedConfig) -> Any:
     else:
         from jaxtrain.hf.load import read_config, resolve_model_dir
 
-        values = read_config(resolve_model_dir(source)).to_dict()
+        _, found = read_config(resolve_model_dir(source))
+        if not isinstance(found, LlamaConfig):
+            raise ArgumentError(
+                f"{source}: RayDistributedTrainer builds Llama-family models (llama, mistral, "
+                f"qwen2, qwen3); this config.json describes a {type(found).__name__}."
+            )
+        values = found.to_dict()
     if config.model_type is not None:
         values["model_type"] = config.model_type
     try:

@@ -153,7 +153,7 @@ def sbatch_script(command: list[str], options: SbatchOptions, python: str | None
         "account": options.account,
     }
     lines += [f"#SBATCH --{k}={v}" for k, v in optional.items() if v is not None]
-    lines += ["", "set -euo pipefail", *options.setup]
+    lines += ["", "set -eo pipefail", *options.setup]
     # One JAX process per task; jaxtrain reads SLURM_PROCID, SLURM_NTASKS and the node list.
     run = shlex.join([python, "-m", "jaxtrain.cli", *command])
     lines += [f"srun --kill-on-bad-exit=1 {run}", ""]

@@ -64,6 +64,7 @@ _FAMILIES: dict[str, str | ModelFamily] = {
     "gemma2": "jaxtrain.hf.families:GEMMA",
     "gemma3_text": "jaxtrain.hf.families:GEMMA",
     "gpt2": "jaxtrain.hf.gpt2:GPT2",
+    "vit": "jaxtrain.hf.vit:VIT",
 }
 
 

@@ -70,8 +70,10 @@ def matmul_parameters(config: Any) -> int:
     L, d, H, K, Q, I, V = _dims(config)  # noqa: E741
     active_mlp = getattr(config, "active_mlp_matmul_parameters", None)
     # Mixture-of-experts: only the experts a token is routed to (plus router and shared
-    # expert) multiply it, so MFU counts those, not every expert's weights.
-    mlp = active_mlp() if callable(active_mlp) else L * 3 * d * I
+    # expert) multiply it, so MFU counts those, not every expert's weights. Otherwise d x I
+    # matrices per MLP: 3 for SwiGLU (gate, up, down); a config says otherwise (GPT-2: 2).
+    mlp_matrices = int(getattr(config, "mlp_matrices", 3))
+    mlp = active_mlp() if callable(active_mlp) else L * mlp_matrices * d * I
     return L * d * Q * (2 * H + 2 * K) + mlp + d * V
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.trainers.base import TaskTrainer, concrete_model
 from jaxtrain.trainers.frozen import TaskModel
+from jaxtrain.trainers.sft import SFTTrainer
 from jaxtrain.training.step import causal_lm_sums
 
 __all__ = ["DistillationArguments", "DistillationTrainer", "distillation_kl"]
@@ -58,6 +59,9 @@ def distillation_kl(
 
 class DistillationTrainer(TaskTrainer):
     """Train `model` (the student) towards `teacher_model` on SFT rows."""
+
+    # SFT's rows: text, messages, or prompt + completion.
+    create_featurizer = SFTTrainer.create_featurizer
 
     def __init__(
         self,

@@ -94,9 +94,11 @@ class TrainingLoop:
             try:
                 state, step = self._steps(state, step, batches, signals, start)
             finally:
-                trainer.checkpoints.close()  # waits for the background writes to commit
-                self.progress.close()
-                self.log.close()
+                try:
+                    trainer.checkpoints.close()  # waits for the background writes to commit
+                finally:
+                    self.progress.close()
+                    self.log.close()
         return self._finish(state, step)
 
     # ----------------------------------------------------------------- setup

@@ -299,3 +299,34 @@ def test_exhausted_restarts_raise_an_error_naming_the_dead_process(ray_session, 
     assert "max_restarts=0 is exhausted" in str(err.value)
     assert len(rt.attempts) == 1 and rt.attempts[0].failed_process == 1
     assert gone(all_pids(rt.attempts))
+
+
+def test_cli_launch_runs_jaxtrain_train_as_one_cluster_of_actors(ray_session, tmp_path, capsys):
+    from jaxtrain.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(32)))
+    config = {
+        "output_dir": str(tmp_path / "run"),
+        "max_steps": 2,
+        "total_batch_size": 8,
+        "max_sequence_length": SEQ,
+        "evaluation_strategy": "no",
+        "warmup_steps": 0,
+        "progress_bar": "none",
+        "run_report": False,
+        # dp=4 needs the devices of both processes: alone, one has only 2.
+        "sharding_axis_dims": [4, 1, 1, 1, 1],
+        "model": {**MODEL, "max_position_embeddings": 64},
+        "data": {"source": "files", "train_files": str(data)},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    command = ["launch", "--ray", "--num_processes", "2", "--devices_per_process", "2"]
+    assert main([*command, "train", str(path), "--logging_steps", "1"]) == 0
+    assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
+    logged = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2]  # written once, by process 0
+    assert "attempt 0: 2 processes (0: pid" in capsys.readouterr().out

@@ -105,3 +105,24 @@ def test_sbatch_script_quotes_arguments_with_spaces():
         ["train", "--sample.prompt", "def f(x):"], SbatchOptions(), python=sys.executable
     )
     assert "--sample.prompt 'def f(x):'" in script
+
+
+def test_cli_launch_slurm_prints_the_script_and_rejects_mixed_options(capsys):
+    from jaxtrain.cli import main
+
+    tokens = ["launch", "--slurm", "--nodes", "2", "--tasks_per_node=4", "--time", "1:00:00"]
+    assert (
+        main([*tokens, "--setup", "module load cuda", "train", "cfg.yaml", "--max_steps", "9"]) == 0
+    )
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=4\n" in script
+    assert "\nmodule load cuda\n" in script
+    assert script.rstrip().endswith("-m jaxtrain.cli train cfg.yaml --max_steps 9")
+    assert main(["launch", "--slurm", "--num_processes", "2", "train"]) == 2
+    assert "belong to the other backend" in capsys.readouterr().err
+    assert main(["launch", "train", "cfg.yaml"]) == 2
+    assert "pass --ray or --slurm" in capsys.readouterr().err
+    assert main(["launch", "--ray", "--nodes", "x", "train"]) == 2
+    assert "--nodes 'x': expected int" in capsys.readouterr().err
+    assert main(["launch", "--help"]) == 0 and "--num_processes N" in capsys.readouterr().out
+    assert main(["tune", "-h"]) == 0 and "--search KEY=SPACE" in capsys.readouterr().out

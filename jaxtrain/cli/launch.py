@@ -1,0 +1,182 @@
+"""`jaxtrain launch` and `jaxtrain tune`: runs past one machine (Ray, SLURM, Ray Tune).
+
+The machinery is in jaxtrain.distributed (Ray is imported only when a cluster starts); this
+module turns the command line into its options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtrain.errors import ArgumentError
+
+LAUNCH_USAGE = """usage:
+  jaxtrain launch --ray [--address auto] [--num_processes N] [--devices_per_process D]
+                  [--cpus_per_process C] [--gpus_per_process G] [--max_restarts R]
+                  COMMAND [ARGS...]          (e.g. train cfg.yaml --learning_rate 1e-3)
+  jaxtrain launch --slurm [--nodes N] [--tasks_per_node T] [--cpus_per_task C]
+                  [--gpus_per_task G] [--time 2:00:00] [--partition P] [--account A]
+                  [--job_name NAME] [--setup 'source .venv/bin/activate'] [--submit]
+                  COMMAND [ARGS...]
+"""
+
+TUNE_USAGE = """usage:
+  jaxtrain tune [CONFIG.yaml] --search KEY=SPACE(VALUES) [--search ...] [--num_samples N]
+                [--scheduler asha|fifo] [--metric eval/loss] [--mode min|max]
+                [--max_concurrent_trials N] [--cpus_per_trial C] [--gpus_per_trial G]
+                [--grace_period N] [--reduction_factor F] [--tune_dir runs/tune]
+                [--address auto] [--field value ...]
+  SPACE: loguniform(a,b) uniform(a,b) quniform(a,b,q) randint(a,b) choice(x,y,..) grid(x,y,..)
+"""
+
+_RAY_OPTIONS = {
+    "address": str,
+    "num_processes": int,
+    "devices_per_process": int,
+    "cpus_per_process": float,
+    "gpus_per_process": float,
+    "max_restarts": int,
+    "placement_strategy": str,
+    "teardown_timeout_s": float,
+    "start_timeout_s": float,
+}
+_SLURM_OPTIONS = {
+    "nodes": int,
+    "tasks_per_node": int,
+    "cpus_per_task": int,
+    "gpus_per_task": int,
+    "time": str,
+    "partition": str,
+    "account": str,
+    "job_name": str,
+    "output": str,
+    "setup": list,
+}
+
+
+def _typed(name: str, kind: type, raw: str) -> Any:
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ArgumentError(f"--{name} {raw!r}: expected {kind.__name__}.") from None
+
+
+def split_launch(tokens: list[str]) -> tuple[str, dict[str, Any], list[str]]:
+    """(backend "ray" or "slurm", its options, the jaxtrain command to run)."""
+    backend: str | None = None
+    options: dict[str, Any] = {}
+    index = 0
+    while index < len(tokens) and tokens[index].startswith("--"):
+        name, _, inline = tokens[index][2:].partition("=")
+        index += 1
+        if name in ("ray", "slurm"):
+            if backend not in (None, name):
+                raise ArgumentError("choose one of --ray and --slurm.")
+            backend = name
+            continue
+        if name == "submit":
+            options["submit"] = True
+            continue
+        kinds = {**_RAY_OPTIONS, **_SLURM_OPTIONS}
+        if name not in kinds:
+            raise ArgumentError(f"unknown option --{name}.\n\n{LAUNCH_USAGE}")
+        if not inline:
+            if index >= len(tokens):
+                raise ArgumentError(f"--{name} needs a value.")
+            inline, index = tokens[index], index + 1
+        if kinds[name] is list:
+            options.setdefault(name, []).append(inline)
+        else:
+            options[name] = _typed(name, kinds[name], inline)
+    if backend is None:
+        raise ArgumentError(f"pass --ray or --slurm.\n\n{LAUNCH_USAGE}")
+    command = tokens[index:]
+    if not command:
+        raise ArgumentError(f"the jaxtrain command to run is missing.\n\n{LAUNCH_USAGE}")
+    allowed = set(_RAY_OPTIONS if backend == "ray" else [*_SLURM_OPTIONS, "submit"])
+    wrong = sorted(set(options) - allowed)
+    if wrong:
+        raise ArgumentError(f"launch --{backend}: option(s) {wrong} belong to the other backend.")
+    return backend, options, command
+
+
+def cmd_launch(tokens: list[str]) -> int:
+    if tokens[:1] in (["-h"], ["--help"]):
+        print(LAUNCH_USAGE, end="")
+        return 0
+    backend, options, command = split_launch(tokens)
+    if backend == "slurm":
+        from jaxtrain.distributed.slurm import SbatchOptions, sbatch_script, submit
+
+        submit_it = options.pop("submit", False)
+        if "setup" in options:
+            options["setup"] = list(options["setup"])
+        script = sbatch_script(command, SbatchOptions(**options))
+        print(submit(script) if submit_it else script, end="" if not submit_it else "\n")
+        return 0
+    from jaxtrain.distributed.cluster import ClusterConfig
+    from jaxtrain.distributed.launch import launch_ray
+
+    return launch_ray(command, ClusterConfig(**options))
+
+
+_TUNE_OPTIONS = {
+    "num_samples": int,
+    "scheduler": str,
+    "metric": str,
+    "mode": str,
+    "max_concurrent_trials": int,
+    "cpus_per_trial": float,
+    "gpus_per_trial": float,
+    "grace_period": int,
+    "reduction_factor": float,
+    "tune_dir": str,
+    "address": str,
+}
+
+
+def cmd_tune(tokens: list[str]) -> int:
+    if any(t in ("-h", "--help") for t in tokens):
+        print(TUNE_USAGE, end="")
+        return 0
+    from jaxtrain.cli.run_config import parse_overrides, resolve_config
+    from jaxtrain.distributed.tune import parse_search, tune_runs
+
+    path, rest = (
+        (tokens[0], tokens[1:]) if tokens and not tokens[0].startswith("--") else (None, tokens)
+    )
+    searches, options, passthrough = [], {}, []
+    index = 0
+    while index < len(rest):
+        name, _, inline = (
+            rest[index][2:].partition("=") if rest[index].startswith("--") else ("", "", "")
+        )
+        if name == "search" or name in _TUNE_OPTIONS:
+            if not inline:
+                if index + 1 >= len(rest):
+                    raise ArgumentError(f"--{name} needs a value.\n\n{TUNE_USAGE}")
+                inline, index = rest[index + 1], index + 1
+            if name == "search":
+                searches.append(parse_search(inline))
+            else:
+                options[name] = _typed(name, _TUNE_OPTIONS[name], inline)
+        else:
+            passthrough.append(rest[index])
+        index += 1
+    base = resolve_config(path, parse_overrides(passthrough))
+    from jaxtrain.distributed.cluster import ClusterConfig, ensure_ray
+
+    ensure_ray(ClusterConfig(address=options.pop("address", None)))
+    summary = tune_runs(base, searches, output_dir=options.pop("tune_dir", "runs/tune"), **options)
+    for trial, info in summary.trials.items():
+        metric = [v for k, v in info.items() if k not in ("values", "iterations")]
+        early = " (stopped early)" if info["iterations"] < summary.max_t else ""
+        print(
+            f"{trial}: {info['values']} -> {metric[0] if metric else None} after "
+            f"{info['iterations']}/{summary.max_t} evaluations{early}"
+        )
+    print(
+        f"best: {summary.best_metric:.4f}; config: {summary.best_config} "
+        f"(jaxtrain train {summary.best_config})"
+    )
+    return 0

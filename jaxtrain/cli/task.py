@@ -1,0 +1,44 @@
+"""`jaxtrain train --task TASK`: the trainer of a task and what it needs besides the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jaxtrain.errors import ArgumentError
+
+PAIR_TASKS = ("dpo", "reward")
+
+
+def task_trainer(
+    task: str,
+    config: dict[str, Any],
+    data: dict[str, Any],
+    tokenizer: Any,
+    args: Any,
+    build_model: Callable[..., Any],
+) -> tuple[type, dict[str, Any], dict[str, Any]]:
+    """(trainer class, its extra keyword arguments, what the resolved config.yaml records)."""
+    from jaxtrain.cli.run_config import typed_model_section
+    from jaxtrain.trainers.tasks import task_classes
+
+    _, trainer_class = task_classes(task)
+    if task in PAIR_TASKS and data.get("source", "default") != "files":
+        raise ArgumentError(
+            f"--task {task} trains on preference rows (prompt, chosen, rejected): set "
+            "--data.source files --data.train_files PAIRS.jsonl (and --data.tokenizer DIR)."
+        )
+    kwargs: dict[str, Any] = {}
+    recorded: dict[str, Any] = {"task": task}
+    if task == "distill":
+        teacher = typed_model_section(config.get("teacher") or {})
+        if not teacher:
+            raise ArgumentError(
+                "--task distill needs a teacher: a `teacher` section with `pretrained: DIR` "
+                "(a local Hugging Face model) or model fields, e.g. --teacher.pretrained DIR."
+            )
+        kwargs["teacher_model"] = build_model(teacher, tokenizer, seed=args.seed + 1)
+        recorded["teacher"] = teacher
+    elif config.get("teacher"):
+        raise ArgumentError(f"the teacher section is for --task distill, not --task {task}.")
+    return trainer_class, kwargs, recorded

@@ -1,0 +1,118 @@
+"""`jaxtrain train --task sft|dpo|reward|distill`: each runs from a YAML file, and bad
+preference data exits 2 with the row and column named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from jaxtrain.cli import main
+
+MODEL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+RUN = dict(
+    max_steps=1,
+    total_batch_size=4,
+    max_sequence_length=16,
+    warmup_steps=0,
+    logging_steps=1,
+    evaluation_strategy="no",
+    progress_bar="none",
+    run_report=False,
+    save_final=False,
+    report_to="jsonl",
+)
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_tasks")
+    tokenizer.save_pretrained(root / "tokenizer")
+    pairs = [
+        {"prompt": f"what is {i} + 1 ?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"}
+        for i in range(8)
+    ]
+    sft = [{"prompt": f"what is {i} + 1 ?", "completion": f"{i + 1}"} for i in range(8)]
+    return {
+        "root": root,
+        "pairs": write_rows(root / "pairs.jsonl", pairs),
+        "sft": write_rows(root / "sft.jsonl", sft),
+        "no_chosen": write_rows(
+            root / "no_chosen.jsonl", [{"prompt": p["prompt"], "rejected": "1"} for p in pairs]
+        ),
+        "empty_rejected": write_rows(
+            root / "empty.jsonl",
+            [{**p, "rejected": "" if i == 1 else "1"} for i, p in enumerate(pairs)],
+        ),
+    }
+
+
+def config(files, task: str, rows: str, **extra) -> str:
+    values = {
+        **RUN,
+        "task": task,
+        "output_dir": str(files["root"] / f"run_{task}_{rows}"),
+        "model": dict(MODEL),
+        "data": {
+            "source": "files",
+            "train_files": str(files[rows]),
+            "tokenizer": str(files["root"] / "tokenizer"),
+        },
+        **extra,
+    }
+    path = files["root"] / f"{task}_{rows}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "task, rows, extra",
+    [
+        ("sft", "sft", {}),
+        ("dpo", "pairs", {"beta": 0.2, "loss_type": "ipo"}),
+        ("reward", "pairs", {}),
+        ("distill", "sft", {"teacher": dict(MODEL), "distill_alpha": 0.7}),
+    ],
+)
+def test_every_task_trains_from_the_command_line(files, task, rows, extra):
+    assert main(["train", config(files, task, rows, **extra)]) == 0
+    logs = [
+        json.loads(line) for line in (files["root"] / f"run_{task}_{rows}" / "metrics.jsonl").open()
+    ]
+    assert any("loss" in entry for entry in logs)
+
+
+def test_bad_preference_rows_exit_2_naming_row_and_column(files, capsys):
+    assert main(["train", config(files, "dpo", "no_chosen")]) == 2
+    assert "no column 'chosen'" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "train",
+                config(files, "lm", "empty_rejected"),
+                "--task",
+                "dpo",
+                "--shuffle_train",
+                "false",
+            ]
+        )
+        == 2
+    )
+    assert "row 1: column 'rejected' is empty" in capsys.readouterr().err
+
+
+def test_an_unknown_task_names_the_tasks(files, capsys):
+    assert main(["train", config(files, "ppo", "pairs")]) == 2
+    assert "sft, dpo, reward, distill" in capsys.readouterr().err
