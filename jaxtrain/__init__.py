@@ -6,7 +6,6 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-from jaxtrain.arguments import TrainingArguments
 from jaxtrain.errors import (
     ArgumentError,
     CheckpointError,
@@ -19,10 +18,32 @@ from jaxtrain.errors import (
     TrackerError,
     TrainingInterrupted,
 )
-from jaxtrain.parallel import ModelFactory
-from jaxtrain.training.hooks import TrainerCallback
-from jaxtrain.training.state import TrainState
-from jaxtrain.training.trainer import Trainer, TrainerOutput
+
+# The rest is imported on first use: `import jaxtrain` stays light (errors.py imports nothing
+# heavy), so the command line installs its Ctrl-C handling before JAX is even imported.
+_LAZY = {
+    "TrainingArguments": "jaxtrain.arguments",
+    "ModelFactory": "jaxtrain.parallel",
+    "TrainerCallback": "jaxtrain.training.hooks",
+    "TrainState": "jaxtrain.training.state",
+    "Trainer": "jaxtrain.training.trainer",
+    "TrainerOutput": "jaxtrain.training.trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module 'jaxtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "ArgumentError",

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from jaxtrain.checkpointing.quiet import quiet_orbax
 from jaxtrain.errors import CheckpointError
 from jaxtrain.training.state import TrainState
 
@@ -84,13 +85,14 @@ def restore_state(path: str | Path, abstract_state: TrainState) -> TrainState:
             "Pass a directory like <output_dir>/checkpoints/<step>."
         )
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    quiet_orbax()
     try:
         with ocp.StandardCheckpointer() as checkpointer:  # closed: no stray async threads
             return checkpointer.restore(state_dir, target)
     except Exception as err:  # re-raised with the path and what to do; never ignored
         raise CheckpointError(
             f"Could not restore the train state from {state_dir}: {type(err).__name__}: "
-            f"{err}. Either its files are damaged, or it was written for another model or "
+            f"{_first_line(err)}. Either its files are damaged, or it was written for another model or "
             "optimizer configuration. Delete that step directory to resume from the previous "
             "checkpoint, pass --reset_optimizer true if only the optimizer changed, or start "
             "a new run in a new output_dir."
@@ -107,6 +109,7 @@ def restore_params(path: str | Path, abstract_params: Any) -> Any:
     restore_args = jax.tree.map(
         lambda x: ocp.ArrayRestoreArgs(sharding=getattr(x, "sharding", None) or default), target
     )
+    quiet_orbax()
     try:
         with ocp.PyTreeCheckpointer() as checkpointer:
             restored = checkpointer.restore(
@@ -117,7 +120,8 @@ def restore_params(path: str | Path, abstract_params: Any) -> Any:
             )
     except Exception as err:  # re-raised with the path and what to do; never ignored
         raise CheckpointError(
-            f"Could not restore the parameters from {state_dir}: {type(err).__name__}: {err}. "
+            f"Could not restore the parameters from {state_dir}: {type(err).__name__}: "
+            f"{_first_line(err)}. "
             "The checkpoint's files are damaged or it belongs to another model."
         ) from err
     return restored["params"]
@@ -132,15 +136,24 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     meta_dir = step_dir / "meta"
     if not meta_dir.is_dir():
         raise CheckpointError(f"{path} has no 'meta' folder; is it a jaxtrain checkpoint?")
+    quiet_orbax()
     try:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
             metadata = checkpointer.restore(meta_dir)
     except Exception as err:  # re-raised naming the file and the way forward
         named = meta_dir / "metadata" if (meta_dir / "metadata").exists() else meta_dir
-        raise damaged(step_dir, named, f"unreadable ({type(err).__name__}: {err})") from err
+        raise damaged(
+            step_dir, named, f"unreadable ({type(err).__name__}: {_first_line(err)})"
+        ) from err
     if not isinstance(metadata, dict) or "step" not in metadata:
         raise damaged(step_dir, meta_dir, "it holds no step; not a jaxtrain checkpoint's metadata")
     return metadata
+
+
+def _first_line(err: BaseException, limit: int = 400) -> str:
+    """The gist of a library error (Tensorstore appends its whole JSON spec)."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def damaged(step_dir: Path, path: Path, why: str) -> CheckpointError:

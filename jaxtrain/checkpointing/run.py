@@ -17,7 +17,9 @@ knows nothing of the Trainer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from jaxtrain.checkpointing import compat
 from jaxtrain.checkpointing import files as ckpt
 from jaxtrain.checkpointing.checksums import verify_checksums, write_checksums
 from jaxtrain.checkpointing.files import CheckpointError
+from jaxtrain.checkpointing.quiet import quiet_orbax
 from jaxtrain.training.state import TrainState
 
 
@@ -188,6 +191,10 @@ class _Saver:
 
     Saves are asynchronous (the loop keeps stepping while bytes go to disk) and Orbax commits
     a step directory atomically (written as `<step>.orbax-checkpoint-tmp-*`, then renamed).
+    A write that fails (a full disk, lost permissions) surfaces at the next save, wait or
+    close as a CheckpointError naming the step directory; its temporary directory is
+    removed and the checkpoints committed before it stay as they were (keep-N deletes old
+    checkpoints only after a new one commits).
     """
 
     def __init__(self, root: Path, *, max_to_keep: int | None = None):
@@ -195,6 +202,7 @@ class _Saver:
 
         self.root = root
         self._saving: int | None = None  # the step whose background write is in flight
+        self._failed = False
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=True,
@@ -205,42 +213,77 @@ class _Saver:
             # the step directory is renamed into place: the checksums are part of the commit.
             async_options=ocp.AsyncOptions(post_finalization_callback=self._before_commit),
         )
-        self._manager = ocp.CheckpointManager(root, options=options)
+        with self._failures():
+            self._manager = ocp.CheckpointManager(root, options=options)
+        quiet_orbax()
 
     def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
         import orbax.checkpoint as ocp
 
         step = int(jax.device_get(state.step))
-        self._manager.wait_until_finished()  # Orbax would wait too; _saving is one step
-        self._saving = step
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
-            ),
-        )
+        with self._failures():
+            self._manager.wait_until_finished()  # Orbax would wait too; _saving is one step
+            self._saving = step
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
+                ),
+            )
         return self.root / str(step)
 
     def _before_commit(self) -> None:
         if jax.process_index() != 0 or self._saving is None:
             return
-        pending = sorted(
-            self.root.glob(f"{self._saving}.orbax-checkpoint-tmp*"),
-            key=lambda p: p.stat().st_mtime,
-        )
         # Where Orbax commits by writing a marker file instead of renaming, the step
         # directory already has its final name.
-        step_dir = pending[-1] if pending else self.root / str(self._saving)
-        write_checksums(step_dir)
+        pending = self._temporary_dirs(self._saving)
+        write_checksums(pending[-1] if pending else self.root / str(self._saving))
+
+    def _temporary_dirs(self, step: int) -> list[Path]:
+        found = self.root.glob(f"{step}.orbax-checkpoint-tmp*")
+        return sorted(found, key=lambda p: p.stat().st_mtime)
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """Turn a failed write into a CheckpointError naming the step directory and cause."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as err:  # re-raised with the path and what to do; never ignored
+            self._failed = True
+            step = self._saving
+            target = self.root / str(step) if step is not None else self.root
+            if jax.process_index() == 0 and step is not None:
+                for leftover in self._temporary_dirs(step):  # never mistaken for a checkpoint
+                    shutil.rmtree(leftover, ignore_errors=True)
+            text = f"{type(err).__name__}: {err}"
+            full = "No space left on device" in text or getattr(err, "errno", None) == 28
+            cause = "the disk is full" if full else "the write failed"
+            committed = ckpt.committed_steps(self.root)
+            kept = (
+                f"The last committed checkpoint, {self.root / str(committed[-1])}, is intact."
+                if committed
+                else "No checkpoint of this run was committed."
+            )
+            raise CheckpointError(
+                f"Could not save checkpoint {target}: {cause} ({text.splitlines()[0][:300]}). "
+                f"Its partial files were removed. {kept} Free space (or fix the cause) and "
+                "run the same command again to resume."
+            ) from err
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._failures():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        try:
-            self._manager.wait_until_finished()
-        finally:
-            self._manager.close()
+        with self._failures():
+            try:
+                if not self._failed:  # a failure already raised: do not wait on it twice
+                    self._manager.wait_until_finished()
+            finally:
+                self._manager.close()
 
 
 def _barrier(name: str) -> None:

@@ -17,6 +17,7 @@ Heavy imports (jax, transformers) happen inside the commands, so `jaxtrain --hel
 
 from __future__ import annotations
 
+import os
 import sys
 
 from jaxtrain.cli.usage import USAGE
@@ -42,10 +43,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(command_help(command))
         return 0
+    from jaxtrain import interrupts
+
+    if command in ("train", "eval", "sample", "export", "report"):  # launch/tune: Ray's own
+        interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
+    return _dispatch(command, rest)
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
     from jaxtrain.cli.export import cmd_export
     from jaxtrain.cli.launch import cmd_launch, cmd_tune
-    from jaxtrain.errors import JaxtrainError, TrainingInterrupted
+    from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
 
     commands = {
         "train": cmd_train,
@@ -66,4 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         # else is a bug and keeps its traceback (exit 1).
         label = "" if isinstance(err, TrainingInterrupted) else "error: "
         print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
+        if isinstance(err, CheckpointError):
+            # Tensorstore reads or writes still in flight when Orbax gave up complete during
+            # interpreter shutdown and print "Event loop is closed" tracebacks after this
+            # line. Nothing here needs the exit hooks: the loop already closed the logs and
+            # trackers, and a refused restore opened none.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # their threads print nothing more
+            os._exit(err.exit_code)
         return err.exit_code

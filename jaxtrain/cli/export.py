@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxtrain.cli.usage import EXPORT_USAGE
-from jaxtrain.errors import ArgumentError
+from jaxtrain.errors import ArgumentError, HFError
 
 
 def locate_run(source: str) -> tuple[Path, Path | None]:
@@ -21,6 +21,20 @@ def locate_run(source: str) -> tuple[Path, Path | None]:
     )
 
 
+def _check_writable(out_dir: Path) -> None:
+    """Refuse an OUT_DIR that cannot be created or written, naming it and the reason."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".jaxtrain-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise HFError(
+            f"cannot write to {out_dir}: {err.strerror or err} ({type(err).__name__}). "
+            "Nothing was exported; choose a directory you can write to."
+        ) from err
+
+
 def cmd_export(tokens: list[str]) -> int:
     from jaxtrain.arguments import read_config_file
     from jaxtrain.cli.run_config import parse_overrides
@@ -34,6 +48,7 @@ def cmd_export(tokens: list[str]) -> int:
     if len(positional) != 2:
         raise ArgumentError(f"expected RUN_OR_CHECKPOINT and OUT_DIR.\nusage: {EXPORT_USAGE}")
     run_dir, checkpoint = locate_run(positional[0])
+    _check_writable(Path(positional[1]))  # before the checkpoint is read
     options = parse_overrides(tokens)
     unknown = sorted(set(options) - {"max_shard_size", "dtype"})
     if unknown:

@@ -52,6 +52,8 @@ class Featurizer:
         self.completion_only_loss, self.chat_template = completion_only_loss, chat_template
         self.drop_columns = tuple(drop_columns)
         self.mode: str | None = None
+        # The model's vocabulary size: token ids outside [0, vocab_size) are an error.
+        self.vocab_size: int | None = None
 
     # ------------------------------------------------------------------ detect
     def detect(self, first: Any, columns: list[str] | None = None) -> str:
@@ -140,6 +142,8 @@ class Featurizer:
                     f"got {_describe(value)} (dtype {arr.dtype}); fix or drop that row, or "
                     f"drop the column with ids_to_pop_from_dataset=[{column!r}]"
                 )
+            if column == "input_ids" and arr.size:
+                self._check_ids(arr, where)
             if length is None:
                 length = len(arr)
             elif len(arr) != length:
@@ -147,6 +151,16 @@ class Featurizer:
                     f"{self.name} row {where}: column {column!r} has length {len(arr)} but "
                     f"'input_ids' has length {length}; they must be aligned token by token"
                 )
+
+    def _check_ids(self, ids: np.ndarray, where: Any) -> None:
+        low, high = int(ids.min()), int(ids.max())
+        limit = self.vocab_size
+        if low < 0 or (limit is not None and high >= limit):
+            raise DatasetError(
+                f"{self.name} row {where}: column 'input_ids' holds ids from {low} to {high} "
+                f"but ids must be in [0, vocab_size={limit}). Tokenize with the model's "
+                "tokenizer, or set the model's vocab_size to cover them."
+            )
 
     def _text_of(self, row: Row, where: Any) -> str:
         text = row.get(self.text_column)

@@ -16,7 +16,8 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.evaluation import EvalLoader
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.loader import BatchLoader, UnitLoader, check_processes, prepare_source
-from jaxtrain.data.sources import IterableSource, as_source
+from jaxtrain.data.scan import scan_tokens, warn_truncation
+from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source, is_hf_dataset
 from jaxtrain.data.streams import StreamUnits
 from jaxtrain.data.units import MapUnits
 
@@ -28,12 +29,17 @@ FeaturizerFactory = Callable[[str], "Featurizer | None"]
 
 
 def _featurizer(
-    args: Any, tokenizer: Any, name: str, factory: FeaturizerFactory | None = None
+    args: Any,
+    tokenizer: Any,
+    name: str,
+    factory: FeaturizerFactory | None = None,
+    vocab_size: int | None = None,
 ) -> Featurizer:
     custom = factory(name) if factory is not None else None
     if custom is not None:
+        custom.vocab_size = custom.vocab_size or vocab_size
         return custom
-    return Featurizer(
+    featurizer = Featurizer(
         name=name,
         tokenizer=tokenizer,
         text_column=args.text_column,
@@ -42,6 +48,8 @@ def _featurizer(
         chat_template=args.chat_template,
         drop_columns=args.ids_to_pop_from_dataset or (),
     )
+    featurizer.vocab_size = vocab_size  # each row's ids are checked against it as read
+    return featurizer
 
 
 def _collation(args: Any, collator: Collator | None, pad_token_id: int | None, name: str):
@@ -63,14 +71,22 @@ def build_train_loader(
     process_index: int = 0,
     process_count: int = 1,
     featurizer: FeaturizerFactory | None = None,
+    vocab_size: int | None = None,
 ) -> BatchLoader | UnitLoader:
     """A ``BatchLoader`` (random-access data, no packing) or a ``UnitLoader`` (packing or
-    streaming). Raises DatasetError/ValueError naming what to fix."""
+    streaming). Raises DatasetError/ValueError naming what to fix. `vocab_size`: the
+    model's; token ids are checked against it (the whole of a map-style dataset now)."""
     name = "dataset_train"
     micro = args.total_batch_size // args.gradient_accumulation_steps
     check_processes(process_index, process_count, micro, "micro-batch size")
     source = as_source(dataset, name=name, streaming=args.streaming)
-    featurizer = _featurizer(args, tokenizer, name, featurizer)
+    featurizer = _featurizer(args, tokenizer, name, featurizer, vocab_size)
+    if isinstance(source, RandomAccessSource):
+        scan = scan_tokens(source, vocab_size=vocab_size, seq_len=args.max_sequence_length)
+        if not (args.packing and args.split_long_documents):  # else long rows are split
+            warn_truncation(
+                scan, name=name, seq_len=args.max_sequence_length, mode=args.truncation_mode
+            )
     collation = _collation(args, collator, pad_token_id, name)
     stream = isinstance(source, IterableSource)
     if not stream and not args.packing:
@@ -134,14 +150,21 @@ def build_eval_loader(
     process_index: int = 0,
     process_count: int = 1,
     featurizer: FeaturizerFactory | None = None,
+    vocab_size: int | None = None,
 ) -> EvalLoader:
     """Every eval row exactly once per evaluation, one document per row."""
     name = "dataset_eval"
+    if is_hf_dataset(dataset):
+        scan_tokens(
+            RandomAccessSource(dataset, name=name),
+            vocab_size=vocab_size,
+            seq_len=args.max_sequence_length,
+        )
     return EvalLoader(
         dataset,
         batch_size=args.resolved_eval_batch_size,
         collation=_collation(args, collator, pad_token_id, name),
-        featurizer=_featurizer(args, tokenizer, name, featurizer),
+        featurizer=_featurizer(args, tokenizer, name, featurizer, vocab_size),
         process_index=process_index,
         process_count=process_count,
     )

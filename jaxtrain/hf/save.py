@@ -111,12 +111,13 @@ def save_pretrained(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {
-        k: getattr(config, k)
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-        if getattr(config, k) is not None
-    }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if family.task == "causal-lm":  # a classifier generates nothing
+        generation = {
+            k: getattr(config, k)
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if getattr(config, k, None) is not None
+        }
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(str(out))
     summary = dict(training_summary or {})

@@ -27,11 +27,11 @@ class ParamMap:
     to_hf: Callable[[np.ndarray], list[np.ndarray]]  # array -> HF tensors
 
 
-def _same(path: str, name: str, shape: tuple[int, ...]) -> ParamMap:
+def same_map(path: str, name: str, shape: tuple[int, ...]) -> ParamMap:
     return ParamMap(path, (name,), (shape,), lambda t: t[0], lambda a: [a])
 
 
-def _linear(path: str, name: str, out_in: tuple[int, int], ours: tuple[int, ...]) -> ParamMap:
+def linear_map(path: str, name: str, out_in: tuple[int, int], ours: tuple[int, ...]) -> ParamMap:
     """An nn.Linear weight (out, in) <-> an input-major kernel of shape ``ours``."""
     out_dim, in_dim = out_in
     return ParamMap(
@@ -49,11 +49,13 @@ def param_maps(config: LlamaConfig) -> list[ParamMap]:
     d, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
     n, k, h = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     g = c.num_queries_per_kv
-    maps = [_same("model/embed_tokens/embedding", "model.embed_tokens.weight", (v, d))]
+    maps = [same_map("model/embed_tokens/embedding", "model.embed_tokens.weight", (v, d))]
     for i in range(c.num_hidden_layers):
         ours, hf = f"model/layers/{i}", f"model.layers.{i}"
         attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
-        maps.append(_same(f"{ours}/input_layernorm/weight", f"{hf}.input_layernorm.weight", (d,)))
+        maps.append(
+            same_map(f"{ours}/input_layernorm/weight", f"{hf}.input_layernorm.weight", (d,))
+        )
         maps.append(
             ParamMap(
                 f"{ours}/self_attn/qkv_proj/kernel",
@@ -92,15 +94,15 @@ def param_maps(config: LlamaConfig) -> list[ParamMap]:
                 )
             )
         if c.qk_norm:
-            maps.append(_same(f"{ours}/self_attn/q_norm/weight", f"{attn}.q_norm.weight", (h,)))
-            maps.append(_same(f"{ours}/self_attn/k_norm/weight", f"{attn}.k_norm.weight", (h,)))
+            maps.append(same_map(f"{ours}/self_attn/q_norm/weight", f"{attn}.q_norm.weight", (h,)))
+            maps.append(same_map(f"{ours}/self_attn/k_norm/weight", f"{attn}.k_norm.weight", (h,)))
         maps.append(
-            _linear(
+            linear_map(
                 f"{ours}/self_attn/o_proj/kernel", f"{attn}.o_proj.weight", (d, n * h), (n, h, d)
             )
         )
         maps.append(
-            _same(
+            same_map(
                 f"{ours}/post_attention_layernorm/weight",
                 f"{hf}.post_attention_layernorm.weight",
                 (d,),
@@ -126,13 +128,13 @@ def param_maps(config: LlamaConfig) -> list[ParamMap]:
                 )
             )
         maps.append(
-            _linear(f"{ours}/mlp/down_proj/kernel", f"{mlp}.down_proj.weight", (d, f), (f, d))
+            linear_map(f"{ours}/mlp/down_proj/kernel", f"{mlp}.down_proj.weight", (d, f), (f, d))
         )
         if c.mlp_bias:
-            maps.append(_same(f"{ours}/mlp/down_proj/bias", f"{mlp}.down_proj.bias", (d,)))
-    maps.append(_same("model/norm/weight", "model.norm.weight", (d,)))
+            maps.append(same_map(f"{ours}/mlp/down_proj/bias", f"{mlp}.down_proj.bias", (d,)))
+    maps.append(same_map("model/norm/weight", "model.norm.weight", (d,)))
     if not c.tie_word_embeddings:
-        maps.append(_linear("lm_head/kernel", "lm_head.weight", (v, d), (d, v)))
+        maps.append(linear_map("lm_head/kernel", "lm_head.weight", (v, d), (d, v)))
     return maps
 
 

@@ -76,6 +76,11 @@ class GPT2Config:
     def num_key_value_heads(self) -> int:
         return self.num_attention_heads
 
+    @property
+    def mlp_matrices(self) -> int:
+        """d x intermediate matrices per MLP (c_fc, c_proj), for the FLOPs count."""
+        return 2
+
     def num_parameters(self) -> int:
         """Exact parameter count of GPT2LMHeadModel(self) (head tied to wte)."""
         d, f = self.hidden_size, self.intermediate_size

@@ -39,7 +39,7 @@ ACT_BTV = ("batch", "length", "vocab")
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
 
 
-def _checkpoint_policy(name: str):
+def checkpoint_policy(name: str):
     """Map a REMAT_POLICIES name to a jax.checkpoint policy.
 
     "dots_saveable" keeps the outputs of matmuls WITHOUT batch dims (the weight
@@ -128,7 +128,7 @@ class LlamaModel(nnx.Module):
         run = _run_layer
         if remat_policy != "none":
             # static_argnums: the implementation string is not an array.
-            run = nnx.remat(_run_layer, policy=_checkpoint_policy(remat_policy), static_argnums=5)
+            run = nnx.remat(_run_layer, policy=checkpoint_policy(remat_policy), static_argnums=5)
         # A plain loop (not scan): simple compiles, per-layer params stay separate arrays.
         for layer in self.layers:
             x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)
@@ -143,6 +143,9 @@ class LlamaForCausalLM(nnx.Module):
     - ``attention_implementation``: None (JAX chooses), "xla" or "cudnn", passed to
       ``jax.nn.dot_product_attention``.
     """
+
+    # The decoder stack; families that change only the layers (models/moe.py) replace it.
+    decoder_class: type[nnx.Module] = LlamaModel
 
     def __init__(
         self,
@@ -162,7 +165,7 @@ class LlamaForCausalLM(nnx.Module):
         self.param_dtype = param_dtype
         self.remat_policy = "none"
         self.attention_implementation: str | None = None
-        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.model = self.decoder_class(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

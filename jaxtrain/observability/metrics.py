@@ -30,6 +30,10 @@ class BatchCounts(NamedTuple):
 
 def host_token_count(batch: dict[str, np.ndarray], flops: Any = None) -> BatchCounts:
     """Counts of a host batch; `flops` is a FlopsCounter (or None: no FLOPs counted)."""
+    if "input_ids" not in batch and "labels" in batch and "pixel_values" in batch:
+        # One label per example (image classification): an example is the unit.
+        labels = np.asarray(batch["labels"])
+        return BatchCounts(int((labels >= 0).sum()), int(labels.size), int(labels.size), 0.0)
     # Preference pairs (task trainers) carry a second sequence per row: "rejected_labels".
     sides = [np.asarray(batch[k]) for k in ("labels", "rejected_labels") if k in batch]
     targets = sum(int((labels[..., 1:] != IGNORE_INDEX).sum()) for labels in sides)

@@ -101,10 +101,12 @@ class TrainingLoop:
             try:
                 state, step = self._steps(state, step, batches, signals, start)
             finally:
-                trainer.checkpoints.close()  # waits for the background writes to commit
-                self.prefetcher.close()  # the train loader is endless: stop its reader
-                self.progress.close()
-                self.log.close()
+                try:
+                    trainer.checkpoints.close()  # waits for the background writes to commit
+                finally:
+                    self.prefetcher.close()  # the train loader is endless: stop its reader
+                    self.progress.close()
+                    self.log.close()
         return self._finish(state, step)
 
     # ----------------------------------------------------------------- setup

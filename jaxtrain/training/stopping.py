@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxtrain import interrupts
 from jaxtrain.errors import (  # noqa: F401  (re-exported: their old home)
     EXIT_BAD_INPUT,
     EXIT_CRASH,
@@ -96,7 +97,10 @@ class StopSignals:
 
     def _handle(self, number: int, frame: Any) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(number).name}: aborting at once")
+            name = signal.Signals(number).name
+            if interrupts.installed():  # the command line: end now, no traceback
+                interrupts.abort("jaxtrain", f"second {name}: aborting at once", number)
+            raise KeyboardInterrupt(f"second {name}: aborting at once")
         self.received = signal.Signals(number).name
 
 

@@ -113,6 +113,9 @@ class Trainer(TrainerCallback):
         data.update(
             tokenizer=processing_class, collator=data_collator, featurizer=self.create_featurizer
         )
+        # Token ids are checked against the model's vocabulary (the whole of a map-style
+        # dataset now, streams row by row as read).
+        data.update(vocab_size=getattr(self.model_config, "vocab_size", None))
         self.train_loader = self.eval_loader = None
         if dataset_train is not None:
             self.train_loader = build_train_loader(args, dataset_train, **data)

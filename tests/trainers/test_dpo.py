@@ -3,7 +3,9 @@ transformers, and a tiny model learning a synthetic preference set."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import datasets
 import jax.numpy as jnp
@@ -98,6 +100,13 @@ def test_synthetic_preferences_reach_reward_accuracy(trained):
     trainer, out, seen = trained
     assert seen.steps[-1]["loss_sum"] < seen.steps[0]["loss_sum"]
     assert out.metrics["eval/accuracy"] > 0.9  # rewards/accuracies over every pair
+    # The objective's extra sums reach metrics.jsonl as per-pair means, in training and eval.
+    text = Path(trainer.arguments.output_dir, "metrics.jsonl").read_text()
+    logs = [json.loads(line) for line in text.splitlines()]
+    train_logs = [entry for entry in logs if "rewards/margins" in entry]
+    assert train_logs and train_logs[-1]["rewards/margins"] > 0
+    assert train_logs[-1]["rewards/accuracies"] == pytest.approx(train_logs[-1]["accuracy"])
+    assert out.metrics["eval/rewards/accuracies"] > 0.9
     # The reference stayed frozen: not in the train state, not in the optimizer state.
     assert trainer.model.reference is not None
     assert trainer.num_parameters == sum(

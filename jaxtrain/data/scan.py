@@ -1,0 +1,121 @@
+"""A whole map-style token dataset checked at once, before anything is compiled.
+
+Row-by-row checks (`Featurizer`) find a bad row only when its batch is read, possibly hours
+into a run. For a `datasets.Dataset` with an `input_ids` column the whole column is checked
+here in one vectorised pass over its Arrow buffers (no Python loop over rows): token ids
+against the model's vocabulary, whether any row has a target token at all, and how many
+tokens truncation to max_sequence_length will drop. Streams are checked row by row as read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from jaxtrain.data.errors import DatasetError
+from jaxtrain.data.sources import RandomAccessSource
+
+logger = logging.getLogger("jaxtrain")
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class TokenScan:
+    rows: int
+    tokens: int
+    # Tokens beyond max_sequence_length (in `long_rows` rows) that truncation drops.
+    truncated_tokens: int
+    long_rows: int
+
+    @property
+    def truncated_share(self) -> float:
+        return self.truncated_tokens / self.tokens if self.tokens else 0.0
+
+
+def _flat(table: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """(all values of a list<int> column, the row of each value) as numpy arrays."""
+    import pyarrow.compute as pc
+
+    chunks = table.column(column).combine_chunks()
+    values = pc.list_flatten(chunks).to_numpy(zero_copy_only=False)
+    parents = pc.list_parent_indices(chunks).to_numpy(zero_copy_only=False)
+    return values, parents
+
+
+def scan_tokens(
+    source: RandomAccessSource, *, vocab_size: int | None, seq_len: int
+) -> TokenScan | None:
+    """Check every row of an HF dataset's `input_ids` (and `labels`) column; None when the
+    source is not one (text rows are tokenized later, other sources checked per row)."""
+    import pyarrow as pa
+
+    data = source.data
+    columns = source.columns or []
+    if not getattr(source, "_hf", False) or "input_ids" not in columns:
+        return None
+    wanted = [c for c in ("input_ids", "labels") if c in columns]
+    table = data.select_columns(wanted).with_format("arrow")[:]  # in dataset row order
+    if not pa.types.is_list(table.schema.field("input_ids").type) and not pa.types.is_large_list(
+        table.schema.field("input_ids").type
+    ):
+        return None  # not a list column: the per-row check names the problem
+    ids, parents = _flat(table, "input_ids")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        return None
+    name = source.name
+    if ids.size:
+        bad = ids < 0
+        if vocab_size is not None:
+            bad |= ids >= vocab_size
+        if bad.any():
+            first = int(np.argmax(bad))
+            row = int(parents[first])
+            in_row = ids[parents == row]
+            raise DatasetError(
+                f"{name} row {row}: column 'input_ids' holds token id {int(ids[first])} "
+                f"(row's smallest {int(in_row.min())}, largest {int(in_row.max())}) but ids "
+                f"must be in [0, vocab_size={vocab_size}); {int(bad.sum())} ids in "
+                f"{len(np.unique(parents[bad]))} rows are out of range. Tokenize with the "
+                "model's tokenizer, or set the model's vocab_size to cover them."
+            )
+    lengths = np.bincount(parents, minlength=len(table)) if ids.size else np.zeros(len(table))
+    if "labels" in wanted:
+        labels, _ = _flat(table, "labels")
+        targets = int(np.count_nonzero(labels != IGNORE_INDEX))
+    else:
+        targets = int(np.maximum(lengths - 1, 0).sum())  # each token predicts the next
+    if targets == 0:
+        raise DatasetError(
+            f"{name} has no target tokens in any of its {len(table)} rows (every row is empty, "
+            "one token long, or fully masked with labels -100): training on it would log a "
+            "loss of 0 and learn nothing. Check the tokenization or the column you pass."
+        )
+    over = np.maximum(lengths - seq_len, 0)
+    return TokenScan(
+        rows=len(table),
+        tokens=int(lengths.sum()),
+        truncated_tokens=int(over.sum()),
+        long_rows=int(np.count_nonzero(over)),
+    )
+
+
+def warn_truncation(scan: TokenScan | None, *, name: str, seq_len: int, mode: str) -> None:
+    """One warning with the share of tokens truncation drops (nothing when none)."""
+    if scan is None or not scan.truncated_tokens:
+        return
+    logger.warning(
+        "%s: %.1f%% of its tokens (%d of %d, in %d of %d rows) are beyond "
+        "max_sequence_length=%d and are dropped (truncation_mode=%s). Raise "
+        "max_sequence_length, or use packing=True to split long documents instead.",
+        name,
+        100 * scan.truncated_share,
+        scan.truncated_tokens,
+        scan.tokens,
+        scan.long_rows,
+        scan.rows,
+        seq_len,
+        mode,
+    )

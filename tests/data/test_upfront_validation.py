@@ -1,0 +1,73 @@
+"""The whole of a map-style dataset is checked before anything is compiled (vectorised over
+its Arrow column); streams are checked row by row as read. Ids outside the vocabulary,
+datasets without a target token, and truncation that drops tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import datasets
+import pytest
+
+from jaxtrain import TrainingArguments
+from jaxtrain.data import DatasetError, build_eval_loader, build_train_loader
+
+VOCAB = 50
+
+
+def args(**kw) -> TrainingArguments:
+    base = dict(total_batch_size=2, max_sequence_length=8, shuffle_train=False, max_steps=3)
+    return TrainingArguments(**(base | kw))
+
+
+def rows_with(bad_row: int, bad_ids: list[int], n: int = 400) -> list[list[int]]:
+    rows = [[1 + (i % 40), 2, 3, 4] for i in range(n)]
+    rows[bad_row] = bad_ids
+    return rows
+
+
+@pytest.mark.parametrize("bad_ids", [[5, -3, 7], [5, VOCAB + 12, 7]])
+def test_an_id_outside_the_vocabulary_in_a_late_row_fails_at_construction(bad_ids):
+    dataset = datasets.Dataset.from_dict({"input_ids": rows_with(371, bad_ids)})
+    with pytest.raises(DatasetError) as err:
+        build_train_loader(args(), dataset, vocab_size=VOCAB)
+    message = str(err.value)
+    assert "row 371" in message and "'input_ids'" in message
+    assert f"vocab_size={VOCAB}" in message and str(max(bad_ids)) in message
+
+
+def test_the_eval_set_is_checked_too():
+    dataset = datasets.Dataset.from_dict({"input_ids": rows_with(7, [VOCAB])})
+    with pytest.raises(DatasetError, match=r"dataset_eval row 7"):
+        build_eval_loader(args(), dataset, vocab_size=VOCAB)
+
+
+def test_a_stream_is_checked_row_by_row_naming_the_row():
+    rows = rows_with(5, [3, VOCAB + 1], n=12)
+    stream = datasets.Dataset.from_dict({"input_ids": rows}).to_iterable_dataset()
+    loader = build_train_loader(args(), stream, vocab_size=VOCAB)
+    with pytest.raises(DatasetError, match=rf"row .*5.*vocab_size={VOCAB}"):
+        for _ in zip(range(6), loader.batches()):
+            pass
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [
+        {"input_ids": [[] for _ in range(6)]},
+        {"input_ids": [[4] for _ in range(6)]},
+        {"input_ids": [[4, 5, 6]] * 6, "labels": [[-100, -100, -100]] * 6},
+    ],
+)
+def test_a_dataset_without_target_tokens_is_refused(columns):
+    with pytest.raises(DatasetError, match="no target tokens"):
+        build_train_loader(args(), datasets.Dataset.from_dict(columns), vocab_size=VOCAB)
+
+
+def test_truncation_that_drops_tokens_is_one_warning_with_its_share(caplog):
+    long_rows = datasets.Dataset.from_dict({"input_ids": [[3] * 20] * 4})
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        build_train_loader(args(), long_rows, vocab_size=VOCAB)
+    warnings = [r.getMessage() for r in caplog.records if "max_sequence_length" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "60.0% of its tokens (48 of 80, in 4 of 4 rows)" in warnings[0]
