@@ -241,10 +241,11 @@ MODEL_EXTRA_KEYS = ("pretrained", "base_model")
 def typed_model_section(values: dict[str, Any]) -> dict[str, Any]:
     """LlamaConfig fields parsed by their declared types and checked together, before any
     data is read: a misspelled key or an inconsistent shape is an ArgumentError."""
-    from jaxtrain.models import LlamaConfig
+    from jaxtrain.models.classes import classes_for
 
-    hints = typing.get_type_hints(LlamaConfig)
-    known = [f.name for f in dataclasses.fields(LlamaConfig)] + list(MODEL_EXTRA_KEYS)
+    config_class, _ = classes_for(values.get("model_type"))  # MoE types have more fields
+    hints = typing.get_type_hints(config_class)
+    known = [f.name for f in dataclasses.fields(config_class)] + list(MODEL_EXTRA_KEYS)
     unknown = sorted(k for k in values if k not in known)
     if unknown:
         raise _unknown_keys(unknown, known, "model")
@@ -254,7 +255,7 @@ def typed_model_section(values: dict[str, Any]) -> dict[str, Any]:
     }
     if "pretrained" not in typed:  # a pretrained model's architecture is its config.json
         try:  # vocab_size may still come from the tokenizer: any positive stand-in checks
-            LlamaConfig(**{"vocab_size": 1, **{k: typed[k] for k in typed if k in hints}})
+            config_class(**{"vocab_size": 1, **{k: typed[k] for k in typed if k in hints}})
         except ValueError as err:
             raise ArgumentError(f"model section: {err}") from None
     return typed

@@ -18,7 +18,7 @@ def build_model(model_section: dict[str, Any], tokenizer: Any, *, seed: int, sha
     """The model of a run's `model` section; `sharding_for` places pretrained weights."""
     from flax import nnx
 
-    from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+    from jaxtrain.models.classes import classes_for
 
     values = dict(model_section)
     base_model = values.pop("base_model", None)  # where a run's weights came from
@@ -31,13 +31,14 @@ def build_model(model_section: dict[str, Any], tokenizer: Any, *, seed: int, sha
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(tokenizer, name, None) is not None:
                 values.setdefault(name, getattr(tokenizer, name))
-    config = LlamaConfig.from_dict(values)
+    config_class, model_class = classes_for(values.get("model_type"))  # MoE, Gemma, Llama
+    config = config_class.from_dict(values)
     if tokenizer is not None and config.vocab_size < len(tokenizer):
         raise ArgumentError(
             f"model.vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({len(tokenizer)}). Set --model.vocab_size {len(tokenizer)} or larger."
         )
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+    model = model_class(config, rngs=nnx.Rngs(seed))
     if base_model:
         model.name_or_path = base_model
     return model

@@ -16,3 +16,38 @@ LLAMA = ModelFamily(
     param_maps=param_maps,
     ignorable=ignorable,
 )
+
+
+def _moe_family() -> ModelFamily:
+    from jaxtrain.hf import moe
+    from jaxtrain.models.moe import MoeForCausalLM
+
+    return ModelFamily(
+        name="moe",
+        model_types=tuple(moe.ARCHITECTURES),
+        model_class=MoeForCausalLM,
+        from_hf_config=moe.from_hf_moe_config,
+        to_hf_config=moe.to_hf_moe_config,
+        param_maps=moe.moe_param_maps,
+        ignorable=moe.moe_ignorable,
+    )
+
+
+def _gemma_family() -> ModelFamily:
+    from jaxtrain.hf import gemma
+    from jaxtrain.models.gemma import GemmaForCausalLM
+
+    return ModelFamily(
+        name="gemma",
+        model_types=tuple(gemma.ARCHITECTURES),
+        model_class=GemmaForCausalLM,
+        from_hf_config=gemma.from_hf_gemma_config,
+        to_hf_config=gemma.to_hf_gemma_config,
+        param_maps=gemma.gemma_param_maps,
+        ignorable=gemma.gemma_ignorable,
+    )
+
+
+# Mixtral / Qwen2-MoE / Qwen3-MoE (models/moe.py) and Gemma 2 / Gemma 3 text (models/gemma.py).
+MOE = _moe_family()
+GEMMA = _gemma_family()

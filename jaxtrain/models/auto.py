@@ -58,6 +58,11 @@ _FAMILIES: dict[str, str | ModelFamily] = {
     "mistral": "jaxtrain.hf.families:LLAMA",
     "qwen2": "jaxtrain.hf.families:LLAMA",
     "qwen3": "jaxtrain.hf.families:LLAMA",
+    "mixtral": "jaxtrain.hf.families:MOE",
+    "qwen2_moe": "jaxtrain.hf.families:MOE",
+    "qwen3_moe": "jaxtrain.hf.families:MOE",
+    "gemma2": "jaxtrain.hf.families:GEMMA",
+    "gemma3_text": "jaxtrain.hf.families:GEMMA",
     "gpt2": "jaxtrain.hf.gpt2:GPT2",
     "vit": "jaxtrain.hf.vit:VIT",
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 ROPE_TYPES = ("default", "linear", "llama3")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -57,6 +57,11 @@ class LlamaConfig:
     pad_token_id: int | None = None
     model_type: str = "llama"
 
+    # What this config class accepts; subclasses for other families (models/moe.py,
+    # models/gemma.py) widen them.
+    SUPPORTED_MODEL_TYPES: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    SUPPORTED_HIDDEN_ACTS: ClassVar[tuple[str, ...]] = HIDDEN_ACTS
+
     def __post_init__(self) -> None:
         for name in (
             "vocab_size",
@@ -89,9 +94,10 @@ class LlamaConfig:
                 f"head_dim ({self.head_dim}) must be even for rotary embeddings; use an even "
                 "head_dim."
             )
-        if self.hidden_act not in HIDDEN_ACTS:
+        if self.hidden_act not in self.SUPPORTED_HIDDEN_ACTS:
             raise ValueError(
-                f"hidden_act={self.hidden_act!r} is not supported; use one of {HIDDEN_ACTS}."
+                f"hidden_act={self.hidden_act!r} is not supported; use one of "
+                f"{self.SUPPORTED_HIDDEN_ACTS}."
             )
         for name in ("initializer_range", "rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
@@ -99,9 +105,10 @@ class LlamaConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}.")
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
-        if self.model_type not in MODEL_TYPES:
+        if self.model_type not in self.SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"model_type={self.model_type!r} is not supported; use one of {MODEL_TYPES}."
+                f"model_type={self.model_type!r} is not supported by {type(self).__name__}; "
+                f"use one of {self.SUPPORTED_MODEL_TYPES}."
             )
         for name in ("attention_bias", "mlp_bias", "qk_norm", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):

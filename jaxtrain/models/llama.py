@@ -143,6 +143,9 @@ class LlamaForCausalLM(nnx.Module):
       ``jax.nn.dot_product_attention``.
     """
 
+    # The decoder stack; families that change only the layers (models/moe.py) replace it.
+    decoder_class: type[nnx.Module] = LlamaModel
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -161,7 +164,7 @@ class LlamaForCausalLM(nnx.Module):
         self.param_dtype = param_dtype
         self.remat_policy = "none"
         self.attention_implementation: str | None = None
-        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.model = self.decoder_class(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -44,6 +44,11 @@ def with_activation_sharding(fn: Callable[..., Any], rules: Any) -> Callable[...
     return wrapped
 
 
+def current_rules() -> Any:
+    """The rules of the enclosing `activation_sharding` block, or None outside one."""
+    return _RULES.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     rules = _RULES.get()
     if rules is None:

@@ -27,6 +27,10 @@ FLOPs are the sum over its sequences of n * (dense + attention(T=n)) with n the 
 real tokens: padding is work the hardware does but the model does not need, so it does not
 count towards MFU.
 
+Mixture-of-experts configs (models/moe.py) replace L * 3*d*I by the MLP weights one token is
+multiplied by: per sparse layer the router (d*E), k of the E experts (3*d*I_expert each) and
+the shared expert if any; dense layers keep 3*d*I.
+
 Models without a Llama-style config fall back to 6 * (number of parameters) per token and no
 attention term (an underestimate, said in the log).
 """
@@ -64,9 +68,13 @@ def _dims(config: Any) -> tuple[int, int, int, int, int, int, int]:
 def matmul_parameters(config: Any) -> int:
     """N_matmul: parameters that take part in a matrix multiply per token (see module doc)."""
     L, d, H, K, Q, I, V = _dims(config)  # noqa: E741
-    # d x I matrices per MLP: 3 for SwiGLU (gate, up, down); a config says otherwise (GPT-2: 2).
-    mlp = int(getattr(config, "mlp_matrices", 3))
-    return L * (d * Q * (2 * H + 2 * K) + mlp * d * I) + d * V
+    active_mlp = getattr(config, "active_mlp_matmul_parameters", None)
+    # Mixture-of-experts: only the experts a token is routed to (plus router and shared
+    # expert) multiply it, so MFU counts those, not every expert's weights. Otherwise d x I
+    # matrices per MLP: 3 for SwiGLU (gate, up, down); a config says otherwise (GPT-2: 2).
+    mlp_matrices = int(getattr(config, "mlp_matrices", 3))
+    mlp = active_mlp() if callable(active_mlp) else L * mlp_matrices * d * I
+    return L * d * Q * (2 * H + 2 * K) + mlp + d * V
 
 
 def dense_flops_per_token(config: Any) -> float:

@@ -102,17 +102,45 @@ def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax
 
     Models with ``hidden_states`` and ``output_projection`` (the Llama family) and a
     vocabulary of at least CHUNKED_LOSS_MIN_VOCAB get the chunked loss (same sums).
+    Models with ``returns_aux_losses`` (mixture-of-experts) also return their auxiliary
+    losses; see ``add_aux_losses``.
     """
     del rng  # the Llama family has no dropout; custom losses may use it
-    kwargs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+    kwargs: dict[str, Any] = dict(
+        positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
+    )
+    with_aux = bool(getattr(model, "returns_aux_losses", False))
+    if with_aux:
+        kwargs["return_aux"] = True
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
     if vocab >= CHUNKED_LOSS_MIN_VOCAB and hasattr(model, "output_projection"):
-        hidden = model.hidden_states(batch["input_ids"], **kwargs)
+        out = model.hidden_states(batch["input_ids"], **kwargs)
+        hidden, aux = out if with_aux else (out, None)
         chunk = max(64, CHUNK_LOGITS // vocab // 64 * 64)
-        return chunked_causal_lm_sums(
+        sums = chunked_causal_lm_sums(
             hidden, model.output_projection(), batch["labels"], chunk_tokens=chunk
         )
-    return causal_lm_sums(model(batch["input_ids"], **kwargs), batch["labels"])
+    else:
+        out = model(batch["input_ids"], **kwargs)
+        logits, aux = out if with_aux else (out, None)
+        sums = causal_lm_sums(logits, batch["labels"])
+    return sums if aux is None else add_aux_losses(sums, aux)
+
+
+def add_aux_losses(sums: dict[str, jax.Array], aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Fold a model's auxiliary losses (per-token means) into the loss sums.
+
+    ``aux["aux_loss"]`` (already weighted by its coefficients) is added to the loss
+    once per target token, so the step's loss is mean cross-entropy + aux loss; every aux
+    value is also returned as ``<name>_sum`` (times the tokens) for the metrics, which
+    divide sums by tokens like the loss.
+    """
+    tokens = sums["tokens"]
+    out = dict(sums)
+    out["loss_sum"] = sums["loss_sum"] + tokens * aux["aux_loss"].astype(jnp.float32)
+    for name, value in aux.items():
+        out[f"{name}_sum"] = tokens * value.astype(jnp.float32)
+    return out
 
 
 def count_target_tokens(batch: dict[str, jax.Array]) -> jax.Array:

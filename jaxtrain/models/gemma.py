@@ -1,0 +1,258 @@
+"""Gemma 2 and Gemma 3 (text) decoders in Flax NNX.
+
+What Gemma changes against Llama: embeddings scaled by sqrt(hidden_size); RMSNorm that scales
+by (1 + w) (weights start at 0); GeGLU (tanh-approximated GELU gate) MLPs; a norm after the
+attention and after the MLP as well as before each; queries scaled by
+query_pre_attn_scalar^-1/2; attention logits soft-capped (Gemma 2: cap * tanh(x / cap)) and
+the final logits too; per-layer attention kinds (``layer_types``: sliding-window or full).
+Gemma 3 adds q/k RMSNorm and a separate rotary base for its sliding layers
+(``rope_local_base_freq``) and drops the soft-capping.
+
+Attention runs as plain einsums (``jax.nn.dot_product_attention`` has no soft-capping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.layers import Embedding, Projection, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxtrain.models.llama import ACT_BTD, ACT_BTV, LlamaForCausalLM, _checkpoint_policy
+from jaxtrain.models.sharding import constrain
+
+Array = jax.Array
+DType = Any
+
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass
+class GemmaConfig(LlamaConfig):
+    """A LlamaConfig plus Gemma's fields (HF names). ``layer_types`` (one per layer) says
+    which layers use ``sliding_window``; None alternates sliding/full (Gemma 2)."""
+
+    SUPPORTED_MODEL_TYPES: ClassVar[tuple[str, ...]] = GEMMA_MODEL_TYPES
+    SUPPORTED_HIDDEN_ACTS: ClassVar[tuple[str, ...]] = ("gelu_pytorch_tanh",)
+
+    hidden_act: str = "gelu_pytorch_tanh"
+    query_pre_attn_scalar: float = 256.0
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_types: list[str] | None = field(default=None)
+    rope_local_base_freq: float | None = None
+    tie_word_embeddings: bool = True
+    model_type: str = "gemma2"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is None:
+            self.layer_types = [
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(
+            LAYER_TYPES
+        ):
+            raise ValueError(
+                f"layer_types must name one of {LAYER_TYPES} per layer "
+                f"({self.num_hidden_layers}), got {self.layer_types!r}."
+            )
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers: set sliding_window.")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}.")
+        if self.model_type == "gemma2" and self.qk_norm:
+            raise ValueError("gemma2 has no q/k norm; qk_norm is a gemma3_text feature.")
+
+    __hash__ = LlamaConfig.__hash__
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of GemmaForCausalLM built from this config."""
+        return super().num_parameters() + 2 * self.num_hidden_layers * self.hidden_size
+
+
+class GemmaRMSNorm(nnx.Module):
+    """RMSNorm scaling by (1 + w), all in float32 (as HF computes it), cast at the end."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: DType, param_dtype: DType,
+                 axis: str = "embed"):  # fmt: skip
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(jnp.zeros((dim,), param_dtype), logical_axes=(axis,))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.dtype)
+
+
+def softcap(x: Array, cap: float | None) -> Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+class GemmaAttention(nnx.Module):
+    def __init__(self, config: GemmaConfig, layer: int, *, dtype: DType, param_dtype: DType,
+                 rngs: nnx.Rngs):  # fmt: skip
+        c = config
+        self.g = c.num_queries_per_kv
+        self.head_dim = c.head_dim
+        self.scale = float(c.query_pre_attn_scalar) ** -0.5
+        self.cap = c.attn_logit_softcapping
+        sliding = c.layer_types[layer] == "sliding_attention"
+        self.window = c.sliding_window if sliding else None
+        kw = dict(std=c.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.qkv_proj = Projection(
+            (c.hidden_size, c.num_key_value_heads, self.g + 2, c.head_dim),
+            ("embed", "kv_heads", "qkv", "head_dim"), "btd,dkgh->btkgh",
+            bias_ndim=3 if c.attention_bias else None, **kw,
+        )  # fmt: skip
+        self.o_proj = Projection(
+            (c.num_attention_heads, c.head_dim, c.hidden_size),
+            ("heads", "head_dim", "embed"), "btnh,nhd->btd", **kw,
+        )  # fmt: skip
+        if c.qk_norm:
+            norm_kw = dict(eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.q_norm = GemmaRMSNorm(c.head_dim, axis="head_dim", **norm_kw)
+            self.k_norm = GemmaRMSNorm(c.head_dim, axis="head_dim", **norm_kw)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x: Array, cos: Array, sin: Array, segment_ids: Array | None) -> Array:
+        b, t = x.shape[:2]
+        g = self.g
+        qkv = self.qkv_proj(x)  # [B, T, K, G + 2, H]
+        q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin) * jnp.asarray(self.scale, q.dtype)
+        k = apply_rope(k, cos, sin)
+        logits = jnp.einsum("btkgh,bskh->bkgts", q, k).astype(jnp.float32)
+        logits = softcap(logits, self.cap)
+        i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+        visible = j <= i
+        if self.window is not None:
+            visible &= i - j < self.window
+        visible = jnp.broadcast_to(visible, (b, t, t))
+        if segment_ids is not None:
+            visible &= segment_ids[:, :, None] == segment_ids[:, None, :]
+        logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, -1, self.head_dim)
+        return self.o_proj(out)
+
+
+class GemmaMLP(nnx.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x)), gate and up fused as in the Llama MLP."""
+
+    def __init__(self, config: GemmaConfig, *, dtype: DType, param_dtype: DType, rngs: nnx.Rngs):
+        c = config
+        kw = dict(std=c.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_up_proj = Projection(
+            (c.hidden_size, 2, c.intermediate_size), ("embed", "gate_up", "mlp"),
+            "btd,dcf->btcf", **kw,
+        )  # fmt: skip
+        self.down_proj = Projection(
+            (c.intermediate_size, c.hidden_size), ("mlp", "embed"), "btf,fd->btd", **kw
+        )
+
+    def __call__(self, x: Array) -> Array:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(
+            jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
+        )
+
+
+class GemmaDecoderLayer(nnx.Module):
+    def __init__(self, config: GemmaConfig, layer: int, *, dtype: DType, param_dtype: DType,
+                 rngs: nnx.Rngs):  # fmt: skip
+        norm = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        d = config.hidden_size
+        self.sliding = config.layer_types[layer] == "sliding_attention"
+        self.input_layernorm = GemmaRMSNorm(d, **norm)
+        self.self_attn = GemmaAttention(config, layer, dtype=dtype, param_dtype=param_dtype,
+                                        rngs=rngs)  # fmt: skip
+        self.post_attention_layernorm = GemmaRMSNorm(d, **norm)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, **norm)
+        self.mlp = GemmaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_feedforward_layernorm = GemmaRMSNorm(d, **norm)
+
+    def __call__(self, x, cos, sin, segment_ids):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+def _run_layer(layer, x, cos, sin, segment_ids):
+    return layer(x, cos, sin, segment_ids)
+
+
+class GemmaModel(nnx.Module):
+    def __init__(self, config: GemmaConfig, *, dtype: DType, param_dtype: DType, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embedding(
+            config.vocab_size, config.hidden_size, std=config.initializer_range,
+            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+        self.layers = nnx.List(
+            [
+                GemmaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = GemmaRMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
+        )
+
+    def __call__(self, input_ids, positions, segment_ids=None, *, remat_policy="none",
+                 implementation=None):  # fmt: skip
+        del implementation  # Gemma's attention is always the einsum path (soft-capping)
+        c = self.config
+        full = rope_cos_sin(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                            self.dtype)  # fmt: skip
+        local = full
+        if c.rope_local_base_freq is not None:
+            inv = rope_inv_freq(c.head_dim, c.rope_local_base_freq, None)
+            local = rope_cos_sin(positions, inv, self.dtype)
+        scale = jnp.asarray(c.hidden_size**0.5, self.dtype)
+        x = constrain(self.embed_tokens(input_ids) * scale, ACT_BTD)
+        run = _run_layer
+        if remat_policy != "none":
+            run = nnx.remat(_run_layer, policy=_checkpoint_policy(remat_policy))
+        for layer in self.layers:
+            cos, sin = local if layer.sliding else full
+            x = constrain(run(layer, x, cos, sin, segment_ids), ACT_BTD)
+        return self.norm(x)
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 text decoder; logits soft-capped by ``final_logit_softcapping``."""
+
+    decoder_class = GemmaModel
+
+    def __init__(self, config: GemmaConfig, **kwargs: Any):
+        if not isinstance(config, GemmaConfig):
+            raise ValueError(
+                f"config must be a GemmaConfig, got {type(config).__name__}; build one with "
+                "GemmaConfig(...) or GemmaConfig.from_dict(d)."
+            )
+        super().__init__(config, **kwargs)
+
+    def output_projection(self):
+        project = super().output_projection()
+        cap = self.config.final_logit_softcapping
+        return project if cap is None else (lambda h: softcap(project(h), cap))
+
+    def __call__(self, input_ids: Array, **kwargs: Any) -> Array:
+        h = self.hidden_states(input_ids, **kwargs)
+        return constrain(self.output_projection()(h), ACT_BTV)
