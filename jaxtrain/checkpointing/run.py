@@ -186,6 +186,9 @@ def read_verified(step_dir: Path) -> dict[str, Any]:
     return ckpt.read_metadata(step_dir)
 
 
+_DELETING = ".jaxtrain-deleting"  # suffix of an old checkpoint being deleted (keep-N)
+
+
 class _Saver:
     """Orbax's CheckpointManager writing `<root>/<step>/{state,meta}`, keeping the newest K.
 
@@ -203,8 +206,15 @@ class _Saver:
         self.root = root
         self._saving: int | None = None  # the step whose background write is in flight
         self._failed = False
+        self.max_to_keep = max_to_keep
+        # Keep-N is done here, not by Orbax: Orbax deletes an old step directory in place, so
+        # a kill -9 during that delete leaves a half-deleted directory under a step's name.
+        # `_prune` renames it away first (atomic), then deletes.
+        if jax.process_index() == 0:
+            for leftover in root.glob(f"*{_DELETING}"):
+                shutil.rmtree(leftover, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None,
             enable_async_checkpointing=True,
             create=True,
             # Partial saves of a killed run are removed when the next run opens the directory.
@@ -223,6 +233,7 @@ class _Saver:
         step = int(jax.device_get(state.step))
         with self._failures():
             self._manager.wait_until_finished()  # Orbax would wait too; _saving is one step
+            self._prune()
             self._saving = step
             self._manager.save(
                 step,
@@ -231,6 +242,15 @@ class _Saver:
                 ),
             )
         return self.root / str(step)
+
+    def _prune(self) -> None:
+        """Delete all but the newest `max_to_keep` committed checkpoints (all committed now)."""
+        if self.max_to_keep is None or jax.process_index() != 0:
+            return
+        for step in ckpt.committed_steps(self.root)[: -self.max_to_keep]:
+            doomed = self.root / f"{step}{_DELETING}"
+            (self.root / str(step)).rename(doomed)  # no longer a step name, then removed
+            shutil.rmtree(doomed)
 
     def _before_commit(self) -> None:
         if jax.process_index() != 0 or self._saving is None:
@@ -282,6 +302,7 @@ class _Saver:
             try:
                 if not self._failed:  # a failure already raised: do not wait on it twice
                     self._manager.wait_until_finished()
+                    self._prune()
             finally:
                 self._manager.close()
 
