@@ -28,6 +28,10 @@ COMMANDS = ("train", "eval", "sample", "export", "report")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `jaxtrain` command. With `argv` None it is the process's entry point and may end
+    the process itself (Ctrl-C handling, exit after a refused restore); called with a list
+    (tests, Ray workers, Tune trials) it only returns the exit code."""
+    entry = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -45,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from jaxtrain import interrupts
 
-    if command in ("train", "eval", "sample", "export", "report"):  # launch/tune: Ray's own
+    if entry and command in ("train", "eval", "sample", "export", "report"):  # launch/tune: Ray's
         interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
-    return _dispatch(command, rest)
+    return _dispatch(command, rest, entry=entry)
 
 
-def _dispatch(command: str, rest: list[str]) -> int:
+def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
     from jaxtrain.cli.export import cmd_export
     from jaxtrain.cli.launch import cmd_launch, cmd_tune
@@ -75,7 +79,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
         # else is a bug and keeps its traceback (exit 1).
         label = "" if isinstance(err, TrainingInterrupted) else "error: "
         print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
-        if isinstance(err, CheckpointError):
+        if entry and isinstance(err, CheckpointError):
             # Tensorstore reads or writes still in flight when Orbax gave up complete during
             # interpreter shutdown and print "Event loop is closed" tracebacks after this
             # line. Nothing here needs the exit hooks: the loop already closed the logs and

@@ -13,7 +13,7 @@ import transformers
 from flax import nnx
 from hf_fixtures import BASE, forward, hf_logits, hf_model, random_ids
 
-from jaxtrain.hf import AutoModelForCausalLM, HFError
+from jaxtrain.hf import AutoModelForCausalLM, HFError, save_pretrained
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 
 GEMMA = dict(BASE, num_hidden_layers=3, head_dim=8, sliding_window=5, query_pre_attn_scalar=16)
@@ -55,7 +55,7 @@ def test_gemma_checkpoints_match_transformers_both_ways(name, tmp_path):
     if name == "gemma2":  # the final soft-cap bounds the logits
         assert float(jnp.abs(logits).max()) < 3.0
 
-    model.save_pretrained(tmp_path / "export")
+    save_pretrained(model, tmp_path / "export")
     exported = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "export", attn_implementation="eager"
     ).eval()

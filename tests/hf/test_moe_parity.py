@@ -13,7 +13,7 @@ import transformers
 from flax import nnx
 from hf_fixtures import BASE, forward, hf_logits, hf_model, random_ids
 
-from jaxtrain.hf import AutoModelForCausalLM, HFError
+from jaxtrain.hf import AutoModelForCausalLM, HFError, save_pretrained
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 
 MOE = dict(num_experts_per_tok=2)
@@ -51,7 +51,7 @@ def test_moe_checkpoints_match_transformers_both_ways(name, tmp_path):
     assert n_params == model.config.num_parameters() == reference_model.num_parameters()
     assert relative_error(forward(model, jnp.asarray(ids)), reference) < 2e-5
 
-    model.save_pretrained(tmp_path / "export")
+    save_pretrained(model, tmp_path / "export")
     exported = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "export", attn_implementation="eager"
     ).eval()
@@ -87,4 +87,4 @@ def test_unsupported_moe_configs_are_refused(tmp_path):
     shared = MoeConfig(model_type="mixtral", shared_expert_intermediate_size=8, num_hidden_layers=1,
                        hidden_size=32, intermediate_size=32, num_attention_heads=4, vocab_size=64)  # fmt: skip
     with pytest.raises(HFError, match="shared expert"):
-        MoeForCausalLM(shared, rngs=nnx.Rngs(0)).save_pretrained(tmp_path / "out")
+        save_pretrained(MoeForCausalLM(shared, rngs=nnx.Rngs(0)), tmp_path / "out")
