@@ -232,14 +232,18 @@ class RayDistributedTrainer:
 
     def newest_bucket_checkpoint(self) -> Path | None:
         """The newest committed checkpoint under bucket_path, or None."""
-        from jaxtrain.training.checkpoint import CheckpointError, find_checkpoint
+        from jaxtrain.checkpointing import checkpoints_root, committed_steps
 
-        if self.bucket_path is None or not Path(self.bucket_path).exists():
+        if self.bucket_path is None:
             return None
-        try:
-            return find_checkpoint(self.bucket_path)
-        except CheckpointError:
-            return None  # a bucket with no committed checkpoint yet: start new
+        # The bucket is a run's output_dir (or its checkpoints/ directory); none committed
+        # yet means a new start, decided here without catching any error.
+        bucket = Path(self.bucket_path).absolute()
+        for root in (bucket, checkpoints_root(bucket)):
+            steps = committed_steps(root)
+            if steps:
+                return root / str(steps[-1])
+        return None
 
     def arguments_for(self, arguments: TrainingArguments) -> TrainingArguments:
         """The run's arguments with the mesh settings fixed by config_variables."""
