@@ -2,8 +2,8 @@
 
 Every Orbax failure reaches the user once, as the CheckpointError that names the step
 directory and the way forward; Orbax's background-thread tracebacks would repeat it, and
-Tensorstore's "Event loop is closed" reports (a write's future completing after Orbax
-closed its asyncio loop, harmless) would print after it.
+Tensorstore's "Event loop is closed" reports (a read's or write's future completing after
+Orbax closed its asyncio loop, harmless) would print around it.
 """
 
 from __future__ import annotations
@@ -23,31 +23,43 @@ class _OrbaxErrors(logging.Filter):
         return record.levelno < logging.ERROR or "orbax" not in record.pathname
 
 
+class _OrbaxTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for Orbax's own tasks: when one
+    read of a restore fails, Orbax raises it and leaves the sibling reads' failures (the
+    same damage) unretrieved; asyncio would log each one when it is collected."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("never retrieved" in message and "orbax" in message)
+
+
 def quiet_orbax() -> None:
     """Installed once per process, before Orbax first runs (idempotent)."""
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
-        logger.addFilter(_OrbaxErrors())
-    if not getattr(sys.excepthook, "jaxtrain_closed_loop", False):
-        sys.excepthook = _without_closed_loop_reports(sys.excepthook)
+    for name, kind in (("absl", _OrbaxErrors), ("asyncio", _OrbaxTasks)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
+    if not getattr(sys.unraisablehook, "jaxtrain_closed_loop", False):
+        sys.unraisablehook = _without_closed_loop_reports(sys.unraisablehook)
 
 
-def _without_closed_loop_reports(previous: Callable[..., None]) -> Callable[..., None]:
-    """Tensorstore completes a write's future after Orbax closed the asyncio loop that
-    waited for it; the callback's RuntimeError("Event loop is closed") is printed through
-    sys.excepthook as a bare traceback (often after jaxtrain's own error). Nothing is lost
-    (the write had finished), so exactly that report is dropped."""
+def _without_closed_loop_reports(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Tensorstore completes a read's or write's future after Orbax gave up and closed the
+    asyncio loop that waited for it (a refused restore, a failed save). The callback's
+    RuntimeError("Event loop is closed") reaches `sys.unraisablehook` from Tensorstore's
+    own thread and would print a bare traceback around jaxtrain's one-line error. Nothing
+    is lost (Orbax has already failed and jaxtrain reports that), so exactly that report is
+    dropped; every other unraisable exception still reaches the previous hook."""
 
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        frames = traceback.extract_tb(tb)
+    def hook(report: Any) -> None:
+        frames = traceback.extract_tb(report.exc_traceback)
         if (
-            kind is RuntimeError
-            and str(value) == "Event loop is closed"
-            and frames
-            and frames[0].name == "call_soon_threadsafe"
+            report.exc_type is RuntimeError
+            and str(report.exc_value) == "Event loop is closed"
+            and any(frame.name == "call_soon_threadsafe" for frame in frames)
         ):
             return
-        previous(kind, value, tb)
+        previous(report)
 
     hook.jaxtrain_closed_loop = True  # type: ignore[attr-defined]
     return hook

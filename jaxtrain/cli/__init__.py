@@ -80,9 +80,9 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
         label = "" if isinstance(err, TrainingInterrupted) else "error: "
         print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
         if entry and isinstance(err, CheckpointError):
-            # Tensorstore reads or writes still in flight when Orbax gave up complete during
-            # interpreter shutdown and print "Event loop is closed" tracebacks after this
-            # line. Nothing here needs the exit hooks: the loop already closed the logs and
+            # Orbax's coroutines left unfinished when it gave up would be reported by the
+            # interpreter's shutdown ("coroutine ... was never awaited") after this line.
+            # Nothing here needs the exit hooks: the loop already closed the logs and
             # trackers, and a refused restore opened none.
             sys.stdout.flush()
             sys.stderr.flush()

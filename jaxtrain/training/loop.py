@@ -12,6 +12,7 @@ are read, and metrics are read only at logging cadence (one step late).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from jaxtrain.training.stopping import (
 if TYPE_CHECKING:
     from jaxtrain.training.trainer import Trainer
 
+logger = logging.getLogger(__name__)
 
 # Multi-host runs agree on signals, the time limit and interval saves this often (steps).
 MULTI_HOST_POLL_STEPS = 10
@@ -201,6 +203,9 @@ class TrainingLoop:
                 f"step {step}; saved {self.checkpoint_path}. Run the same command again to "
                 "continue."
             )
+        truncation = trainer.data_meter.truncation_summary()
+        if truncation and jax.process_index() == 0:
+            logger.warning("jaxtrain: at the end of the run, %s.", truncation)
         nnx.update(trainer.model, state.params)
         output = TrainerOutput(
             state=state,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import datasets
 import numpy as np
 from flax import nnx
@@ -75,3 +77,23 @@ def test_packed_stream_resumes_exactly_through_a_checkpoint(tmp_path):
     )
     logs = [r for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
     assert {"data_wait_s", "data/padding_tokens", "data/truncated_tokens"} <= set(logs[0])
+
+
+def test_truncation_is_warned_at_start_and_in_the_run_summary(tmp_path, caplog):
+    long_rows = datasets.Dataset.from_dict({"input_ids": [[3] * 20] * 4})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, total_batch_size=2, max_sequence_length=8,
+        progress_bar="none", evaluation_strategy="no", save_final=False,
+    )  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        Trainer(arguments=args, model=model, dataset_train=long_rows).train()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("60.0% of its tokens (48 of 80, in 4 of 4 rows)" in m for m in messages)
+    # 3 steps x 2 rows of 20 tokens read, 8 kept of each.
+    end = [m for m in messages if "at the end of the run" in m]
+    assert len(end) == 1 and "dropped 60.0% of the tokens read (72 of 120)" in end[0], messages
