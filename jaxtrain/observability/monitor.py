@@ -90,8 +90,13 @@ def memory_logs() -> dict[str, float]:
 
 
 class RunMonitor:
-    def __init__(self, args: Any, *, model_config: Any, num_parameters: int):
+    def __init__(
+        self, args: Any, *, model_config: Any, num_parameters: int, num_devices: int | None = None
+    ):
         self.args = args
+        # The devices the run's mesh spans (a Trainer may be given a subset of jax.devices()):
+        # TFLOP/s and MFU are per device of the mesh.
+        self.num_devices = jax.device_count() if num_devices is None else num_devices
         self.is_writer = jax.process_index() == 0
         self.flops = FlopsCounter(model_config, num_parameters)
         self.num_parameters = num_parameters
@@ -163,7 +168,7 @@ class RunMonitor:
             "run_name": self.run_name,
             "device": description,
             "device_kind": jax.devices()[0].device_kind,
-            "num_devices": jax.device_count(),
+            "num_devices": self.num_devices,
             "peak_tflops_per_device": peak / 1e12 if peak else None,
             "num_parameters": self.num_parameters,
             "flops_formula": "exact" if self.flops.exact else "6 * num_parameters",
@@ -195,7 +200,7 @@ class RunMonitor:
     def window(self) -> MetricsWindow:
         peak = self._peak[1] if self._peak is not None else None  # set by first_step_done
         self._window = MetricsWindow(
-            num_devices=jax.device_count(), peak_flops=peak, data_wait=self.data_wait
+            num_devices=self.num_devices, peak_flops=peak, data_wait=self.data_wait
         )
         return self._window
 

@@ -140,7 +140,10 @@ class Trainer(TrainerCallback):
         # Trackers, throughput/MFU, compile tracking, weight stats, report
         # (jaxtrain.observability); the loop reports through it.
         self.monitor = RunMonitor(
-            args, model_config=self.model_config, num_parameters=self.num_parameters
+            args,
+            model_config=self.model_config,
+            num_parameters=self.num_parameters,
+            num_devices=self.mesh.size,
         )
 
     # ------------------------------------------------------------------ setup

@@ -68,6 +68,8 @@ def main(out_dir: str) -> None:
         finals[name] = params_of(output.state)
         run = {"losses": recorder.losses, "eval_loss": output.metrics.get("eval/loss")}
         run["mesh"] = list(output.mesh.shape.values())
+        info = json.loads((out / name / "run_info.json").read_text())
+        run["run_info_num_devices"] = info["num_devices"]
         # Per-device shard shapes of the parameters and the Adam moments.
         leaves = jax.tree_util.tree_leaves_with_path(output.state.params)
         run["shards"] = {

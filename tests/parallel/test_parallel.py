@@ -50,9 +50,12 @@ def mesh_results(tmp_path_factory) -> dict:
 def test_every_mesh_trains_like_one_device(mesh_results):
     runs = mesh_results["runs"]
     single = runs["single"]["losses"]
+    # TFLOP/s and MFU divide by the mesh's devices, not every device the process has.
+    assert runs["single"]["run_info_num_devices"] == 1
     assert len(single) == 3
     for name in ("dp8", "fsdp8", "dp2_fsdp2_tp2", "fsdp4_sp2"):
         assert runs[name]["num_devices_used"] == 8, name
+        assert runs[name]["run_info_num_devices"] == 8, name
         assert tuple(runs[name]["mesh"]) == MESHES[name], name  # TrainerOutput.mesh
         np.testing.assert_allclose(runs[name]["losses"], single, rtol=TOL, err_msg=name)
         assert runs[name]["max_param_diff"] < TOL, (name, runs[name]["max_param_diff"])
