@@ -123,7 +123,14 @@ def flops_per_token(config: Any, seq_len: float, *, causal: bool = True) -> floa
 
 def sequence_lengths(batch: dict[str, np.ndarray]) -> np.ndarray:
     """Real (non-padding) length of every sequence of a host batch; packed rows give one
-    length per document (segment_ids), otherwise one per row (attention_mask)."""
+    length per document (segment_ids), otherwise one per row (attention_mask). Preference
+    batches (DPO, reward) add their rejected sequences: the model runs on both sides."""
+    if "rejected_input_ids" in batch:
+        rejected = {"input_ids": batch["rejected_input_ids"]}
+        if "rejected_attention_mask" in batch:
+            rejected["attention_mask"] = batch["rejected_attention_mask"]
+        chosen = {k: v for k, v in batch.items() if not k.startswith("rejected_")}
+        return np.concatenate([sequence_lengths(chosen), sequence_lengths(rejected)])
     ids = np.asarray(batch["input_ids"])
     rows = ids.reshape(-1, ids.shape[-1])
     if "attention_mask" in batch:

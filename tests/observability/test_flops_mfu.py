@@ -16,7 +16,8 @@ from jaxtrain.observability.flops import (
     sequence_lengths,
 )
 from jaxtrain.observability.hardware import device_peak_flops, measured_cpu_peak, table_peak
-from jaxtrain.observability.metrics import MetricsWindow
+from jaxtrain.observability.metrics import MetricsWindow, host_token_count
+from jaxtrain.trainers.data import PairCollator
 
 # L=2 layers, d=64, H=4 query heads, K=2 kv heads, Q=16 head dim, I=128, V=512.
 KNOWN = LlamaConfig(
@@ -81,6 +82,16 @@ def test_batch_flops_use_each_sequences_real_length():
     assert sorted(sequence_lengths(packed).tolist()) == [2, 4]
     expected = 2 * flops_per_token(KNOWN, 2) + 4 * flops_per_token(KNOWN, 4)
     assert counter.batch_flops(packed) == pytest.approx(expected)
+
+
+def test_preference_pairs_count_the_rejected_side_too():
+    counter = FlopsCounter(KNOWN, num_parameters=0)
+    pair = {"chosen_input_ids": [1, 2, 3, 4, 5], "chosen_labels": [-100, -100, 3, 4, 5]}
+    pair |= {"rejected_input_ids": [1, 2, 7], "rejected_labels": [-100, -100, 7]}
+    batch = PairCollator(seq_len=8, pad_source=None)([pair, pair])
+    expected = 2 * (5 * flops_per_token(KNOWN, 5) + 3 * flops_per_token(KNOWN, 3))
+    assert counter.batch_flops(batch) == pytest.approx(expected)
+    assert host_token_count(batch, counter).flops == pytest.approx(expected)
 
 
 def test_a_model_without_a_transformer_config_falls_back_to_6n():
