@@ -284,8 +284,10 @@ def run_on_cluster(
     *,
     on_event: EventSink | None = None,
     attempts: list[Attempt] | None = None,
+    every_process: bool = False,
 ) -> Any:
-    """Run `make_job(attempt)` on every process; process 0's result.
+    """Run `make_job(attempt)` on every process; process 0's result (with `every_process`,
+    the list of every process's result, in process order).
 
     Restarts after a process death up to `cluster.max_restarts` times; `attempts` (a list)
     receives one Attempt per try. A job that raises without any process dying is not
@@ -300,7 +302,8 @@ def run_on_cluster(
         group = ProcessGroup(cluster, number)
         record.append(Attempt(number, list(group.processes)))
         try:
-            return group.run(payload, on_event)[0]
+            results = group.run(payload, on_event)
+            return results if every_process else results[0]
         except _ProcessLost as lost:
             record[-1].failed_process, record[-1].cause = lost.process_id, lost.cause
             if on_event is not None:

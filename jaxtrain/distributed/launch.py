@@ -4,7 +4,8 @@ Each actor runs the command exactly as `jaxtrain` would on that host; the cluste
 reach it through JAXTRAIN_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID (set by the
 actor), and a restart after a dead process runs the same command again, which resumes from
 the run's newest committed checkpoint (resume_if_possible). Process 0's output reaches this
-terminal through Ray's log forwarding.
+terminal through Ray's log forwarding; the launch exits with the first non-zero exit code of
+any process.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class CliJob:
 
 
 def launch_ray(tokens: list[str], cluster: ClusterConfig, entry: Callable[[list[str]], int]) -> int:
-    """Run `entry(tokens)` (`jaxtrain <tokens>`) on `cluster.num_processes` actors; process
-    0's exit code."""
+    """Run `entry(tokens)` (`jaxtrain <tokens>`) on `cluster.num_processes` actors; the
+    first non-zero exit code in process order (0 when every process succeeded), so a
+    failure of any process fails the launch."""
     from jaxtrain.distributed.cluster import Attempt
 
     attempts: list[Attempt] = []
@@ -43,11 +45,16 @@ def launch_ray(tokens: list[str], cluster: ClusterConfig, entry: Callable[[list[
             print(f"jaxtrain launch: process {data['process']} died; restarting", flush=True)
 
     try:
-        code = int(
-            run_on_cluster(
-                lambda _: CliJob(tokens, entry), cluster, on_event=report, attempts=attempts
+        codes = [
+            int(code)
+            for code in run_on_cluster(
+                lambda _: CliJob(tokens, entry),
+                cluster,
+                on_event=report,
+                attempts=attempts,
+                every_process=True,
             )
-        )
+        ]
     finally:
         for attempt in attempts:
             where = ", ".join(
@@ -56,4 +63,9 @@ def launch_ray(tokens: list[str], cluster: ClusterConfig, entry: Callable[[list[
             print(
                 f"jaxtrain launch: attempt {attempt.number}: {len(attempt.processes)} processes ({where})"
             )
-    return code
+    failed = [(process, code) for process, code in enumerate(codes) if code != 0]
+    if failed:
+        listed = ", ".join(f"process {process}: {code}" for process, code in failed)
+        print(f"jaxtrain launch: non-zero exit codes ({listed})", flush=True)
+        return failed[0][1]
+    return 0

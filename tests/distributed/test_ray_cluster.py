@@ -330,3 +330,16 @@ def test_cli_launch_runs_jaxtrain_train_as_one_cluster_of_actors(ray_session, tm
     ]
     assert [r["step"] for r in logged if "loss" in r] == [1, 2]  # written once, by process 0
     assert "attempt 0: 2 processes (0: pid" in capsys.readouterr().out
+
+
+def exit_code_by_process(tokens: list[str]) -> int:
+    """A command whose exit code is 3 on process 1 only (as a failure on one host)."""
+    return 3 if os.environ["JAXTRAIN_PROCESS_ID"] == "1" else 0
+
+
+def test_launch_fails_when_any_process_fails(ray_session, capsys):
+    from jaxtrain.distributed.launch import launch_ray
+
+    code = launch_ray(["train"], two_processes(max_restarts=0), exit_code_by_process)
+    assert code == 3
+    assert "non-zero exit codes (process 1: 3)" in capsys.readouterr().out
