@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.trainers.logps import chunked_sequence_logps, sequence_logps, token_logps
 from jaxtrain.training.step import (
     CHUNKED_LOSS_MIN_VOCAB,
     IGNORE_INDEX,
@@ -90,3 +91,33 @@ def test_chunked_sums_and_grads_equal_the_full_logits(setup, tied):
     assert largest_logits(jaxpr, vocab, hidden) == 5 * vocab
     full = jax.make_jaxpr(jax.grad(lambda p: loss(p, full_sums)[0]))(params).jaxpr
     assert largest_logits(full, vocab, hidden) >= B * (T - 1) * vocab  # the check can fail
+
+
+def test_chunked_sequence_logps_equal_the_full_logits(setup):
+    """DPO's per-row log-probabilities at a large vocabulary: same values and gradients."""
+    model, batch = setup
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def full(m, ids, labels):
+        logp, mask = token_logps(m(ids), labels)
+        return logp.sum(-1), mask.sum(-1).astype(jnp.float32)
+
+    def chunked(m, ids, labels):  # 3 chunks of 5 positions, the last padded
+        h = m.hidden_states(ids)
+        return chunked_sequence_logps(h, m.output_projection(), labels, chunk_positions=5)
+
+    def total(p, fn):
+        logp, tokens = fn(nnx.merge(graphdef, p, rest), batch["input_ids"], batch["labels"])
+        return (logp * jnp.arange(1.0, B + 1)).sum(), (logp, tokens)
+
+    grad = jax.jit(jax.value_and_grad(total, has_aux=True), static_argnums=1)
+    (_, (want, want_tokens)), want_g = grad(params, full)
+    for fn in (chunked, sequence_logps):  # sequence_logps: chunked at this vocabulary
+        (_, (got, tokens)), g = grad(params, fn)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        np.testing.assert_array_equal(tokens, want_tokens)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: total(p, chunked)[0]))(params).jaxpr
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    assert largest_logits(jaxpr, vocab, hidden) == B * 5 * vocab
