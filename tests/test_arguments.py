@@ -84,3 +84,22 @@ def test_cli_overrides_win_over_file_and_reach_sections(tmp_path):
         parse_overrides(["--learning_rate"])
     with pytest.raises(ArgumentError, match="sample"):
         split_config({**config, "sample": {"promt": "x"}})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("[]", []), ("[1, 3]", [1, 3]), ("1,3", [1, 3]), ("2", [2])]
+)
+def test_list_fields_parse_from_the_command_line(text, expected):
+    overrides = parse_overrides(
+        ["--model.model_type", "qwen3_moe", "--model.mlp_only_layers", text]
+    )
+    _, model, _, _ = split_config(resolve_config(None, overrides))
+    assert model["mlp_only_layers"] == expected
+
+
+def test_a_list_field_with_a_bad_item_names_the_item():
+    overrides = parse_overrides(
+        ["--model.model_type", "qwen3_moe", "--model.mlp_only_layers", "1,x"]
+    )
+    with pytest.raises(ArgumentError, match=r"model.mlp_only_layers\[1\] .* must be int"):
+        split_config(resolve_config(None, overrides))

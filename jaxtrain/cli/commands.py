@@ -133,7 +133,7 @@ def _restore(tokens: list[str], *, with_eval_data: bool):
 
 
 def cmd_eval(tokens: list[str]) -> int:
-    from jaxtrain.arguments import coerce_value
+    from jaxtrain.config_values import coerce_value
 
     run, overrides = _restore(tokens, with_eval_data=True)
     trainer = run.trainer

@@ -36,9 +36,9 @@ def _check_writable(out_dir: Path) -> None:
 
 
 def cmd_export(tokens: list[str]) -> int:
-    from jaxtrain.arguments import read_config_file
     from jaxtrain.cli.run_config import parse_overrides
     from jaxtrain.cli.run_dir import restore_run
+    from jaxtrain.config_values import read_config_file
     from jaxtrain.hf.model_card import final_metrics
 
     tokens = list(tokens)

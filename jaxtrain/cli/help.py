@@ -148,22 +148,22 @@ def schema_help(schema: dict[str, type], docs: dict[str, str], prefix: str, defa
 
 
 def train_help() -> str:
-    from jaxtrain import arguments
+    from jaxtrain import argument_checks as checks
     from jaxtrain.arguments import TrainingArguments
     from jaxtrain.cli import run_config
     from jaxtrain.models import LlamaConfig
 
     choices = {
-        "optimizer": arguments.OPTIMIZERS,
-        "scheduler": arguments.SCHEDULERS,
-        "dtype": arguments.DTYPES,
-        "param_dtype": arguments.DTYPES,
-        "gradient_checkpointing": arguments.REMAT_POLICIES,
-        "progress_bar": arguments.PROGRESS_BARS,
-        "evaluation_strategy": arguments.EVALUATION_STRATEGIES,
-        "truncation_mode": arguments.TRUNCATION_MODES,
-        "on_nan": arguments.ON_NAN,
-        "report_to": arguments.REPORT_TO,
+        "optimizer": checks.OPTIMIZERS,
+        "scheduler": checks.SCHEDULERS,
+        "dtype": checks.DTYPES,
+        "param_dtype": checks.DTYPES,
+        "gradient_checkpointing": checks.REMAT_POLICIES,
+        "progress_bar": checks.PROGRESS_BARS,
+        "evaluation_strategy": checks.EVALUATION_STRATEGIES,
+        "truncation_mode": checks.TRUNCATION_MODES,
+        "on_nan": checks.ON_NAN,
+        "report_to": checks.REPORT_TO,
     }
     demo = run_config.DEFAULT_CONFIG
     return f"""usage: jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value]

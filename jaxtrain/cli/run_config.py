@@ -23,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments, coerce_value
+from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.config_values import coerce_value
 
 SECTIONS = ("model", "data", "sample", "teacher")
 
@@ -131,7 +132,7 @@ def resolve_config_with_sources(
     config = copy.deepcopy(base)
     sources = dict.fromkeys(_flat_keys(config), label)
     if path is not None:
-        from jaxtrain.arguments import read_config_file
+        from jaxtrain.config_values import read_config_file
 
         update = read_config_file(path)
         _merge(config, update)

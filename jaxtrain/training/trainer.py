@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments, check_warmup
+from jaxtrain.argument_checks import check_warmup
+from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.checkpointing import RunCheckpoints, RunStart, load_checked
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.padding import resolve_pad_token_id
