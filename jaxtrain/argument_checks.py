@@ -36,6 +36,8 @@ def _choice(args: TrainingArguments, name: str, options: tuple[str, ...]) -> Non
 
 def _positive(args: TrainingArguments, name: str, *, allow_zero: bool = False) -> None:
     value = getattr(args, name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ArgumentError(f"TrainingArguments.{name} must be a number, got {value!r}.")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ArgumentError(f"TrainingArguments.{name} must be {bound}, got {value}.")

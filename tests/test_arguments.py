@@ -33,6 +33,8 @@ def test_defaults_are_valid_and_derived_values():
         ({"scheduler": "warmup_cosine"}, ["warmup_steps"]),
         ({"save_steps": 0}, ["save_steps"]),
         ({"adam_beta2": 1.5}, ["adam_beta2"]),
+        ({"eval_steps": None}, ["eval_steps", "must be a number", "None"]),
+        ({"logging_steps": "10"}, ["logging_steps", "must be a number"]),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, words):

@@ -50,12 +50,12 @@ def scan_tokens(
 ) -> TokenScan | None:
     """Check every row of an HF dataset's `input_ids` (and `labels`) column; None when the
     source is not one (text rows are tokenized later, other sources checked per row)."""
-    import pyarrow as pa
-
     data = source.data
     columns = source.columns or []
-    if not getattr(source, "_hf", False) or "input_ids" not in columns:
+    if not source.is_hf or "input_ids" not in columns:
         return None
+    import pyarrow as pa  # only for HF datasets, whose Arrow table it reads
+
     wanted = [c for c in ("input_ids", "labels") if c in columns]
     table = data.select_columns(wanted).with_format("arrow")[:]  # in dataset row order
     if not pa.types.is_list(table.schema.field("input_ids").type) and not pa.types.is_large_list(

@@ -65,6 +65,11 @@ class RandomAccessSource:
         return self._len
 
     @property
+    def is_hf(self) -> bool:
+        """A `datasets.Dataset` (an Arrow table), not a list of rows."""
+        return self._hf
+
+    @property
     def columns(self) -> list[str] | None:
         if self._hf:
             return list(self.data.column_names)

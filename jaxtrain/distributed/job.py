@@ -70,8 +70,10 @@ def _starting_from(trainer_class: type, state: Any) -> type:
     """`trainer_class` whose fresh start is `state` (a resume still wins over it)."""
 
     class StartFromState(trainer_class):
-        def create_state(self):
+        def create_state(self, *, copy: bool = True):
             import jax
+
+            del copy  # the given state is placed, never the model's parameters
 
             try:
                 return jax.device_put(state, self.state_shardings)

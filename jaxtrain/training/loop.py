@@ -81,6 +81,7 @@ class TrainingLoop:
         start = trainer.start_state()
         state, step, resumed_from = start.state, start.step, start.resumed_from
         state = jax.device_put(state, trainer.state_shardings)  # no-op unless placed elsewhere
+        self.latest_state = state  # the newest live state, for the model object on a failure
         self._write_run_files()
         # Written by process 0 only; a resumed run continues its trackers' runs.
         self.log = trainer.monitor.open(args.output_dir, step, start.tracker_state)
@@ -102,6 +103,9 @@ class TrainingLoop:
         with StopSignals() as signals:
             try:
                 state, step = self._steps(state, step, batches, signals, start)
+            except BaseException:
+                self._return_parameters(self.latest_state)
+                raise
             finally:
                 try:
                     trainer.checkpoints.close()  # waits for the background writes to commit
@@ -149,6 +153,7 @@ class TrainingLoop:
                 window.restart_clock()
             self.hooks.call("on_step_start", trainer, state, step)
             state, metrics = self.train_step(state, batch)
+            self.latest_state = state
             step += 1
             if step == first_step:
                 trainer.monitor.first_step_done(state)
@@ -194,6 +199,7 @@ class TrainingLoop:
 
     def _finish(self, state, step: int) -> TrainerOutput:
         trainer = self.trainer
+        self._return_parameters(state)
         if self.stop_reason.startswith("signal:"):
             signal_name = self.stop_reason.split(":", 1)[1]
             raise TrainingInterrupted(signal_name, step, self.checkpoint_path)
@@ -206,7 +212,6 @@ class TrainingLoop:
         truncation = trainer.data_meter.truncation_summary()
         if truncation and jax.process_index() == 0:
             logger.warning("jaxtrain: at the end of the run, %s.", truncation)
-        nnx.update(trainer.model, state.params)
         output = TrainerOutput(
             state=state,
             metrics={**self.last_logs, **self.eval_metrics},
@@ -218,6 +223,12 @@ class TrainingLoop:
         return output
 
     # --------------------------------------------------------------- helpers
+    def _return_parameters(self, state) -> None:
+        """The model object gets the newest parameters: a fresh start took its arrays
+        (Trainer.create_state(copy=False)), and users read the trained model from it."""
+        if state is not None and not any(x.is_deleted() for x in jax.tree.leaves(state.params)):
+            nnx.update(self.trainer.model, state.params)
+
     def _poll_stops(
         self, step: int, signals: StopSignals, last_save_time: float
     ) -> tuple[str | None, bool]:

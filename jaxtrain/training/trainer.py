@@ -58,9 +58,11 @@ class Trainer(TrainerCallback):
     - at construction, `arguments.dtype` (when set) becomes the compute `dtype` of every
       submodule that has one, and `arguments.gradient_checkpointing` becomes the model's
       `remat_policy`; build a fresh model if you need the original settings back;
-    - when `train()` returns, the model holds the trained parameters (in `param_dtype`);
-    - nothing else: the parameters are copied onto the mesh for training, so donation and
-      sharding never touch the arrays of your object during the run.
+    - during `train()` its parameter arrays are the training state's (no second copy of the
+      parameters exists; the steps donate them, so read the model from the state that hooks
+      receive, `trainer.model_from_state(state)`, not from the object itself);
+    - when `train()` returns or fails, the model holds the newest parameters (in
+      `param_dtype`). `create_state()` gives a state with its own copy.
     A `ModelFactory` is never built unsharded; `trainer.model` is then its abstract model.
     """
 
@@ -168,6 +170,7 @@ class Trainer(TrainerCallback):
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = cast_floating(params, args.param_dtype)
         self._initial_params = params
+        self._parameters_taken = False  # by train()'s fresh start (create_state(copy=False))
         self.num_parameters = count_parameters(params)
 
     def _apply_lora(self, model: nnx.Module) -> nnx.Module:
@@ -250,8 +253,15 @@ class Trainer(TrainerCallback):
             self._state_shardings = self.sharding_plan.state_shardings(abstract)
         return self._state_shardings
 
-    def create_state(self) -> TrainState:
-        """A fresh state on the mesh; a copy, so the user's model survives donation."""
+    def create_state(self, *, copy: bool = True) -> TrainState:
+        """A fresh state on the mesh from the model's parameters.
+
+        `copy=True` (the default) gives the state its own arrays, so it outlives `train()`
+        (whose steps donate their input state). `train()` passes `copy=False` for its fresh
+        start: the state is built around the model's own arrays, so no second copy of the
+        parameters exists; the model object gets the newest parameters back when `train()`
+        returns or fails.
+        """
         shardings = self.state_shardings
         if self._factory is not None:  # sharded from birth: one jit, no full copy anywhere
             state, self.rest = self._factory.init_state(
@@ -263,8 +273,21 @@ class Trainer(TrainerCallback):
             )
             self._placed_rest = None
             return state
-        params = jax.device_put(self._initial_params, shardings.params)
-        return jax.jit(self._new_state, out_shardings=shardings)(params)
+        # The first train() donates the initial arrays: later states start from the model's
+        # current parameters (those train() gave back).
+        params = self._model_params() if self._parameters_taken else self._initial_params
+        params = jax.device_put(params, shardings.params)  # no copy when already placed
+        if copy:
+            return jax.jit(_new_state_with_copies(self._new_state), out_shardings=shardings)(params)
+        self._parameters_taken = True
+        self._initial_params = jax.tree.map(_abstract, params)  # only shapes are read later
+        # Donated, so XLA aliases the parameters into the state instead of copying them.
+        return jax.jit(self._new_state, out_shardings=shardings, donate_argnums=0)(params)
+
+    def _model_params(self) -> Any:
+        """The model object's current parameters, in param_dtype."""
+        params = nnx.split(self.model, nnx.Param, ...)[1]
+        return cast_floating(params, self.arguments.param_dtype)
 
     def frozen_state(self) -> Any:
         """The model's non-Param state (frozen weights, buffers) placed on the mesh by the
@@ -371,7 +394,7 @@ class Trainer(TrainerCallback):
         as `jaxtrain.checkpointing.run` describes."""
         loader = self.train_loader
         return self.checkpoints.start(
-            fresh_state=self.create_state,
+            fresh_state=lambda: self.create_state(copy=False),
             abstract_state=self.abstract_state,
             model_class=type(self.model).__name__,
             model_config=self._model_config_dict(),
@@ -500,3 +523,12 @@ def param_logical_axes(params: Any) -> Any:
         params,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
+
+
+def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _new_state_with_copies(new_state: Any) -> Any:
+    """`new_state` whose parameters are copies (jit would forward unchanged inputs)."""
+    return lambda params: new_state(jax.tree.map(jnp.copy, params))

@@ -213,3 +213,64 @@ def test_a_hook_can_stop_training_and_the_stop_step_is_evaluated_and_saved(corpu
     assert int(output.state.step) == 7 and output.checkpoint_path.endswith("/7")
     assert [s for k, s in recorder.events if k == "evaluate"] == [5, 7]
     assert [s for k, s in recorder.events if k == "log"] == [5, 7]
+
+
+class Probe(TrainerCallback):
+    """Records, at train start, whether the state holds the model's own buffers."""
+
+    def __init__(self, model, fail_at=None):
+        params = nnx.state(model, nnx.Param)
+        self.pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)]
+        self.fail_at, self.seen = fail_at, {}
+
+    def on_train_start(self, trainer, state):
+        leaves = jax.tree.leaves(state.params)
+        # XLA may pair a donated buffer with any output of its shape: compare as sets.
+        self.seen["aliased"] = sorted(x.unsafe_buffer_pointer() for x in leaves) == sorted(
+            self.pointers
+        )
+
+    def on_step_end(self, trainer, state, metrics, step):
+        self.seen["last"] = jax.tree.map(np.asarray, state.params)
+        if step == self.fail_at:
+            raise RuntimeError("a hook failed")
+
+
+def test_train_uses_the_models_arrays_without_a_copy_and_gives_them_back(corpus, tmp_path):
+    train, _, tokenizer = corpus
+    model = tiny_model(tokenizer)
+    # Copies: a zero-copy numpy view would pin the buffers and stop XLA aliasing them.
+    before = jax.tree.map(lambda x: np.array(x, copy=True), nnx.state(model, nnx.Param))
+    args = tiny_args(tmp_path, max_steps=3, gradient_accumulation_steps=1, warmup_steps=1)
+    args = dataclasses.replace(args, evaluation_strategy="no", save_final=False)
+    probe = Probe(model)
+    trainer = Trainer(arguments=args, model=model, dataset_train=train, callbacks=[probe])
+    initial = trainer.create_state()  # a copy: it outlives train(), whose steps donate
+    output = trainer.train()
+    assert probe.seen["aliased"]  # the fresh state was built around the model's own buffers
+    for got, want in zip(jax.tree.leaves(initial.params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    # The model object holds the trained parameters afterwards.
+    after = nnx.state(model, nnx.Param)
+    for got, want in zip(jax.tree.leaves(after), jax.tree.leaves(output.state.params), strict=True):
+        assert got is want
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    )
+
+
+def test_a_failed_run_gives_the_model_its_newest_parameters(corpus, tmp_path):
+    train, _, tokenizer = corpus
+    model = tiny_model(tokenizer)
+    args = tiny_args(tmp_path, max_steps=5, gradient_accumulation_steps=1, warmup_steps=1)
+    args = dataclasses.replace(args, evaluation_strategy="no", save_final=False)
+    probe = Probe(model, fail_at=2)
+    trainer = Trainer(arguments=args, model=model, dataset_train=train, callbacks=[probe])
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        trainer.train()
+    params = nnx.state(model, nnx.Param)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(probe.seen["last"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    model(np.zeros((1, 4), np.int32))  # usable
