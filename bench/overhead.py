@@ -5,7 +5,8 @@
 
 Each variant trains the same model shape on the same random tokens in its OWN process
 (`--worker trainer|bare|handwritten`), so start-up time and peak RSS are per variant:
-- trainer: jaxtrain's Trainer on a datasets.Dataset of pre-tokenized rows;
+- trainer: jaxtrain's Trainer on the same numpy rows (a list of {"input_ids": row});
+- trainer_hf (with --variants): the Trainer on a datasets.Dataset of those rows;
 - bare: the same jaxtrain LlamaForCausalLM, nnx.split, one jax.jit(value_and_grad + optax
   adamw, state donated) fed numpy batches in a plain Python loop;
 - handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step.
@@ -49,7 +50,8 @@ SIZES = {
     "T": LlamaShape(vocab=128, hidden=64, intermediate=128, layers=2, heads=4, seq=32, batch=4),
 }
 DEFAULT_STEPS = {"S1": 30, "S2": 12, "T": 4}
-VARIANTS = ("trainer", "bare", "handwritten")
+VARIANTS = ("trainer", "bare", "handwritten", "trainer_hf")
+DEFAULT_VARIANTS = "trainer,bare,handwritten"
 LEARNING_RATE = 3e-4
 SEED = 0
 RESULT_PREFIX = "BENCH_RESULT "
@@ -135,15 +137,21 @@ def jaxtrain_config(shape: LlamaShape):
     )
 
 
-def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock) -> dict:
+def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock, hf: bool = False) -> dict:
+    """The Trainer fed the bare loops' numpy rows (a list of {"input_ids": row}); with `hf`,
+    a datasets.Dataset of them instead (its import and Arrow memory are the user's)."""
     from flax import nnx
 
     from jaxtrain import Trainer, TrainerCallback, TrainingArguments
     from jaxtrain.models import LlamaForCausalLM
 
     clock.mark("imports_s")
-    import datasets  # the user's data; counted in setup, like the bare loops' numpy tokens
+    if hf:
+        import datasets  # the user's data; counted in setup
 
+        dataset = datasets.Dataset.from_dict({"input_ids": tokens.tolist()})
+    else:
+        dataset = [{"input_ids": row} for row in tokens]
     steps = clock.steps
 
     class Timer(TrainerCallback):
@@ -151,7 +159,6 @@ def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock) -> dict
             # Kept as a pair of device scalars: dividing here would dispatch an extra op.
             clock.after_step(step, state, (metrics["loss_sum"], metrics["tokens"]))
 
-    dataset = datasets.Dataset.from_dict({"input_ids": tokens.tolist()})
     model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
     with tempfile.TemporaryDirectory(prefix="jaxtrain-bench-") as out_dir:
         arguments = TrainingArguments(
@@ -172,6 +179,7 @@ def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock) -> dict
             evaluation_strategy="no",
             save_final=False,
             progress_bar="none",
+            run_report=False,  # the bare loops draw no plots either
         )
         trainer = Trainer(
             arguments=arguments, model=model, dataset_train=dataset, callbacks=[Timer()]
@@ -243,7 +251,12 @@ def run_handwritten(shape: LlamaShape, tokens: np.ndarray, clock: StepClock, par
     return run_loop(lambda p, ids: hw.next_token_loss(p, ids, shape), params, tokens, shape, clock)
 
 
-RUNNERS = {"trainer": run_trainer, "bare": run_bare, "handwritten": run_handwritten}
+RUNNERS = {
+    "trainer": run_trainer,
+    "bare": run_bare,
+    "handwritten": run_handwritten,
+    "trainer_hf": lambda shape, tokens, clock: run_trainer(shape, tokens, clock, hf=True),
+}
 
 
 def worker(variant: str, size: str, steps: int, warmup: int) -> None:
@@ -351,9 +364,10 @@ def parent(args: argparse.Namespace) -> None:
     }
     for size in args.sizes.split(","):
         steps = args.steps or DEFAULT_STEPS[size]
-        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        variants = args.variants.split(",")
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         for repeat in range(args.repeats):
-            order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]  # alternate the order
+            order = variants if repeat % 2 == 0 else variants[::-1]  # alternate the order
             for variant in order:
                 r = run_worker(variant, size, steps, args.warmup)
                 runs[variant].append(r)
@@ -364,7 +378,7 @@ def parent(args: argparse.Namespace) -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-        rows = {v: summarise(runs[v], runs["bare"]) for v in VARIANTS}
+        rows = {v: summarise(runs[v], runs["bare"]) for v in variants}
         print_table(size, rows)
         results["sizes"][size] = {"steps": steps, "warmup": args.warmup, "rows": rows, "runs": runs}
     results["load_end"] = os.getloadavg()
@@ -404,6 +418,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default: 30 for S1, 12 for S2")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from tokens/s (>= 1)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, with bare: {VARIANTS}"
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--check", action="store_true", help="verify the variants agree, then exit")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -420,6 +437,9 @@ def main() -> None:
             raise ValueError(
                 f"--warmup must be in [1, steps={steps}) for {size}, got {args.warmup}"
             )
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown or "bare" not in args.variants.split(","):
+        raise ValueError(f"--variants: choose from {VARIANTS}, bare included; got {args.variants}")
     if args.worker:
         return worker(args.worker, args.size, args.steps or DEFAULT_STEPS[args.size], args.warmup)
     parent(args)
