@@ -105,6 +105,48 @@ def swiglu(x: jax.Array, layer: dict) -> jax.Array:
     return (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
 
 
+def packed_attention(x, layer, shape: LlamaShape, cos, sin, segment_ids) -> jax.Array:
+    """attention() over packed rows: per-token rotary tables [B, T, H/2] (positions restart at
+    each document) and a mask that keeps a query inside its own document."""
+    b, t, _ = x.shape
+    n, h = shape.heads, shape.head_dim
+
+    def rope(y):
+        half = y.shape[-1] // 2
+        y1, y2 = y[..., :half], y[..., half:]
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
+        return jnp.concatenate([y1 * c - y2 * s, y2 * c + y1 * s], axis=-1)
+
+    q = rope((x @ layer["wq"]).reshape(b, t, n, h))
+    k = rope((x @ layer["wk"]).reshape(b, t, n, h))
+    v = (x @ layer["wv"]).reshape(b, t, n, h)
+    scores = jnp.einsum("bqnh,bknh->bnqk", q, k) / math.sqrt(h)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    visible = causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    scores = jnp.where(visible[:, None], scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+    out = jnp.einsum("bnqk,bknh->bqnh", weights, v).reshape(b, t, n * h)
+    return out @ layer["wo"]
+
+
+def packed_loss(params: dict, batch: dict, shape: LlamaShape) -> jax.Array:
+    """Mean cross-entropy over the labelled targets of packed rows (segment_ids, positions)."""
+    inv_freq = 1.0 / shape.rope_theta ** (np.arange(0, shape.head_dim, 2) / shape.head_dim)
+    angles = batch["positions"].astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x = params["embed"][batch["input_ids"]]
+    for layer in params["layers"]:
+        h = rms_norm(x, layer["attn_norm"], shape.eps)
+        x = x + packed_attention(h, layer, shape, cos, sin, batch["segment_ids"])
+        x = x + swiglu(rms_norm(x, layer["mlp_norm"], shape.eps), layer)
+    logits = (rms_norm(x, params["final_norm"], shape.eps) @ params["lm_head"])[:, :-1]
+    targets = batch["labels"][:, 1:]
+    mask = targets != -100
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(log_probs, jnp.where(mask, targets, 0)[..., None], axis=-1)
+    return -(picked[..., 0] * mask).sum() / jnp.maximum(mask.sum(), 1)
+
+
 def forward(params: dict, input_ids: jax.Array, shape: LlamaShape) -> jax.Array:
     """input_ids [B, T] -> logits [B, T, vocab]."""
     cos, sin = rotary_tables(input_ids.shape[1], shape.head_dim, shape.rope_theta)

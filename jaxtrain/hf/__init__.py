@@ -7,7 +7,7 @@ know nothing of this package (no `model.from_pretrained` method): hf builds on m
 No torch anywhere in this package: weights are read and written as safetensors with numpy.
 """
 
-from jaxtrain.hf.auto import AutoModelForCausalLM
+from jaxtrain.hf.auto import AutoModelForCausalLM, AutoModelForImageClassification
 from jaxtrain.hf.config import from_hf_config, to_hf_config
 from jaxtrain.hf.errors import HFError
 from jaxtrain.hf.load import ShardingFor, from_pretrained, load_tokenizer, resolve_model_dir
@@ -15,6 +15,7 @@ from jaxtrain.hf.save import save_pretrained
 
 __all__ = [
     "AutoModelForCausalLM",
+    "AutoModelForImageClassification",
     "HFError",
     "ShardingFor",
     "from_hf_config",

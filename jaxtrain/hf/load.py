@@ -62,6 +62,13 @@ def _cached_snapshot(repo_id: str) -> Path | None:
     return found if (found / "config.json").is_file() else None
 
 
+# The Auto class of each task, for errors (auto.py imports this module, so not from there).
+_AUTO_CLASS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "image-classification": "AutoModelForImageClassification",
+}
+
+
 def read_config(
     model_dir: str | Path, task: str | None = None, model_class: type | None = None
 ) -> tuple[ModelFamily, Any]:
@@ -78,8 +85,8 @@ def read_config(
     if task is not None and family.task != task:
         raise HFError(
             f"{path}: model_type {hf.get('model_type')!r} is a {family.task} model, not a "
-            f"{task} model; load it with jaxtrain.hf.from_pretrained(path, "
-            f"model_class={family.model_class.__name__})."
+            f"{task} model; load it with {_AUTO_CLASS[family.task]}.from_pretrained(path) "
+            "or jaxtrain.hf.from_pretrained(path)."
         )
     if model_class is not None and family.model_class is not model_class:
         raise HFError(

@@ -6,8 +6,15 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_fixtures import save_hf
 
-from jaxtrain.hf import AutoModelForCausalLM, HFError, from_pretrained, save_pretrained
+from jaxtrain.hf import (
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    HFError,
+    from_pretrained,
+    save_pretrained,
+)
 from jaxtrain.models.vit import ViTForImageClassification
 
 
@@ -52,5 +59,22 @@ def test_logits_and_parameter_count_match_transformers(vit_dir, tmp_path):
 
 
 def test_a_classifier_is_not_a_causal_lm(vit_dir):
-    with pytest.raises(HFError, match="image-classification"):
+    with pytest.raises(HFError, match="image-classification.*AutoModelForImageClassification"):
         AutoModelForCausalLM.from_pretrained(vit_dir[0])
+
+
+def test_auto_model_for_image_classification_loads_the_vit(vit_dir):
+    path, reference = vit_dir
+    model = AutoModelForImageClassification.from_pretrained(path)
+    assert isinstance(model, ViTForImageClassification)
+    pixels = np.random.RandomState(1).randn(2, 3, 16, 16).astype(np.float32)
+    expected = _logits(reference, pixels)
+    assert np.abs(np.asarray(model(pixels)) - expected).max() / np.abs(expected).max() < 2e-5
+    with pytest.raises(TypeError, match="from_pretrained"):
+        AutoModelForImageClassification()
+
+
+def test_a_causal_lm_is_not_an_image_classifier(tmp_path):
+    save_hf("llama", tmp_path)
+    with pytest.raises(HFError, match="'llama' is a causal-lm model.*AutoModelForCausalLM"):
+        AutoModelForImageClassification.from_pretrained(tmp_path)
