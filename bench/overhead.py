@@ -180,6 +180,8 @@ def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock, hf: boo
             save_final=False,
             progress_bar="none",
             run_report=False,  # the bare loops draw no plots either
+            # Cold start by default, like the bare loops; --trainer-cache warm measures a rerun.
+            compilation_cache_dir=os.environ.get("BENCH_TRAINER_CACHE") or None,
         )
         trainer = Trainer(
             arguments=arguments, model=model, dataset_train=dataset, callbacks=[Timer()]
@@ -275,10 +277,10 @@ def worker(variant: str, size: str, steps: int, warmup: int) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
-def run_worker(variant: str, size: str, steps: int, warmup: int) -> dict:
+def run_worker(variant: str, size: str, steps: int, warmup: int, env: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--size", size]
     cmd += ["--steps", str(steps), "--warmup", str(warmup)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
     if proc.returncode or not lines:
         sys.exit(f"worker failed: {shlex.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -362,14 +364,21 @@ def parent(args: argparse.Namespace) -> None:
         "load_start": os.getloadavg(),
         "sizes": {},
     }
+    env = None
+    if args.trainer_cache == "warm":
+        cache = tempfile.mkdtemp(prefix="jaxtrain-bench-xla-")
+        env = {**os.environ, "BENCH_TRAINER_CACHE": cache}
+        print(f"trainer compilation cache: {cache} (warmed by one run per size first)")
     for size in args.sizes.split(","):
         steps = args.steps or DEFAULT_STEPS[size]
+        if env is not None:
+            run_worker("trainer", size, steps, args.warmup, env)
         variants = args.variants.split(",")
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for repeat in range(args.repeats):
             order = variants if repeat % 2 == 0 else variants[::-1]  # alternate the order
             for variant in order:
-                r = run_worker(variant, size, steps, args.warmup)
+                r = run_worker(variant, size, steps, args.warmup, env)
                 runs[variant].append(r)
                 print(
                     f"  {size} repeat {repeat} {variant}: {r['tokens_per_s']:.0f} tok/s, "
@@ -418,6 +427,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default: 30 for S1, 12 for S2")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from tokens/s (>= 1)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--trainer-cache",
+        choices=("off", "warm"),
+        default="off",
+        help="warm: the Trainer's compilation cache holds its programs (a rerun or resume)",
+    )
     p.add_argument(
         "--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, with bare: {VARIANTS}"
     )

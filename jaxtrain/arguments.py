@@ -157,6 +157,10 @@ class TrainingArguments:
     weight_distribution_log_steps: int | None = None
     # Write report.png and report.html into output_dir when training ends.
     run_report: bool = True
+    # JAX's persistent compilation cache: "auto" = $JAXTRAIN_CACHE/xla (default
+    # ~/.cache/jaxtrain/xla), a directory, or None (off). Reruns, resumes and sweep trials
+    # load their compiled steps from it. A JAX_COMPILATION_CACHE_DIR you set wins.
+    compilation_cache_dir: str | None = "auto"
     # Parallelism (README: "Multi-device and multi-host training"). Mesh sizes
     # (dp, fsdp, ep, tp, sp); one entry may be -1 (the remaining devices). CLI: 1,-1,1,1,1.
     sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)

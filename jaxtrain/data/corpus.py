@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxtrain.cache import cache_root
+
 # datasets and transformers cost ~1 s to import; only users of the corpus pay for them.
 if TYPE_CHECKING:
     import datasets
@@ -141,11 +143,6 @@ def _fingerprint(files: Sequence[tuple[str, str]]) -> str:
     return digest.hexdigest()[:12]
 
 
-def _default_cache_dir() -> Path:
-    env = os.environ.get("JAXTRAIN_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "jaxtrain"
-
-
 def _train_tokenizer(texts: Iterator[str] | list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -225,7 +222,7 @@ def load_default_corpus(
 
     py = "{}.{}.{}".format(*sys.version_info[:3])
     key = f"stdlib-bpe-v{vocab_size}-py{py}-cap{max_train_bytes}-{_fingerprint(train_files)}"
-    target = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    target = Path(cache_dir) if cache_dir is not None else cache_root()
     tokenizer = _load_or_train_tokenizer(target / key, train_docs, vocab_size)
 
     import datasets

@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.cache import cache_root
+
 TERA = 1e12
 
 # (substrings of the lower-cased device_kind, name, dense bf16 FLOP/s per chip). First match
@@ -51,11 +53,6 @@ def table_peak(device_kind: str) -> tuple[str, float] | None:
 
 
 CPU_PEAK_FILE = "cpu_peak.json"
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("JAXTRAIN_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "jaxtrain"
 
 
 def machine_signature() -> str:
@@ -98,7 +95,7 @@ def cached_cpu_peak(cache_dir: str | Path | None = None, **probe: Any) -> float:
     override = os.environ.get("JAXTRAIN_CPU_PEAK_TFLOPS")
     if override:
         return float(override) * TERA
-    path = Path(cache_dir if cache_dir is not None else _cache_dir()) / CPU_PEAK_FILE
+    path = Path(cache_dir if cache_dir is not None else cache_root()) / CPU_PEAK_FILE
     signature = machine_signature()
     try:
         stored = json.loads(path.read_text())

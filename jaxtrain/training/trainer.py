@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxtrain.argument_checks import check_warmup
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.cache import enable_compilation_cache
 from jaxtrain.checkpointing import RunCheckpoints, RunStart, load_checked
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.padding import resolve_pad_token_id
@@ -88,6 +89,7 @@ class Trainer(TrainerCallback):
         # Parallelism: the cluster, the mesh and the plan exist before any model array does;
         # a ModelFactory is created already sharded (no host holds the whole model).
         initialize_distributed(args)
+        enable_compilation_cache(args.compilation_cache_dir)  # before the steps compile
         self.sharding_plan = ShardingPlan.from_arguments(args, devices)
         self.mesh = self.sharding_plan.mesh
         self._state_shardings = None
