@@ -1,5 +1,6 @@
-"""Autoregressive generation for NNX causal LMs: a KV cache for the Llama family, and a
-cache-free fallback for any model called as ``model(input_ids) -> logits``.
+"""Autoregressive generation for NNX causal LMs: a KV cache for the Llama family (and its
+mixture-of-experts models), and a cache-free fallback for any model called as
+``model(input_ids) -> logits``.
 
 With the cache (``kv_cache.supports_kv_cache``): one prefill of the (left-padded) prompts,
 then one decode step per new token inside a ``lax.while_loop``, all in one jitted program
@@ -175,7 +176,7 @@ def generate(
       probability reaches ``top_p``. ``seed`` fixes the draws.
     - eos_token_id (int or list): generation stops once every row produced one; the eos
       token is kept, what would follow it is dropped. None never stops early.
-    - use_cache: decode with a KV cache when the model supports it (the Llama family);
+    - use_cache: decode with a KV cache when the model supports it (the Llama family and its MoE);
       other models, or False, rerun the whole prefix per token (same-length prompts only).
     """
     prompt, pad, single = _prompts(prompt_ids)
@@ -210,7 +211,7 @@ def generate(
     else:
         if pad.any():
             raise ValueError(
-                "prompts of different lengths need a KV-cache model (the Llama family); "
+                "prompts of different lengths need a KV-cache model (the Llama family and its MoE); "
                 "pad them to one length or generate per prompt."
             )
         buf = np.zeros((batch, plen + max_new_tokens), dtype=np.int32)

@@ -1,4 +1,4 @@
-"""Cached decoding for the Llama family: the forward pass of new tokens against a KV cache.
+"""Cached decoding for the Llama family (and its mixture-of-experts): the forward pass of new tokens against a KV cache.
 
 The cache holds every layer's keys and values in fixed-size buffers [B, L, K, H] (L = prompt
 + new tokens), so the prefill and every decode step keep one shape and compile once. Prompts
@@ -23,7 +23,13 @@ Cache = list[tuple[jax.Array, jax.Array]]  # per layer: (keys, values) [B, L, K,
 
 
 def supports_kv_cache(model: Any) -> bool:
-    """True for models whose layers this module knows how to run step by step."""
+    """True for models whose layers this module knows how to run step by step: the Llama
+    family and its mixture-of-experts (dropless routing: a capacity limit would drop other
+    tokens over one step than over the whole sequence)."""
+    from jaxtrain.models.moe import MoeForCausalLM
+
+    if type(model) is MoeForCausalLM:
+        return model.config.capacity_factor is None
     return type(model) is LlamaForCausalLM
 
 
@@ -68,7 +74,8 @@ def cached_forward(
         values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=1)
         out = jax.nn.dot_product_attention(q, keys, values, mask=mask)
         x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        y = layer.mlp(layer.post_attention_layernorm(x))
+        x = x + (y[0] if isinstance(y, tuple) else y)  # a sparse MoE block adds router stats
         new_cache.append((keys, values))
     h = lm.norm(x[:, -1:])  # only the last position needs logits
     logits = lm.embed_tokens.attend(h) if model.lm_head is None else model.lm_head(h)

@@ -12,8 +12,11 @@ import pytest
 import transformers
 from flax import nnx
 from hf_fixtures import BASE, forward, hf_logits, hf_model, random_ids
+from test_generate_parity import NEW, hf_greedy
 
 from jaxtrain.hf import AutoModelForCausalLM, HFError, save_pretrained
+from jaxtrain.models import generate
+from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 
 MOE = dict(num_experts_per_tok=2)
@@ -88,3 +91,14 @@ def test_unsupported_moe_configs_are_refused(tmp_path):
                        hidden_size=32, intermediate_size=32, num_attention_heads=4, vocab_size=64)  # fmt: skip
     with pytest.raises(HFError, match="shared expert"):
         save_pretrained(MoeForCausalLM(shared, rngs=nnx.Rngs(0)), tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_cached_greedy_generation_equals_transformers(name, tmp_path):
+    reference_model = hf_model(CASES[name]())
+    reference_model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert supports_kv_cache(model)
+    prompts = random_ids((2, 9), seed=4)
+    want = hf_greedy(reference_model, prompts)
+    np.testing.assert_array_equal(generate(model, prompts, max_new_tokens=NEW), want)

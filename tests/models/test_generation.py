@@ -6,6 +6,8 @@ import pytest
 from flax import nnx
 
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models.kv_cache import supports_kv_cache
+from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 
 CFG = LlamaConfig(
     vocab_size=53,
@@ -130,6 +132,25 @@ def test_kv_cache_greedy_equals_the_cache_free_path(extra):
     eos = int(plain[0, 5])
     stopped = generate(model, rows[0], max_new_tokens=12, eos_token_id=eos)
     assert stopped.tolist() == plain[0, : plain[0].tolist().index(eos) + 1].tolist()
+
+
+def test_mixture_of_experts_decodes_with_the_cache_too():
+    config = MoeConfig(
+        vocab_size=53, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, shared_expert_intermediate_size=24, mlp_only_layers=[1],
+        initializer_range=0.3, model_type="qwen2_moe",
+    )  # fmt: skip
+    model = MoeForCausalLM(config, rngs=nnx.Rngs(6))
+    assert supports_kv_cache(model)
+    rows = np.stack([prompt(7, seed=10), prompt(7, seed=11)])
+    cached = generate(model, rows, max_new_tokens=10)
+    assert cached.tolist() == generate(model, rows, max_new_tokens=10, use_cache=False).tolist()
+    assert len(set(cached.ravel().tolist())) > 2
+    # A capacity limit routes one step's tokens differently: no cache then.
+    capped = MoeForCausalLM(MoeConfig(**{**config.to_dict(), "capacity_factor": 1.0}),
+                            rngs=nnx.Rngs(6))  # fmt: skip
+    assert not supports_kv_cache(capped)
 
 
 def test_prompts_of_different_lengths_are_left_padded(model):
