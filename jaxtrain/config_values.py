@@ -69,35 +69,30 @@ def coerce_value(annotation: Any, value: Any, *, field: str, source: str = "argu
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise bad
-    if annotation is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if annotation is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+    if annotation in (int, float):
+        return _number(annotation, value, bad)
     if annotation is str:
         if isinstance(value, str):
             return value
         raise bad
     return value
+
+
+def _number(kind: type, value: Any, bad: ArgumentError) -> int | float:
+    """An int or float from a number or a numeric string; never from a bool, and an int
+    only from a whole float."""
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise bad from None
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, int) or (kind is float and isinstance(value, float)):
+        return kind(value)
+    raise bad
 
 
 def _coerce_list(annotation: Any, value: Any, *, field: str, source: str) -> list[Any]:

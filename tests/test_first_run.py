@@ -243,7 +243,7 @@ def test_the_trainer_documents_and_does_what_it_changes_on_the_model(tmp_path):
     assert model.remat_policy == "dots_saveable" and dtypes == {"bfloat16"}
     doc = " ".join(Trainer.__doc__.split())
     for words in ("changed in place", "compute `dtype` of every submodule", "`remat_policy`",
-                  "holds the trained parameters"):  # fmt: skip
+                  "holds the newest parameters"):  # fmt: skip
         assert words in doc
 
 

@@ -283,6 +283,10 @@ class Trainer(TrainerCallback):
             return jax.jit(_new_state_with_copies(self._new_state), out_shardings=shardings)(params)
         self._parameters_taken = True
         self._initial_params = jax.tree.map(_abstract, params)  # only shapes are read later
+        # Arrays the frozen state shares (a DPO reference cloned from the model, tied
+        # weights) must outlive the donation: those few are copied first.
+        frozen = set().union(*map(_buffers, jax.tree.leaves(self.rest)))
+        params = jax.tree.map(lambda x: jnp.copy(x) if _buffers(x) & frozen else x, params)
         # Donated, so XLA aliases the parameters into the state instead of copying them.
         return jax.jit(self._new_state, out_shardings=shardings, donate_argnums=0)(params)
 
@@ -534,3 +538,10 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 def _new_state_with_copies(new_state: Any) -> Any:
     """`new_state` whose parameters are copies (jit would forward unchanged inputs)."""
     return lambda params: new_state(jax.tree.map(jnp.copy, params))
+
+
+def _buffers(x: Any) -> set[int]:
+    """Addresses of an array's buffers on this process's devices (empty for non-arrays)."""
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return set()
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
