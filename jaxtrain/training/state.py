@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,3 +31,38 @@ class TrainState:
 
 def count_parameters(params: Any) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def build_state(
+    new_state: Callable[[Any], TrainState],
+    params: Any,
+    shardings: TrainState,
+    *,
+    take: bool,
+    keep: Any = None,
+) -> TrainState:
+    """`new_state(params)` on `shardings`, with params already placed there.
+
+    `take=False`: the state gets its own copies (jit would forward unchanged inputs).
+    `take=True`: the state is built around `params` themselves: they are donated, so XLA
+    aliases them instead of copying, and the arrays passed in are deleted. The few that
+    `keep` also holds (a DPO reference cloned from the model) are copied first.
+    """
+    if not take:
+        copied = lambda p: new_state(jax.tree.map(jnp.copy, p))  # noqa: E731
+        return jax.jit(copied, out_shardings=shardings)(params)
+    kept = set().union(*map(_buffers, jax.tree.leaves(keep)))
+    params = jax.tree.map(lambda x: jnp.copy(x) if _buffers(x) & kept else x, params)
+    return jax.jit(new_state, out_shardings=shardings, donate_argnums=0)(params)
+
+
+def abstract_arrays(tree: Any) -> Any:
+    """`tree` with every array replaced by its shape, dtype and sharding."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _buffers(x: Any) -> set[int]:
+    """Addresses of an array's buffers on this process's devices (empty for non-arrays)."""
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return set()
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}

@@ -39,7 +39,7 @@ from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
 from jaxtrain.training.optim import build_optimizer, build_schedule
-from jaxtrain.training.state import TrainState, count_parameters
+from jaxtrain.training.state import TrainState, abstract_arrays, build_state, count_parameters
 from jaxtrain.training.step import (
     causal_lm_loss_sums,
     count_target_tokens,
@@ -275,20 +275,14 @@ class Trainer(TrainerCallback):
             )
             self._placed_rest = None
             return state
-        # The first train() donates the initial arrays: later states start from the model's
+        # The first train() takes the initial arrays: later states start from the model's
         # current parameters (those train() gave back).
         params = self._model_params() if self._parameters_taken else self._initial_params
         params = jax.device_put(params, shardings.params)  # no copy when already placed
-        if copy:
-            return jax.jit(_new_state_with_copies(self._new_state), out_shardings=shardings)(params)
-        self._parameters_taken = True
-        self._initial_params = jax.tree.map(_abstract, params)  # only shapes are read later
-        # Arrays the frozen state shares (a DPO reference cloned from the model, tied
-        # weights) must outlive the donation: those few are copied first.
-        frozen = set().union(*map(_buffers, jax.tree.leaves(self.rest)))
-        params = jax.tree.map(lambda x: jnp.copy(x) if _buffers(x) & frozen else x, params)
-        # Donated, so XLA aliases the parameters into the state instead of copying them.
-        return jax.jit(self._new_state, out_shardings=shardings, donate_argnums=0)(params)
+        if not copy:
+            self._parameters_taken = True
+            self._initial_params = abstract_arrays(params)  # only shapes are read later
+        return build_state(self._new_state, params, shardings, take=not copy, keep=self.rest)
 
     def _model_params(self) -> Any:
         """The model object's current parameters, in param_dtype."""
@@ -529,19 +523,3 @@ def param_logical_axes(params: Any) -> Any:
         params,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
-
-
-def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-def _new_state_with_copies(new_state: Any) -> Any:
-    """`new_state` whose parameters are copies (jit would forward unchanged inputs)."""
-    return lambda params: new_state(jax.tree.map(jnp.copy, params))
-
-
-def _buffers(x: Any) -> set[int]:
-    """Addresses of an array's buffers on this process's devices (empty for non-arrays)."""
-    if not isinstance(x, jax.Array) or x.is_deleted():
-        return set()
-    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
