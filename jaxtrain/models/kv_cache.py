@@ -1,4 +1,5 @@
-"""Cached decoding for the Llama family (and its mixture-of-experts): the forward pass of new tokens against a KV cache.
+"""Cached decoding for the Llama family and its mixture-of-experts: the forward pass of new
+tokens against a KV cache.
 
 The cache holds every layer's keys and values in fixed-size buffers [B, L, K, H] (L = prompt
 + new tokens), so the prefill and every decode step keep one shape and compile once. Prompts

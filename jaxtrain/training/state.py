@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 
 @struct.dataclass
@@ -66,3 +66,12 @@ def _buffers(x: Any) -> set[int]:
     if not isinstance(x, jax.Array) or x.is_deleted():
         return set()
     return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def param_logical_axes(params: Any) -> Any:
+    """The `logical_axes` metadata of each nnx.Param (None where a param has none)."""
+    return jax.tree.map(
+        lambda v: v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None,
+        params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )

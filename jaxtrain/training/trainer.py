@@ -39,7 +39,13 @@ from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
 from jaxtrain.training.optim import build_optimizer, build_schedule
-from jaxtrain.training.state import TrainState, abstract_arrays, build_state, count_parameters
+from jaxtrain.training.state import (
+    TrainState,
+    abstract_arrays,
+    build_state,
+    count_parameters,
+    param_logical_axes,
+)
 from jaxtrain.training.step import (
     causal_lm_loss_sums,
     count_target_tokens,
@@ -172,7 +178,6 @@ class Trainer(TrainerCallback):
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = cast_floating(params, args.param_dtype)
         self._initial_params = params
-        self._parameters_taken = False  # by train()'s fresh start (create_state(copy=False))
         self.num_parameters = count_parameters(params)
 
     def _apply_lora(self, model: nnx.Module) -> nnx.Module:
@@ -275,19 +280,13 @@ class Trainer(TrainerCallback):
             )
             self._placed_rest = None
             return state
-        # The first train() takes the initial arrays: later states start from the model's
-        # current parameters (those train() gave back).
-        params = self._model_params() if self._parameters_taken else self._initial_params
+        # The model object's current parameters: its initial ones, or those a train() gave
+        # back after taking them.
+        params = cast_floating(nnx.split(self.model, nnx.Param, ...)[1], self.arguments.param_dtype)
         params = jax.device_put(params, shardings.params)  # no copy when already placed
-        if not copy:
-            self._parameters_taken = True
-            self._initial_params = abstract_arrays(params)  # only shapes are read later
+        if not copy:  # these arrays are donated: later reads need only their shapes
+            self._initial_params = abstract_arrays(self._initial_params)
         return build_state(self._new_state, params, shardings, take=not copy, keep=self.rest)
-
-    def _model_params(self) -> Any:
-        """The model object's current parameters, in param_dtype."""
-        params = nnx.split(self.model, nnx.Param, ...)[1]
-        return cast_floating(params, self.arguments.param_dtype)
 
     def frozen_state(self) -> Any:
         """The model's non-Param state (frozen weights, buffers) placed on the mesh by the
@@ -514,12 +513,3 @@ class _WithFrozen:
 
     def __getattr__(self, name: str) -> Any:  # compiles, lower, ... of the TrackedJit
         return getattr(self.compiled, name)
-
-
-def param_logical_axes(params: Any) -> Any:
-    """The `logical_axes` metadata of each nnx.Param (None where a param has none)."""
-    return jax.tree.map(
-        lambda v: v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None,
-        params,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
