@@ -57,8 +57,12 @@ def build_state(
 
 
 def abstract_arrays(tree: Any) -> Any:
-    """`tree` with every array replaced by its shape, dtype and sharding."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    """`tree` with every array replaced by its shape, dtype and sharding (host arrays,
+    such as a model a Ray job rebuilt from numpy, have none)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree,
+    )
 
 
 def _buffers(x: Any) -> set[int]:
