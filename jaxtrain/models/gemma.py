@@ -8,7 +8,7 @@ the final logits too; per-layer attention kinds (``layer_types``: sliding-window
 Gemma 3 adds q/k RMSNorm and a separate rotary base for its sliding layers
 (``rope_local_base_freq``) and drops the soft-capping.
 
-Attention runs as plain einsums (``jax.nn.dot_product_attention`` has no soft-capping).
+Attention is ``layers.grouped_attention`` with Gemma's scale and logit soft-capping.
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.config import LlamaConfig
-from jaxtrain.models.layers import Embedding, Projection, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxtrain.models.layers import (
+    Embedding,
+    Projection,
+    apply_rope,
+    causal_mask,
+    grouped_attention,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from jaxtrain.models.llama import ACT_BTD, ACT_BTV, LlamaForCausalLM, checkpoint_policy
 from jaxtrain.models.sharding import constrain
 
@@ -133,20 +141,10 @@ class GemmaAttention(nnx.Module):
         q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin) * jnp.asarray(self.scale, q.dtype)
+        q = apply_rope(q, cos, sin).reshape(b, t, -1, self.head_dim)
         k = apply_rope(k, cos, sin)
-        logits = jnp.einsum("btkgh,bskh->bkgts", q, k).astype(jnp.float32)
-        logits = softcap(logits, self.cap)
-        i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-        visible = j <= i
-        if self.window is not None:
-            visible &= i - j < self.window
-        visible = jnp.broadcast_to(visible, (b, t, t))
-        if segment_ids is not None:
-            visible &= segment_ids[:, :, None] == segment_ids[:, None, :]
-        logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, -1, self.head_dim)
+        mask = causal_mask(t, segment_ids=segment_ids, sliding_window=self.window)
+        out = grouped_attention(q, k, v, mask, scale=self.scale, logit_cap=self.cap)
         return self.o_proj(out)
 
 

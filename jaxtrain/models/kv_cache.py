@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
+from jaxtrain.models.layers import grouped_attention, rope_cos_sin, rope_inv_freq
 from jaxtrain.models.llama import LlamaForCausalLM
 
 __all__ = ["Cache", "cached_forward", "empty_cache", "supports_kv_cache"]
@@ -73,7 +73,7 @@ def cached_forward(
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), start, axis=1)
         values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=1)
-        out = jax.nn.dot_product_attention(q, keys, values, mask=mask)
+        out = grouped_attention(q, keys, values, mask)
         x = x + attn.o_proj(out)
         y = layer.mlp(layer.post_attention_layernorm(x))
         x = x + (y[0] if isinstance(y, tuple) else y)  # a sparse MoE block adds router stats

@@ -155,8 +155,14 @@ def rope_cos_sin(positions: Array, inv_freq: np.ndarray, dtype: DType) -> tuple[
     """cos and sin [B, T, head_dim] for explicit integer positions [B, T].
 
     Angles are formed in float32 (bf16 positions would lose precision past 256), then
-    cast. The half-split layout matches HF's rotate_half convention.
+    cast. The half-split layout matches HF's rotate_half convention. numpy positions
+    (known when tracing, e.g. the default 0..T-1) give constant tables: XLA would otherwise
+    recompute cos and sin inside every fusion that reads them.
     """
+    if isinstance(positions, np.ndarray):
+        angles = positions.astype(np.float32)[..., None] * inv_freq
+        angles = np.concatenate([angles, angles], axis=-1)
+        return jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
@@ -188,32 +194,71 @@ def causal_attention(
       packed documents stay independent.
     - sliding_window w: token i attends to j only when i - j < w (HF Mistral semantics),
       i.e. a left window of w - 1 in jax's inclusive ``local_window_size``.
-    With neither, only ``is_causal`` is passed so a backend can pick a fused kernel.
+    ``implementation="cudnn"`` runs ``jax.nn.dot_product_attention``'s fused kernel; None
+    or "xla" run ``grouped_attention`` (the same maths as jax's XLA path, without its
+    per-group vmap: that made XLA transpose the [B, N, T, T] scores of every layer).
     """
-    mask = None if segment_ids is None else segment_causal_mask(segment_ids)
-    window = None if sliding_window is None else (sliding_window - 1, 0)
-    return jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        is_causal=mask is None,  # the segment mask is causal already
-        local_window_size=window,
-        implementation=implementation,
-    )
+    if implementation == "cudnn":
+        window = None if sliding_window is None else (sliding_window - 1, 0)
+        mask = None if segment_ids is None else same_segment_mask(segment_ids)
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, local_window_size=window, implementation="cudnn"
+        )
+    if implementation not in (None, "xla"):
+        raise ValueError(
+            f"attention_implementation={implementation!r}: choose None, 'xla' or 'cudnn'."
+        )
+    mask = causal_mask(q.shape[1], segment_ids=segment_ids, sliding_window=sliding_window)
+    return grouped_attention(q, k, v, mask)
 
 
-def segment_causal_mask(segment_ids: Array) -> Array:
-    """[B, 1, T, T] bool: key j is visible to query i when i >= j within one segment.
+def causal_mask(
+    t: int, *, segment_ids: Array | None = None, sliding_window: int | None = None
+) -> Array:
+    """[1 or B, 1, T, T] bool: key j is visible to query i when j <= i (and i - j <
+    sliding_window, and both lie in one segment). Without segments it is a constant."""
+    offset = np.arange(t)[:, None] - np.arange(t)[None, :]  # query index - key index
+    visible = offset >= 0
+    if sliding_window is not None:
+        visible &= offset < sliding_window
+    mask = jnp.asarray(visible)[None, None]
+    return mask if segment_ids is None else mask & same_segment_mask(segment_ids)
 
-    One mask for both conditions: passing a segment mask *and* ``is_causal`` made XLA:CPU
-    combine two masks over the full logits and cost ~7-15% of a packed train step; this
-    costs ~1% (bench/packed_step.py).
+
+def same_segment_mask(segment_ids: Array) -> Array:
+    """[B, 1, T, T] bool: query i and key j belong to the same segment (packed document)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def grouped_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    *,
+    scale: float | None = None,
+    logit_cap: float | None = None,
+) -> Array:
+    """softmax(scale * q k) v with scores and softmax in float32; q [B,T,N,H], k/v
+    [B,S,K,H]; mask broadcasts to [B, N, T, S] (True = visible; None: all visible).
+
+    Query head n reads kv head n // (N // K) (HF's GQA grouping): k and v are repeated to
+    N heads, which costs a q-sized copy and keeps every dot a plain 4-D batched matmul.
+    ``scale`` defaults to 1 / sqrt(H); ``logit_cap`` soft-caps the scaled scores
+    (cap * tanh(s / cap), Gemma 2).
     """
-    t = segment_ids.shape[1]
-    idx = jnp.arange(t)
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (same & (idx[:, None] >= idx[None, :]))[:, None, :, :]
+    n, kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    if n != kv_heads:
+        k = jnp.repeat(k, n // kv_heads, axis=2)
+        v = jnp.repeat(v, n // kv_heads, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim**-0.5 if scale is None else scale)
+    if logit_cap is not None:
+        scores = logit_cap * jnp.tanh(scores / logit_cap)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
 class Attention(nnx.Module):
@@ -266,16 +311,20 @@ class Attention(nnx.Module):
         else:
             kernel = proj.kernel[...].astype(proj.dtype)  # [D, K, G + 2, H]
             x = x.astype(proj.dtype)
-            q = jnp.einsum("btd,dkgh->btkgh", x, kernel[:, :, :g])
+            # Query heads as one [D, N, H] kernel: the output is [B, T, N, H] at once, where
+            # a [B, T, K, G, H] output costs an activation-sized copy to reshape.
+            q_kernel = kernel[:, :, :g].reshape(kernel.shape[0], self.num_heads, self.head_dim)
+            q = jnp.einsum("btd,dnh->btnh", x, q_kernel)
             k = jnp.einsum("btd,dkh->btkh", x, kernel[:, :, g])
             v = jnp.einsum("btd,dkh->btkh", x, kernel[:, :, g + 1])
             if proj.bias is not None:
                 bias = proj.bias[...].astype(proj.dtype)  # [K, G + 2, H]
-                q, k, v = q + bias[:, :g], k + bias[:, g], v + bias[:, g + 1]
+                q = q + bias[:, :g].reshape(self.num_heads, self.head_dim)
+                k, v = k + bias[:, g], v + bias[:, g + 1]
+        q = q.reshape(b, t, self.num_heads, self.head_dim)  # no-op unless LoRA's [B,T,K,G,H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin).reshape(b, t, self.num_heads, self.head_dim)
-        return q, apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(
         self,

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtrain.models.config import LlamaConfig
@@ -227,12 +228,12 @@ class LlamaForCausalLM(nnx.Module):
             )
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}.")
-        b, t = input_ids.shape
+        t = input_ids.shape[1]
         positions, segment_ids = apply_padding_mask(
             attention_mask, input_ids, positions, segment_ids
         )
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if positions is None:  # numpy: the rotary tables become constants of the program
+            positions = np.arange(t, dtype=np.int32)[None]
         return self.model(
             input_ids,
             positions,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.blocks import GELU_ACTS, LayerNorm, gelu
-from jaxtrain.models.layers import Projection
+from jaxtrain.models.layers import Projection, grouped_attention
 
 Array = jax.Array
 DType = Any
@@ -102,7 +102,7 @@ class ViTLayer(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         qkv = self.qkv(self.layernorm_before(x))  # [B, T, 3, N, H]
-        attn = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        attn = grouped_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], mask=None)
         x = x + self.out(attn)
         return x + self.fc2(gelu(self.fc1(self.layernorm_after(x)), self.act))
 

@@ -203,17 +203,19 @@ def make_train_step(
             )
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
-        # A NaN/Inf loss or gradient never reaches the state: the update is dropped (the
-        # select fuses into the optimizer's elementwise update, so it costs ~nothing) and the
+        # A NaN/Inf loss or gradient never reaches the state: the update is skipped and the
         # host decides from `nonfinite` whether to stop or go on (TrainingArguments.on_nan).
+        # A cond, not a select of new or old per leaf: the select read both states and cost
+        # 5% of an S2 step and 0.3-0.5 s of its compile (bench/RESULTS.md, 2026-11-24).
         finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
-        params, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
-            (params, opt_state),
-            (state.params, state.opt_state),
+
+        def update(params, opt_state):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = jax.lax.cond(
+            finite, update, lambda *old: old, state.params, state.opt_state
         )
         # A skipped step's sums would poison the logged window average: count it as empty.
         metrics = {k: jnp.where(finite, v, jnp.zeros_like(v)) for k, v in sums.items()}

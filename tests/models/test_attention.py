@@ -1,0 +1,75 @@
+"""layers.causal_attention's own XLA path against jax.nn.dot_product_attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.models.layers import causal_attention, grouped_attention
+
+B, T, N, H = 2, 12, 4, 8
+
+
+def qkv(kv_heads: int, seed: int = 0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (
+        jax.random.normal(kq, (B, T, N, H)),
+        jax.random.normal(kk, (B, T, kv_heads, H)),
+        jax.random.normal(kv, (B, T, kv_heads, H)),
+    )
+
+
+SEGMENTS = jnp.asarray([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_equals_jax_attention_with_gqa_segments_and_windows(kv_heads, segments, window):
+    q, k, v = qkv(kv_heads)
+    segment_ids = SEGMENTS if segments else None
+    mask = None
+    if segments:
+        mask = (SEGMENTS[:, :, None] == SEGMENTS[:, None, :])[:, None]
+    expected = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+    )
+    got = causal_attention(q, k, v, segment_ids=segment_ids, sliding_window=window)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # Gradients too: training differentiates through this path.
+    loss = lambda f: lambda q, k, v: (f(q, k, v) ** 2).sum()  # noqa: E731
+    ours = jax.grad(loss(lambda *a: causal_attention(*a, segment_ids=segment_ids,
+                                                      sliding_window=window)), (0, 1, 2))(q, k, v)  # fmt: skip
+    ref = jax.grad(loss(lambda *a: jax.nn.dot_product_attention(
+        *a, mask=mask, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0))), (0, 1, 2))(q, k, v)  # fmt: skip
+    for a, b in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_inputs_keep_float32_scores():
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(2, seed=1))
+    out = causal_attention(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    ref = causal_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2)
+
+
+def test_logit_cap_bounds_the_scores():
+    q, k, v = qkv(4, seed=2)
+    q = q * 50.0  # huge scores: capped at 1.0 they become nearly uniform
+    capped = grouped_attention(q, k, v, None, logit_cap=1e-3)
+    np.testing.assert_allclose(
+        capped, jnp.broadcast_to(v.mean(1, keepdims=True), v.shape), atol=1e-3
+    )
+
+
+def test_unknown_implementation_names_the_field():
+    q, k, v = qkv(4)
+    with pytest.raises(ValueError, match="attention_implementation='flash'"):
+        causal_attention(q, k, v, implementation="flash")
