@@ -10,27 +10,33 @@ from jaxtrain.models.layers import causal_attention, grouped_attention
 B, T, N, H = 2, 12, 4, 8
 
 
-def qkv(kv_heads: int, seed: int = 0):
+def qkv(kv_heads: int, seed: int = 0, t: int = T):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     return (
-        jax.random.normal(kq, (B, T, N, H)),
-        jax.random.normal(kk, (B, T, kv_heads, H)),
-        jax.random.normal(kv, (B, T, kv_heads, H)),
+        jax.random.normal(kq, (B, t, N, H)),
+        jax.random.normal(kk, (B, t, kv_heads, H)),
+        jax.random.normal(kv, (B, t, kv_heads, H)),
     )
 
 
-SEGMENTS = jnp.asarray([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])
+def segments(t: int) -> jax.Array:
+    """Two documents in row 0; one and padding (segment 0) in row 1."""
+    return jnp.asarray(
+        [[1] * (t // 3) + [2] * (t - t // 3), [1] * (3 * t // 4) + [0] * (t - 3 * t // 4)]
+    )
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("segments", [False, True])
-@pytest.mark.parametrize("window", [None, 3])
-def test_equals_jax_attention_with_gqa_segments_and_windows(kv_heads, segments, window):
-    q, k, v = qkv(kv_heads)
-    segment_ids = SEGMENTS if segments else None
+# 12 positions: one block; 384: two query blocks of 192 (blocked_causal_attention).
+@pytest.mark.parametrize("t", [12, 384])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [None, 3, 200])
+def test_equals_jax_attention_with_gqa_segments_and_windows(t, kv_heads, packed, window):
+    q, k, v = qkv(kv_heads, t=t)
+    segment_ids = segments(t) if packed else None
     mask = None
-    if segments:
-        mask = (SEGMENTS[:, :, None] == SEGMENTS[:, None, :])[:, None]
+    if packed:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     expected = jax.nn.dot_product_attention(
         q,
         k,
