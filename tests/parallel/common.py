@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import datasets
 import numpy as np
 from flax import nnx
@@ -9,6 +12,17 @@ from flax import nnx
 from jaxtrain import TrainingArguments
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.parallel import ModelFactory
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker subprocess: CPU only, its own XLA_FLAGS, jaxtrain importable."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
 
 VOCAB = 64
 SEQ = 16

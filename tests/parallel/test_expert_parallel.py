@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_parallel import _env
+from common import worker_env
 
 HERE = Path(__file__).parent
 
@@ -21,7 +21,7 @@ def moe_results(tmp_path_factory) -> dict:
         [sys.executable, str(HERE / "moe_worker.py"), str(out)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=worker_env(),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -7,7 +7,6 @@ check; `multihost_worker.py` runs twice, as the two processes of a JAX cluster.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,22 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from common import MESHES
+from common import MESHES, worker_env
 
 from jaxtrain import TrainingArguments
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.parallel import MeshError, detect_cluster, resolve_axis_dims
 
 HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
 TOL = 1e-6  # float32: reductions in another order differ by a few ulps
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +31,7 @@ def mesh_results(tmp_path_factory) -> dict:
         [sys.executable, str(HERE / "mesh_worker.py"), str(out)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=worker_env(),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -155,7 +146,7 @@ def _run_two_processes(tmp_path: Path, *mode: str) -> list[dict]:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env(),
+            env=worker_env(),
         )
         for i in range(2)
     ]
@@ -200,7 +191,7 @@ def test_missing_peer_fails_with_a_clear_error_and_exit_code_2():
     command = [sys.executable, "-m", "jaxtrain.cli", "train", "--coordinator_address"]
     command += [f"127.0.0.1:{_free_port()}", "--num_processes", "2", "--process_id", "1"]
     command += ["--distributed_timeout_s", "2"]
-    proc = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=120)
+    proc = subprocess.run(command, capture_output=True, text=True, env=worker_env(), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "did not complete within distributed_timeout_s=2s" in proc.stderr
     assert "process 1 of 2" in proc.stderr
@@ -257,7 +248,7 @@ def test_cluster_detection_from_arguments_and_environment():
 
 
 def test_cli_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**worker_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     command = [sys.executable, "-m", "jaxtrain.cli", "train", "--dry_run"]
     command += ["--sharding_axis_dims", "2,2,1,2,1", "--output_dir", str(tmp_path / "run")]
     command += ["--total_batch_size", "8", "--max_sequence_length", "32"]
