@@ -17,28 +17,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import handwritten_llama as hw  # noqa: E402 - bench/ is not a package
-from overhead import SIZES, jaxtrain_config  # noqa: E402
-
-from jaxtrain.models import LlamaForCausalLM  # noqa: E402
-from jaxtrain.training.step import causal_lm_sums  # noqa: E402
+from overhead import SIZES, jaxtrain_loss  # noqa: E402
 
 KINDS = ("fusion", "copy", "transpose", "dot", "cosine", "sine")
-
-
-def jaxtrain_loss(shape):
-    graphdef, params, rest = nnx.split(
-        LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(0)), nnx.Param, ...
-    )
-
-    def loss(p, ids):
-        sums = causal_lm_sums(nnx.merge(graphdef, p, rest)(ids), ids)
-        return sums["loss_sum"] / sums["tokens"]
-
-    return loss, params
 
 
 def describe(name: str, loss, params, ids) -> None:

@@ -224,22 +224,32 @@ def run_loop(loss_fn, params, tokens: np.ndarray, shape: LlamaShape, clock: Step
     return clock.summary(shape)
 
 
-def run_bare(shape: LlamaShape, tokens: np.ndarray, clock: StepClock) -> dict:
+def jaxtrain_loss(shape: LlamaShape):
+    """(loss(params, input_ids), params) of jaxtrain's Llama with the Trainer's loss sums."""
     from flax import nnx
 
     from jaxtrain.models import LlamaForCausalLM
     from jaxtrain.training.step import causal_lm_sums
 
-    clock.mark("imports_s")
     model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    del model  # its arrays are donated to the first step
 
     def loss_fn(params, input_ids):
         logits = nnx.merge(graphdef, params, rest)(input_ids)
         sums = causal_lm_sums(logits, input_ids)  # labels aligned with the inputs
         return sums["loss_sum"] / sums["tokens"]
 
+    return loss_fn, params  # the model's arrays are the params: donated to the first step
+
+
+def run_bare(shape: LlamaShape, tokens: np.ndarray, clock: StepClock) -> dict:
+    import flax.nnx  # noqa: F401 - the imports are timed apart from the model's creation
+
+    import jaxtrain.models  # noqa: F401
+    import jaxtrain.training.step  # noqa: F401
+
+    clock.mark("imports_s")
+    loss_fn, params = jaxtrain_loss(shape)
     return run_loop(loss_fn, params, tokens, shape, clock)
 
 

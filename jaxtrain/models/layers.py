@@ -231,9 +231,7 @@ def blocked_causal_attention(
     if t < MIN_BLOCKED_LENGTH or t % 2:
         return grouped_attention(q, k, v, mask)
     block = t // 2
-    n, kv_heads = q.shape[2], k.shape[2]
-    if n != kv_heads:  # repeated once here, not once per block
-        k, v = jnp.repeat(k, n // kv_heads, axis=2), jnp.repeat(v, n // kv_heads, axis=2)
+    k, v = repeat_kv(k, v, q.shape[2])  # once here, not once per block
     outputs = []
     for start in range(0, t, block):
         end = start + block
@@ -264,6 +262,14 @@ def same_segment_mask(segment_ids: Array) -> Array:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
+def repeat_kv(k: Array, v: Array, num_heads: int) -> tuple[Array, Array]:
+    """k, v [B, S, K, H] repeated to [B, S, num_heads, H]: head n reads kv head n // (N // K)."""
+    groups = num_heads // k.shape[2]
+    if groups == 1:
+        return k, v
+    return jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+
+
 def grouped_attention(
     q: Array,
     k: Array,
@@ -281,10 +287,8 @@ def grouped_attention(
     ``scale`` defaults to 1 / sqrt(H); ``logit_cap`` soft-caps the scaled scores
     (cap * tanh(s / cap), Gemma 2).
     """
-    n, kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
-    if n != kv_heads:
-        k = jnp.repeat(k, n // kv_heads, axis=2)
-        v = jnp.repeat(v, n // kv_heads, axis=2)
+    k, v = repeat_kv(k, v, q.shape[2])
+    head_dim = q.shape[3]
     scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim**-0.5 if scale is None else scale)
     if logit_cap is not None:
