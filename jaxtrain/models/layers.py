@@ -10,6 +10,8 @@ Conventions
 
 from __future__ import annotations
 
+import functools
+import string
 from typing import Any
 
 import jax
@@ -18,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.config import LlamaConfig
-from jaxtrain.models.sharding import constrain
+from jaxtrain.models.sharding import constrain, current_rules
 
 Array = jax.Array
 DType = Any
@@ -26,6 +28,49 @@ DType = Any
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, param_dtype: DType) -> Array:
     return nnx.initializers.normal(stddev=std)(rngs.params(), shape, param_dtype)
+
+
+def dense(x: Array, kernel: Array, in_ndim: int = 1) -> Array:
+    """x [*lead, *in] times kernel [*in, *out] -> [*lead, *out], as one 2-D matmul.
+
+    The lead (token) dims are flattened first. Why: the weight gradient of a [B, T, D] x
+    [D, F] einsum contracts B and T together, and XLA:CPU lowers that with an
+    activation-sized transpose into [F, B * T], fused with the elementwise work before it
+    (the SwiGLU backward then runs at a strided, unvectorised pace). As a [B * T, D] matmul
+    the gradient is a plain one: an S1 MLP forward and backward ran 1.8x faster
+    (bench/RESULTS.md, 2026-11-24, session 7). Under a mesh that shards the length axis
+    (sp) merging batch and length would move data between devices, so there the einsum stays.
+    """
+    lead = x.shape[: x.ndim - in_ndim]
+    out = kernel.shape[in_ndim:]
+    if len(lead) > 1 and _length_is_sharded(lead[1]):
+        letters = iter(string.ascii_letters)
+        lead_s, in_s, out_s = (
+            "".join(next(letters) for _ in d) for d in (lead, kernel.shape[:in_ndim], out)
+        )
+        return jnp.einsum(f"{lead_s}{in_s},{in_s}{out_s}->{lead_s}{out_s}", x, kernel)
+    rows = x.reshape(int(np.prod(lead)), -1)
+    y = rows @ kernel.reshape(rows.shape[1], -1)
+    return y.reshape(*lead, *out)
+
+
+def _length_is_sharded(length: int) -> bool:
+    rules = current_rules()
+    return rules is not None and rules.activation_spec((length,), ("length",))[0] is not None
+
+
+@functools.cache
+def _dense_in_ndim(equation: str) -> int | None:
+    """How many dims a token-wise einsum contracts ("btd,dkh->btkh": 1), or None when the
+    equation is not of the form lead+in, in+out -> lead+out."""
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    contracted = [c for c in lhs if c in rhs]
+    lead = lhs[: len(lhs) - len(contracted)]
+    in_s = "".join(contracted)
+    if lhs != lead + in_s or not rhs.startswith(in_s) or out != lead + rhs[len(in_s) :]:
+        return None
+    return len(in_s)
 
 
 class Projection(nnx.Module):
@@ -62,7 +107,9 @@ class Projection(nnx.Module):
             )
 
     def __call__(self, x: Array) -> Array:
-        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        in_ndim = _dense_in_ndim(self.equation)
+        y = jnp.einsum(self.equation, x, kernel) if in_ndim is None else dense(x, kernel, in_ndim)
         lora = getattr(self, "lora", None)  # a LoRA adapter (jaxtrain.models.lora)
         if lora is not None:
             y = y + lora(x)
@@ -97,7 +144,8 @@ class Embedding(nnx.Module):
         return constrain(jnp.take(table, ids, axis=0).astype(self.dtype), ("batch", "length", None))
 
     def attend(self, x: Array) -> Array:
-        return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(self.dtype))
+        # The transposed table is folded into the matmul's dimension numbers, not copied.
+        return dense(x, self.embedding[...].astype(self.dtype).T)
 
 
 class RMSNorm(nnx.Module):
@@ -352,9 +400,9 @@ class Attention(nnx.Module):
             # Query heads as one [D, N, H] kernel: the output is [B, T, N, H] at once, where
             # a [B, T, K, G, H] output costs an activation-sized copy to reshape.
             q_kernel = kernel[:, :, :g].reshape(kernel.shape[0], self.num_heads, self.head_dim)
-            q = jnp.einsum("btd,dnh->btnh", x, q_kernel)
-            k = jnp.einsum("btd,dkh->btkh", x, kernel[:, :, g])
-            v = jnp.einsum("btd,dkh->btkh", x, kernel[:, :, g + 1])
+            q = dense(x, q_kernel)
+            k = dense(x, kernel[:, :, g])
+            v = dense(x, kernel[:, :, g + 1])
             if proj.bias is not None:
                 bias = proj.bias[...].astype(proj.dtype)  # [K, G + 2, H]
                 q = q + bias[:, :g].reshape(self.num_heads, self.head_dim)
@@ -414,8 +462,8 @@ class MLP(nnx.Module):
         else:
             kernel = proj.kernel[...].astype(proj.dtype)
             x = x.astype(proj.dtype)
-            gate = jnp.einsum("btd,df->btf", x, kernel[:, 0])
-            up = jnp.einsum("btd,df->btf", x, kernel[:, 1])
+            gate = dense(x, kernel[:, 0])
+            up = dense(x, kernel[:, 1])
             if proj.bias is not None:
                 bias = proj.bias[...].astype(proj.dtype)  # [2, F]
                 gate, up = gate + bias[0], up + bias[1]

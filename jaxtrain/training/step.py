@@ -33,10 +33,12 @@ def causal_lm_sums(
     ``shifted=True``: the labels are already the targets of the logits (logits[:, t]
     predicts labels[:, t]).
     """
-    if shifted:
-        logits_BxTxV, targets_BxT = logits.astype(jnp.float32), labels
-    else:
-        logits_BxTxV, targets_BxT = logits[:, :-1].astype(jnp.float32), labels[:, 1:]
+    logits_BxTxV, targets_BxT = logits.astype(jnp.float32), labels
+    if not shifted:
+        # The last position has no target: it is masked, not sliced off. Slicing [B, T, V]
+        # logits costs a logits-sized copy forward and a pad of their gradient backward.
+        ignore = jnp.full_like(labels[:, :1], IGNORE_INDEX)
+        targets_BxT = jnp.concatenate([labels[:, 1:], ignore], axis=1)
     mask_BxT = targets_BxT != IGNORE_INDEX
     safe_targets = jnp.where(mask_BxT, targets_BxT, 0)
     log_norm = jax.nn.logsumexp(logits_BxTxV, axis=-1)
