@@ -7,6 +7,9 @@ Each variant trains the same model shape on the same random tokens in its OWN pr
 (`--worker trainer|bare|handwritten`), so start-up time and peak RSS are per variant:
 - trainer: jaxtrain's Trainer on the same numpy rows (a list of {"input_ids": row});
 - trainer_hf (with --variants): the Trainer on a datasets.Dataset of those rows;
+- trainer_factory (with --variants): the Trainer given a ModelFactory instead of a built
+  model, its start-up path: the parameters and optimizer state come from one jitted init
+  (the same values as the eager model's) instead of one eager random call per parameter;
 - bare: the same jaxtrain LlamaForCausalLM, nnx.split, one jax.jit(value_and_grad + optax
   adamw, state donated) fed numpy batches in a plain Python loop;
 - handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step.
@@ -50,7 +53,7 @@ SIZES = {
     "T": LlamaShape(vocab=128, hidden=64, intermediate=128, layers=2, heads=4, seq=32, batch=4),
 }
 DEFAULT_STEPS = {"S1": 30, "S2": 12, "T": 4}
-VARIANTS = ("trainer", "bare", "handwritten", "trainer_hf")
+VARIANTS = ("trainer", "bare", "handwritten", "trainer_hf", "trainer_factory")
 DEFAULT_VARIANTS = "trainer,bare,handwritten"
 LEARNING_RATE = 3e-4
 SEED = 0
@@ -137,13 +140,21 @@ def jaxtrain_config(shape: LlamaShape):
     )
 
 
-def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock, hf: bool = False) -> dict:
+def run_trainer(
+    shape: LlamaShape,
+    tokens: np.ndarray,
+    clock: StepClock,
+    hf: bool = False,
+    factory: bool = False,
+) -> dict:
     """The Trainer fed the bare loops' numpy rows (a list of {"input_ids": row}); with `hf`,
-    a datasets.Dataset of them instead (its import and Arrow memory are the user's)."""
+    a datasets.Dataset of them instead (its import and Arrow memory are the user's); with
+    `factory`, given a ModelFactory (the model is created inside the Trainer's jitted init)."""
     from flax import nnx
 
     from jaxtrain import Trainer, TrainerCallback, TrainingArguments
     from jaxtrain.models import LlamaForCausalLM
+    from jaxtrain.parallel import ModelFactory
 
     clock.mark("imports_s")
     if hf:
@@ -159,7 +170,10 @@ def run_trainer(shape: LlamaShape, tokens: np.ndarray, clock: StepClock, hf: boo
             # Kept as a pair of device scalars: dividing here would dispatch an extra op.
             clock.after_step(step, state, (metrics["loss_sum"], metrics["tokens"]))
 
-    model = LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
+    def build():
+        return LlamaForCausalLM(jaxtrain_config(shape), rngs=nnx.Rngs(SEED))
+
+    model = ModelFactory(build) if factory else build()
     with tempfile.TemporaryDirectory(prefix="jaxtrain-bench-") as out_dir:
         arguments = TrainingArguments(
             output_dir=out_dir,
@@ -268,6 +282,7 @@ RUNNERS = {
     "bare": run_bare,
     "handwritten": run_handwritten,
     "trainer_hf": lambda shape, tokens, clock: run_trainer(shape, tokens, clock, hf=True),
+    "trainer_factory": lambda shape, tokens, clock: run_trainer(shape, tokens, clock, factory=True),
 }
 
 
