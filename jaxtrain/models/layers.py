@@ -43,7 +43,7 @@ def dense(x: Array, kernel: Array, in_ndim: int = 1) -> Array:
     """
     lead = x.shape[: x.ndim - in_ndim]
     out = kernel.shape[in_ndim:]
-    if len(lead) > 1 and _length_is_sharded(lead[1]):
+    if len(lead) > 1 and _length_is_sharded(lead[1]):  # lead is [batch, length, ...]
         letters = iter(string.ascii_letters)
         lead_s, in_s, out_s = (
             "".join(next(letters) for _ in d) for d in (lead, kernel.shape[:in_ndim], out)
