@@ -11,7 +11,6 @@ Conventions
 from __future__ import annotations
 
 import functools
-import string
 from typing import Any
 
 import jax
@@ -44,11 +43,7 @@ def dense(x: Array, kernel: Array, in_ndim: int = 1) -> Array:
     lead = x.shape[: x.ndim - in_ndim]
     out = kernel.shape[in_ndim:]
     if len(lead) > 1 and _length_is_sharded(lead[1]):  # lead is [batch, length, ...]
-        letters = iter(string.ascii_letters)
-        lead_s, in_s, out_s = (
-            "".join(next(letters) for _ in d) for d in (lead, kernel.shape[:in_ndim], out)
-        )
-        return jnp.einsum(f"{lead_s}{in_s},{in_s}{out_s}->{lead_s}{out_s}", x, kernel)
+        return jnp.tensordot(x, kernel, axes=in_ndim)  # the einsum, dims kept apart
     rows = x.reshape(int(np.prod(lead)), -1)
     y = rows @ kernel.reshape(rows.shape[1], -1)
     return y.reshape(*lead, *out)
