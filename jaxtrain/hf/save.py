@@ -18,11 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.errors import ArgumentError
 from jaxtrain.hf.errors import HFError
 from jaxtrain.hf.load import INDEX_FILE, SINGLE_FILE
-from jaxtrain.hf.model_card import render_model_card
+from jaxtrain.hf.model_card import render_model_card, training_summary
+from jaxtrain.hf.peft import save_peft_adapter
 from jaxtrain.hf.registry import ModelFamily, family_of
 from jaxtrain.hf.safetensors_io import write_safetensors
+from jaxtrain.models.lora import has_lora, merge_lora
 from jaxtrain.pytrees import path_str
 
 _UNITS = {
@@ -124,6 +127,29 @@ def save_pretrained(
     summary.setdefault("base_model", getattr(model, "name_or_path", None))
     (out / "README.md").write_text(render_model_card(config, hf_config, summary, family.task))
     return out
+
+
+def save_trainer_state(
+    trainer: Any,
+    state: Any,
+    save_directory: str | Path,
+    *,
+    lora_format: str = "merged",
+    **kwargs: Any,
+) -> Path:
+    """`Trainer.save_pretrained`: the model of `trainer` with `state`'s parameters as a
+    Hugging Face directory (with LoRA: merged into the base weights, or a PEFT adapter
+    directory when `lora_format="peft"`). kwargs go to `save_pretrained`."""
+    model = trainer.model_from_state(state)
+    if has_lora(model) and lora_format == "peft":
+        return save_peft_adapter(model, save_directory, tokenizer=trainer.processing_class)
+    if lora_format not in ("merged", "peft"):
+        raise ArgumentError(f"lora_format={lora_format!r}: use 'merged' or 'peft'.")
+    kwargs.setdefault("tokenizer", trainer.processing_class)
+    summary = {**training_summary(trainer, state), **kwargs.pop("training_summary", {})}
+    if has_lora(model):
+        model = merge_lora(model)
+    return save_pretrained(model, save_directory, training_summary=summary, **kwargs)
 
 
 def _hf_tensors(

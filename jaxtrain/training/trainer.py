@@ -28,7 +28,7 @@ from jaxtrain.cache import enable_compilation_cache
 from jaxtrain.checkpointing import RunCheckpoints, RunStart, load_checked
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.padding import resolve_pad_token_id
-from jaxtrain.models.lora import apply_lora, has_lora, merge_lora, set_lora_dropout_key
+from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
@@ -322,35 +322,22 @@ class Trainer(TrainerCallback):
         model); "peft" writes a PEFT adapter directory (adapter_config.json and
         adapter_model.safetensors) for the base model instead.
         """
-        from jaxtrain.hf import save_pretrained
-        from jaxtrain.hf.model_card import training_summary
+        from jaxtrain.hf.save import save_trainer_state
 
-        model = self.model_from_state(state)
-        if has_lora(model) and lora_format == "peft":
-            from jaxtrain.hf.peft import save_peft_adapter
-
-            return save_peft_adapter(model, save_directory, tokenizer=self.processing_class)
-        if lora_format not in ("merged", "peft"):
-            raise ArgumentError(f"lora_format={lora_format!r}: use 'merged' or 'peft'.")
-        kwargs.setdefault("tokenizer", self.processing_class)
-        summary = {**training_summary(self, state), **kwargs.pop("training_summary", {})}
-        if has_lora(model):
-            model = merge_lora(model)
-        return save_pretrained(model, save_directory, training_summary=summary, **kwargs)
+        return save_trainer_state(self, state, save_directory, lora_format=lora_format, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, state: TrainState, *, evaluated: bool = False) -> str:
         """Start a background save of `state` under output_dir/checkpoints/<step>; returns
         that step directory. `self.checkpoints.wait()` blocks until it is committed.
         `evaluated`: the run has evaluated (and logged) this step already."""
-        metadata = {**self._checkpoint_metadata(state), "evaluated": evaluated}
-        path = self.checkpoints.save(state, metadata=metadata)
         step = int(jax.device_get(state.step))
+        metadata = {**self._checkpoint_metadata(step), "evaluated": evaluated}
+        path = self.checkpoints.save(state, metadata=metadata)
         self.hooks.call("on_save", self, str(path), step)
         return str(path)
 
-    def _checkpoint_metadata(self, state: TrainState) -> dict[str, Any]:
-        step = int(jax.device_get(state.step))
+    def _checkpoint_metadata(self, step: int) -> dict[str, Any]:
         metadata = {
             "step": step,
             "arguments": self.arguments.to_dict(),
