@@ -14,12 +14,13 @@ from jaxtrain.checkpointing.files import (
     restore_params,
     restore_state,
 )
-from jaxtrain.checkpointing.run import RunCheckpoints, RunStart, load_checked
+from jaxtrain.checkpointing.run import RunCheckpoints, RunStart, StartPlan, load_checked
 
 __all__ = [
     "CheckpointError",
     "RunCheckpoints",
     "RunStart",
+    "StartPlan",
     "checkpoints_root",
     "committed_steps",
     "find_checkpoint",

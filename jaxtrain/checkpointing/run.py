@@ -11,8 +11,9 @@ Where a run starts is decided once, in this order (the first that applies wins):
 A resume that cannot happen (another model, optimizer or data; damaged files) is an error
 that says what differs and how to go on; a run never falls back to a fresh start on its own.
 
-`RunCheckpoints` takes what it needs as arguments and returns plain values (`RunStart`); it
-knows nothing of the Trainer.
+`RunCheckpoints` takes what it needs as arguments and returns plain values (`StartPlan`,
+`RunStart`); it knows nothing of the Trainer. Deciding (`plan`) and building the state
+(`load`) are apart so that the train step can compile while the state is built or restored.
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ from jaxtrain.training.state import TrainState
 
 
 @dataclasses.dataclass
-class RunStart:
-    """Where a run starts."""
+class StartPlan:
+    """Where a run starts, decided and checked before any array of its state exists."""
 
-    state: TrainState
     step: int
-    # The step directory resumed from, or None for a fresh start.
+    # The step directory to resume from, or None for a fresh start.
     resumed_from: Path | None = None
     # What the trackers saved in that checkpoint (TensorBoard dir, W&B run id, run name).
     tracker_state: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -50,10 +50,18 @@ class RunStart:
     evaluated: bool = False
 
 
+@dataclasses.dataclass
+class RunStart(StartPlan):
+    """Where a run starts, with its state built (fresh) or restored (resume)."""
+
+    state: TrainState | None = None
+
+
 class RunCheckpoints:
     """The checkpoints of the run writing into `output_dir`.
 
-    `start(...)` decides where the run starts, `save(...)` writes a checkpoint in the
+    `plan(...)` decides where the run starts, `load(plan, ...)` builds or restores its state,
+    `save(...)` writes a checkpoint in the
     background (keeping the newest `max_to_keep`), `close()` waits for the writes to commit.
     """
 
@@ -63,23 +71,20 @@ class RunCheckpoints:
         self._saver: _Saver | None = None  # opened at the first save of a run
 
     # ------------------------------------------------------------------ start
-    def start(
+    def plan(
         self,
         *,
-        fresh_state: Callable[[], TrainState],
-        abstract_state: Callable[[], TrainState],
         model_class: str,
         model_config: dict[str, Any] | None,
-        init_optimizer: Callable[[Any], Any],
         check_data_state: Callable[[dict[str, Any]], int] | None = None,
-    ) -> RunStart:
-        """Where the run starts (see the module docstring for the order).
+    ) -> StartPlan:
+        """Where the run starts (see the module docstring for the order), without its state.
 
-        A fresh start clears output_dir's leftovers; a resume checks the checkpoint was
-        written for this model (`model_class`, `model_config`), optimizer and data
-        (`check_data_state` returns the step a saved data position belongs to), then restores
-        onto `abstract_state()` (its shardings), or only the parameters with a new optimizer
-        state from `init_optimizer(params)` when `reset_optimizer`.
+        A fresh start clears output_dir's leftovers; a resume checks the checkpoint's files,
+        that it was written for this model (`model_class`, `model_config`) and optimizer, and
+        that its data position (`check_data_state` returns the step a saved position belongs
+        to) matches its step. Everything that can refuse a resume is checked here, before
+        anything is compiled or restored.
         """
         args = self.arguments
         path = compat.resume_checkpoint(args)
@@ -90,7 +95,7 @@ class RunCheckpoints:
                 ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
                 (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
             _barrier("jaxtrain_prepare_output_dir")
-            return RunStart(state=fresh_state(), step=0)
+            return StartPlan(step=0)
         if path.parent != self.root and ckpt.committed_steps(self.root):
             raise CheckpointError(
                 f"resume_from={args.resume_from} is another run's checkpoint, but output_dir "
@@ -114,26 +119,42 @@ class RunCheckpoints:
                     f"{path}: its data position (step {data_step}) does not match its train "
                     f"state (step {step}); the checkpoint is inconsistent. Resume from another."
                 )
-        abstract = abstract_state()
-        if args.reset_optimizer:
-            params = ckpt.restore_params(path, abstract.params)
-            opt_state = jax.jit(init_optimizer)(params)
-            state = TrainState(
-                step=jnp.asarray(step, jnp.int32), params=params, opt_state=opt_state
-            )
-        else:
-            state = ckpt.restore_state(path, abstract)
+        # The metric log continues from the checkpoint (before the log is opened for it).
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
             compat.trim_metric_log(Path(args.output_dir) / "metrics.jsonl", step)
         _barrier("jaxtrain_resume")
-        return RunStart(
-            state=state,
+        return StartPlan(
             step=step,
             resumed_from=path,
             tracker_state=metadata.get("trackers") or {},
             evaluated=bool(metadata.get("evaluated", False)),
         )
+
+    def load(
+        self,
+        plan: StartPlan,
+        *,
+        fresh_state: Callable[[], TrainState],
+        abstract_state: Callable[[], TrainState],
+        init_optimizer: Callable[[Any], Any],
+    ) -> RunStart:
+        """`plan` with its state: `fresh_state()`, or the checkpoint restored onto
+        `abstract_state()` (its shardings); with `reset_optimizer`, only the parameters,
+        with a new optimizer state from `init_optimizer(params)`."""
+        args, path = self.arguments, plan.resumed_from
+        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(StartPlan)}
+        if path is None:
+            return RunStart(**fields, state=fresh_state())
+        abstract = abstract_state()
+        if args.reset_optimizer:
+            params = ckpt.restore_params(path, abstract.params)
+            opt_state = jax.jit(init_optimizer)(params)
+            step = jnp.asarray(plan.step, jnp.int32)
+            state = TrainState(step=step, params=params, opt_state=opt_state)
+        else:
+            state = ckpt.restore_state(path, abstract)
+        return RunStart(**fields, state=state)
 
     # ------------------------------------------------------------------ saves
     def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:

@@ -84,13 +84,13 @@ def _starting_from(trainer_class: type, state: Any) -> type:
                     "TrainingArguments, or pass model= instead."
                 ) from err
 
-        def start_state(self):
+        def plan_start(self):
             import jax
 
-            start = super().start_state()
-            if start.resumed_from is None:  # the state goes on from its own step
-                start = dataclasses.replace(start, step=int(jax.device_get(start.state.step)))
-            return start
+            plan = super().plan_start()
+            if plan.resumed_from is None:  # the state goes on from its own step
+                plan = dataclasses.replace(plan, step=int(jax.device_get(state.step)))
+            return plan
 
     StartFromState.__name__ = StartFromState.__qualname__ = trainer_class.__name__
     return StartFromState

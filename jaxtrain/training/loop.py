@@ -12,15 +12,18 @@ are read, and metrics are read only at logging cadence (one step late).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
 
-from jaxtrain.checkpointing import RunStart
+from jaxtrain.checkpointing import RunStart, StartPlan
 from jaxtrain.observability.progress import make_progress
 from jaxtrain.training.hooks import Cadence
 from jaxtrain.training.state import TrainState
@@ -71,49 +74,75 @@ class TrainingLoop:
         self.guard = NonFiniteGuard(self.args.on_nan, self.args.max_nan_skips)
         self.pending = None  # a closed logging window whose device metrics are read one step late
         self.hooks = trainer.hooks  # who hears about the run, fixed for its duration
-        self.train_step = None  # compiled at the first batch; this run owns it
+        self.train_step = None  # compiled while the state is built; this run owns it
         # When to evaluate and save: cadences in steps, decided here once.
         self.eval_every = Cadence(self._eval_steps())
         self.save_every = Cadence(self.args.save_steps)
 
     def run(self) -> TrainerOutput:
         trainer, args = self.trainer, self.args
-        start = trainer.start_state()
-        state, step, resumed_from = start.state, start.step, start.resumed_from
-        state = jax.device_put(state, trainer.state_shardings)  # no-op unless placed elsewhere
-        self.latest_state = state  # the newest live state, for the model object on a failure
+        plan = trainer.plan_start()  # a resume that cannot happen fails here, before any work
         self._write_run_files()
         # Written by process 0 only; a resumed run continues its trackers' runs.
-        self.log = trainer.monitor.open(args.output_dir, step, start.tracker_state)
-        batches = self._batches(step)
+        self.log = trainer.monitor.open(args.output_dir, plan.step, plan.tracker_state)
+        batches = self._batches(plan.step)
         primary = jax.process_index() == 0
         self.progress = make_progress(
-            args.progress_bar if primary else "none", self.total_steps, step
+            args.progress_bar if primary else "none", self.total_steps, plan.step
         )
+        self.latest_state = None  # the newest live state, for the model object on a failure
+        try:
+            start, batches = self._start(plan, batches)
+            state = jax.device_put(start.state, trainer.state_shardings)  # no-op when placed
+            self.latest_state = state
+            if start.resumed_from is not None:
+                self.checkpoint_path = str(start.resumed_from)
+            self.hooks.call("on_train_start", trainer, state)
+            with StopSignals() as signals:
+                state, step = self._steps(state, start.step, batches, signals, start)
+        except BaseException:
+            self._return_parameters(self.latest_state)
+            raise
+        finally:
+            try:
+                trainer.checkpoints.close()  # waits for the background writes to commit
+            finally:
+                self.prefetcher.close()  # the train loader is endless: stop its reader
+                self.progress.close()
+                self.log.close()
+        return self._finish(state, step)
+
+    def _start(self, plan: StartPlan, batches: Iterator) -> tuple[RunStart, Iterator]:
+        """The run's first state, built (or restored) while its train step compiles for the
+        first batch in a second thread: the compile needs only the state's shapes and
+        shardings, so neither waits for the other. Returns the state and the batches, the
+        first one included."""
+        trainer = self.trainer
+        if plan.step >= self.total_steps:  # a finished run: nothing to compile
+            start = trainer.start_state(plan)
+            self._announce(start)
+            return start, batches
+        first = next(batches)
+        abstract = trainer.abstract_state()
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxtrain-compile") as pool:
+            compiling = pool.submit(trainer.compile_train_step, abstract, first[1], self.progress)
+            start = trainer.start_state(plan)  # on a failure, the compile is waited for
+            self._announce(start)  # usually before the compile's own line
+            self.train_step = compiling.result()
+        return start, itertools.chain([first], batches)
+
+    def _announce(self, start: RunStart) -> None:
+        """The run's first lines, once its state exists (a refused resume prints only its
+        error)."""
+        trainer, args = self.trainer, self.args
         self.progress.write(
             f"jaxtrain: {trainer.num_parameters / 1e6:.2f}M parameters, {self.total_steps} "
             f"steps, {args.total_batch_size} x {args.max_sequence_length} tokens per step, "
             f"devices: {trainer.mesh.devices.size} x {trainer.mesh.devices.flat[0].device_kind}, "
             f"mesh {dict(trainer.mesh.shape)}"
         )
-        if resumed_from is not None:
-            self.progress.write(f"resumed from {resumed_from} at step {step}")
-            self.checkpoint_path = str(resumed_from)
-        self.hooks.call("on_train_start", trainer, state)
-        with StopSignals() as signals:
-            try:
-                state, step = self._steps(state, step, batches, signals, start)
-            except BaseException:
-                self._return_parameters(self.latest_state)
-                raise
-            finally:
-                try:
-                    trainer.checkpoints.close()  # waits for the background writes to commit
-                finally:
-                    self.prefetcher.close()  # the train loader is endless: stop its reader
-                    self.progress.close()
-                    self.log.close()
-        return self._finish(state, step)
+        if start.resumed_from is not None:
+            self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
 
     # ----------------------------------------------------------------- setup
     def _write_run_files(self) -> None:
@@ -141,6 +170,7 @@ class TrainingLoop:
         last_eval_step = step if start.evaluated else -1
         saved_step = step if resumed else -1
         window = trainer.monitor.window()
+        window.restart_clock()  # the first batch's wait was before the compile
         first_step = step + 1
         last_save_time = time.monotonic()
         while step < total_steps:
@@ -148,9 +178,6 @@ class TrainingLoop:
                 self.stop_reason = "callback"
                 break
             host_batch, batch = next(batches)
-            if self.train_step is None:
-                self.train_step = trainer.compile_train_step(state, batch, self.progress)
-                window.restart_clock()
             self.hooks.call("on_step_start", trainer, state, step)
             state, metrics = self.train_step(state, batch)
             self.latest_state = state

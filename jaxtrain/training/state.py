@@ -56,13 +56,22 @@ def build_state(
     return jax.jit(new_state, out_shardings=shardings, donate_argnums=0)(params)
 
 
-def abstract_arrays(tree: Any) -> Any:
-    """`tree` with every array replaced by its shape, dtype and sharding (host arrays,
-    such as a model a Ray job rebuilt from numpy, have none)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        tree,
-    )
+def abstract_arrays(tree: Any, shardings: Any = None) -> Any:
+    """`tree` with every array replaced by its shape, dtype (weak or not) and sharding:
+    `shardings` (a matching tree) or the array's own (host arrays, such as a model a Ray job
+    rebuilt from numpy, have none)."""
+
+    def abstract(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(
+            x.shape,
+            x.dtype,
+            sharding=sharding if sharding is not None else getattr(x, "sharding", None),
+            weak_type=getattr(x, "weak_type", False),
+        )
+
+    if shardings is None:
+        return jax.tree.map(abstract, tree)
+    return jax.tree.map(abstract, tree, shardings)
 
 
 def _buffers(x: Any) -> set[int]:

@@ -6,9 +6,10 @@ data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in
 the objective through `compute_loss_sums` / `loss_normalizer` (the contract is in
 objective.py) and react to the run through the TrainerCallback hooks.
 
-What the loop uses, and nothing else: `monitor`, `hooks`, `checkpoints`, `start_state()`,
-`compile_train_step()`, `global_batches()`, `save_checkpoint()`, `evaluate()`, and public
-attributes (`arguments`, `model`, `mesh`, `train_loader`, `data_meter`, `should_stop`, ...).
+What the loop uses, and nothing else: `monitor`, `hooks`, `checkpoints`, `plan_start()`,
+`start_state()`, `abstract_state()`, `compile_train_step()`, `global_batches()`,
+`save_checkpoint()`, `evaluate()`, and public attributes (`arguments`, `model`, `mesh`,
+`train_loader`, `data_meter`, `should_stop`, ...).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from flax import nnx
 from jaxtrain.argument_checks import check_warmup
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.cache import enable_compilation_cache
-from jaxtrain.checkpointing import RunCheckpoints, RunStart, load_checked
+from jaxtrain.checkpointing import RunCheckpoints, RunStart, StartPlan, load_checked
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
@@ -98,7 +99,7 @@ class Trainer(TrainerCallback):
         enable_compilation_cache(args.compilation_cache_dir)  # before the steps compile
         self.sharding_plan = ShardingPlan.from_arguments(args, devices)
         self.mesh = self.sharding_plan.mesh
-        self._state_shardings = None
+        self._state_shardings = self._state_shape_cache = None
         self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
         self._factory = model if isinstance(model, ModelFactory) else None
         if self._factory is not None and args.lora_rank:
@@ -256,9 +257,14 @@ class Trainer(TrainerCallback):
     def state_shardings(self) -> TrainState:
         """Shardings of the TrainState on `self.mesh` (params by the rules, optimizer alike)."""
         if self._state_shardings is None:
-            abstract = jax.eval_shape(self._new_state, self._initial_params)
-            self._state_shardings = self.sharding_plan.state_shardings(abstract)
+            self._state_shardings = self.sharding_plan.state_shardings(self._state_shapes())
         return self._state_shardings
+
+    def _state_shapes(self) -> TrainState:
+        """The state's shapes and dtypes (traced once: the optimizer's init is not free)."""
+        if self._state_shape_cache is None:
+            self._state_shape_cache = jax.eval_shape(self._new_state, self._initial_params)
+        return self._state_shape_cache
 
     def create_state(self, *, copy: bool = True) -> TrainState:
         """A fresh state on the mesh from the model's parameters.
@@ -355,11 +361,9 @@ class Trainer(TrainerCallback):
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and placement of this Trainer's state, without allocating it."""
-        return jax.tree.map(
-            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            jax.eval_shape(self._new_state, self._initial_params),
-            self.state_shardings,
-        )
+        # Weak types kept: they change dtype promotion, so a step traced from this state is
+        # the one the real state would trace.
+        return abstract_arrays(self._state_shapes(), self.state_shardings)
 
     def load_checkpoint(self, path: str | Path) -> TrainState:
         """Restore a TrainState written by this kind of Trainer (same model and optimizer).
@@ -374,18 +378,25 @@ class Trainer(TrainerCallback):
             optimizer=self.arguments.optimizer,
         )
 
-    def start_state(self) -> RunStart:
-        """Where `train()` starts: a fresh state, or the checkpoint it resumes (with the
-        step and the trackers' saved state). Clears or refuses output_dir's old checkpoints
-        as `jaxtrain.checkpointing.run` describes."""
+    def plan_start(self) -> StartPlan:
+        """Where `train()` starts: step 0, or the checkpoint it resumes, checked (model,
+        optimizer, data position) but not yet restored. Clears or refuses output_dir's old
+        checkpoints as `jaxtrain.checkpointing.run` describes."""
         loader = self.train_loader
-        return self.checkpoints.start(
-            fresh_state=lambda: self.create_state(copy=False),
-            abstract_state=self.abstract_state,
+        return self.checkpoints.plan(
             model_class=type(self.model).__name__,
             model_config=self._model_config_dict(),
-            init_optimizer=self.optimizer.init,
             check_data_state=loader.check_data_state if loader is not None else None,
+        )
+
+    def start_state(self, plan: StartPlan | None = None) -> RunStart:
+        """`plan` (default: `plan_start()`) with its state: a fresh state built around the
+        model's arrays, or the checkpoint restored onto this Trainer's shardings."""
+        return self.checkpoints.load(
+            plan if plan is not None else self.plan_start(),
+            fresh_state=lambda: self.create_state(copy=False),
+            abstract_state=self.abstract_state,
+            init_optimizer=self.optimizer.init,
         )
 
     def _model_config_dict(self) -> dict[str, Any] | None:
@@ -421,8 +432,10 @@ class Trainer(TrainerCallback):
         self, state: TrainState, batch: dict[str, jax.Array], progress: Any = None
     ) -> Any:
         """The jitted train step for `state` and a global `batch` like the ones to come,
-        compiled now (the caller owns it: `state, metrics = step(state, batch)`). Compiles
-        are reported through the monitor; `progress` shows that one is under way."""
+        compiled now (the caller owns it: `state, metrics = step(state, batch)`). Both may be
+        abstract (`abstract_state()`, ShapeDtypeStructs): nothing is read or placed, so the
+        loop compiles while the state is still being built. Compiles are reported through
+        the monitor; `progress` shows that one is under way."""
         step_fn = make_train_step(
             graphdef=self.graphdef,
             optimizer=self.optimizer,
@@ -434,11 +447,12 @@ class Trainer(TrainerCallback):
         # Compiled ahead of time here; a batch of another shape recompiles with a warning
         # naming the changed shapes, and every compile is logged (compiles.py).
         options = self.sharding_plan.train_step_jit_options(self.state_shardings, batch)
-        frozen = self.frozen_state()
-        options["in_shardings"] = (*options["in_shardings"], self._placed_rest[1])
+        rest = self.rest  # a ModelFactory's is abstract until create_state: shapes suffice
+        rest_shardings = self.sharding_plan.param_shardings(rest)
+        options["in_shardings"] = (*options["in_shardings"], rest_shardings)
         compiled = self.monitor.jit(step_fn, "train_step", progress=progress, **options)
-        compiled.compile(state, batch, frozen)
-        return _WithFrozen(compiled, frozen)
+        compiled.compile(state, batch, abstract_arrays(rest, rest_shardings))
+        return _WithFrozen(compiled, self.frozen_state)
 
     # ------------------------------------------------------------------- eval
     def eval(self, state: TrainState) -> Iterator[dict[str, float]]:
@@ -490,12 +504,15 @@ class Trainer(TrainerCallback):
 
 
 class _WithFrozen:
-    """The compiled train step with the frozen state bound: `step(state, batch)`."""
+    """The compiled train step with the frozen state bound: `step(state, batch)`. The frozen
+    state is placed at the first call (a ModelFactory's exists only once the state does)."""
 
-    def __init__(self, compiled: Any, frozen: Any):
-        self.compiled, self.frozen = compiled, frozen
+    def __init__(self, compiled: Any, frozen_state: Callable[[], Any]):
+        self.compiled, self._frozen_state, self.frozen = compiled, frozen_state, None
 
     def __call__(self, state: TrainState, batch: dict[str, jax.Array]):
+        if self.frozen is None:
+            self.frozen = self._frozen_state()
         return self.compiled(state, batch, self.frozen)
 
     def __getattr__(self, name: str) -> Any:  # compiles, lower, ... of the TrackedJit
