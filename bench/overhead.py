@@ -10,6 +10,8 @@ Each variant trains the same model shape on the same random tokens in its OWN pr
 - trainer_factory (with --variants): the Trainer given a ModelFactory instead of a built
   model, its start-up path: the parameters and optimizer state come from one jitted init
   (the same values as the eager model's) instead of one eager random call per parameter;
+- trainer_xla_defaults (with --variants): the Trainer with xla_compiler_options={} (XLA's
+  own compile options instead of jaxtrain's CPU defaults, jaxtrain/training/compiler.py);
 - bare: the same jaxtrain LlamaForCausalLM, nnx.split, one jax.jit(value_and_grad + optax
   adamw, state donated) fed numpy batches in a plain Python loop;
 - handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step.
@@ -53,7 +55,14 @@ SIZES = {
     "T": LlamaShape(vocab=128, hidden=64, intermediate=128, layers=2, heads=4, seq=32, batch=4),
 }
 DEFAULT_STEPS = {"S1": 30, "S2": 12, "T": 4}
-VARIANTS = ("trainer", "bare", "handwritten", "trainer_hf", "trainer_factory")
+VARIANTS = (
+    "trainer",
+    "bare",
+    "handwritten",
+    "trainer_hf",
+    "trainer_factory",
+    "trainer_xla_defaults",
+)
 DEFAULT_VARIANTS = "trainer,bare,handwritten"
 LEARNING_RATE = 3e-4
 SEED = 0
@@ -146,10 +155,12 @@ def run_trainer(
     clock: StepClock,
     hf: bool = False,
     factory: bool = False,
+    compiler_options: dict | None = None,
 ) -> dict:
     """The Trainer fed the bare loops' numpy rows (a list of {"input_ids": row}); with `hf`,
     a datasets.Dataset of them instead (its import and Arrow memory are the user's); with
-    `factory`, given a ModelFactory (the model is created inside the Trainer's jitted init)."""
+    `factory`, given a ModelFactory (the model is created inside the Trainer's jitted init);
+    `compiler_options` is its xla_compiler_options (None: jaxtrain's defaults)."""
     from flax import nnx
 
     from jaxtrain import Trainer, TrainerCallback, TrainingArguments
@@ -196,6 +207,7 @@ def run_trainer(
             run_report=False,  # the bare loops draw no plots either
             # Cold start by default, like the bare loops; --trainer-cache warm measures a rerun.
             compilation_cache_dir=os.environ.get("BENCH_TRAINER_CACHE") or None,
+            xla_compiler_options=compiler_options,
         )
         trainer = Trainer(
             arguments=arguments, model=model, dataset_train=dataset, callbacks=[Timer()]
@@ -283,6 +295,10 @@ RUNNERS = {
     "handwritten": run_handwritten,
     "trainer_hf": lambda shape, tokens, clock: run_trainer(shape, tokens, clock, hf=True),
     "trainer_factory": lambda shape, tokens, clock: run_trainer(shape, tokens, clock, factory=True),
+    # XLA's own compile options instead of jaxtrain's CPU defaults (training/compiler.py).
+    "trainer_xla_defaults": lambda shape, tokens, clock: run_trainer(
+        shape, tokens, clock, compiler_options={}
+    ),
 }
 
 

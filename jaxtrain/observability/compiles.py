@@ -74,16 +74,19 @@ def shape_changes(old: tuple[Any, Any], new: tuple[Any, Any], args: tuple[Any, .
 
 class TrackedJit:
     """`jax.jit(fn, **jit_kwargs)` compiled ahead of time per signature, with every compile
-    reported to `on_event(CompileEvent)` (and the `jaxtrain.compile` logger)."""
+    reported to `on_event(CompileEvent)` (and the `jaxtrain.compile` logger). Each compile
+    gets `compiler_options` (XLA's DebugOptions names)."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
         name: str,
         on_event: Callable[[CompileEvent], None] | None = None,
+        compiler_options: dict[str, Any] | None = None,
         **jit_kwargs: Any,
     ):
         self.name = name
+        self._compiler_options = compiler_options or None  # XLA options of each compile
         self._jitted = jax.jit(fn, **jit_kwargs)
         self._on_event = on_event
         self._compiled: dict[Any, Any] = {}
@@ -122,7 +125,7 @@ class TrackedJit:
 
     def _compile(self, sig: Any, args: tuple[Any, ...]) -> Any:
         start = time.perf_counter()
-        compiled = self._jitted.lower(*args).compile()
+        compiled = self._jitted.lower(*args).compile(compiler_options=self._compiler_options)
         seconds = time.perf_counter() - start
         changes = []
         if self._last_signature is not None:

@@ -91,9 +91,16 @@ def memory_logs() -> dict[str, float]:
 
 class RunMonitor:
     def __init__(
-        self, args: Any, *, model_config: Any, num_parameters: int, num_devices: int | None = None
+        self,
+        args: Any,
+        *,
+        model_config: Any,
+        num_parameters: int,
+        num_devices: int | None = None,
+        compiler_options: dict[str, Any] | None = None,
     ):
         self.args = args
+        self.compiler_options = compiler_options  # XLA options of every compile of the run
         # The devices the run's mesh spans (a Trainer may be given a subset of jax.devices()):
         # TFLOP/s and MFU are per device of the mesh.
         self.num_devices = jax.device_count() if num_devices is None else num_devices
@@ -225,7 +232,7 @@ class RunMonitor:
             if self._window is not None:
                 self._window.exclude(event.seconds)  # compile time is not step time
 
-        return TrackedJit(fn, name, report, **jit_kwargs)
+        return TrackedJit(fn, name, report, compiler_options=self.compiler_options, **jit_kwargs)
 
     def step_logs(self, logs: dict[str, float]) -> dict[str, float]:
         """A closed window's logs plus memory (track_memory)."""
