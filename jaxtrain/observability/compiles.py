@@ -104,10 +104,30 @@ class TrackedJit:
 
     def compile(self, *args: Any) -> Any:
         """Compile for these arguments now (ahead of the first call); returns the executable."""
+        return self.lower_for(*args)()
+
+    def lower_for(self, *args: Any) -> Callable[[], Any]:
+        """Trace and lower for these arguments now, in this thread (JAX's thread-local
+        settings, such as `jax.default_matmul_precision`, apply to the trace); returns the
+        rest of the compile, XLA's part, to call in any thread (XLA releases the GIL): it
+        returns the executable, which later calls use."""
         sig = signature(args)
         compiled = self._compiled.get(sig)
-        if compiled is None:
-            compiled = self._compile(sig, args)
+        if compiled is not None:
+            return lambda: self._use(sig, compiled)
+        start = time.perf_counter()
+        lowered = self._jitted.lower(*args)
+        lower_seconds = time.perf_counter() - start
+
+        def finish() -> Any:
+            start = time.perf_counter()
+            compiled = lowered.compile(compiler_options=self._compiler_options)
+            self._record(sig, args, compiled, lower_seconds + time.perf_counter() - start)
+            return self._use(sig, compiled)
+
+        return finish
+
+    def _use(self, sig: Any, compiled: Any) -> Any:
         self._last_signature, self._last = sig, compiled
         return compiled
 
@@ -123,10 +143,7 @@ class TrackedJit:
                     raise  # not a signature change: a real error
         return self.compile(*args)(*args)
 
-    def _compile(self, sig: Any, args: tuple[Any, ...]) -> Any:
-        start = time.perf_counter()
-        compiled = self._jitted.lower(*args).compile(compiler_options=self._compiler_options)
-        seconds = time.perf_counter() - start
+    def _record(self, sig: Any, args: tuple[Any, ...], compiled: Any, seconds: float) -> None:
         changes = []
         if self._last_signature is not None:
             changes = shape_changes(self._last_signature, sig, args)
@@ -136,7 +153,6 @@ class TrackedJit:
         (logger.warning if event.is_recompile else logger.info)(event.message())
         if self._on_event is not None:
             self._on_event(event)
-        return compiled
 
     @property
     def compiles(self) -> int:

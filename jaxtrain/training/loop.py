@@ -113,8 +113,8 @@ class TrainingLoop:
         return self._finish(state, step)
 
     def _start(self, plan: StartPlan, batches: Iterator) -> tuple[RunStart, Iterator]:
-        """The run's first state, built (or restored) while its train step compiles for the
-        first batch in a second thread: the compile needs only the state's shapes and
+        """The run's first state, built (or restored) while XLA compiles its train step for
+        the first batch in a second thread: the step is traced from the state's shapes and
         shardings, so neither waits for the other. Returns the state and the batches, the
         first one included."""
         trainer = self.trainer
@@ -123,9 +123,10 @@ class TrainingLoop:
             self._announce(start)
             return start, batches
         first = next(batches)
-        abstract = trainer.abstract_state()
+        # Traced here, under the caller's JAX settings (they are per thread).
+        compile_step = trainer.lower_train_step(trainer.abstract_state(), first[1], self.progress)
         with ThreadPoolExecutor(1, thread_name_prefix="jaxtrain-compile") as pool:
-            compiling = pool.submit(trainer.compile_train_step, abstract, first[1], self.progress)
+            compiling = pool.submit(compile_step)  # XLA's part: it releases the GIL
             start = trainer.start_state(plan)  # on a failure, the compile is waited for
             self._announce(start)  # usually before the compile's own line
             self.train_step = compiling.result()

@@ -2,7 +2,8 @@
 
 `train()` hands one run to `loop.TrainingLoop`; the math lives in `step.py` (pure, jitted),
 data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in
-`jaxtrain.checkpointing`, and measurements in `jaxtrain.observability`. Subclasses change
+`jaxtrain.checkpointing` (the Trainer's side of them, where a run starts, saving and loading,
+in trainer_checkpoints.py), and measurements in `jaxtrain.observability`. Subclasses change
 the objective through `compute_loss_sums` / `loss_normalizer` (the contract is in
 objective.py) and react to the run through the TrainerCallback hooks.
 
@@ -26,14 +27,13 @@ from flax import nnx
 from jaxtrain.argument_checks import check_warmup
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.cache import enable_compilation_cache
-from jaxtrain.checkpointing import RunCheckpoints, RunStart, StartPlan, load_checked
+from jaxtrain.checkpointing import RunCheckpoints
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
-from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
 from jaxtrain.training.compiler import check_compiler_options, resolve_compiler_options
@@ -53,11 +53,12 @@ from jaxtrain.training.step import (
     count_target_tokens,
     make_train_step,
 )
+from jaxtrain.training.trainer_checkpoints import TrainerCheckpoints
 
 __all__ = ["Trainer", "TrainerOutput", "param_logical_axes"]
 
 
-class Trainer(TrainerCallback):
+class Trainer(TrainerCheckpoints, TrainerCallback):
     """Train a Flax NNX causal LM (or any module returning logits) on a dataset.
 
     Subclasses may override `compute_loss_sums` / `loss_normalizer` for another objective and
@@ -338,76 +339,11 @@ class Trainer(TrainerCallback):
 
         return save_trainer_state(self, state, save_directory, lora_format=lora_format, **kwargs)
 
-    # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, state: TrainState, *, evaluated: bool = False) -> str:
-        """Start a background save of `state` under output_dir/checkpoints/<step>; returns
-        that step directory. `self.checkpoints.wait()` blocks until it is committed.
-        `evaluated`: the run has evaluated (and logged) this step already."""
-        step = int(jax.device_get(state.step))
-        metadata = {**self._checkpoint_metadata(step), "evaluated": evaluated}
-        path = self.checkpoints.save(state, metadata=metadata)
-        self.hooks.call("on_save", self, str(path), step)
-        return str(path)
-
-    def _checkpoint_metadata(self, step: int) -> dict[str, Any]:
-        metadata = {
-            "step": step,
-            "arguments": self.arguments.to_dict(),
-            "model_config": self._model_config_dict(),
-            "model_class": type(self.model).__name__,
-            "trackers": self.monitor.tracker_state(),
-        }
-        if self.train_loader is not None:
-            data_state = self.train_loader.data_state(step)
-            if jax.process_count() > 1 and self.train_loader.state_is_per_process:
-                # Streams and packing: each process knows only its own position.
-                data_state = {"step": step, "processes": gather_json(data_state)}
-            metadata["data_state"] = data_state
-        return metadata
-
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and placement of this Trainer's state, without allocating it."""
         # Weak types kept: they change dtype promotion, so a step traced from this state is
         # the one the real state would trace.
         return abstract_arrays(self._state_shapes(), self.state_shardings)
-
-    def load_checkpoint(self, path: str | Path) -> TrainState:
-        """Restore a TrainState written by this kind of Trainer (same model and optimizer).
-
-        `path` is a step directory or a run directory (its newest committed checkpoint).
-        """
-        return load_checked(
-            path,
-            self.abstract_state(),
-            model_class=type(self.model).__name__,
-            model_config=self._model_config_dict(),
-            optimizer=self.arguments.optimizer,
-        )
-
-    def plan_start(self) -> StartPlan:
-        """Where `train()` starts: step 0, or the checkpoint it resumes, checked (model,
-        optimizer, data position) but not yet restored. Clears or refuses output_dir's old
-        checkpoints as `jaxtrain.checkpointing.run` describes."""
-        loader = self.train_loader
-        return self.checkpoints.plan(
-            model_class=type(self.model).__name__,
-            model_config=self._model_config_dict(),
-            check_data_state=loader.check_data_state if loader is not None else None,
-        )
-
-    def start_state(self, plan: StartPlan | None = None) -> RunStart:
-        """`plan` (default: `plan_start()`) with its state: a fresh state built around the
-        model's arrays, or the checkpoint restored onto this Trainer's shardings."""
-        return self.checkpoints.load(
-            plan if plan is not None else self.plan_start(),
-            fresh_state=lambda: self.create_state(copy=False),
-            abstract_state=self.abstract_state,
-            init_optimizer=self.optimizer.init,
-        )
-
-    def _model_config_dict(self) -> dict[str, Any] | None:
-        config = self.model_config
-        return config.to_dict() if hasattr(config, "to_dict") else None
 
     # ------------------------------------------------------------------ train
     def add_hook(self, hook: Any, *, every: int | None = None) -> None:
@@ -439,9 +375,16 @@ class Trainer(TrainerCallback):
     ) -> Any:
         """The jitted train step for `state` and a global `batch` like the ones to come,
         compiled now (the caller owns it: `state, metrics = step(state, batch)`). Both may be
-        abstract (`abstract_state()`, ShapeDtypeStructs): nothing is read or placed, so the
-        loop compiles while the state is still being built. Compiles are reported through
-        the monitor; `progress` shows that one is under way."""
+        abstract (`abstract_state()`, ShapeDtypeStructs): nothing is read or placed. Compiles
+        are reported through the monitor; `progress` shows that one is under way."""
+        return self.lower_train_step(state, batch, progress)()
+
+    def lower_train_step(
+        self, state: TrainState, batch: dict[str, jax.Array], progress: Any = None
+    ) -> Callable[[], Any]:
+        """`compile_train_step` in two parts: the trace and lowering happen now, in the
+        caller's thread (under its JAX settings); the returned function runs XLA's compile,
+        in any thread, and returns the step. The loop compiles while it builds the state."""
         step_fn = make_train_step(
             graphdef=self.graphdef,
             optimizer=self.optimizer,
@@ -450,15 +393,20 @@ class Trainer(TrainerCallback):
             loss_sums_fn=with_activation_sharding(self._train_loss_sums, self.sharding_plan.rules),
             normalizer_fn=self.loss_normalizer,
         )
-        # Compiled ahead of time here; a batch of another shape recompiles with a warning
-        # naming the changed shapes, and every compile is logged (compiles.py).
+        # Compiled ahead of time; a batch of another shape recompiles with a warning naming
+        # the changed shapes, and every compile is logged (compiles.py).
         options = self.sharding_plan.train_step_jit_options(self.state_shardings, batch)
         rest = self.rest  # a ModelFactory's is abstract until create_state: shapes suffice
         rest_shardings = self.sharding_plan.param_shardings(rest)
         options["in_shardings"] = (*options["in_shardings"], rest_shardings)
-        compiled = self.monitor.jit(step_fn, "train_step", progress=progress, **options)
-        compiled.compile(state, batch, abstract_arrays(rest, rest_shardings))
-        return _WithFrozen(compiled, self.frozen_state)
+        tracked = self.monitor.jit(step_fn, "train_step", progress=progress, **options)
+        finish = tracked.lower_for(state, batch, abstract_arrays(rest, rest_shardings))
+
+        def compiled_step() -> _WithFrozen:
+            finish()
+            return _WithFrozen(tracked, self.frozen_state)
+
+        return compiled_step
 
     # ------------------------------------------------------------------- eval
     def eval(self, state: TrainState) -> Iterator[dict[str, float]]:

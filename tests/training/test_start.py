@@ -86,3 +86,25 @@ def test_a_failing_compile_is_raised_and_the_model_keeps_its_parameters(tmp_path
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+class RecordsTraceSettings(Trainer):
+    """Notes the JAX matmul precision in force while its objective is traced."""
+
+    def compute_loss_sums(self, model, batch, rng):
+        self.seen_precision.append(jax.config.jax_default_matmul_precision)
+        return super().compute_loss_sums(model, batch, rng)
+
+
+def test_the_step_is_traced_under_the_caller_s_jax_settings(tmp_path):
+    # JAX's settings contexts are per thread: a step traced in the compile thread would
+    # silently miss them (here: run at default precision).
+    trainer = RecordsTraceSettings(
+        arguments=tiny_arguments(str(tmp_path), max_steps=2),
+        model=tiny_model(),
+        dataset_train=token_dataset(),
+    )
+    trainer.seen_precision = []
+    with jax.default_matmul_precision("highest"):
+        trainer.train()
+    assert trainer.seen_precision and set(trainer.seen_precision) == {"highest"}
