@@ -155,6 +155,12 @@ def cmd_sample(tokens: list[str]) -> int:
     from jaxtrain.cli.run_config import SAMPLE_KEYS, typed_section
 
     run, overrides = _restore(tokens, with_eval_data=False)
+    if run.sections.task == "reward":
+        raise ArgumentError(
+            "jaxtrain sample: this run trained a reward model, which scores text and does not "
+            "generate it. Use `jaxtrain eval RUN_DIR` for its pair accuracy, or `jaxtrain "
+            "export` for a sequence-classification model."
+        )
     sample = {**run.sections.sample, **typed_section(overrides, SAMPLE_KEYS, "sample")}
     tokenizer = run.sections.tokenizer
     if tokenizer is None:

@@ -84,11 +84,16 @@ def _load_tokenizer(path: str):
 class RunSections:
     """What `<run_dir>/config.yaml` (and tokenizer/) describe."""
 
-    args: Any  # TrainingArguments
+    args: Any  # TrainingArguments, or the task's arguments class (DPOArguments, ...)
     model: dict[str, Any]
     data: dict[str, Any]
     sample: dict[str, Any]
     tokenizer: Any
+    config: dict[str, Any]  # the whole file: its task and the task's sections (teacher)
+
+    @property
+    def task(self) -> str:
+        return str(self.config.get("task") or "lm")
 
 
 def load_run(run_dir: str | Path) -> RunSections:
@@ -103,10 +108,11 @@ def load_run(run_dir: str | Path) -> RunSections:
         raise ArgumentError(
             f"{run_dir} has no config.yaml: not a run directory written by `jaxtrain train`."
         )
-    args, model_section, data, sample = split_config(read_config_file(config_path))
+    config = read_config_file(config_path)
+    args, model_section, data, sample = split_config(config)
     tokenizer_dir = Path(run_dir) / "tokenizer"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir.is_dir() else None
-    return RunSections(args, model_section, data, sample, tokenizer)
+    return RunSections(args, model_section, data, sample, tokenizer, config)
 
 
 @dataclass
@@ -124,19 +130,32 @@ def restore_run(
 ) -> RestoredRun:
     """Rebuild a finished (or interrupted) run's Trainer and restore a checkpoint into it.
 
-    `checkpoint` defaults to the run's newest committed checkpoint; `with_eval_data` also
-    rebuilds the eval set (for `jaxtrain eval`).
+    The Trainer is the run's own: its task's class (SFT, DPO, reward, distillation) with the
+    run's tokenizer, so a checkpoint of a task model restores, evaluation uses the task's
+    data format and loss, and export writes what that trainer writes. `checkpoint` defaults
+    to the run's newest committed checkpoint; `with_eval_data` also rebuilds the eval set
+    (for `jaxtrain eval`).
     """
     from jaxtrain.checkpointing import find_checkpoint
+    from jaxtrain.cli.task import task_trainer
     from jaxtrain.parallel import initialize_distributed
-    from jaxtrain.training.trainer import Trainer
 
     checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
     sections = load_run(run_dir)
     args = sections.args
     initialize_distributed(args)  # before the model touches a device
     evaluation = build_data(sections.data, args.max_sequence_length)[1] if with_eval_data else None
-    model = build_model(sections.model, sections.tokenizer, seed=args.seed)
-    trainer = Trainer(arguments=args, model=model, dataset_eval=evaluation)
+    tokenizer = sections.tokenizer
+    model = build_model(sections.model, tokenizer, seed=args.seed)
+    trainer_class, task_kwargs, _ = task_trainer(
+        sections.task, sections.config, sections.data, tokenizer, args, build_model
+    )
+    trainer = trainer_class(
+        arguments=args,
+        model=model,
+        dataset_eval=evaluation,
+        processing_class=tokenizer,
+        **task_kwargs,
+    )
     state = trainer.load_checkpoint(checkpoint)
     return RestoredRun(trainer, state, checkpoint, sections)
