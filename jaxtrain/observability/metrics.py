@@ -76,8 +76,10 @@ class MetricsWindow:
         num_devices: int = 1,
         peak_flops: float | None = None,
         data_wait: DataWaitClock | None = None,
+        perplexity: bool = True,
     ) -> None:
         self._metrics: list[dict[str, Any]] = []
+        self.perplexity = perplexity  # the loss is a per-token NLL (objective.py)
         self._counts = np.zeros(4, np.float64)
         self._clock = time.perf_counter()
         self.num_devices = num_devices
@@ -126,7 +128,7 @@ class _ClosedWindow:
         logs = {
             "step": self.step,
             "epoch": round(self.epoch, 4),
-            **summarize_sums(totals),
+            **summarize_sums(totals, perplexity=self._window.perplexity),
             "learning_rate": float(values[-1]["learning_rate"]),
             "grad_norm": float(values[-1]["grad_norm"]),
             "step_time_s": elapsed / steps,
@@ -144,13 +146,15 @@ class _ClosedWindow:
         return logs
 
 
-def eval_summary(totals: dict[str, float], sums: dict[str, Any], batches: int) -> dict[str, float]:
+def eval_summary(
+    totals: dict[str, float], sums: dict[str, Any], batches: int, *, perplexity: bool = True
+) -> dict[str, float]:
     """Add one eval batch's sums into `totals` and return the running metrics: the
     objective's keys under `eval/` by the rule of objective.py, plus tokens and batches."""
     for key, value in sums.items():
         totals[key] = totals.get(key, 0.0) + float(value)
     return {
-        **summarize_sums(totals, prefix="eval/"),
+        **summarize_sums(totals, prefix="eval/", perplexity=perplexity),
         "eval/tokens": totals.get("tokens", 0.0),
         "eval/batches": batches,
     }

@@ -98,8 +98,10 @@ class RunMonitor:
         num_parameters: int,
         num_devices: int | None = None,
         compiler_options: dict[str, Any] | None = None,
+        perplexity: bool = True,
     ):
         self.args = args
+        self.perplexity = perplexity  # log exp(loss): the loss is a per-token NLL
         self.compiler_options = compiler_options  # XLA options of every compile of the run
         # The devices the run's mesh spans (a Trainer may be given a subset of jax.devices()):
         # TFLOP/s and MFU are per device of the mesh.
@@ -207,7 +209,10 @@ class RunMonitor:
     def window(self) -> MetricsWindow:
         peak = self._peak[1] if self._peak is not None else None  # set by first_step_done
         self._window = MetricsWindow(
-            num_devices=self.num_devices, peak_flops=peak, data_wait=self.data_wait
+            num_devices=self.num_devices,
+            peak_flops=peak,
+            data_wait=self.data_wait,
+            perplexity=self.perplexity,
         )
         return self._window
 

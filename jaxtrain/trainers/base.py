@@ -45,6 +45,8 @@ class PairTrainer(TaskTrainer):
     of the step's sums therefore counts pairs, so the logged loss is the mean per pair.
     """
 
+    loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
+
     def __init__(self, *args: Any, **kwargs: Any):
         arguments = kwargs.get("arguments")
         if arguments is not None and arguments.packing:

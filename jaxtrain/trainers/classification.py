@@ -88,6 +88,8 @@ class ImageCollator:
 class ImageClassificationTrainer(Trainer):
     """Trainer for ``model(pixel_values) -> logits [B, num_labels]`` (e.g. the ViT)."""
 
+    loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
+
     def __init__(self, *args: Any, **kwargs: Any):
         arguments = kwargs.get("arguments")
         if arguments is not None and arguments.packing:

@@ -60,6 +60,8 @@ def distillation_kl(
 class DistillationTrainer(TaskTrainer):
     """Train `model` (the student) towards `teacher_model` on SFT rows."""
 
+    loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
+
     # SFT's rows: text, messages, or prompt + completion.
     create_featurizer = SFTTrainer.create_featurizer
 

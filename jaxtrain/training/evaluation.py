@@ -24,6 +24,7 @@ class Evaluator:
         rest: Any,
         loss_sums_fn: Callable[..., Any],
         jit: Callable[..., Any] | None = None,
+        perplexity: bool = True,
     ):
         # The non-Param state goes in as an argument (placed on the mesh), not as a constant.
         self._step_fn = make_eval_step(graphdef=graphdef, loss_sums_fn=loss_sums_fn)
@@ -31,6 +32,7 @@ class Evaluator:
         self._compiled = None
         # jit(fn, name) -> a TrackedJit (RunMonitor.jit): its compiles are logged.
         self._jit = jit
+        self._perplexity = perplexity  # the loss is a per-token NLL (objective.py)
 
     def compile(self, params: Any, batch: Any) -> Callable[..., Any]:
         if self._jit is not None:
@@ -55,8 +57,11 @@ class Evaluator:
             # Read the previous batch's sums only after this one is dispatched.
             if previous is not None:
                 count += 1
-                yield eval_summary(totals, jax.device_get(previous), count)
+                yield self._summary(totals, previous, count)
             previous = sums
         if previous is not None:
             count += 1
-            yield eval_summary(totals, jax.device_get(previous), count)
+            yield self._summary(totals, previous, count)
+
+    def _summary(self, totals: dict[str, float], sums: Any, batches: int) -> dict[str, float]:
+        return eval_summary(totals, jax.device_get(sums), batches, perplexity=self._perplexity)

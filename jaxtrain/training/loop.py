@@ -305,7 +305,8 @@ class TrainingLoop:
         self.log.write(step, metrics)
         self.hooks.call("on_evaluate", trainer, metrics, step)
         line = f"step {step}: eval loss {metrics['eval/loss']:.4f}"
-        line += f", ppl {metrics['eval/perplexity']:.2f}"
+        if "eval/perplexity" in metrics:  # only token NLL losses have one
+            line += f", ppl {metrics['eval/perplexity']:.2f}"
         if "eval/accuracy" in metrics:  # only objectives that count `correct` have one
             line += f", acc {metrics['eval/accuracy']:.3f}"
         self.progress.write(line)

@@ -15,8 +15,10 @@ The one rule for logs: every value is summed over the logging window (or the who
 set) and divided by the summed `tokens`, so each is a per-unit mean weighted exactly like
 the loss. It is logged under its own name with a trailing `_sum` dropped (`z_loss_sum` ->
 `z_loss`, `rewards/margins` -> `rewards/margins`), `correct` as `accuracy`, and under
-`eval/` in evaluation. `perplexity` = exp(loss) is logged beside the loss; nothing an
-objective returns is dropped.
+`eval/` in evaluation. Nothing an objective returns is dropped. `perplexity` = exp(loss) is
+logged beside the loss only when the loss is a mean negative log-likelihood per token
+(`Trainer.loss_is_token_nll`: the causal LM and SFT losses); the exponential of a preference,
+classification or distillation loss is not a perplexity, so those trainers log none.
 The step itself adds `grad_norm`, `learning_rate` and `nonfinite`, so an objective may not
 return those names.
 """
@@ -100,12 +102,17 @@ def log_name(key: str) -> str:
     return key
 
 
-def summarize_sums(totals: Mapping[str, float], prefix: str = "") -> dict[str, float]:
-    """Log values of sums accumulated over a logging window or an eval set (see above)."""
+def summarize_sums(
+    totals: Mapping[str, float], prefix: str = "", *, perplexity: bool = True
+) -> dict[str, float]:
+    """Log values of sums accumulated over a logging window or an eval set (see above);
+    `perplexity`: the loss is a per-token NLL, so exp(loss) is logged too."""
     tokens = float(totals.get("tokens", 0.0))
     per_unit = max(tokens, 1.0)
     loss = float(totals["loss_sum"]) / per_unit
-    logs = {f"{prefix}loss": loss, f"{prefix}perplexity": math.exp(min(loss, 80.0))}
+    logs = {f"{prefix}loss": loss}
+    if perplexity:
+        logs[f"{prefix}perplexity"] = math.exp(min(loss, 80.0))
     for key, value in totals.items():
         if key in REQUIRED_KEYS or key in STEP_KEYS:
             continue

@@ -76,6 +76,10 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
     A `ModelFactory` is never built unsharded; `trainer.model` is then its abstract model.
     """
 
+    # The loss is a mean negative log-likelihood per token, so exp(loss) is logged as
+    # perplexity; a subclass whose objective is another loss sets False (objective.py).
+    loss_is_token_nll: bool = True
+
     def __init__(
         self,
         arguments: TrainingArguments | None = None,
@@ -163,6 +167,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
             num_parameters=self.num_parameters,
             num_devices=self.mesh.size,
             compiler_options=compiler_options,
+            perplexity=self.loss_is_token_nll,
         )
 
     # ------------------------------------------------------------------ setup
@@ -425,6 +430,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
                     self.compute_loss_sums, self.sharding_plan.rules
                 ),
                 jit=self.monitor.jit,
+                perplexity=self.loss_is_token_nll,
             )
         host_batches = ((batch, None) for batch in self.eval_loader.batches())
         prefetched = self.global_batches(host_batches, micro_axis=False)

@@ -148,6 +148,10 @@ def test_a_task_run_is_evaluated_sampled_and_exported_with_its_own_trainer(
     # The same metrics as the run's own final evaluation of the same checkpoint.
     final_eval = [entry for entry in trained if "eval/loss" in entry][-1]
     assert float(printed["eval/loss"]) == pytest.approx(final_eval["eval/loss"], abs=1e-4)
+    # exp(loss) is a perplexity only for SFT's token NLL; not for DPO, reward or distillation.
+    token_nll = task == "sft"
+    assert ("eval/perplexity" in printed) == token_nll
+    assert all(("perplexity" in entry) == token_nll for entry in trained if "loss" in entry)
 
     if task == "reward":
         assert main(["sample", str(run_dir)]) == 2

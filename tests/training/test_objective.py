@@ -43,6 +43,8 @@ def test_the_logging_rule():
     assert logs["eval/margin"] == 0.5 and logs["eval/kl/t"] == 0.75
     assert logs["eval/perplexity"] == pytest.approx(math.exp(2.0))
     assert "accuracy" not in summarize_sums({"loss_sum": 1.0, "tokens": 1.0})
+    # A loss that is not a token NLL (a preference loss) has no perplexity.
+    assert "eval/perplexity" not in summarize_sums(totals, prefix="eval/", perplexity=False)
 
 
 class MinimalObjective(Trainer):
