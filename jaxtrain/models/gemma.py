@@ -134,7 +134,9 @@ class GemmaAttention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x: Array, cos: Array, sin: Array, segment_ids: Array | None) -> Array:
+    def project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """q [B, T, N, H] and k, v [B, T, K, H], q and k normed and rotated (also used by
+        the KV cache)."""
         b, t = x.shape[:2]
         g = self.g
         qkv = self.qkv_proj(x)  # [B, T, K, G + 2, H]
@@ -142,8 +144,11 @@ class GemmaAttention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin).reshape(b, t, -1, self.head_dim)
-        k = apply_rope(k, cos, sin)
-        mask = causal_mask(t, segment_ids=segment_ids, sliding_window=self.window)
+        return q, apply_rope(k, cos, sin), v
+
+    def __call__(self, x: Array, cos: Array, sin: Array, segment_ids: Array | None) -> Array:
+        q, k, v = self.project(x, cos, sin)
+        mask = causal_mask(x.shape[1], segment_ids=segment_ids, sliding_window=self.window)
         out = grouped_attention(q, k, v, mask, scale=self.scale, logit_cap=self.cap)
         return self.o_proj(out)
 
@@ -212,9 +217,13 @@ class GemmaModel(nnx.Module):
             config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype
         )
 
-    def __call__(self, input_ids, positions, segment_ids=None, *, remat_policy="none",
-                 implementation=None):  # fmt: skip
-        del implementation  # Gemma's attention is always the einsum path (soft-capping)
+    def embed(self, input_ids: Array) -> Array:
+        """Token embeddings scaled by sqrt(hidden_size), as Gemma's decoder starts."""
+        return self.embed_tokens(input_ids) * jnp.asarray(self.config.hidden_size**0.5, self.dtype)
+
+    def rope_tables(self, positions: Array) -> dict[bool, tuple[Array, Array]]:
+        """(cos, sin) for the sliding layers (key True) and the full ones (key False): Gemma 3
+        rotates its sliding layers with their own base."""
         c = self.config
         full = rope_cos_sin(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                             self.dtype)  # fmt: skip
@@ -222,13 +231,18 @@ class GemmaModel(nnx.Module):
         if c.rope_local_base_freq is not None:
             inv = rope_inv_freq(c.head_dim, c.rope_local_base_freq, None)
             local = rope_cos_sin(positions, inv, self.dtype)
-        scale = jnp.asarray(c.hidden_size**0.5, self.dtype)
-        x = constrain(self.embed_tokens(input_ids) * scale, ACT_BTD)
+        return {True: local, False: full}
+
+    def __call__(self, input_ids, positions, segment_ids=None, *, remat_policy="none",
+                 implementation=None):  # fmt: skip
+        del implementation  # Gemma's attention is always the einsum path (soft-capping)
+        tables = self.rope_tables(positions)
+        x = constrain(self.embed(input_ids), ACT_BTD)
         run = _run_layer
         if remat_policy != "none":
             run = nnx.remat(_run_layer, policy=checkpoint_policy(remat_policy))
         for layer in self.layers:
-            cos, sin = local if layer.sliding else full
+            cos, sin = tables[layer.sliding]
             x = constrain(run(layer, x, cos, sin, segment_ids), ACT_BTD)
         return self.norm(x)
 

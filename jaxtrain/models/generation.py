@@ -1,6 +1,6 @@
 """Autoregressive generation for NNX causal LMs: a KV cache for the Llama family (and its
-mixture-of-experts models), and a cache-free fallback for any model called as
-``model(input_ids) -> logits``.
+mixture-of-experts models), Gemma 2 / 3 and GPT-2, and a cache-free fallback for any model
+called as ``model(input_ids) -> logits``.
 
 With the cache (``kv_cache.supports_kv_cache``): one prefill of the (left-padded) prompts,
 then one decode step per new token inside a ``lax.while_loop``, all in one jitted program
@@ -176,8 +176,9 @@ def generate(
       probability reaches ``top_p``. ``seed`` fixes the draws.
     - eos_token_id (int or list): generation stops once every row produced one; the eos
       token is kept, what would follow it is dropped. None never stops early.
-    - use_cache: decode with a KV cache when the model supports it (the Llama family and its MoE);
-      other models, or False, rerun the whole prefix per token (same-length prompts only).
+    - use_cache: decode with a KV cache when the model supports it (the Llama family and its
+      MoE, Gemma 2 / 3, GPT-2: ``kv_cache.supports_kv_cache``); other models, or False, rerun
+      the whole prefix per token (same-length prompts only).
     """
     prompt, pad, single = _prompts(prompt_ids)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -211,8 +212,8 @@ def generate(
     else:
         if pad.any():
             raise ValueError(
-                "prompts of different lengths need a KV-cache model (the Llama family and its MoE); "
-                "pad them to one length or generate per prompt."
+                "prompts of different lengths need a KV-cache model (the Llama family and its "
+                "MoE, Gemma, GPT-2); pad them to one length or generate per prompt."
             )
         buf = np.zeros((batch, plen + max_new_tokens), dtype=np.int32)
         buf[:, :plen] = prompt

@@ -121,15 +121,14 @@ class GPT2Attention(nnx.Module):
             **kw,
         )
 
-    def __call__(self, x: Array, segment_ids: Array | None, implementation: str | None) -> Array:
+    def project(self, x: Array) -> tuple[Array, Array, Array]:
+        """q, k, v [B, T, N, H] (also used by the KV cache)."""
         qkv = self.c_attn(x)  # [B, T, 3, N, H]
-        out = causal_attention(
-            qkv[:, :, 0],
-            qkv[:, :, 1],
-            qkv[:, :, 2],
-            segment_ids=segment_ids,
-            implementation=implementation,
-        )
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+    def __call__(self, x: Array, segment_ids: Array | None, implementation: str | None) -> Array:
+        q, k, v = self.project(x)
+        out = causal_attention(q, k, v, segment_ids=segment_ids, implementation=implementation)
         return self.c_proj(out)
 
 
@@ -180,6 +179,10 @@ class GPT2Model(nnx.Module):
             c.hidden_size, eps=c.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype
         )
 
+    def embed(self, input_ids: Array, positions: Array) -> Array:
+        """Token plus learned position embeddings [B, T, D]."""
+        return self.wte(input_ids) + jnp.take(self.wpe[...], positions, axis=0).astype(self.dtype)
+
 
 class GPT2LMHeadModel(nnx.Module):
     """GPT-2 LM. ``model(input_ids, positions=None, segment_ids=None, attention_mask=None)``
@@ -222,9 +225,7 @@ class GPT2LMHeadModel(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         m = self.transformer
-        wpe = m.wpe[...]
-        x = m.wte(input_ids) + jnp.take(wpe, positions, axis=0).astype(self.dtype)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = constrain(m.embed(input_ids, positions), ("batch", "length", "embed"))
         for block in m.h:
             x = constrain(block(x, segment_ids, self.attention_implementation),
                           ("batch", "length", "embed"))  # fmt: skip

@@ -1,83 +1,169 @@
-"""Cached decoding for the Llama family and its mixture-of-experts: the forward pass of new
-tokens against a KV cache.
+"""Cached decoding: the forward pass of new tokens against a KV cache, for the Llama family
+and its mixture-of-experts, Gemma 2 / 3 and GPT-2.
 
 The cache holds every layer's keys and values in fixed-size buffers [B, L, K, H] (L = prompt
 + new tokens), so the prefill and every decode step keep one shape and compile once. Prompts
 of different lengths are left-padded: row b's first ``pad[b]`` slots are never attended to
 and its positions start at 0 on its first real token, which is what the same prompt alone
 would see (HF's left padding works the same way).
+
+Each family's decoder is run layer by layer with the model's own modules (its attention's
+``project``, norms, MLPs and output head), so the cached path computes what the full forward
+computes; only where keys come from (the cache) and which ones are visible (``Slots.mask``)
+differ.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.models.layers import grouped_attention, rope_cos_sin, rope_inv_freq
+from jaxtrain.models.gemma import GemmaForCausalLM
+from jaxtrain.models.gpt2 import GPT2LMHeadModel
+from jaxtrain.models.layers import cache_attention, rope_cos_sin, rope_inv_freq
 from jaxtrain.models.llama import LlamaForCausalLM
 
-__all__ = ["Cache", "cached_forward", "empty_cache", "supports_kv_cache"]
+__all__ = ["Cache", "Slots", "cached_forward", "empty_cache", "supports_kv_cache"]
 
-Cache = list[tuple[jax.Array, jax.Array]]  # per layer: (keys, values) [B, L, K, H]
-
-
-def supports_kv_cache(model: Any) -> bool:
-    """True for models whose layers this module knows how to run step by step: the Llama
-    family and its mixture-of-experts (dropless routing: a capacity limit would drop other
-    tokens over one step than over the whole sequence)."""
-    from jaxtrain.models.moe import MoeForCausalLM
-
-    if type(model) is MoeForCausalLM:
-        return model.config.capacity_factor is None
-    return type(model) is LlamaForCausalLM
+Array = jax.Array
+Cache = list[tuple[Array, Array]]  # per layer: (keys, values) [B, L, K, H]
 
 
-def empty_cache(model: LlamaForCausalLM, batch: int, length: int) -> Cache:
-    c = model.config
-    shape = (batch, length, c.num_key_value_heads, c.head_dim)
-    zeros = jnp.zeros(shape, model.dtype)
-    return [(zeros, zeros) for _ in range(c.num_hidden_layers)]
+@dataclass(frozen=True)
+class Slots:
+    """Where T new tokens sit in a cache of L slots: their positions and what they see."""
+
+    start: Array  # scalar int32: cache slot of the first new token
+    positions: Array  # [B, T]: each row's real tokens numbered from 0
+    visible: Array  # [B, T, L]: key slot j is visible to query i (not padding, not future)
+    distance: Array  # [T, L]: query slot - key slot
+
+    @classmethod
+    def of(cls, t: int, start: Array, pad: Array, length: int) -> Slots:
+        q_slot = start + jnp.arange(t, dtype=jnp.int32)
+        k_slot = jnp.arange(length, dtype=jnp.int32)
+        positions = jnp.maximum(q_slot[None, :] - pad[:, None], 0)
+        visible = (k_slot[None, None, :] >= pad[:, None, None]) & (
+            k_slot[None, None, :] <= q_slot[None, :, None]
+        )
+        return cls(start, positions, visible, q_slot[:, None] - k_slot[None, :])
+
+    def mask(self, window: int | None = None) -> Array:
+        """[B, 1, T, L]; with a sliding `window`, only keys less than `window` slots back."""
+        visible = self.visible if window is None else self.visible & (self.distance < window)[None]
+        return visible[:, None]
+
+    def write(self, layer_cache: tuple[Array, Array], k: Array, v: Array) -> tuple[Array, Array]:
+        """The layer's cache with the new tokens' keys and values [B, T, K, H] written in."""
+        keys, values = layer_cache
+        update = jax.lax.dynamic_update_slice_in_dim
+        return (
+            update(keys, k.astype(keys.dtype), self.start, axis=1),
+            update(values, v.astype(values.dtype), self.start, axis=1),
+        )
 
 
-def cached_forward(
-    model: LlamaForCausalLM,
-    ids: jax.Array,  # [B, T]: the tokens of slots start .. start + T - 1
-    start: jax.Array,  # scalar int32: cache slot of ids[:, 0]
-    pad: jax.Array,  # [B] int32: left-padding slots of each row
-    cache: Cache,
-) -> tuple[jax.Array, Cache]:
-    """Logits [B, V] of the last of ``ids`` and the cache with their keys/values written."""
-    c = model.config
-    lm = model.model
-    t = ids.shape[1]
-    length = cache[0][0].shape[1]
-    q_slot = start + jnp.arange(t, dtype=jnp.int32)
-    k_slot = jnp.arange(length, dtype=jnp.int32)
-    positions = jnp.maximum(q_slot[None, :] - pad[:, None], 0)  # [B, T]
-    # Key j is visible to query i: not padding, not in the future, inside the window.
-    visible = (k_slot[None, None, :] >= pad[:, None, None]) & (
-        k_slot[None, None, :] <= q_slot[None, :, None]
-    )
-    if c.sliding_window is not None:
-        visible &= (q_slot[:, None] - k_slot[None, :] < c.sliding_window)[None]
-    mask = visible[:, None]  # [B, 1, T, L]
+# (model, ids, slots, cache) -> (logits [B, V] of the last token, new cache)
+Decoder = Callable[[Any, Array, Slots, Cache], tuple[Array, Cache]]
 
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
-                            lm.dtype)  # fmt: skip
+
+def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache):
+    c, lm = model.config, model.model
+    inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    cos, sin = rope_cos_sin(slots.positions, inv_freq, lm.dtype)
+    mask = slots.mask(c.sliding_window)
     x = lm.embed_tokens(ids)
     new_cache: Cache = []
-    for layer, (keys, values) in zip(lm.layers, cache):
+    for layer, layer_cache in zip(lm.layers, cache):
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), start, axis=1)
-        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=1)
-        out = grouped_attention(q, keys, values, mask)
-        x = x + attn.o_proj(out)
+        keys, values = slots.write(layer_cache, k, v)
+        x = x + attn.o_proj(cache_attention(q, keys, values, mask))
         y = layer.mlp(layer.post_attention_layernorm(x))
         x = x + (y[0] if isinstance(y, tuple) else y)  # a sparse MoE block adds router stats
         new_cache.append((keys, values))
     h = lm.norm(x[:, -1:])  # only the last position needs logits
     logits = lm.embed_tokens.attend(h) if model.lm_head is None else model.lm_head(h)
     return logits[:, -1], new_cache
+
+
+def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache):
+    lm = model.model
+    tables = lm.rope_tables(slots.positions)
+    x = lm.embed(ids)
+    new_cache: Cache = []
+    for layer, layer_cache in zip(lm.layers, cache):
+        attn = layer.self_attn
+        cos, sin = tables[layer.sliding]
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+        keys, values = slots.write(layer_cache, k, v)
+        mask = slots.mask(attn.window)
+        out = cache_attention(q, keys, values, mask, scale=attn.scale, logit_cap=attn.cap)
+        x = x + layer.post_attention_layernorm(attn.o_proj(out))
+        h = layer.mlp(layer.pre_feedforward_layernorm(x))
+        x = x + layer.post_feedforward_layernorm(h)
+        new_cache.append((keys, values))
+    return model.output_projection()(lm.norm(x[:, -1:]))[:, -1], new_cache
+
+
+def _gpt2(model: GPT2LMHeadModel, ids: Array, slots: Slots, cache: Cache):
+    m = model.transformer
+    mask = slots.mask()
+    x = m.embed(ids, slots.positions)
+    new_cache: Cache = []
+    for block, layer_cache in zip(m.h, cache):
+        q, k, v = block.attn.project(block.ln_1(x))
+        keys, values = slots.write(layer_cache, k, v)
+        x = x + block.attn.c_proj(cache_attention(q, keys, values, mask))
+        x = x + block.mlp(block.ln_2(x))
+        new_cache.append((keys, values))
+    return m.wte.attend(m.ln_f(x[:, -1:]))[:, -1], new_cache
+
+
+def _decoder(model: Any) -> Decoder | None:
+    from jaxtrain.models.moe import MoeForCausalLM
+
+    if type(model) is MoeForCausalLM:
+        # Dropless routing only: a capacity limit would drop other tokens over one step than
+        # over the whole sequence.
+        return _llama if model.config.capacity_factor is None else None
+    decoders: dict[type, Decoder] = {
+        LlamaForCausalLM: _llama,
+        GemmaForCausalLM: _gemma,
+        GPT2LMHeadModel: _gpt2,
+    }
+    return decoders.get(type(model))
+
+
+def supports_kv_cache(model: Any) -> bool:
+    """True for the models this module can run token by token: the Llama family (Llama,
+    Mistral, Qwen 2 / 3), its dropless mixture-of-experts, Gemma 2 / 3 and GPT-2."""
+    return _decoder(model) is not None
+
+
+def empty_cache(model: Any, batch: int, length: int) -> Cache:
+    c = model.config
+    if isinstance(model, GPT2LMHeadModel) and length > c.max_position_embeddings:
+        raise ValueError(  # learned positions: there is no embedding past the table
+            f"prompt + max_new_tokens = {length} exceeds max_position_embeddings "
+            f"({c.max_position_embeddings}) of this GPT-2; generate fewer tokens or shorten "
+            "the prompt."
+        )
+    zeros = jnp.zeros((batch, length, c.num_key_value_heads, c.head_dim), model.dtype)
+    return [(zeros, zeros) for _ in range(c.num_hidden_layers)]
+
+
+def cached_forward(
+    model: Any,
+    ids: Array,  # [B, T]: the tokens of slots start .. start + T - 1
+    start: Array,  # scalar int32: cache slot of ids[:, 0]
+    pad: Array,  # [B] int32: left-padding slots of each row
+    cache: Cache,
+) -> tuple[Array, Cache]:
+    """Logits [B, V] of the last of ``ids`` and the cache with their keys/values written."""
+    slots = Slots.of(ids.shape[1], start, pad, cache[0][0].shape[1])
+    return _decoder(model)(model, ids, slots, cache)

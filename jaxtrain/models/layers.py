@@ -342,6 +342,36 @@ def grouped_attention(
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
+def cache_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array,
+    *,
+    scale: float | None = None,
+    logit_cap: float | None = None,
+) -> Array:
+    """``grouped_attention`` for a few queries against a KV cache: q [B,T,N,H], k/v [B,L,K,H].
+
+    Each group of N // K query heads reads its kv head in place. Repeating the cache to N
+    heads, as ``grouped_attention`` does for a training batch, would copy the whole cache in
+    every decoding step. Without soft-capping this is jax's own XLA attention, which ran the
+    demo model's decoding fastest (bench/RESULTS.md, 2026-11-25).
+    """
+    if logit_cap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5 if scale is None else scale)
+    if logit_cap is not None:
+        scores = logit_cap * jnp.tanh(scores / logit_cap)
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # [B,1,1,T,L]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, h)
+
+
 class Attention(nnx.Module):
     """GQA self-attention with one fused q/k/v kernel (embed, kv_heads, q_per_kv + 2, head_dim).
 
@@ -385,8 +415,10 @@ class Attention(nnx.Module):
         proj = self.qkv_proj
         # Slice the fused KERNEL, not its [B, T, K, G + 2, H] output: three matmuls whose
         # outputs are used whole, so the backward pass adds weight-sized slices instead of
-        # padding and concatenating activation-sized gradients.
-        if getattr(proj, "lora", None) is not None:  # the adapter adds to the fused output
+        # padding and concatenating activation-sized gradients. A LoRA adapter adds to the
+        # fused output, and a decoding step (one token per row, no backward pass) is cheaper
+        # as one matmul than three.
+        if getattr(proj, "lora", None) is not None or t == 1:
             qkv = proj(x)  # [B, T, K, G + 2, H]
             q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         else:
@@ -451,7 +483,7 @@ class MLP(nnx.Module):
     def __call__(self, x: Array) -> Array:
         # Like q/k/v: slice the fused (embed, 2, mlp) kernel, not the [B, T, 2, F] output.
         proj = self.gate_up_proj
-        if getattr(proj, "lora", None) is not None:  # the adapter adds to the fused output
+        if getattr(proj, "lora", None) is not None or x.shape[1] == 1:
             gate_up = proj(x)  # [B, T, 2, F]
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         else:

@@ -44,6 +44,24 @@ CASES = {
     "qwen3_qk_norm": lambda: transformers.Qwen3Config(**BASE, head_dim=8),
 }
 
+GEMMA = dict(BASE, num_hidden_layers=3, head_dim=8, sliding_window=5, query_pre_attn_scalar=16)
+GEMMA_CASES = {
+    # Soft-capped attention and logits, alternating sliding/full layers, tied embeddings.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0
+    ),
+    # q/k norm, a separate rope base for the sliding layers, an untied head.
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **GEMMA,
+        tie_word_embeddings=False,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),  # fmt: skip
+}
+
 
 def hf_model(config: transformers.PretrainedConfig, seed: int = 0):
     """An eval-mode transformers model whose norms and biases are random too (HF initialises
@@ -53,6 +71,20 @@ def hf_model(config: transformers.PretrainedConfig, seed: int = 0):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+def hf_gpt2(seed: int = 0) -> transformers.GPT2LMHeadModel:
+    """A tiny eval-mode GPT-2 with random norms and biases (64 positions)."""
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2
+    )
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # random norms and biases: a mapping error on them must show
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or ".ln_" in name:
                 param.add_(0.3 * torch.randn_like(param))
     return model.eval()
 

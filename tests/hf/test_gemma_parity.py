@@ -11,28 +11,11 @@ import numpy as np
 import pytest
 import transformers
 from flax import nnx
-from hf_fixtures import BASE, forward, hf_logits, hf_model, random_ids
+from hf_fixtures import GEMMA_CASES as CASES
+from hf_fixtures import forward, hf_logits, hf_model, random_ids
 
 from jaxtrain.hf import AutoModelForCausalLM, HFError, save_pretrained
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
-
-GEMMA = dict(BASE, num_hidden_layers=3, head_dim=8, sliding_window=5, query_pre_attn_scalar=16)
-CASES = {
-    # Soft-capped attention and logits, alternating sliding/full layers, tied embeddings.
-    "gemma2": lambda: transformers.Gemma2Config(
-        **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0
-    ),
-    # q/k norm, a separate rope base for the sliding layers, an untied head.
-    "gemma3_text": lambda: transformers.Gemma3TextConfig(
-        **GEMMA,
-        tie_word_embeddings=False,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-    ),  # fmt: skip
-}
 
 
 def relative_error(ours, reference) -> float:

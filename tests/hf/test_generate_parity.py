@@ -1,12 +1,14 @@
-"""KV-cache generation gives transformers' own greedy tokens on the HF parity models."""
+"""KV-cache generation gives transformers' own greedy tokens on the HF parity models: the
+Llama family, Gemma 2 / 3 and GPT-2."""
 
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import CASES, random_ids, save_hf
+from hf_fixtures import CASES, GEMMA_CASES, hf_gpt2, hf_model, random_ids, save_hf
 
 from jaxtrain.hf import AutoModelForCausalLM
 from jaxtrain.models import generate
+from jaxtrain.models.kv_cache import supports_kv_cache
 
 NEW = 10
 
@@ -40,4 +42,28 @@ def test_left_padded_batch_equals_transformers(tmp_path):
     mask[0, :4] = 0  # row 0 is a 5-token prompt, left-padded
     want = hf_greedy(reference, np.where(mask == 1, ids, 0), mask)
     got = generate(model, [ids[0, 4:].tolist(), ids[1].tolist()], max_new_tokens=NEW)
+    np.testing.assert_array_equal(got, want)
+
+
+def other_family(name: str, directory):
+    """(transformers model, jaxtrain model) of a Gemma case or GPT-2, saved and reloaded."""
+    reference = hf_gpt2() if name == "gpt2" else hf_model(GEMMA_CASES[name]())
+    reference.save_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert supports_kv_cache(model)  # the cached path is the one under test
+    return reference, model
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt2"])
+def test_gemma_and_gpt2_greedy_tokens_equal_transformers(name, tmp_path):
+    """Prompt 9 + 10 new tokens pass Gemma's sliding window of 5; a left-padded row too."""
+    reference, model = other_family(name, tmp_path)
+    prompts = random_ids((2, 9), seed=4)
+    np.testing.assert_array_equal(
+        generate(model, prompts, max_new_tokens=NEW), hf_greedy(reference, prompts)
+    )
+    mask = np.ones_like(prompts)
+    mask[0, :4] = 0  # row 0 is a 5-token prompt, left-padded
+    want = hf_greedy(reference, np.where(mask == 1, prompts, 0), mask)
+    got = generate(model, [prompts[0, 4:].tolist(), prompts[1].tolist()], max_new_tokens=NEW)
     np.testing.assert_array_equal(got, want)

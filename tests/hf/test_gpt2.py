@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
-from hf_fixtures import forward, hf_logits, random_ids
+from hf_fixtures import forward, hf_gpt2, hf_logits, random_ids
 
 from jaxtrain.hf import AutoModelForCausalLM, HFError, from_pretrained, save_pretrained
 from jaxtrain.models import GPT2LMHeadModel, LlamaForCausalLM
@@ -19,16 +18,7 @@ def relative_error(ours, reference) -> float:
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
-    config = transformers.GPT2Config(
-        vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():  # random norms and biases: a mapping error on them must show
-        for name, param in model.named_parameters():
-            if name.endswith(".bias") or ".ln_" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    model.eval()
+    model = hf_gpt2()
     path = tmp_path_factory.mktemp("gpt2")
     model.save_pretrained(path)
     return path, model

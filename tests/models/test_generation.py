@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 
@@ -174,3 +175,57 @@ def test_top_p_keeps_the_nucleus(model):
     assert len(draws) > 1
     with pytest.raises(ValueError, match="top_p"):
         generate(model, p, max_new_tokens=2, top_p=0.0)
+
+
+GEMMA = dict(
+    vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+    query_pre_attn_scalar=16, initializer_range=0.3, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: GemmaForCausalLM(
+            GemmaConfig(**GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+            rngs=nnx.Rngs(7),
+        ),
+        lambda: GemmaForCausalLM(
+            GemmaConfig(
+                **GEMMA,
+                model_type="gemma3_text",
+                qk_norm=True,
+                rope_local_base_freq=1e4,
+            ),
+            rngs=nnx.Rngs(7),
+        ),  # fmt: skip
+        lambda: GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=53,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=24,
+                initializer_range=0.3,
+            ),
+            rngs=nnx.Rngs(7),
+        ),  # fmt: skip
+    ],
+    ids=["gemma2", "gemma3_text", "gpt2"],
+)
+def test_gemma_and_gpt2_decode_with_the_cache_like_the_cache_free_path(build):
+    """12 new tokens after 7 pass the sliding window of 4; eos stops a row the same way."""
+    model = build()
+    assert supports_kv_cache(model)
+    rows = np.stack([prompt(7, seed=12), prompt(7, seed=13)])
+    cached = generate(model, rows, max_new_tokens=12)
+    plain = generate(model, rows, max_new_tokens=12, use_cache=False)
+    assert cached.shape == (2, 12) and cached.tolist() == plain.tolist()
+    assert len(set(cached.ravel().tolist())) > 2
+    eos = int(plain[0, 5])
+    stopped = generate(model, rows[0], max_new_tokens=12, eos_token_id=eos)
+    assert stopped.tolist() == plain[0, : plain[0].tolist().index(eos) + 1].tolist()
+    if isinstance(model, GPT2LMHeadModel):  # learned positions end at 24
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            generate(model, rows, max_new_tokens=20)
