@@ -53,9 +53,11 @@ def check_compatible(
     model_config: dict[str, Any] | None,
     optimizer: str,
     reset_optimizer: bool,
+    loading: bool = False,
 ) -> None:
     """Raise CheckpointError when the checkpoint at `path` was written for another model or
-    optimizer than this run's; the message lists what differs and the ways forward."""
+    optimizer than this run's; the message lists what differs and the ways forward (those
+    of a resume, or with `loading` those of `Trainer.load_checkpoint`: eval, sample, export)."""
     problems = []
     if metadata.get("model_class") not in (None, model_class):
         problems.append(f"model class: checkpoint {metadata['model_class']}, now {model_class}")
@@ -67,6 +69,13 @@ def check_compatible(
     if problems:
         listed = "; ".join(problems[:_MAX_LISTED])
         more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+        if loading:
+            raise CheckpointError(
+                f"Cannot load {path}: it was written for a different model ({listed}{more}). "
+                "Build the Trainer with the model of the run that wrote it (its class and "
+                "config are in the checkpoint's meta/metadata; `jaxtrain eval|sample|export "
+                "RUN_DIR` rebuild it from the run's config.yaml)."
+            )
         raise CheckpointError(
             f"Cannot resume from {path}: it was written for a different model ({listed}{more}). "
             "Use the model configuration of that run, or start a new run: pass "
@@ -74,6 +83,11 @@ def check_compatible(
             "to discard the old checkpoints."
         )
     saved_optimizer = (metadata.get("arguments") or {}).get("optimizer")
+    if saved_optimizer not in (None, optimizer) and loading:
+        raise CheckpointError(
+            f"Cannot load {path}: its optimizer state is {saved_optimizer!r} but this Trainer "
+            f"uses {optimizer!r}. Set optimizer={saved_optimizer!r} to load it."
+        )
     if saved_optimizer not in (None, optimizer) and not reset_optimizer:
         raise CheckpointError(
             f"Cannot resume from {path}: its optimizer state is {saved_optimizer!r} but this run "

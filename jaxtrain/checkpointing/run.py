@@ -185,8 +185,7 @@ def load_checked(
     optimizer: str,
 ) -> TrainState:
     """The TrainState at `path` (a step, checkpoints or run directory) restored onto
-    `abstract`, after checking it was written for this model and optimizer (the same
-    messages as a resume)."""
+    `abstract`, after checking it was written for this model and optimizer."""
     step_dir = ckpt.find_checkpoint(path)
     metadata = read_verified(step_dir)
     compat.check_compatible(
@@ -196,6 +195,7 @@ def load_checked(
         model_config=model_config,
         optimizer=optimizer,
         reset_optimizer=False,
+        loading=True,
     )
     return ckpt.restore_state(step_dir, abstract)
 

@@ -64,3 +64,11 @@ def test_load_checkpoint_of_another_model_says_what_differs(saved_run, tmp_path)
     with pytest.raises(CheckpointError, match=r"model\.hidden_size: checkpoint 32, now 48") as err:
         trainer.load_checkpoint(saved_run)
     assert "partial_restore" not in str(err.value)
+    # Loading is not resuming: the way forward is the writer's model, not resume flags.
+    assert str(err.value).startswith("Cannot load ") and "resume_if_possible" not in str(err.value)
+
+
+def test_load_checkpoint_with_another_optimizer_names_the_one_to_set(saved_run, tmp_path):
+    trainer = tiny_trainer(str(tmp_path / "other"), optimizer="lion")
+    with pytest.raises(CheckpointError, match="Set optimizer='adamw' to load it"):
+        trainer.load_checkpoint(saved_run)
