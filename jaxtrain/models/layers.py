@@ -200,15 +200,21 @@ def rope_cos_sin(positions: Array, inv_freq: np.ndarray, dtype: DType) -> tuple[
     Angles are formed in float32 (bf16 positions would lose precision past 256), then
     cast. The half-split layout matches HF's rotate_half convention. numpy positions
     (known when tracing, e.g. the default 0..T-1) give constant tables: XLA would otherwise
-    recompute cos and sin inside every fusion that reads them.
+    recompute cos and sin inside every fusion that reads them. Traced positions (packed
+    documents) take cos and sin of the head_dim // 2 distinct angles and repeat the results,
+    not the angles: that made a packed S1 train step 1.05x the unpacked one, now 1.01x
+    (bench/RESULTS.md, 2026-11-25).
     """
     if isinstance(positions, np.ndarray):
         angles = positions.astype(np.float32)[..., None] * inv_freq
         angles = np.concatenate([angles, angles], axis=-1)
         return jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return (
+        jnp.concatenate([cos, cos], axis=-1).astype(dtype),
+        jnp.concatenate([sin, sin], axis=-1).astype(dtype),
+    )
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:

@@ -79,3 +79,20 @@ def test_unknown_implementation_names_the_field():
     q, k, v = qkv(4)
     with pytest.raises(ValueError, match="attention_implementation='flash'"):
         causal_attention(q, k, v, implementation="flash")
+
+
+def test_rotary_tables_of_traced_positions_equal_the_constant_ones():
+    """Packed rows pass positions as arrays (traced); the default 0..T-1 are numpy
+    constants. Both give the same tables, laid out as HF's rotate_half expects."""
+    from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
+
+    inv_freq = rope_inv_freq(16, 10000.0)
+    positions = np.array([[0, 1, 2, 0, 1, 5, 6, 7]], np.int32)
+    want_cos, want_sin = rope_cos_sin(positions, inv_freq, jnp.float32)
+    traced = jax.jit(lambda p: rope_cos_sin(p, inv_freq, jnp.float32))
+    got_cos, got_sin = traced(jnp.asarray(positions))
+    np.testing.assert_allclose(got_cos, want_cos, atol=1e-6)
+    np.testing.assert_allclose(got_sin, want_sin, atol=1e-6)
+    assert got_cos.shape == (1, 8, 16)
+    np.testing.assert_array_equal(got_cos[..., :8], got_cos[..., 8:])  # halves repeat
+    np.testing.assert_allclose(got_sin[0, 5, :8], np.sin(5 * inv_freq), atol=1e-6)
