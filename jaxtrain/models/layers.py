@@ -337,15 +337,27 @@ def grouped_attention(
     (cap * tanh(s / cap), Gemma 2).
     """
     k, v = repeat_kv(k, v, q.shape[2])
-    head_dim = q.shape[3]
     scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    probs = attention_probs(scores, q.shape[3], mask, scale=scale, logit_cap=logit_cap)
+    return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
+
+
+def attention_probs(
+    scores: Array,
+    head_dim: int,
+    mask: Array | None,
+    *,
+    scale: float | None = None,
+    logit_cap: float | None = None,
+) -> Array:
+    """float32 softmax over the last axis of raw q.k `scores`, scaled (default 1 / sqrt(H)),
+    soft-capped and masked (`mask` True = visible, broadcast to the scores)."""
     scores = scores * (head_dim**-0.5 if scale is None else scale)
     if logit_cap is not None:
         scores = logit_cap * jnp.tanh(scores / logit_cap)
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+    return jax.nn.softmax(scores, axis=-1)
 
 
 def cache_attention(
@@ -370,12 +382,9 @@ def cache_attention(
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5 if scale is None else scale)
-    if logit_cap is not None:
-        scores = logit_cap * jnp.tanh(scores / logit_cap)
-    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # [B,1,1,T,L]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n, h)
+    # mask [B, 1, T, L] -> [B, 1, 1, T, L]: the same for every head of a group
+    probs = attention_probs(scores, h, mask[:, :, None], scale=scale, logit_cap=logit_cap)
+    return jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v).reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):

@@ -125,7 +125,12 @@ def test_bad_arguments_are_rejected(model, kwargs, field):
 @pytest.mark.parametrize("extra", [{}, {"sliding_window": 4, "qk_norm": True}])
 def test_kv_cache_greedy_equals_the_cache_free_path(extra):
     model = LlamaForCausalLM(LlamaConfig(**{**CFG.to_dict(), **extra}), rngs=nnx.Rngs(5))
-    rows = np.stack([prompt(7, seed=8), prompt(7, seed=9)])
+    assert_cache_matches_cache_free(model, np.stack([prompt(7, seed=8), prompt(7, seed=9)]))
+
+
+def assert_cache_matches_cache_free(model, rows: np.ndarray) -> None:
+    """12 greedy tokens per row with and without the KV cache are the same (and not a
+    degenerate repeat); an eos taken from that output stops a row right after it."""
     cached = generate(model, rows, max_new_tokens=12)
     plain = generate(model, rows, max_new_tokens=12, use_cache=False)
     assert cached.shape == (2, 12) and cached.tolist() == plain.tolist()
@@ -219,13 +224,7 @@ def test_gemma_and_gpt2_decode_with_the_cache_like_the_cache_free_path(build):
     model = build()
     assert supports_kv_cache(model)
     rows = np.stack([prompt(7, seed=12), prompt(7, seed=13)])
-    cached = generate(model, rows, max_new_tokens=12)
-    plain = generate(model, rows, max_new_tokens=12, use_cache=False)
-    assert cached.shape == (2, 12) and cached.tolist() == plain.tolist()
-    assert len(set(cached.ravel().tolist())) > 2
-    eos = int(plain[0, 5])
-    stopped = generate(model, rows[0], max_new_tokens=12, eos_token_id=eos)
-    assert stopped.tolist() == plain[0, : plain[0].tolist().index(eos) + 1].tolist()
+    assert_cache_matches_cache_free(model, rows)
     if isinstance(model, GPT2LMHeadModel):  # learned positions end at 24
         with pytest.raises(ValueError, match="max_position_embeddings"):
             generate(model, rows, max_new_tokens=20)
