@@ -8,6 +8,7 @@ padded) micro-batch more than a token of a long one; this never does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
 
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.training.objective import Objective, check_loss_sums
@@ -71,8 +73,11 @@ def chunked_causal_lm_sums(
     """``causal_lm_sums`` from hidden states [B, T, D], ``chunk_tokens`` positions at a time.
 
     ``project`` maps hidden states to logits (the model's output head). Each chunk's logits
-    live only inside a rematerialised scan step: the forward keeps the chunk sums, the
-    backward recomputes that chunk's logits, so no [B, T, V] array ever exists.
+    live only inside one scan step, so no [B, T, V] array ever exists. Under differentiation
+    the same step also forms the loss's gradient for the chunk's hidden states and for the
+    head's weights (Liger's fused linear cross-entropy does the same): the backward pass only
+    scales them, where recomputing every chunk's logits there made the step of a 2-layer
+    model with a 49k vocabulary 1.29x slower than whole-batch logits (bench/RESULTS.md).
     """
     d = hidden.shape[-1]
     h = hidden[:, :-1].reshape(-1, d)
@@ -84,19 +89,71 @@ def chunked_causal_lm_sums(
     h = jnp.pad(h, ((0, pad), (0, 0))).reshape(chunks, chunk_tokens, d)
     targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_INDEX)
     targets = targets.reshape(chunks, chunk_tokens)
+    # The head's weights become explicit arguments, so the gradient can be formed for them.
+    head, weights = jax.closure_convert(project, h[0])
+    return _fused_chunk_sums(head, h, targets, *weights)
 
-    @jax.checkpoint
-    def chunk_sums(h_c: jax.Array, t_c: jax.Array) -> dict[str, jax.Array]:
-        return causal_lm_sums(project(h_c)[:, None], t_c[:, None], shifted=True)
 
+def _chunk_sums(head: Callable, h_c, t_c, weights) -> tuple[dict[str, jax.Array], Callable]:
+    """One chunk's sums and the vjp of those sums in (h_c, *weights), through the logits."""
+
+    def sums_of(h_c, *weights):
+        logits = head(h_c, *weights).astype(jnp.float32)
+        return causal_lm_sums(logits[:, None], t_c[:, None], shifted=True)
+
+    return jax.vjp(sums_of, h_c, *weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_chunk_sums(head: Callable, h, targets, *weights) -> dict[str, jax.Array]:
     def body(carry, xs):
-        sums = chunk_sums(*xs)
+        sums, _ = _chunk_sums(head, *xs, weights)
         return jax.tree.map(jnp.add, carry, sums), None
 
-    zero = jnp.zeros((), jnp.float32)
-    init = {"loss_sum": zero, "correct": zero, "tokens": zero}
-    sums, _ = jax.lax.scan(body, init, (h, targets))
+    sums, _ = jax.lax.scan(body, _zero_sums(), (h, targets))
     return sums
+
+
+def _fused_chunk_sums_fwd(head: Callable, h, targets, *weights):
+    # With symbolic zeros each argument says whether it is differentiated: a frozen head
+    # (LoRA's base, a teacher) gets no gradient, so none is formed or accumulated for it.
+    trained = [w.perturbed for w in weights]
+    h, targets, weights = h.value, targets.value, [w.value for w in weights]
+
+    def body(carry, xs):
+        sums_acc, grads_acc = carry
+        sums, vjp = _chunk_sums(head, *xs, weights)
+        # d loss_sum only: tokens and correct are counts, not differentiable.
+        d_h, *d_weights = vjp({"loss_sum": 1.0, "correct": 0.0, "tokens": 0.0})
+        d_weights = [g for g, t in zip(d_weights, trained) if t]
+        grads_acc = [a + g.astype(jnp.float32) for a, g in zip(grads_acc, d_weights)]
+        return (jax.tree.map(jnp.add, sums_acc, sums), grads_acc), d_h
+
+    zero_grads = [jnp.zeros_like(w, jnp.float32) for w, t in zip(weights, trained) if t]
+    (sums, d_weights), d_h = jax.lax.scan(body, (_zero_sums(), zero_grads), (h, targets))
+    grads = iter(d_weights)
+    d_weights = [next(grads).astype(w.dtype) if t else None for w, t in zip(weights, trained)]
+    return sums, (d_h, d_weights)
+
+
+def _fused_chunk_sums_bwd(head: Callable, residuals, cotangent):
+    d_h, d_weights = residuals
+    scale = cotangent["loss_sum"]  # the sums are linear in it; counts carry no gradient
+    if isinstance(scale, SymbolicZero):
+        return (None, None, *(None for _ in d_weights))
+    return (
+        d_h * scale.astype(d_h.dtype),
+        None,
+        *(None if g is None else g * scale.astype(g.dtype) for g in d_weights),
+    )
+
+
+_fused_chunk_sums.defvjp(_fused_chunk_sums_fwd, _fused_chunk_sums_bwd, symbolic_zeros=True)
+
+
+def _zero_sums() -> dict[str, jax.Array]:
+    zero = jnp.zeros((), jnp.float32)
+    return {"loss_sum": zero, "correct": zero, "tokens": zero}
 
 
 def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):

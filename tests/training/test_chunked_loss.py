@@ -121,3 +121,28 @@ def test_chunked_sequence_logps_equal_the_full_logits(setup):
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: total(p, chunked)[0]))(params).jaxpr
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     assert largest_logits(jaxpr, vocab, hidden) == B * 5 * vocab
+
+
+def test_fused_chunks_give_the_gradient_of_whatever_is_differentiated():
+    """The chunked loss forms its gradients in the forward pass: for the hidden states
+    alone (a frozen head, as with LoRA), for the head too, and under an outer scale."""
+    rng = np.random.default_rng(1)
+    d, vocab = 8, 64
+    h = jnp.asarray(rng.normal(size=(2, 9, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d, vocab)), jnp.float32)
+    labels = rng.integers(0, vocab, (2, 9)).astype(np.int32)
+    labels[1, 3] = IGNORE_INDEX
+
+    def chunked(h, w):  # 4 chunks of 4 positions, the last padded
+        sums = chunked_causal_lm_sums(h, lambda x: x @ w, jnp.asarray(labels), chunk_tokens=4)
+        return 0.5 * sums["loss_sum"] + sums["tokens"]  # counts carry no gradient
+
+    def full(h, w):
+        sums = causal_lm_sums(h @ w, jnp.asarray(labels))
+        return 0.5 * sums["loss_sum"] + sums["tokens"]
+
+    for argnums in (0, (0, 1)):
+        got = jax.jit(jax.value_and_grad(chunked, argnums=argnums))(h, w)
+        want = jax.value_and_grad(full, argnums=argnums)(h, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
