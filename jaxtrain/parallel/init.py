@@ -69,33 +69,58 @@ class ModelFactory:
         return like_dtypes(params, like), rest
 
     def state_initializer(
-        self, make_state: Callable[[Any], Any], shardings: Any, *, like: Any = None
+        self,
+        make_state: Callable[[Any], Any],
+        shardings: Any,
+        *,
+        like: Any = None,
+        compiler_options: dict[str, Any] | None = None,
     ) -> Callable[[], Any]:
         """jit(lambda: make_state(fresh params), out_shardings=shardings): each device builds
-        only its shards of the parameters and of whatever `make_state` derives from them."""
-        return jax.jit(lambda: make_state(self.split(like)[0]), out_shardings=shardings)
+        only its shards of the parameters and of whatever `make_state` derives from them.
+        `compiler_options`: XLA's, for this compile (the Trainer passes the run's)."""
+        return jax.jit(
+            lambda: make_state(self.split(like)[0]),
+            out_shardings=shardings,
+            compiler_options=compiler_options or None,
+        )
 
-    def init_state(
+    def state_and_rest_initializer(
         self,
         make_state: Callable[[Any], Any],
         shardings: Any,
         plan: ShardingPlan,
         rest: Any,
+        *,
         like: Any = None,
-    ) -> tuple[Any, Any]:
-        """(train state, non-parameter variables), both created sharded.
+        compiler_options: dict[str, Any] | None = None,
+    ) -> Callable[[], tuple[Any, Any]]:
+        """jit of () -> (train state, non-parameter variables), both created sharded, in one
+        program. `rest` is the abstract non-Param state of the model (empty for the Llama
+        family); `like` the abstract params whose dtypes the new params take (param_dtype)."""
 
-        `rest` is the abstract non-Param state of the model (empty for the Llama family);
-        `like` the abstract params whose dtypes the new params take (param_dtype)."""
-        if jax.tree.leaves(rest):
-            rest_shardings = plan.param_shardings(rest)
-            rest = jax.jit(lambda: self.split()[1], out_shardings=rest_shardings)()
-        return self.state_initializer(make_state, shardings, like=like)(), rest
+        def init() -> tuple[Any, Any]:
+            params, rest = self.split(like)
+            return make_state(params), rest
 
-    def create(self, plan: ShardingPlan, *, param_dtype: Any = None) -> nnx.Module:
+        out_shardings = (shardings, plan.param_shardings(rest))
+        return jax.jit(init, out_shardings=out_shardings, compiler_options=compiler_options or None)
+
+    def create(
+        self,
+        plan: ShardingPlan,
+        *,
+        param_dtype: Any = None,
+        compiler_options: dict[str, Any] | None = None,
+    ) -> nnx.Module:
         """A concrete model whose variables are created sharded by `plan`'s rules."""
         graphdef, params, rest = nnx.split(self.abstract(), nnx.Param, ...)
         like = cast_floating(params, param_dtype)  # param_dtype decided once, abstractly
         shardings = (plan.param_shardings(params), plan.param_shardings(rest))
-        params, rest = jax.jit(lambda: self.split(like), out_shardings=shardings)()
+        init = jax.jit(
+            lambda: self.split(like),
+            out_shardings=shardings,
+            compiler_options=compiler_options or None,
+        )
+        params, rest = init()
         return nnx.merge(graphdef, params, rest)

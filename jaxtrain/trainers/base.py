@@ -13,6 +13,7 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.logps import pair_mask
+from jaxtrain.training.compiler import resolve_compiler_options
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.trainer import Trainer
 
@@ -24,7 +25,9 @@ def concrete_model(model: Any, args: TrainingArguments, devices: Any = None) -> 
     if isinstance(model, ModelFactory):
         initialize_distributed(args)
         plan = ShardingPlan.from_arguments(args, devices)
-        return model.create(plan, param_dtype=args.param_dtype)
+        platform = plan.mesh.devices.flat[0].platform
+        options = resolve_compiler_options(args.xla_compiler_options, platform)
+        return model.create(plan, param_dtype=args.param_dtype, compiler_options=options)
     if model is None:
         raise ArgumentError("the task trainer needs a model: Trainer(arguments=..., model=...).")
     return model

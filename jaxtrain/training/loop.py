@@ -115,19 +115,24 @@ class TrainingLoop:
     def _start(self, plan: StartPlan, batches: Iterator) -> tuple[RunStart, Iterator]:
         """The run's first state, built (or restored) while XLA compiles its train step for
         the first batch in a second thread: the step is traced from the state's shapes and
-        shardings, so neither waits for the other. Returns the state and the batches, the
-        first one included."""
+        shardings, so neither waits for the other. A fresh state's own compile runs beside
+        the step's trace. Returns the state and the batches, the first one included."""
         trainer = self.trainer
         if plan.step >= self.total_steps:  # a finished run: nothing to compile
             start = trainer.start_state(plan)
             self._announce(start)
             return start, batches
         first = next(batches)
-        # Traced here, under the caller's JAX settings (they are per thread).
-        compile_step = trainer.lower_train_step(trainer.abstract_state(), first[1], self.progress)
-        with ThreadPoolExecutor(1, thread_name_prefix="jaxtrain-compile") as pool:
-            compiling = pool.submit(compile_step)  # XLA's part: it releases the GIL
-            start = trainer.start_state(plan)  # on a failure, the compile is waited for
+        # Everything is traced here, under the caller's JAX settings (they are per thread);
+        # only XLA's compiles (which release the GIL) run in the pool.
+        fresh = trainer.stage_state_build(copy=False) if plan.resumed_from is None else None
+        with ThreadPoolExecutor(2, thread_name_prefix="jaxtrain-compile") as pool:
+            building = pool.submit(fresh.compile) if fresh is not None else None
+            step = trainer.lower_train_step(trainer.abstract_state(), first[1], self.progress)
+            compiling = pool.submit(step)
+            if building is not None:
+                building.result()
+            start = trainer.start_state(plan, fresh=fresh)  # on a failure, compiles are waited for
             self._announce(start)  # usually before the compile's own line
             self.train_step = compiling.result()
         return start, itertools.chain([first], batches)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,27 +34,55 @@ def count_parameters(params: Any) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def build_state(
+class StagedBuild:
+    """A jitted build (no arguments are traced later) in three stages, so that its compile
+    can overlap other work: created = traced and lowered now, in the caller's thread (JAX's
+    settings contexts are per thread); `compile()` is XLA's part, safe in another thread (it
+    releases the GIL); `run()` executes it, compiling first if `compile()` was not called,
+    and returns `then(outputs)`. Call `run()` only once `compile()` has returned."""
+
+    def __init__(
+        self, jitted: Any, *args: Any, then: Callable[[Any], Any] = lambda outputs: outputs
+    ):
+        self._lowered = jitted.lower(*args)
+        self._args, self._then = args, then
+        self._compiled: Any = None
+
+    def compile(self) -> None:
+        if self._compiled is None:
+            self._compiled = self._lowered.compile()
+
+    def run(self) -> Any:
+        self.compile()
+        outputs, self._args = self._compiled(*self._args), ()  # donated arrays are not kept
+        return self._then(outputs)
+
+
+def stage_state_build(
     new_state: Callable[[Any], TrainState],
     params: Any,
     shardings: TrainState,
     *,
     take: bool,
     keep: Any = None,
-) -> TrainState:
-    """`new_state(params)` on `shardings`, with params already placed there.
+    compiler_options: dict[str, Any] | None = None,
+) -> StagedBuild:
+    """`new_state(params)` on `shardings`, with params already placed there, staged.
 
     `take=False`: the state gets its own copies (jit would forward unchanged inputs).
     `take=True`: the state is built around `params` themselves: they are donated, so XLA
     aliases them instead of copying, and the arrays passed in are deleted. The few that
     `keep` also holds (a DPO reference cloned from the model) are copied first.
+    `compiler_options`: XLA's, for this compile (the Trainer passes the run's).
     """
+    jit = functools.partial(
+        jax.jit, out_shardings=shardings, compiler_options=compiler_options or None
+    )
     if not take:
-        copied = lambda p: new_state(jax.tree.map(jnp.copy, p))  # noqa: E731
-        return jax.jit(copied, out_shardings=shardings)(params)
+        return StagedBuild(jit(lambda p: new_state(jax.tree.map(jnp.copy, p))), params)
     kept = set().union(*map(_buffers, jax.tree.leaves(keep)))
     params = jax.tree.map(lambda x: jnp.copy(x) if _buffers(x) & kept else x, params)
-    return jax.jit(new_state, out_shardings=shardings, donate_argnums=0)(params)
+    return StagedBuild(jit(new_state, donate_argnums=0), params)
 
 
 def abstract_arrays(tree: Any, shardings: Any = None) -> Any:

@@ -42,11 +42,12 @@ from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.state import (
+    StagedBuild,
     TrainState,
     abstract_arrays,
-    build_state,
     count_parameters,
     param_logical_axes,
+    stage_state_build,
 )
 from jaxtrain.training.step import (
     causal_lm_loss_sums,
@@ -287,24 +288,42 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         parameters exists; the model object gets the newest parameters back when `train()`
         returns or fails.
         """
-        shardings = self.state_shardings
+        return self.stage_state_build(copy=copy).run()
+
+    def stage_state_build(self, *, copy: bool = True) -> StagedBuild:
+        """`create_state` traced now; its compile (`compile()`, any thread) and its `run()`
+        come later. `train()` compiles it beside the train step's trace."""
+        shardings, options = self.state_shardings, self.monitor.compiler_options
         if self._factory is not None:  # sharded from birth: one jit, no full copy anywhere
-            state, self.rest = self._factory.init_state(
+            init = self._factory.state_and_rest_initializer(
                 self._new_state,
                 shardings,
                 self.sharding_plan,
                 self.rest,
                 like=self._initial_params,  # already in param_dtype (_configure_model)
+                compiler_options=options,
             )
-            self._placed_rest = None
-            return state
+
+            def keep_rest(outputs: tuple[TrainState, Any]) -> TrainState:
+                state, self.rest = outputs
+                self._placed_rest = None
+                return state
+
+            return StagedBuild(init, then=keep_rest)
         # The model object's current parameters: its initial ones, or those a train() gave
         # back after taking them.
         params = cast_floating(nnx.split(self.model, nnx.Param, ...)[1], self.arguments.param_dtype)
         params = jax.device_put(params, shardings.params)  # no copy when already placed
         if not copy:  # these arrays are donated: later reads need only their shapes
             self._initial_params = abstract_arrays(self._initial_params)
-        return build_state(self._new_state, params, shardings, take=not copy, keep=self.rest)
+        return stage_state_build(
+            self._new_state,
+            params,
+            shardings,
+            take=not copy,
+            keep=self.rest,
+            compiler_options=options,
+        )
 
     def frozen_state(self) -> Any:
         """The model's non-Param state (frozen weights, buffers) placed on the mesh by the

@@ -15,7 +15,7 @@ import jax
 
 from jaxtrain.checkpointing import RunStart, StartPlan, load_checked
 from jaxtrain.parallel.distributed import gather_json
-from jaxtrain.training.state import TrainState
+from jaxtrain.training.state import StagedBuild, TrainState
 
 
 class TrainerCheckpoints:
@@ -71,12 +71,15 @@ class TrainerCheckpoints:
             check_data_state=loader.check_data_state if loader is not None else None,
         )
 
-    def start_state(self, plan: StartPlan | None = None) -> RunStart:
+    def start_state(
+        self, plan: StartPlan | None = None, *, fresh: StagedBuild | None = None
+    ) -> RunStart:
         """`plan` (default: `plan_start()`) with its state: a fresh state built around the
-        model's arrays, or the checkpoint restored onto this Trainer's shardings."""
+        model's arrays (by `fresh`, a `stage_state_build(copy=False)`, when given), or the
+        checkpoint restored onto this Trainer's shardings."""
         return self.checkpoints.load(
             plan if plan is not None else self.plan_start(),
-            fresh_state=lambda: self.create_state(copy=False),
+            fresh_state=lambda: (fresh or self.stage_state_build(copy=False)).run(),
             abstract_state=self.abstract_state,
             init_optimizer=self.optimizer.init,
         )
