@@ -70,19 +70,24 @@ def _starting_from(trainer_class: type, state: Any) -> type:
     """`trainer_class` whose fresh start is `state` (a resume still wins over it)."""
 
     class StartFromState(trainer_class):
-        def create_state(self, *, copy: bool = True):
+        def stage_state(self, *, copy: bool = True):
             import jax
+
+            from jaxtrain.training.state import ReadyBuild
 
             del copy  # the given state is placed, never the model's parameters
 
-            try:
-                return jax.device_put(state, self.state_shardings)
-            except ValueError as err:
-                raise ArgumentError(
-                    "the given state does not fit this run's model and optimizer "
-                    f"({err}); pass a state created with the same model, optimizer and "
-                    "TrainingArguments, or pass model= instead."
-                ) from err
+            def place():
+                try:
+                    return jax.device_put(state, self.state_shardings)
+                except ValueError as err:
+                    raise ArgumentError(
+                        "the given state does not fit this run's model and optimizer "
+                        f"({err}); pass a state created with the same model, optimizer and "
+                        "TrainingArguments, or pass model= instead."
+                    ) from err
+
+            return ReadyBuild(place)
 
         def plan_start(self):
             import jax

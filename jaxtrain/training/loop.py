@@ -125,7 +125,7 @@ class TrainingLoop:
         first = next(batches)
         # Everything is traced here, under the caller's JAX settings (they are per thread);
         # only XLA's compiles (which release the GIL) run in the pool.
-        fresh = trainer.stage_state_build(copy=False) if plan.resumed_from is None else None
+        fresh = trainer.stage_state(copy=False) if plan.resumed_from is None else None
         with ThreadPoolExecutor(2, thread_name_prefix="jaxtrain-compile") as pool:
             building = pool.submit(fresh.compile) if fresh is not None else None
             step = trainer.lower_train_step(trainer.abstract_state(), first[1], self.progress)

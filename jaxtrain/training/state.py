@@ -58,6 +58,20 @@ class StagedBuild:
         return self._then(outputs)
 
 
+class ReadyBuild:
+    """A build with nothing to compile, with StagedBuild's interface: `run()` is `make()`
+    (a state placed from given arrays, for instance)."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self._make = make
+
+    def compile(self) -> None:
+        pass
+
+    def run(self) -> Any:
+        return self._make()
+
+
 def stage_state_build(
     new_state: Callable[[Any], TrainState],
     params: Any,

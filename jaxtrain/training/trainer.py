@@ -42,6 +42,7 @@ from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
 from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.state import (
+    ReadyBuild,
     StagedBuild,
     TrainState,
     abstract_arrays,
@@ -286,13 +287,14 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         (whose steps donate their input state). `train()` passes `copy=False` for its fresh
         start: the state is built around the model's own arrays, so no second copy of the
         parameters exists; the model object gets the newest parameters back when `train()`
-        returns or fails.
+        returns or fails. To start from something else, override `stage_state`.
         """
-        return self.stage_state_build(copy=copy).run()
+        return self.stage_state(copy=copy).run()
 
-    def stage_state_build(self, *, copy: bool = True) -> StagedBuild:
+    def stage_state(self, *, copy: bool = True) -> StagedBuild | ReadyBuild:
         """`create_state` traced now; its compile (`compile()`, any thread) and its `run()`
-        come later. `train()` compiles it beside the train step's trace."""
+        come later. `train()` compiles it beside the train step's trace. A subclass that
+        starts from other arrays returns a `ReadyBuild` (training/state.py)."""
         shardings, options = self.state_shardings, self.monitor.compiler_options
         if self._factory is not None:  # sharded from birth: one jit, no full copy anywhere
             init = self._factory.state_and_rest_initializer(

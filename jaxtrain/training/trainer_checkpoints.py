@@ -15,7 +15,7 @@ import jax
 
 from jaxtrain.checkpointing import RunStart, StartPlan, load_checked
 from jaxtrain.parallel.distributed import gather_json
-from jaxtrain.training.state import StagedBuild, TrainState
+from jaxtrain.training.state import ReadyBuild, StagedBuild, TrainState
 
 
 class TrainerCheckpoints:
@@ -72,14 +72,14 @@ class TrainerCheckpoints:
         )
 
     def start_state(
-        self, plan: StartPlan | None = None, *, fresh: StagedBuild | None = None
+        self, plan: StartPlan | None = None, *, fresh: StagedBuild | ReadyBuild | None = None
     ) -> RunStart:
         """`plan` (default: `plan_start()`) with its state: a fresh state built around the
-        model's arrays (by `fresh`, a `stage_state_build(copy=False)`, when given), or the
+        model's arrays (by `fresh`, a `stage_state(copy=False)`, when given), or the
         checkpoint restored onto this Trainer's shardings."""
         return self.checkpoints.load(
             plan if plan is not None else self.plan_start(),
-            fresh_state=lambda: (fresh or self.stage_state_build(copy=False)).run(),
+            fresh_state=lambda: (fresh or self.stage_state(copy=False)).run(),
             abstract_state=self.abstract_state,
             init_optimizer=self.optimizer.init,
         )
