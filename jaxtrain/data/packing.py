@@ -3,7 +3,7 @@
 A packed row carries, besides ``input_ids``/``labels``/``attention_mask``:
 
 - ``segment_ids``: 1, 2, ... per document, 0 on padding. The model's attention lets a token
-  see only earlier tokens with the same segment id (``layers.causal_attention``).
+  see only earlier tokens with the same segment id (``models.attention.causal_attention``).
 - ``positions``: 0, 1, ... restarting at every document, so rotary embeddings see each
   document exactly as if it sat alone at the start of a row.
 

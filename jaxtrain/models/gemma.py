@@ -8,7 +8,7 @@ the final logits too; per-layer attention kinds (``layer_types``: sliding-window
 Gemma 3 adds q/k RMSNorm and a separate rotary base for its sliding layers
 (``rope_local_base_freq``) and drops the soft-capping.
 
-Attention is ``layers.grouped_attention`` with Gemma's scale and logit soft-capping.
+Attention is ``attention.grouped_attention`` with Gemma's scale and logit soft-capping.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models.attention import causal_mask, grouped_attention
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.layers import (
     Embedding,
     Projection,
     apply_rope,
-    causal_mask,
-    grouped_attention,
     rope_cos_sin,
     rope_inv_freq,
 )

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import GELU_ACTS, LayerNorm, gelu
-from jaxtrain.models.layers import Embedding, Projection, causal_attention
+from jaxtrain.models.layers import Embedding, Projection
 from jaxtrain.models.masking import apply_padding_mask
 from jaxtrain.models.sharding import constrain
 

@@ -22,9 +22,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.models.attention import cache_attention
 from jaxtrain.models.gemma import GemmaForCausalLM
 from jaxtrain.models.gpt2 import GPT2LMHeadModel
-from jaxtrain.models.layers import cache_attention, rope_cos_sin, rope_inv_freq
+from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
 from jaxtrain.models.llama import LlamaForCausalLM
 
 __all__ = ["Cache", "Slots", "cached_forward", "empty_cache", "supports_kv_cache"]

@@ -141,7 +141,7 @@ class LlamaForCausalLM(nnx.Module):
 
     Attributes read at call time (plain Python values, part of the static graph):
     - ``remat_policy``: one of REMAT_POLICIES; rematerialises each decoder layer.
-    - ``attention_implementation``: None or "xla" (``layers.grouped_attention``: einsums,
+    - ``attention_implementation``: None or "xla" (``attention.grouped_attention``: einsums,
       softmax in float32) or "cudnn" (``jax.nn.dot_product_attention``'s fused GPU kernel).
     """
 

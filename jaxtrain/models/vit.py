@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models.attention import grouped_attention
 from jaxtrain.models.blocks import GELU_ACTS, LayerNorm, gelu
-from jaxtrain.models.layers import Projection, grouped_attention
+from jaxtrain.models.layers import Projection
 
 Array = jax.Array
 DType = Any

@@ -1,11 +1,11 @@
-"""layers.causal_attention's own XLA path against jax.nn.dot_product_attention."""
+"""attention.causal_attention's own XLA path against jax.nn.dot_product_attention."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.models.layers import causal_attention, grouped_attention
+from jaxtrain.models.attention import causal_attention, grouped_attention
 
 B, T, N, H = 2, 12, 4, 8
 

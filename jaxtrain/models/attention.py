@@ -1,0 +1,171 @@
+"""Attention maths for [B, T, N, H] queries and [B, S, K, H] keys and values (grouped-query:
+N % K == 0): causal attention for training (masks for packed documents and sliding windows,
+query blocks, the cuDNN kernel) and attention against a KV cache for decoding. The modules
+that project into and out of it are in layers.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def causal_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    segment_ids: Array | None = None,
+    sliding_window: int | None = None,
+    implementation: str | None = None,
+) -> Array:
+    """Causal (grouped-query) attention. q [B,T,N,H]; k, v [B,T,K,H] with N % K == 0.
+
+    - segment_ids [B, T]: a token attends only to earlier tokens of its own segment, so
+      packed documents stay independent.
+    - sliding_window w: token i attends to j only when i - j < w (HF Mistral semantics),
+      i.e. a left window of w - 1 in jax's inclusive ``local_window_size``.
+    ``implementation="cudnn"`` runs ``jax.nn.dot_product_attention``'s fused kernel; None
+    or "xla" run ``grouped_attention`` (the same maths as jax's XLA path, without its
+    per-group vmap: that made XLA transpose the [B, N, T, T] scores of every layer).
+    """
+    if implementation == "cudnn":
+        window = None if sliding_window is None else (sliding_window - 1, 0)
+        mask = None if segment_ids is None else same_segment_mask(segment_ids)
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, local_window_size=window, implementation="cudnn"
+        )
+    if implementation not in (None, "xla"):
+        raise ValueError(
+            f"attention_implementation={implementation!r}: choose None, 'xla' or 'cudnn'."
+        )
+    mask = causal_mask(q.shape[1], segment_ids=segment_ids, sliding_window=sliding_window)
+    return blocked_causal_attention(q, k, v, mask, sliding_window=sliding_window)
+
+
+# Sequences from this length on run causal attention as two query blocks. Measured on CPU
+# (bench/RESULTS.md, 2026-11-24): two blocks at seq 256 made the step 3.8% faster, four
+# blocks of 128 at seq 512 gained nothing (their slices and concatenation cost as much).
+MIN_BLOCKED_LENGTH = 256
+
+
+def blocked_causal_attention(
+    q: Array, k: Array, v: Array, mask: Array, *, sliding_window: int | None = None
+) -> Array:
+    """``grouped_attention`` for a causal ``mask``, one query block at a time.
+
+    A block of queries reads only the keys up to its own end (and not before its sliding
+    window): with two blocks 3/4 of the T x T scores are computed instead of all of them,
+    the same numbers as one full masked softmax.
+    """
+    t = q.shape[1]
+    if t < MIN_BLOCKED_LENGTH or t % 2:
+        return grouped_attention(q, k, v, mask)
+    block = t // 2
+    k, v = repeat_kv(k, v, q.shape[2])  # once here, not once per block
+    outputs = []
+    for start in range(0, t, block):
+        end = start + block
+        first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        first -= first % block  # whole blocks: the mask covers the rest
+        block_mask = mask[:, :, start:end, first:end]
+        outputs.append(
+            grouped_attention(q[:, start:end], k[:, first:end], v[:, first:end], block_mask)
+        )
+    return jnp.concatenate(outputs, axis=1)
+
+
+def causal_mask(
+    t: int, *, segment_ids: Array | None = None, sliding_window: int | None = None
+) -> Array:
+    """[1 or B, 1, T, T] bool: key j is visible to query i when j <= i (and i - j <
+    sliding_window, and both lie in one segment). Without segments it is a constant."""
+    offset = np.arange(t)[:, None] - np.arange(t)[None, :]  # query index - key index
+    visible = offset >= 0
+    if sliding_window is not None:
+        visible &= offset < sliding_window
+    mask = jnp.asarray(visible)[None, None]
+    return mask if segment_ids is None else mask & same_segment_mask(segment_ids)
+
+
+def same_segment_mask(segment_ids: Array) -> Array:
+    """[B, 1, T, T] bool: query i and key j belong to the same segment (packed document)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def repeat_kv(k: Array, v: Array, num_heads: int) -> tuple[Array, Array]:
+    """k, v [B, S, K, H] repeated to [B, S, num_heads, H]: head n reads kv head n // (N // K)."""
+    groups = num_heads // k.shape[2]
+    if groups == 1:
+        return k, v
+    return jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+
+
+def grouped_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array | None,
+    *,
+    scale: float | None = None,
+    logit_cap: float | None = None,
+) -> Array:
+    """softmax(scale * q k) v with scores and softmax in float32; q [B,T,N,H], k/v
+    [B,S,K,H]; mask broadcasts to [B, N, T, S] (True = visible; None: all visible).
+
+    Query head n reads kv head n // (N // K) (HF's GQA grouping): k and v are repeated to
+    N heads, which costs a q-sized copy and keeps every dot a plain 4-D batched matmul.
+    ``scale`` defaults to 1 / sqrt(H); ``logit_cap`` soft-caps the scaled scores
+    (cap * tanh(s / cap), Gemma 2).
+    """
+    k, v = repeat_kv(k, v, q.shape[2])
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    probs = attention_probs(scores, q.shape[3], mask, scale=scale, logit_cap=logit_cap)
+    return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
+
+
+def attention_probs(
+    scores: Array,
+    head_dim: int,
+    mask: Array | None,
+    *,
+    scale: float | None = None,
+    logit_cap: float | None = None,
+) -> Array:
+    """float32 softmax over the last axis of raw q.k `scores`, scaled (default 1 / sqrt(H)),
+    soft-capped and masked (`mask` True = visible, broadcast to the scores)."""
+    scores = scores * (head_dim**-0.5 if scale is None else scale)
+    if logit_cap is not None:
+        scores = logit_cap * jnp.tanh(scores / logit_cap)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def cache_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array,
+    *,
+    scale: float | None = None,
+    logit_cap: float | None = None,
+) -> Array:
+    """``grouped_attention`` for a few queries against a KV cache: q [B,T,N,H], k/v [B,L,K,H].
+
+    Each group of N // K query heads reads its kv head in place. Repeating the cache to N
+    heads, as ``grouped_attention`` does for a training batch, would copy the whole cache in
+    every decoding step. Without soft-capping this is jax's own XLA attention, which ran the
+    demo model's decoding fastest (bench/RESULTS.md, 2026-11-25).
+    """
+    if logit_cap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    # mask [B, 1, T, L] -> [B, 1, 1, T, L]: the same for every head of a group
+    probs = attention_probs(scores, h, mask[:, :, None], scale=scale, logit_cap=logit_cap)
+    return jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v).reshape(b, t, n, h)
