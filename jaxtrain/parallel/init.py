@@ -68,23 +68,6 @@ class ModelFactory:
         _, params, rest = nnx.split(self.build(), nnx.Param, ...)
         return like_dtypes(params, like), rest
 
-    def state_initializer(
-        self,
-        make_state: Callable[[Any], Any],
-        shardings: Any,
-        *,
-        like: Any = None,
-        compiler_options: dict[str, Any] | None = None,
-    ) -> Callable[[], Any]:
-        """jit(lambda: make_state(fresh params), out_shardings=shardings): each device builds
-        only its shards of the parameters and of whatever `make_state` derives from them.
-        `compiler_options`: XLA's, for this compile (the Trainer passes the run's)."""
-        return jax.jit(
-            lambda: make_state(self.split(like)[0]),
-            out_shardings=shardings,
-            compiler_options=compiler_options or None,
-        )
-
     def state_and_rest_initializer(
         self,
         make_state: Callable[[Any], Any],

@@ -13,7 +13,7 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.logps import pair_mask
-from jaxtrain.training.compiler import resolve_compiler_options
+from jaxtrain.training.compiler import run_compiler_options
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.trainer import Trainer
 
@@ -25,8 +25,7 @@ def concrete_model(model: Any, args: TrainingArguments, devices: Any = None) -> 
     if isinstance(model, ModelFactory):
         initialize_distributed(args)
         plan = ShardingPlan.from_arguments(args, devices)
-        platform = plan.mesh.devices.flat[0].platform
-        options = resolve_compiler_options(args.xla_compiler_options, platform)
+        options = run_compiler_options(args.xla_compiler_options, plan.mesh.devices.flat[0])
         return model.create(plan, param_dtype=args.param_dtype, compiler_options=options)
     if model is None:
         raise ArgumentError("the task trainer needs a model: Trainer(arguments=..., model=...).")

@@ -27,6 +27,15 @@ def resolve_compiler_options(setting: dict[str, Any] | None, platform: str) -> d
     return dict(setting)
 
 
+def run_compiler_options(setting: dict[str, Any] | None, device: jax.Device) -> dict[str, Any]:
+    """The options of every compile of a run on `device`'s platform; options the user set are
+    checked now (`check_compiler_options`), before anything is built."""
+    options = resolve_compiler_options(setting, device.platform)
+    if setting:
+        check_compiler_options(options, device)
+    return options
+
+
 def check_compiler_options(options: dict[str, Any], device: jax.Device) -> None:
     """An ArgumentError naming the options when XLA refuses them (an unknown name, a value of
     the wrong type), found by compiling a one-op program with them: milliseconds, before the

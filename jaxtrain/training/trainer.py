@@ -36,7 +36,7 @@ from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
-from jaxtrain.training.compiler import check_compiler_options, resolve_compiler_options
+from jaxtrain.training.compiler import run_compiler_options
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
@@ -159,10 +159,10 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         self.checkpoints = RunCheckpoints(args)
         # Trackers, throughput/MFU, compile tracking, weight stats, report
         # (jaxtrain.observability); the loop reports through it.
-        device = self.mesh.devices.flat[0]
-        compiler_options = resolve_compiler_options(args.xla_compiler_options, device.platform)
-        if args.xla_compiler_options:  # the user's: refused now, not at the first compile
-            check_compiler_options(compiler_options, device)
+        # The user's XLA options are refused now, not at the first compile.
+        compiler_options = run_compiler_options(
+            args.xla_compiler_options, self.mesh.devices.flat[0]
+        )
         self.monitor = RunMonitor(
             args,
             model_config=self.model_config,

@@ -91,9 +91,11 @@ def main(out_dir: str) -> None:
         if name == "fsdp8":
             results["dry_run"] = trainer.dry_run()
             # The jitted init: its outputs are sharded, its buffers never hold a full copy.
-            init = trainer._factory.state_initializer(trainer._new_state, trainer.state_shardings)
+            init = trainer._factory.state_and_rest_initializer(
+                trainer._new_state, trainer.state_shardings, trainer.sharding_plan, trainer.rest
+            )
             compiled = init.lower().compile()
-            outs = jax.tree.leaves(compiled.output_shardings)
+            outs = jax.tree.leaves(compiled.output_shardings[0])  # the state; no rest here
             expected = jax.tree.leaves(trainer.state_shardings)
             ndims = [x.ndim for x in jax.tree.leaves(trainer.abstract_state())]
             run["init_out_shardings_match"] = all(
