@@ -11,7 +11,7 @@ Each variant trains the same model shape on the same random tokens in its OWN pr
   model, its start-up path: the parameters and optimizer state come from one jitted init
   (the same values as the eager model's) instead of one eager random call per parameter;
 - trainer_xla_defaults (with --variants): the Trainer with xla_compiler_options={} (XLA's
-  own compile options instead of jaxtrain's CPU defaults, jaxtrain/training/compiler.py);
+  own compile options instead of jaxtrain's CPU defaults, jaxtrain/runtime/compiler.py);
 - bare: the same jaxtrain LlamaForCausalLM, nnx.split, one jax.jit(value_and_grad + optax
   adamw, state donated) fed numpy batches in a plain Python loop;
 - handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step.
@@ -295,7 +295,7 @@ RUNNERS = {
     "handwritten": run_handwritten,
     "trainer_hf": lambda shape, tokens, clock: run_trainer(shape, tokens, clock, hf=True),
     "trainer_factory": lambda shape, tokens, clock: run_trainer(shape, tokens, clock, factory=True),
-    # XLA's own compile options instead of jaxtrain's CPU defaults (training/compiler.py).
+    # XLA's own compile options instead of jaxtrain's CPU defaults (runtime/compiler.py).
     "trainer_xla_defaults": lambda shape, tokens, clock: run_trainer(
         shape, tokens, clock, compiler_options={}
     ),

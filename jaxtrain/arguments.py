@@ -163,7 +163,7 @@ class TrainingArguments:
     compilation_cache_dir: str | None = "auto"
     # XLA options of every step compile (names of XLA's DebugOptions): None = jaxtrain's
     # defaults (on CPU, xla_backend_optimization_level=1: faster compiles, same step time;
-    # jaxtrain/training/compiler.py); {} = XLA's own. CLI: '{xla_cpu_enable_fast_math: true}'.
+    # jaxtrain/runtime/compiler.py); {} = XLA's own. CLI: '{xla_cpu_enable_fast_math: true}'.
     xla_compiler_options: dict | None = None
     # Parallelism (README: "Multi-device and multi-host training"). Mesh sizes
     # (dp, fsdp, ep, tp, sp); one entry may be -1 (the remaining devices). CLI: 1,-1,1,1,1.

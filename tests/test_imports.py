@@ -160,3 +160,49 @@ def test_the_loop_uses_only_the_trainers_public_interface():
         if "trainer._" in line
     ]
     assert not users, "\n".join(users)
+
+
+# The run's environment has one owner (jaxtrain/runtime): nothing else forms the cluster,
+# turns on the compilation cache, builds a sharding plan from arguments or resolves the XLA
+# options, so a new way of building a run cannot forget one of them.
+RUNTIME_STEPS = {
+    "initialize_distributed",
+    "enable_compilation_cache",
+    "from_arguments",
+    "run_compiler_options",
+}
+
+
+def _called_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+    return names
+
+
+def test_only_the_runtime_builds_the_run_s_environment():
+    callers = {
+        name: sorted(RUNTIME_STEPS & _called_names(ast.parse(path.read_text())))
+        for name, path in MODULES.items()
+    }
+    outside = {
+        name: steps
+        for name, steps in callers.items()
+        if steps and name != "jaxtrain.runtime" and steps != ["from_arguments"]
+    }
+    assert not outside, outside
+    assert callers["jaxtrain.runtime"] == sorted(RUNTIME_STEPS)
+    # `X.from_arguments(...)` outside the runtime may only be Runtime.from_arguments.
+    plans = [
+        f"{name}: {ast.unparse(node)}"
+        for name, path in MODULES.items()
+        if name != "jaxtrain.runtime"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "from_arguments"
+        and ast.unparse(node.func.value) != "Runtime"
+    ]
+    assert not plans, plans

@@ -32,20 +32,18 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
 
     task = str(config.get("task") or "lm")
 
-    from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
+    from jaxtrain.parallel import ModelFactory
+    from jaxtrain.runtime import Runtime
 
-    initialize_distributed(args)  # before anything touches a device
-    import jax
-
-    if jax.process_index() == 0:
+    runtime = Runtime.from_arguments(args)  # before anything touches a device
+    if runtime.is_main_process:
         print(describe_sources(config, sources), flush=True)
     data = pretrained_data_section(model_section, data)
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
     if "pretrained" in model_section:
         # Each tensor goes straight from the file to its shards on the mesh.
-        plan = ShardingPlan.from_arguments(args)
         model = build_model(
-            model_section, tokenizer, seed=args.seed, sharding_for=plan.sharding_for
+            model_section, tokenizer, seed=args.seed, sharding_for=runtime.plan.sharding_for
         )
         section = run_model_section(model)
     else:
@@ -71,6 +69,7 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
         dataset_eval=evaluation,
         processing_class=tokenizer,
         callbacks=[SaveConfig(), *(callbacks or [])],
+        runtime=runtime,
         **task_kwargs,
     )
     if dry_run:

@@ -77,6 +77,13 @@ def build_data(data: dict[str, Any], seq_len: int):
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    local = Path(path).expanduser()
+    looks_local = local.is_absolute() or str(path).startswith((".", "~"))
+    if looks_local and not local.is_dir():  # a hub id may still sit in the local HF cache
+        raise ArgumentError(
+            f"data.tokenizer={path!r}: no such directory. Pass the local directory of a Hugging "
+            "Face tokenizer (tokenizer.json or tokenizer_config.json)."
+        )
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
@@ -115,6 +122,63 @@ def load_run(run_dir: str | Path) -> RunSections:
     return RunSections(args, model_section, data, sample, tokenizer, config)
 
 
+def frozen_base_weights(sections: RunSections) -> str | None:
+    """What of a run is not in its checkpoints but comes from its base model's weights: LoRA's
+    frozen base, DPO's reference (None: the checkpoint's parameters are the whole model)."""
+    args = sections.args
+    if getattr(args, "lora_rank", 0):
+        return "LoRA's frozen base weights"
+    if sections.task == "dpo" and not getattr(args, "reference_free", False):
+        return "DPO's reference model"
+    return None
+
+
+def rebuild_model(sections: RunSections, *, sharding_for: Any = None):
+    """The run's model as training built it, before any checkpoint is restored into it.
+
+    A run fine-tuned from a pretrained directory (`base_model` in its model section) is
+    rebuilt from those weights: a checkpoint holds only the trained parameters, and frozen
+    parts (LoRA's base, DPO's reference) must be the base's, never a fresh random init. A base
+    directory that is gone is an error when such parts need it.
+    """
+    from jaxtrain.cli.pretrained import run_model_section
+
+    section, args = sections.model, sections.args
+    base = section.get("base_model")
+    if base and _base_is_present(base):
+        model = build_model(
+            {"pretrained": base}, sections.tokenizer, seed=args.seed, sharding_for=sharding_for
+        )
+        differ = sorted(k for k, v in run_model_section(model).items() if section.get(k, v) != v)
+        if differ:
+            raise ArgumentError(
+                f"the base model {base} no longer matches the run's model section "
+                f"({', '.join(differ)} differ): it changed since training. Restore its "
+                "original files, or set model.base_model in the run's config.yaml to a copy."
+            )
+        return model
+    needs = frozen_base_weights(sections)
+    if base and needs:
+        raise ArgumentError(
+            f"this run was fine-tuned from {base}, and its {needs} come from that model's "
+            "weights, which its checkpoints do not hold; that directory is gone. Put the base "
+            "model back at that path, or set model.base_model in the run's config.yaml to "
+            "where it is now."
+        )
+    return build_model(section, sections.tokenizer, seed=args.seed)
+
+
+def _base_is_present(base: str) -> bool:
+    from jaxtrain.errors import HFError
+    from jaxtrain.hf.load import resolve_model_dir
+
+    try:
+        resolve_model_dir(base)  # a directory, or a hub id in the local HF cache
+    except HFError:
+        return False
+    return True
+
+
 @dataclass
 class RestoredRun:
     """A run directory rebuilt: its Trainer, a restored state and where it came from."""
@@ -138,15 +202,15 @@ def restore_run(
     """
     from jaxtrain.checkpointing import find_checkpoint
     from jaxtrain.cli.task import task_trainer
-    from jaxtrain.parallel import initialize_distributed
+    from jaxtrain.runtime import Runtime
 
     checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
     sections = load_run(run_dir)
     args = sections.args
-    initialize_distributed(args)  # before the model touches a device
+    runtime = Runtime.from_arguments(args)  # before the model touches a device
+    model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for)
     evaluation = build_data(sections.data, args.max_sequence_length)[1] if with_eval_data else None
     tokenizer = sections.tokenizer
-    model = build_model(sections.model, tokenizer, seed=args.seed)
     trainer_class, task_kwargs, _ = task_trainer(
         sections.task, sections.config, sections.data, tokenizer, args, build_model
     )
@@ -155,6 +219,7 @@ def restore_run(
         model=model,
         dataset_eval=evaluation,
         processing_class=tokenizer,
+        runtime=runtime,
         **task_kwargs,
     )
     state = trainer.load_checkpoint(checkpoint)

@@ -130,6 +130,7 @@ class TrainJob:
     def run(self, context: JobContext) -> Any:
         import jax
 
+        from jaxtrain.runtime import Runtime
         from jaxtrain.training.loop import TrainerOutput
         from jaxtrain.training.trainer import Trainer
 
@@ -139,8 +140,11 @@ class TrainJob:
         callbacks = list(self.callbacks)
         if jax.process_index() == 0:
             callbacks.append(_Forward(context))
+        arguments = self.arguments_for(context.attempt)
+        runtime = Runtime.from_arguments(arguments)  # the cluster the actors formed
         trainer = trainer_class(
-            arguments=self.arguments_for(context.attempt),
+            arguments=arguments,
+            runtime=runtime,
             model=self.source.model(),
             dataset_train=self.dataset_train,
             dataset_eval=self.dataset_eval,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 
@@ -91,17 +90,9 @@ class ProcessActor:
             os.environ["JAXTRAIN_COORDINATOR_ADDRESS"] = str(coordinator)
             os.environ["JAXTRAIN_NUM_PROCESSES"] = str(self.num_processes)
             os.environ["JAXTRAIN_PROCESS_ID"] = str(self.process_id)
-            from jaxtrain.parallel.distributed import initialize_distributed
+            from jaxtrain.runtime import join_cluster
 
-            initialize_distributed(
-                SimpleNamespace(
-                    distributed="on",
-                    coordinator_address=coordinator,
-                    num_processes=self.num_processes,
-                    process_id=self.process_id,
-                    distributed_timeout_s=timeout_s,
-                )
-            )
+            join_cluster(str(coordinator), self.num_processes, self.process_id, timeout_s)
         from ray import cloudpickle
 
         job: Job = cloudpickle.loads(payload)

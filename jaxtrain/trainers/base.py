@@ -10,23 +10,31 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
+from jaxtrain.parallel import ModelFactory
+from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.logps import pair_mask
-from jaxtrain.training.compiler import run_compiler_options
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.trainer import Trainer
 
-__all__ = ["PairTrainer", "TaskTrainer", "concrete_model"]
+__all__ = ["PairTrainer", "TaskTrainer", "concrete_model", "task_runtime"]
 
 
-def concrete_model(model: Any, args: TrainingArguments, devices: Any = None) -> nnx.Module:
+def task_runtime(args: TrainingArguments, kwargs: dict[str, Any]) -> Runtime:
+    """The runtime of a task trainer, resolved before its frozen models are made: the one in
+    `kwargs` (checked against `args`) or one built over `kwargs`' devices. `kwargs` (the
+    Trainer's keyword arguments) then carry it, and no `devices`, to the base Trainer."""
+    runtime = runtime_for(args, kwargs.get("runtime"), kwargs.pop("devices", None))
+    kwargs["runtime"] = runtime
+    return runtime
+
+
+def concrete_model(model: Any, args: TrainingArguments, runtime: Runtime) -> nnx.Module:
     """A ModelFactory is created sharded on the run's mesh (a frozen copy needs arrays)."""
     if isinstance(model, ModelFactory):
-        initialize_distributed(args)
-        plan = ShardingPlan.from_arguments(args, devices)
-        options = run_compiler_options(args.xla_compiler_options, plan.mesh.devices.flat[0])
-        return model.create(plan, param_dtype=args.param_dtype, compiler_options=options)
+        return model.create(
+            runtime.plan, param_dtype=args.param_dtype, compiler_options=runtime.compiler_options
+        )
     if model is None:
         raise ArgumentError("the task trainer needs a model: Trainer(arguments=..., model=...).")
     return model

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.trainers.base import TaskTrainer, concrete_model
+from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sft import SFTTrainer
 from jaxtrain.training.step import causal_lm_sums
@@ -80,8 +80,8 @@ class DistillationTrainer(TaskTrainer):
             )
         if teacher_model is None:
             raise ArgumentError("DistillationTrainer needs teacher_model=<a causal LM>.")
-        model = concrete_model(model, args, kwargs.get("devices"))
-        teacher = concrete_model(teacher_model, args, kwargs.get("devices"))
+        model = concrete_model(model, args, task_runtime(args, kwargs))
+        teacher = concrete_model(teacher_model, args, kwargs["runtime"])
         vocab = [getattr(getattr(m, "config", None), "vocab_size", None) for m in (model, teacher)]
         if None not in vocab and vocab[0] != vocab[1]:
             raise ArgumentError(

@@ -25,7 +25,13 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data.errors import DatasetError
-from jaxtrain.trainers.base import PairTrainer, add_columns, concrete_model, dataset_columns
+from jaxtrain.trainers.base import (
+    PairTrainer,
+    add_columns,
+    concrete_model,
+    dataset_columns,
+    task_runtime,
+)
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.logps import pair_mask, sequence_logps
@@ -126,12 +132,12 @@ class DPOTrainer(PairTrainer):
             raise ArgumentError(
                 "DPOTrainer needs DPOArguments (TrainingArguments plus beta, loss_type, ...)."
             )
-        model = concrete_model(model, args, kwargs.get("devices"))
+        model = concrete_model(model, args, task_runtime(args, kwargs))
         self.dpo_args = args
         reference = None
         if not args.reference_free:
             reference = (
-                concrete_model(reference_model, args, kwargs.get("devices"))
+                concrete_model(reference_model, args, kwargs["runtime"])
                 if (reference_model is not None)
                 else nnx.clone(model)
             )

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.models.lora import merge_lora
-from jaxtrain.trainers.base import PairTrainer, concrete_model
+from jaxtrain.trainers.base import PairTrainer, concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel, freeze
 from jaxtrain.trainers.logps import pair_mask
 from jaxtrain.training.state import TrainState
@@ -79,7 +79,7 @@ class RewardTrainer(PairTrainer):
         from jaxtrain.arguments import TrainingArguments
 
         args = arguments if arguments is not None else TrainingArguments()
-        model = concrete_model(model, args, kwargs.get("devices"))
+        model = concrete_model(model, args, task_runtime(args, kwargs))
         if not isinstance(model, RewardModel):
             model = RewardModel(model, seed=args.seed)
         super().__init__(arguments=args, model=TaskModel(model), **kwargs)

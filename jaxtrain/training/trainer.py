@@ -26,17 +26,16 @@ from flax import nnx
 
 from jaxtrain.argument_checks import check_warmup
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.cache import enable_compilation_cache
 from jaxtrain.checkpointing import RunCheckpoints
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.monitor import RunMonitor
-from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
+from jaxtrain.parallel import ModelFactory
 from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
-from jaxtrain.training.compiler import run_compiler_options
+from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
@@ -92,8 +91,10 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         processing_class: Any = None,
         callbacks: list[Any] | None = None,
         devices: list[jax.Device] | None = None,
+        runtime: Runtime | None = None,
     ):
-        """`devices`: the devices of the mesh (default all); sharding_axis_dims must fit them."""
+        """`runtime`: the run's environment (cluster, mesh and plan, XLA options), built from
+        `arguments` over `devices` (default all) when not given."""
         if model is None:
             raise ArgumentError("Trainer needs a model: Trainer(arguments=..., model=...).")
         self.arguments = args = arguments if arguments is not None else TrainingArguments()
@@ -101,12 +102,10 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         self.data_collator = data_collator
         self.callbacks = list(callbacks or [])
         self.should_stop = False
-        # Parallelism: the cluster, the mesh and the plan exist before any model array does;
-        # a ModelFactory is created already sharded (no host holds the whole model).
-        initialize_distributed(args)
-        enable_compilation_cache(args.compilation_cache_dir)  # before the steps compile
-        self.sharding_plan = ShardingPlan.from_arguments(args, devices)
-        self.mesh = self.sharding_plan.mesh
+        # The cluster, the mesh and the plan exist before any model array does; a
+        # ModelFactory is created already sharded (no host holds the whole model).
+        self.runtime = runtime_for(args, runtime, devices)
+        self.sharding_plan, self.mesh = self.runtime.plan, self.runtime.mesh
         self._state_shardings = self._state_shape_cache = None
         self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
         self._factory = model if isinstance(model, ModelFactory) else None
@@ -126,8 +125,8 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         self.dataset_eval = dataset_eval
         # Each process reads only its share of every batch: [A, M // process_count, T].
         data = dict(
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            process_index=self.runtime.process_index,
+            process_count=self.runtime.process_count,
             pad_token_id=self.pad_token_id,
         )
         data.update(
@@ -159,16 +158,12 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         self.checkpoints = RunCheckpoints(args)
         # Trackers, throughput/MFU, compile tracking, weight stats, report
         # (jaxtrain.observability); the loop reports through it.
-        # The user's XLA options are refused now, not at the first compile.
-        compiler_options = run_compiler_options(
-            args.xla_compiler_options, self.mesh.devices.flat[0]
-        )
         self.monitor = RunMonitor(
             args,
             model_config=self.model_config,
             num_parameters=self.num_parameters,
             num_devices=self.mesh.size,
-            compiler_options=compiler_options,
+            compiler_options=self.runtime.compiler_options,
             perplexity=self.loss_is_token_nll,
         )
 
@@ -295,7 +290,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         """`create_state` traced now; its compile (`compile()`, any thread) and its `run()`
         come later. `train()` compiles it beside the train step's trace. A subclass that
         starts from other arrays returns a `ReadyBuild` (training/state.py)."""
-        shardings, options = self.state_shardings, self.monitor.compiler_options
+        shardings, options = self.state_shardings, self.runtime.compiler_options
         if self._factory is not None:  # sharded from birth: one jit, no full copy anywhere
             init = self._factory.state_and_rest_initializer(
                 self._new_state,

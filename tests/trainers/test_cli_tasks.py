@@ -4,6 +4,7 @@ preference data exits 2 with the row and column named."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -165,3 +166,56 @@ def test_a_task_run_is_evaluated_sampled_and_exported_with_its_own_trainer(
     exported = json.loads((out / "config.json").read_text())
     kind = "ForSequenceClassification" if task == "reward" else "ForCausalLM"
     assert exported["architectures"][0].endswith(kind)
+
+
+@pytest.fixture(scope="module")
+def base_dir(files, tokenizer):
+    """A 'pretrained' model directory whose weights no seed of the run reproduces."""
+    from conftest import tiny_model
+
+    from jaxtrain.hf.save import save_pretrained
+
+    return save_pretrained(
+        tiny_model(seed=11, vocab_size=len(tokenizer)),
+        files["root"] / "base",
+        tokenizer=tokenizer,
+    )
+
+
+@pytest.mark.parametrize(
+    "task, rows, extra",
+    [("dpo", "pairs", {"beta": 0.2}), ("sft", "sft", {"lora_rank": 4})],
+    ids=["dpo_reference", "lora_base"],
+)
+def test_eval_of_a_fine_tuned_run_rebuilds_its_frozen_parts_from_the_base(
+    files, base_dir, task, rows, extra, capsys
+):
+    """DPO's reference and LoRA's base are not in a checkpoint: `jaxtrain eval` rebuilds them
+    from the run's pretrained base, so it reports the run's own final evaluation (a random
+    init of them gave another loss), and refuses when the base directory is gone."""
+    run_dir = files["root"] / f"run_{task}_from_base"
+    settings = {"save_final": True, "output_dir": str(run_dir), "evaluation_strategy": "steps"}
+    path = Path(config(files, task, rows, eval_rows=rows, **extra, **settings))
+    values = yaml.safe_load(path.read_text())
+    values["model"] = {"pretrained": str(base_dir)}
+    values["data"].pop("tokenizer")  # the base's own
+    path.write_text(yaml.safe_dump(values))
+    assert main(["train", str(path)]) == 0
+    trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    final_eval = [entry for entry in trained if "eval/loss" in entry][-1]
+    capsys.readouterr()
+
+    assert main(["eval", str(run_dir)]) == 0
+    printed = dict(
+        line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line
+    )
+    assert float(printed["eval/loss"]) == pytest.approx(final_eval["eval/loss"], abs=1e-4)
+
+    moved = base_dir.with_name(f"base_moved_{task}")
+    base_dir.rename(moved)
+    try:
+        assert main(["eval", str(run_dir)]) == 2
+        err = capsys.readouterr().err
+        assert "fine-tuned from" in err and str(base_dir) in err and "base_model" in err
+    finally:
+        moved.rename(base_dir)

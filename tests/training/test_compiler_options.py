@@ -1,13 +1,15 @@
 """TrainingArguments.xla_compiler_options reach every compile of the run; bad ones are refused
 when the Trainer is built."""
 
+import dataclasses
+
 import pytest
 from tiny_run import tiny_arguments, tiny_model, tiny_trainer
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory
-from jaxtrain.trainers.base import concrete_model
-from jaxtrain.training.compiler import CPU_DEFAULTS, resolve_compiler_options
+from jaxtrain.runtime.compiler import CPU_DEFAULTS, resolve_compiler_options
+from jaxtrain.trainers.distill import DistillationArguments, DistillationTrainer
 
 
 def test_none_means_the_platform_defaults_and_an_empty_dict_means_xla_s_own():
@@ -46,10 +48,23 @@ def test_an_option_xla_does_not_know_is_refused_when_the_trainer_is_built(tmp_pa
 
 
 def test_a_task_trainer_refuses_them_before_creating_a_model_factory_s_model(tmp_path):
-    # A DPO reference or a distillation teacher is created before the Trainer is built.
-    arguments = tiny_arguments(str(tmp_path), xla_compiler_options={"xla_no_such_option": 1})
+    # A distillation teacher (like a DPO reference) is created before the Trainer is built:
+    # the runtime, which checks the options, comes first.
+    created = []
+
+    def counted_model():
+        created.append(1)
+        return tiny_model()
+
+    values = tiny_arguments(str(tmp_path), xla_compiler_options={"xla_no_such_option": 1})
+    arguments = DistillationArguments(**dataclasses.asdict(values))
     with pytest.raises(ArgumentError, match="xla_compiler_options.*xla_no_such_option"):
-        concrete_model(ModelFactory(tiny_model), arguments)
+        DistillationTrainer(
+            arguments=arguments,
+            model=ModelFactory(counted_model),
+            teacher_model=ModelFactory(counted_model),
+        )
+    assert not created
 
 
 def test_the_cli_form_is_a_yaml_mapping():

@@ -1,0 +1,145 @@
+"""The run's environment, built once: cluster, compilation cache, mesh and plan, XLA options.
+
+A `Runtime` is made from the arguments and the devices in this order, because each step
+needs the one before it:
+
+1. the cluster (`jax.distributed.initialize`), before anything touches a JAX device;
+2. JAX's persistent compilation cache, before the first compile;
+3. the mesh and the sharding plan, over the cluster's devices;
+4. the XLA options of every compile, checked on the mesh's platform.
+
+Everything that builds a run takes the runtime it is given: the Trainer
+(`Trainer(..., runtime=None)` builds one), a task trainer's reference or teacher, the CLI
+commands, the Ray job and the dry run. This module is the only caller of the four steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxtrain.cache import enable_compilation_cache
+from jaxtrain.errors import ArgumentError
+from jaxtrain.parallel.distributed import ClusterSpec, initialize_distributed
+from jaxtrain.parallel.plan import ShardingPlan
+from jaxtrain.runtime.compiler import run_compiler_options
+
+__all__ = ["RUNTIME_FIELDS", "Runtime", "join_cluster", "runtime_for"]
+
+# The TrainingArguments fields a Runtime is built from; a run handed a runtime must agree
+# with it on each (the runtime's mesh, options and cluster are what the run uses).
+RUNTIME_FIELDS = (
+    "distributed",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "distributed_timeout_s",
+    "compilation_cache_dir",
+    "sharding_axis_dims",
+    "sharding_rules",
+    "sharding_regex_rules",
+    "xla_compiler_options",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Where and how a run computes: its mesh and sharding plan, the XLA options of its
+    compiles, the cluster it joined and the compilation cache in use."""
+
+    plan: ShardingPlan
+    compiler_options: dict[str, Any]
+    cluster: ClusterSpec | None = None
+    compilation_cache: Path | None = None
+    # The arguments' values of RUNTIME_FIELDS this runtime was built from.
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_arguments(cls, args: Any, devices: Sequence[jax.Device] | None = None) -> Runtime:
+        """The four steps of the module docstring, in order; `devices` default to all."""
+        cluster = _form_cluster(args)
+        cache = enable_compilation_cache(args.compilation_cache_dir)
+        plan = ShardingPlan.from_arguments(args, devices)
+        options = run_compiler_options(args.xla_compiler_options, plan.mesh.devices.flat[0])
+        settings = {name: getattr(args, name) for name in RUNTIME_FIELDS}
+        return cls(plan, options, cluster, cache, settings)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.plan.mesh
+
+    @property
+    def process_index(self) -> int:
+        return jax.process_index()
+
+    @property
+    def process_count(self) -> int:
+        return jax.process_count()
+
+    @property
+    def is_main_process(self) -> bool:
+        """Process 0: the one that prints, writes run files and talks to trackers."""
+        return self.process_index == 0
+
+    def check_arguments(self, args: Any, owner: str = "the Trainer") -> None:
+        """ArgumentError when `args` ask for another environment than this runtime's."""
+        differ = [
+            name
+            for name in RUNTIME_FIELDS
+            if name in self.settings and getattr(args, name, None) != self.settings[name]
+        ]
+        if differ:
+            detail = ", ".join(
+                f"{n}={getattr(args, n, None)!r} (runtime: {self.settings[n]!r})" for n in differ
+            )
+            raise ArgumentError(
+                f"{owner}'s arguments differ from the runtime it was given: {detail}. Build the "
+                "runtime from the same arguments (Runtime.from_arguments(args)), or pass no "
+                "runtime and let the trainer build one."
+            )
+
+
+def runtime_for(
+    args: Any,
+    runtime: Runtime | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    owner: str = "the Trainer",
+) -> Runtime:
+    """The runtime a trainer runs in: `runtime` when given (checked against `args`), else one
+    built from `args` over `devices`."""
+    if runtime is None:
+        return Runtime.from_arguments(args, devices)
+    if devices is not None:
+        raise ArgumentError(
+            f"{owner} got both devices= and runtime=: the runtime's mesh already fixes the "
+            "devices. Pass one of them."
+        )
+    runtime.check_arguments(args, owner)
+    return runtime
+
+
+def join_cluster(
+    coordinator_address: str, num_processes: int, process_id: int, timeout_s: float
+) -> ClusterSpec | None:
+    """Join a cluster whose shape is known before any arguments are (a Ray actor forms it
+    before it unpickles its job); the runtime built later finds it formed."""
+    return _form_cluster(
+        SimpleNamespace(
+            distributed="on",
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            distributed_timeout_s=timeout_s,
+        )
+    )
+
+
+def _form_cluster(settings: Any) -> ClusterSpec | None:
+    # The one call of jax.distributed.initialize's wrapper: idempotent, bounded in time.
+    return initialize_distributed(settings)
