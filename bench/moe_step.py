@@ -38,7 +38,7 @@ def worker(variant: str, steps: int) -> dict:
 
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
     from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
-    from jaxtrain.training.state import TrainState
+    from jaxtrain.state import TrainState
     from jaxtrain.training.step import make_train_step
 
     common = dict(vocab_size=4096, hidden_size=HIDDEN, num_hidden_layers=LAYERS,

@@ -68,7 +68,7 @@ def worker(variant: str, size: str, steps: int) -> dict:
 
     import jaxtrain.models.layers as layers
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-    from jaxtrain.training.state import TrainState
+    from jaxtrain.state import TrainState
     from jaxtrain.training.step import make_train_step
 
     if variant == "packed_two_masks":

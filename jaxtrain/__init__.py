@@ -25,7 +25,7 @@ _LAZY = {
     "TrainingArguments": "jaxtrain.arguments",
     "ModelFactory": "jaxtrain.parallel",
     "TrainerCallback": "jaxtrain.training.hooks",
-    "TrainState": "jaxtrain.training.state",
+    "TrainState": "jaxtrain.state",
     "Trainer": "jaxtrain.training.trainer",
     "TrainerOutput": "jaxtrain.training.trainer",
 }

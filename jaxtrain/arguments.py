@@ -19,13 +19,10 @@ from jaxtrain.argument_checks import (  # noqa: F401 - the constants' old import
     ON_NAN,
     PROGRESS_BARS,
     REPORT_TO,
-    TRUNCATION_MODES,
-    check_warmup,
     validate_arguments,
 )
 from jaxtrain.config_values import coerce_value, read_config_file  # noqa: F401 - old path
 from jaxtrain.errors import ArgumentError
-from jaxtrain.training.stopping import parse_duration
 
 
 @dataclasses.dataclass
@@ -186,21 +183,12 @@ class TrainingArguments:
             self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
         self.report_to = [str(t).lower() for t in (self.report_to or [])] or ["jsonl"]
         self.scheduler = self.scheduler.lower().replace("-", "_")
-        validate_arguments(self)
-        from jaxtrain.parallel.options import normalize_parallel_arguments
-
-        normalize_parallel_arguments(self)
+        validate_arguments(self)  # its own fields, then each subsystem's
 
     # ----- derived values -----
     @property
     def micro_batch_size(self) -> int:
         return self.total_batch_size // self.gradient_accumulation_steps
-
-    @property
-    def time_limit_seconds(self) -> float | None:
-        if self.training_time_limit is None:
-            return None
-        return parse_duration(self.training_time_limit)
 
     @property
     def resolved_eval_batch_size(self) -> int:

@@ -96,7 +96,7 @@ class DistributedError(JaxtrainError, RuntimeError):
 
 
 class ObjectiveError(JaxtrainError, TypeError):
-    """A loss function broke the objective contract (jaxtrain/training/objective.py): the
+    """A loss function broke the objective contract (jaxtrain/objective.py): the
     message names the missing or malformed key. Raised when the step is traced."""
 
     exit_code = EXIT_BAD_INPUT

@@ -168,17 +168,21 @@ def test_the_loop_uses_only_the_trainers_public_interface():
 RUNTIME_STEPS = {
     "initialize_distributed",
     "enable_compilation_cache",
-    "from_arguments",
+    "ShardingPlan.from_arguments",
     "run_compiler_options",
 }
 
 
 def _called_names(tree: ast.Module) -> set[str]:
+    """Names of the functions a module calls: `f(...)` -> f, `X.f(...)` -> f and X.f."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
-            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+            if isinstance(func, ast.Attribute):
+                names |= {func.attr, ast.unparse(func)}
+            elif isinstance(func, ast.Name):
+                names.add(func.id)
     return names
 
 
@@ -188,21 +192,76 @@ def test_only_the_runtime_builds_the_run_s_environment():
         for name, path in MODULES.items()
     }
     outside = {
-        name: steps
-        for name, steps in callers.items()
-        if steps and name != "jaxtrain.runtime" and steps != ["from_arguments"]
+        name: steps for name, steps in callers.items() if steps and name != "jaxtrain.runtime"
     }
     assert not outside, outside
     assert callers["jaxtrain.runtime"] == sorted(RUNTIME_STEPS)
-    # `X.from_arguments(...)` outside the runtime may only be Runtime.from_arguments.
-    plans = [
-        f"{name}: {ast.unparse(node)}"
-        for name, path in MODULES.items()
-        if name != "jaxtrain.runtime"
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "from_arguments"
-        and ast.unparse(node.func.value) != "Runtime"
+
+
+# The layers, lowest first: a module may import its own layer and those below. The
+# foundation (errors, the state type, the objective contract, ...) and the configuration
+# (arguments, their checks and value parsing) import no implementation.
+LAYERS = (
+    (
+        "jaxtrain.errors",
+        "jaxtrain.pytrees",
+        "jaxtrain.interrupts",
+        "jaxtrain.cache",
+        "jaxtrain.state",
+        "jaxtrain.objective",
+    ),
+    ("jaxtrain.arguments", "jaxtrain.argument_checks", "jaxtrain.config_values"),
+    ("jaxtrain.models",),
+    ("jaxtrain.parallel",),
+    ("jaxtrain.runtime",),
+    ("jaxtrain.data",),
+    ("jaxtrain.hf",),
+    ("jaxtrain.observability", "jaxtrain.checkpointing"),
+    ("jaxtrain.training",),
+    ("jaxtrain.trainers",),
+    ("jaxtrain.distributed",),
+    ("jaxtrain.cli", "jaxtrain"),  # the package's __init__ re-exports the public API
+)
+
+# The imports that go up, each with its reason (at most 3).
+UPWARD_IMPORTS = {
+    # Detecting a SLURM cluster reads srun's per-task variables with the parser that the
+    # sbatch writer uses, so both agree on the coordinator port derived from the job id.
+    ("jaxtrain.parallel.distributed", "jaxtrain.distributed.slurm"),
+}
+
+
+def layer_of(module: str) -> int:
+    matches = [
+        (len(prefix), index)
+        for index, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
     ]
-    assert not plans, plans
+    assert matches, f"{module} belongs to no layer: add it to LAYERS"
+    return max(matches)[1]
+
+
+def test_imports_go_down_the_layers():
+    upward = {
+        (name, target)
+        for name, targets in GRAPH.items()
+        for target in targets
+        if layer_of(target) > layer_of(name)
+    }
+    assert upward == UPWARD_IMPORTS, sorted(upward ^ UPWARD_IMPORTS)
+    assert len(UPWARD_IMPORTS) <= 3
+
+
+def test_the_configuration_imports_nothing_of_the_implementation():
+    configuration = set(LAYERS[1])
+    for name in configuration:
+        assert GRAPH[name] <= configuration | {"jaxtrain.errors"}, (name, GRAPH[name])
+    # Subsystems check the fields whose values they define; the configuration names them
+    # and each really has its check.
+    import importlib
+
+    from jaxtrain.argument_checks import SUBSYSTEM_CHECKS
+
+    for module in SUBSYSTEM_CHECKS:
+        assert layer_of(module) > 1 and callable(importlib.import_module(module).check_arguments)

@@ -15,7 +15,7 @@ import jax
 
 from jaxtrain.checkpointing.quiet import quiet_orbax
 from jaxtrain.errors import CheckpointError
-from jaxtrain.training.state import TrainState
+from jaxtrain.state import TrainState
 
 # orbax is imported where it is used: it is not needed before the first save.
 

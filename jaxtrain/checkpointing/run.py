@@ -33,7 +33,7 @@ from jaxtrain.checkpointing import files as ckpt
 from jaxtrain.checkpointing.checksums import verify_checksums, write_checksums
 from jaxtrain.checkpointing.files import CheckpointError
 from jaxtrain.checkpointing.quiet import quiet_orbax
-from jaxtrain.training.state import TrainState
+from jaxtrain.state import TrainState
 
 
 @dataclasses.dataclass

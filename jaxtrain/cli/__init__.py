@@ -11,6 +11,7 @@
   commands.py    train, eval, sample, report
   export.py      export (a run or checkpoint -> a Hugging Face directory)
   launch.py      launch (--ray / --slurm) and tune: runs past one machine
+  tune.py        Ray Tune over `jaxtrain train` trials (search spaces, best.yaml)
 
 Heavy imports (jax, transformers) happen inside the commands, so `jaxtrain --help` is fast.
 """

@@ -151,17 +151,19 @@ def train_help() -> str:
     from jaxtrain import argument_checks as checks
     from jaxtrain.arguments import TrainingArguments
     from jaxtrain.cli import run_config
-    from jaxtrain.models import LlamaConfig
+    from jaxtrain.data.collate import TRUNCATION_MODES
+    from jaxtrain.models import REMAT_POLICIES, LlamaConfig
+    from jaxtrain.training.optim import OPTIMIZERS, SCHEDULERS
 
     choices = {
-        "optimizer": checks.OPTIMIZERS,
-        "scheduler": checks.SCHEDULERS,
+        "optimizer": OPTIMIZERS,
+        "scheduler": SCHEDULERS,
         "dtype": checks.DTYPES,
         "param_dtype": checks.DTYPES,
-        "gradient_checkpointing": checks.REMAT_POLICIES,
+        "gradient_checkpointing": REMAT_POLICIES,
         "progress_bar": checks.PROGRESS_BARS,
         "evaluation_strategy": checks.EVALUATION_STRATEGIES,
-        "truncation_mode": checks.TRUNCATION_MODES,
+        "truncation_mode": TRUNCATION_MODES,
         "on_nan": checks.ON_NAN,
         "report_to": checks.REPORT_TO,
     }

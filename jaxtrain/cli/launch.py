@@ -141,7 +141,7 @@ def cmd_tune(tokens: list[str]) -> int:
         print(TUNE_USAGE, end="")
         return 0
     from jaxtrain.cli.run_config import parse_overrides, resolve_config
-    from jaxtrain.distributed.tune import parse_search, tune_runs
+    from jaxtrain.cli.tune import parse_search, tune_runs
 
     path, rest = (
         (tokens[0], tokens[1:]) if tokens and not tokens[0].startswith("--") else (None, tokens)

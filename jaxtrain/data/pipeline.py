@@ -1,4 +1,5 @@
-"""Build the train and eval loaders of a run from TrainingArguments (used by the Trainer).
+"""Build the train and eval loaders of a run from its DataSettings (used by the Trainer;
+TrainingArguments are accepted too and read through DataSettings.from_arguments).
 
 Every option is checked here, before anything is compiled. ``process_index`` and
 ``process_count`` select this host's share of the data (``jax.process_index()`` and
@@ -15,6 +16,7 @@ from jaxtrain.data.assemble import Collation, Collator
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.evaluation import EvalLoader
 from jaxtrain.data.featurize import Featurizer
+from jaxtrain.data.fields import DataSettings
 from jaxtrain.data.loader import BatchLoader, UnitLoader, check_processes, prepare_source
 from jaxtrain.data.scan import scan_tokens, warn_truncation
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source, is_hf_dataset
@@ -29,7 +31,7 @@ FeaturizerFactory = Callable[[str], "Featurizer | None"]
 
 
 def _featurizer(
-    args: Any,
+    settings: DataSettings,
     tokenizer: Any,
     name: str,
     factory: FeaturizerFactory | None = None,
@@ -42,28 +44,30 @@ def _featurizer(
     featurizer = Featurizer(
         name=name,
         tokenizer=tokenizer,
-        text_column=args.text_column,
-        messages_column=args.messages_column,
-        completion_only_loss=args.completion_only_loss,
-        chat_template=args.chat_template,
-        drop_columns=args.ids_to_pop_from_dataset or (),
+        text_column=settings.text_column,
+        messages_column=settings.messages_column,
+        completion_only_loss=settings.completion_only_loss,
+        chat_template=settings.chat_template,
+        drop_columns=settings.drop_columns,
     )
     featurizer.vocab_size = vocab_size  # each row's ids are checked against it as read
     return featurizer
 
 
-def _collation(args: Any, collator: Collator | None, pad_token_id: int | None, name: str):
+def _collation(
+    settings: DataSettings, collator: Collator | None, pad_token_id: int | None, name: str
+) -> Collation:
     return Collation(
         name=name,
-        seq_len=args.max_sequence_length,
+        seq_len=settings.seq_len,
         pad_token_id=pad_token_id,
-        truncation_mode=args.truncation_mode,
+        truncation_mode=settings.truncation_mode,
         collator=collator,
     )
 
 
 def build_train_loader(
-    args: Any,
+    settings: DataSettings | Any,
     dataset: Any,
     tokenizer: Any = None,
     collator: Collator | None = None,
@@ -77,72 +81,72 @@ def build_train_loader(
     streaming). Raises DatasetError/ValueError naming what to fix. `vocab_size`: the
     model's; token ids are checked against it (the whole of a map-style dataset now)."""
     name = "dataset_train"
-    micro = args.total_batch_size // args.gradient_accumulation_steps
-    check_processes(process_index, process_count, micro, "micro-batch size")
-    source = as_source(dataset, name=name, streaming=args.streaming)
-    featurizer = _featurizer(args, tokenizer, name, featurizer, vocab_size)
+    settings = DataSettings.from_arguments(settings)
+    check_processes(process_index, process_count, settings.micro_batch_size, "micro-batch size")
+    source = as_source(dataset, name=name, streaming=settings.streaming)
+    featurizer = _featurizer(settings, tokenizer, name, featurizer, vocab_size)
     if isinstance(source, RandomAccessSource):
-        scan = scan_tokens(source, vocab_size=vocab_size, seq_len=args.max_sequence_length)
-        if not (args.packing and args.split_long_documents):  # else long rows are split
+        scan = scan_tokens(source, vocab_size=vocab_size, seq_len=settings.seq_len)
+        if not (settings.packing and settings.split_long_documents):  # else long rows are split
             warn_truncation(
-                scan, name=name, seq_len=args.max_sequence_length, mode=args.truncation_mode
+                scan, name=name, seq_len=settings.seq_len, mode=settings.truncation_mode
             )
-    collation = _collation(args, collator, pad_token_id, name)
+    collation = _collation(settings, collator, pad_token_id, name)
     stream = isinstance(source, IterableSource)
-    if not stream and not args.packing:
+    if not stream and not settings.packing:
         return BatchLoader(
             source,
-            global_batch_size=args.total_batch_size,
-            accumulation_steps=args.gradient_accumulation_steps,
-            seq_len=args.max_sequence_length,
+            global_batch_size=settings.global_batch_size,
+            accumulation_steps=settings.accumulation_steps,
+            seq_len=settings.seq_len,
             pad_token_id=pad_token_id,
-            truncation_mode=args.truncation_mode,
-            shuffle=args.shuffle_train,
-            seed=args.seed,
+            truncation_mode=settings.truncation_mode,
+            shuffle=settings.shuffle,
+            seed=settings.seed,
             collator=collator,
-            drop_last=args.drop_last,
+            drop_last=settings.drop_last,
             process_index=process_index,
             process_count=process_count,
             name=name,
             featurizer=featurizer,
         )
     what = "streaming data" if stream else "packing=True"
-    if args.max_steps <= 0:
+    if not settings.fixed_length:
         raise DatasetError(
             f"dataset_train with {what} has no known number of steps per epoch; set "
             "max_steps (e.g. --max_steps 1000)"
         )
-    if args.evaluation_strategy == "epoch":
+    if settings.epoch_evaluation:
         raise DatasetError(
             f"evaluation_strategy='epoch' needs a known epoch length, which {what} does not "
             "have; use evaluation_strategy='steps'"
         )
     prepare_source(source, featurizer)
     common = dict(
-        seed=args.seed,
-        shuffle=args.shuffle_train,
+        seed=settings.seed,
+        shuffle=settings.shuffle,
         process_index=process_index,
         process_count=process_count,
     )
     if stream:
         units: MapUnits | StreamUnits = StreamUnits(
-            source, featurizer, window=args.stream_window, **common
+            source, featurizer, window=settings.stream_window, **common
         )
     else:
         units = MapUnits(source, featurizer, **common)
     return UnitLoader(
         units,
         collation,
-        global_batch_size=args.total_batch_size,
-        accumulation_steps=args.gradient_accumulation_steps,
-        packing=args.packing,
-        packing_window=args.packing_window,
-        split_long_documents=args.split_long_documents,
+        global_batch_size=settings.global_batch_size,
+        accumulation_steps=settings.accumulation_steps,
+        packing=settings.packing,
+        packing_window=settings.packing_window,
+        split_long_documents=settings.split_long_documents,
     )
 
 
 def build_eval_loader(
-    args: Any,
+    settings: DataSettings | Any,
     dataset: Any,
     tokenizer: Any = None,
     collator: Collator | None = None,
@@ -154,17 +158,16 @@ def build_eval_loader(
 ) -> EvalLoader:
     """Every eval row exactly once per evaluation, one document per row."""
     name = "dataset_eval"
+    settings = DataSettings.from_arguments(settings)
     if is_hf_dataset(dataset):
         scan_tokens(
-            RandomAccessSource(dataset, name=name),
-            vocab_size=vocab_size,
-            seq_len=args.max_sequence_length,
+            RandomAccessSource(dataset, name=name), vocab_size=vocab_size, seq_len=settings.seq_len
         )
     return EvalLoader(
         dataset,
-        batch_size=args.resolved_eval_batch_size,
-        collation=_collation(args, collator, pad_token_id, name),
-        featurizer=_featurizer(args, tokenizer, name, featurizer, vocab_size),
+        batch_size=settings.eval_batch_size,
+        collation=_collation(settings, collator, pad_token_id, name),
+        featurizer=_featurizer(settings, tokenizer, name, featurizer, vocab_size),
         process_index=process_index,
         process_count=process_count,
     )

@@ -1,4 +1,5 @@
-"""Past one machine: Ray actors forming one JAX cluster, Ray Tune, SLURM scripts.
+"""Past one machine: Ray actors forming one JAX cluster, SLURM scripts (Ray Tune sweeps of
+CLI runs are `jaxtrain tune`, cli/tune.py).
 
 Ray is an optional extra (`pip install jaxtrain[ray]`), imported only when a cluster starts;
 `import jaxtrain` never imports this package.

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxtrain.data.collate import IGNORE_INDEX
-from jaxtrain.training.objective import STEP_KEYS, summarize_sums
+from jaxtrain.objective import STEP_KEYS, summarize_sums
 
 
 class BatchCounts(NamedTuple):

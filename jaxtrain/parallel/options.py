@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 
 from jaxtrain.errors import ArgumentError
+from jaxtrain.parallel.batch import check_divisible
 from jaxtrain.parallel.distributed import DISTRIBUTED_MODES
 from jaxtrain.parallel.mesh import MESH_AXES, parse_axis_dims
 
@@ -30,6 +31,18 @@ def _check_axes(rule: Any, where: str) -> None:
         raise ArgumentError(
             f"{where}={rule!r}: use a mesh axis of {MESH_AXES}, a list of them, or null."
         )
+
+
+def check_arguments(args: Any) -> None:
+    """The batch split and the parallelism fields of TrainingArguments (argument_checks runs
+    this): the batch must split into micro-batches, the mesh and rules must parse."""
+    check_divisible(  # the one check of every batch split (parallel/batch.py)
+        args.total_batch_size,
+        args.gradient_accumulation_steps,
+        what="TrainingArguments.total_batch_size",
+        over="gradient_accumulation_steps",
+    )
+    normalize_parallel_arguments(args)
 
 
 def normalize_parallel_arguments(args: Any) -> None:

@@ -17,7 +17,7 @@ from jaxtrain.parallel.zero import optimizer_shardings
 
 if TYPE_CHECKING:
     from jaxtrain.arguments import TrainingArguments
-    from jaxtrain.training.state import TrainState
+    from jaxtrain.state import TrainState
 
 
 class ShardingPlan:

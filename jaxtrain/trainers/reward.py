@@ -22,10 +22,10 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.models.lora import merge_lora
+from jaxtrain.state import TrainState
 from jaxtrain.trainers.base import PairTrainer, concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel, freeze
 from jaxtrain.trainers.logps import pair_mask
-from jaxtrain.training.state import TrainState
 
 __all__ = ["RewardModel", "RewardTrainer"]
 

@@ -25,14 +25,15 @@ from flax import nnx
 
 from jaxtrain.checkpointing import RunStart, StartPlan
 from jaxtrain.observability.progress import make_progress
+from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import Cadence
-from jaxtrain.training.state import TrainState
 from jaxtrain.training.stopping import (
     Deadline,
     NonFiniteGuard,
     StopSignals,
     TrainingInterrupted,
     any_process,
+    time_limit_seconds,
 )
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class TrainingLoop:
         self.trainer = trainer
         self.args = trainer.arguments
         self.total_steps = trainer.total_steps
-        self.deadline = Deadline(self.args.time_limit_seconds)
+        self.deadline = Deadline(time_limit_seconds(self.args.training_time_limit))
         self.last_logs: dict[str, float] = {}
         self.eval_metrics: dict[str, float] = {}
         self.checkpoint_path: str | None = None

@@ -19,8 +19,8 @@ from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
 from jaxtrain.data.collate import IGNORE_INDEX
-from jaxtrain.training.objective import Objective, check_loss_sums
-from jaxtrain.training.state import TrainState
+from jaxtrain.objective import Objective, check_loss_sums
+from jaxtrain.state import TrainState
 
 # (model, batch, rng) -> dict of sums over the batch: the contract is in objective.py.
 LossSumsFn = Objective

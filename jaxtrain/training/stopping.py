@@ -22,6 +22,7 @@ from jaxtrain.errors import (  # noqa: F401  (re-exported: their old home)
     EXIT_NONFINITE,
     EXIT_OK,
     EXIT_TIME_LIMIT,
+    ArgumentError,
     NonFiniteLossError,
     TrainingInterrupted,
 )
@@ -54,6 +55,20 @@ def parse_duration(text: str) -> float:
     if total <= 0:
         raise ValueError(f"{text!r} is not a positive duration.")
     return total
+
+
+def check_arguments(args: Any) -> None:
+    """TrainingArguments.training_time_limit is a duration (argument_checks runs this)."""
+    if args.training_time_limit is not None:
+        try:
+            parse_duration(str(args.training_time_limit))
+        except ValueError as err:
+            raise ArgumentError(f"TrainingArguments.training_time_limit: {err}") from None
+
+
+def time_limit_seconds(limit: str | None) -> float | None:
+    """Seconds of a `training_time_limit` (None: no limit)."""
+    return None if limit is None else parse_duration(limit)
 
 
 class Deadline:

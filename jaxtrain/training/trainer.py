@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.argument_checks import check_warmup
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.checkpointing import RunCheckpoints
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
+from jaxtrain.data.fields import DataSettings
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
@@ -36,14 +36,14 @@ from jaxtrain.parallel import ModelFactory
 from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
 from jaxtrain.runtime import Runtime, runtime_for
+from jaxtrain.state import TrainState
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
-from jaxtrain.training.optim import build_optimizer, build_schedule
+from jaxtrain.training.optim import build_optimizer, build_schedule, check_warmup
 from jaxtrain.training.state import (
     ReadyBuild,
     StagedBuild,
-    TrainState,
     abstract_arrays,
     count_parameters,
     param_logical_axes,
@@ -98,18 +98,30 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         if model is None:
             raise ArgumentError("Trainer needs a model: Trainer(arguments=..., model=...).")
         self.arguments = args = arguments if arguments is not None else TrainingArguments()
-        self.processing_class = processing_class
-        self.data_collator = data_collator
+        self.processing_class, self.data_collator = processing_class, data_collator
         self.callbacks = list(callbacks or [])
         self.should_stop = False
-        # The cluster, the mesh and the plan exist before any model array does; a
-        # ModelFactory is created already sharded (no host holds the whole model).
+        # The start, in order: the environment exists before any model array does (a
+        # ModelFactory is created already sharded: no host holds the whole model); the data
+        # is checked before anything compiles; the optimizer needs the run's length.
         self.runtime = runtime_for(args, runtime, devices)
         self.sharding_plan, self.mesh = self.runtime.plan, self.runtime.mesh
+        self._adopt_model(model)
+        self.pad_token_id = self._resolve_pad_token_id()
+        self._build_loaders(dataset_train, dataset_eval)
+        self.optimizer, self.schedule = self.create_optimizer(self._schedule_length())
+        self.checkpoints = RunCheckpoints(args)  # where train() starts, its saves, keep-N
+        self.monitor = self._create_monitor()  # trackers, throughput/MFU, compiles, report
+
+    # ------------------------------------------------------------------ setup
+    def _adopt_model(self, model: nnx.Module | ModelFactory) -> None:
+        """The model (or a ModelFactory's abstract one) configured for this run and split
+        into graph definition, parameters and the rest."""
         self._state_shardings = self._state_shape_cache = None
         self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
+        self._evaluator = None  # created at the first evaluation
         self._factory = model if isinstance(model, ModelFactory) else None
-        if self._factory is not None and args.lora_rank:
+        if self._factory is not None and self.arguments.lora_rank:
             build = self._factory.build
             self._factory = ModelFactory(lambda: self._apply_lora(build()))
         if self._factory is not None:
@@ -118,48 +130,45 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         self.model_config = getattr(model, "config", None)
         self._configure_model(model)
         self.sharding_plan.check_expert_axis(self._initial_params)  # ep > 1 needs experts
-        self.pad_token_id = self._resolve_pad_token_id()
 
-        # Datasets are checked now, before anything is compiled.
-        self.dataset_train = dataset_train
-        self.dataset_eval = dataset_eval
-        # Each process reads only its share of every batch: [A, M // process_count, T].
+    def _build_loaders(self, dataset_train: Any, dataset_eval: Any) -> None:
+        """The train and eval loaders; datasets are checked now, before anything compiles."""
+        args, layout = self.arguments, self.sharding_plan.batch
+        self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
+        self.data_settings = DataSettings.from_arguments(args)
         data = dict(
+            # Each process reads only its share of every batch: [A, M // process_count, T].
             process_index=self.runtime.process_index,
             process_count=self.runtime.process_count,
             pad_token_id=self.pad_token_id,
+            tokenizer=self.processing_class,
+            collator=self.data_collator,
+            featurizer=self.create_featurizer,
+            # Token ids are checked against the model's vocabulary (the whole of a map-style
+            # dataset now, streams row by row as read).
+            vocab_size=getattr(self.model_config, "vocab_size", None),
         )
-        data.update(
-            tokenizer=processing_class, collator=data_collator, featurizer=self.create_featurizer
-        )
-        # Token ids are checked against the model's vocabulary (the whole of a map-style
-        # dataset now, streams row by row as read).
-        data.update(vocab_size=getattr(self.model_config, "vocab_size", None))
         self.train_loader = self.eval_loader = None
         if dataset_train is not None:
-            self.train_loader = build_train_loader(args, dataset_train, **data)
-            self.sharding_plan.batch.check(
-                args.micro_batch_size, args.max_sequence_length, "micro-batch size"
-            )
+            self.train_loader = build_train_loader(self.data_settings, dataset_train, **data)
+            layout.check(args.micro_batch_size, args.max_sequence_length, "micro-batch size")
         if dataset_eval is not None:
-            self.sharding_plan.batch.check(
-                args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size"
-            )
-            self.eval_loader = build_eval_loader(args, dataset_eval, **data)
+            layout.check(args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size")
+            self.eval_loader = build_eval_loader(self.data_settings, dataset_eval, **data)
         self.data_meter = DataMeter()
-        # Without training data (eval or sampling only) the schedule's length is moot: it
-        # does not change the optimizer state's structure.
-        steps = self.total_steps if self.train_loader else max(args.max_steps, 1)
-        if self.train_loader is not None:  # epochs: the run's length is known only now
-            check_warmup(args, steps, "num_train_epochs x steps per epoch")
-        self.optimizer, self.schedule = self.create_optimizer(steps)
-        self._evaluator = None  # created at the first evaluation
-        # Where train() starts, its saves, keep-N (jaxtrain.checkpointing).
-        self.checkpoints = RunCheckpoints(args)
-        # Trackers, throughput/MFU, compile tracking, weight stats, report
-        # (jaxtrain.observability); the loop reports through it.
-        self.monitor = RunMonitor(
-            args,
+
+    def _schedule_length(self) -> int:
+        """The schedule's length in updates. Without training data (eval or sampling only) it
+        is moot: it does not change the optimizer state's structure."""
+        if self.train_loader is None:
+            return max(self.arguments.max_steps, 1)
+        steps = self.total_steps  # with epochs, known only now that the data is
+        check_warmup(self.arguments, steps, "num_train_epochs x steps per epoch")
+        return steps
+
+    def _create_monitor(self) -> RunMonitor:
+        return RunMonitor(
+            self.arguments,
             model_config=self.model_config,
             num_parameters=self.num_parameters,
             num_devices=self.mesh.size,
@@ -167,7 +176,6 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
             perplexity=self.loss_is_token_nll,
         )
 
-    # ------------------------------------------------------------------ setup
     def _configure_model(self, model: nnx.Module) -> None:
         args = self.arguments
         if hasattr(model, "remat_policy"):
@@ -221,7 +229,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
         """Sums over one micro-batch: "loss_sum" and "tokens" at least, every other key
-        logged (the contract and the logging rule are in training/objective.py)."""
+        logged (the contract and the logging rule are in jaxtrain/objective.py)."""
         return causal_lm_loss_sums(model, batch, rng)
 
     def loss_normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:

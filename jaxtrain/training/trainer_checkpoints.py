@@ -15,7 +15,8 @@ import jax
 
 from jaxtrain.checkpointing import RunStart, StartPlan, load_checked
 from jaxtrain.parallel.distributed import gather_json
-from jaxtrain.training.state import ReadyBuild, StagedBuild, TrainState
+from jaxtrain.state import TrainState
+from jaxtrain.training.state import ReadyBuild, StagedBuild
 
 
 class TrainerCheckpoints:

@@ -14,7 +14,7 @@ import yaml
 ray = pytest.importorskip("ray")
 
 from jaxtrain.arguments import ArgumentError  # noqa: E402
-from jaxtrain.distributed.tune import parse_search  # noqa: E402
+from jaxtrain.cli.tune import parse_search  # noqa: E402
 
 VOCAB, SEQ = 32, 16
 

@@ -1,4 +1,4 @@
-"""The objective contract (training/objective.py): what a loss returns and how it is logged."""
+"""The objective contract (jaxtrain/objective.py): what a loss returns and how it is logged."""
 
 import math
 
@@ -8,8 +8,8 @@ from tiny_run import tiny_arguments, tiny_model, token_dataset
 
 from jaxtrain import Trainer
 from jaxtrain.errors import ObjectiveError
+from jaxtrain.objective import check_loss_sums, summarize_sums
 from jaxtrain.observability.logs import read_jsonl
-from jaxtrain.training.objective import check_loss_sums, summarize_sums
 from jaxtrain.training.step import causal_lm_sums
 
 S = jnp.float32(1.0)

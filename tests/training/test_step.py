@@ -7,7 +7,7 @@ import optax
 from flax import nnx
 
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-from jaxtrain.training.state import TrainState
+from jaxtrain.state import TrainState
 from jaxtrain.training.step import IGNORE_INDEX, causal_lm_sums, make_train_step
 
 CONFIG = LlamaConfig(

@@ -71,7 +71,7 @@ def check_loss_sums(sums: Any, where: str = "compute_loss_sums") -> dict[str, ja
         raise ObjectiveError(
             f"{where} returned {sorted(sums)} without {missing}: an objective returns sums "
             "over the batch with 'loss_sum' (the summed loss) and 'tokens' (how many units "
-            "it sums over). See jaxtrain/training/objective.py."
+            "it sums over). See jaxtrain/objective.py."
         )
     clashes = [key for key in STEP_KEYS if key in sums]
     if clashes:
