@@ -19,6 +19,7 @@ on_train_end). Only process 0 writes anything.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,19 +42,25 @@ GIB = 2.0**30
 
 
 class MonitorLog:
-    """The loop's metric log: `write(step, values)` goes to every started tracker."""
+    """The loop's metric log: `write(step, values)` goes to every started tracker.
+
+    Compiles report from a compile thread while the loop writes from the main one: a lock
+    keeps each record whole in trackers whose writers are not thread-safe."""
 
     def __init__(self, trackers: list[Any], before_close: list[Any] | None = None):
         self.trackers = trackers
         self._before_close = before_close or []
+        self._lock = threading.Lock()
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        for tracker in self.trackers:
-            tracker.log(step, values)
+        with self._lock:
+            for tracker in self.trackers:
+                tracker.log(step, values)
 
     def log_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
-        for tracker in self.trackers:
-            tracker.log_histograms(step, histograms)
+        with self._lock:
+            for tracker in self.trackers:
+                tracker.log_histograms(step, histograms)
 
     def close(self) -> None:
         for callback in self._before_close:
