@@ -21,13 +21,46 @@ def _first_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def resolve_pad_token_id(tokenizer: Any, model_config: Any) -> int:
+SPECIAL_TOKENS = ("pad_token_id", "eos_token_id", "bos_token_id")
+
+
+def _all_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def check_special_token_ids(tokenizer: Any, model_config: Any, vocab_size: int | None) -> None:
+    """Every pad/eos/bos id of the tokenizer and the model config must index the model's
+    embedding table: an id outside [0, vocab_size) embeds as NaN (JAX fills out-of-range
+    gathers) and the run dies at step 1, long after the cause. ArgumentError otherwise."""
+    if vocab_size is None:
+        return
+    for source, where in ((tokenizer, "tokenizer"), (model_config, "model config")):
+        for field in SPECIAL_TOKENS:
+            for token_id in _all_ids(getattr(source, field, None)):
+                if not 0 <= token_id < vocab_size:
+                    raise ArgumentError(
+                        f"The {where}'s {field}={token_id} lies outside the model's vocabulary "
+                        f"(vocab_size={vocab_size}: ids 0..{vocab_size - 1}), so it cannot be "
+                        f"embedded. Set {where} {field} to an id below {vocab_size} (e.g. "
+                        "tokenizer.pad_token = tokenizer.eos_token, or the config's real special "
+                        "ids), or give the model a vocab_size that covers it."
+                    )
+
+
+def resolve_pad_token_id(tokenizer: Any, model_config: Any, vocab_size: int | None = None) -> int:
     """pad of the tokenizer or model config; else their eos (with a warning).
 
     A tokenizer with neither pad nor eos token is an ArgumentError: there is no id that is
     safe to pad with. Without a tokenizer the data is already token ids; padding with 0 then
     stays the documented fallback when the model config names no pad or eos token either.
+    Every special id is first checked against `vocab_size` (default: the model config's),
+    see `check_special_token_ids`.
     """
+    if vocab_size is None:
+        vocab_size = getattr(model_config, "vocab_size", None)
+    check_special_token_ids(tokenizer, model_config, vocab_size)
     for source in (tokenizer, model_config):
         pad = _first_id(getattr(source, "pad_token_id", None))
         if pad is not None:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxtrain.hf.errors import HFError
+from jaxtrain.hf.tokenizer_files import save_tokenizer
 from jaxtrain.models.lora import lora_projections
 
 __all__ = ["save_peft_adapter"]
@@ -41,7 +42,12 @@ def _split(
 
 
 def save_peft_adapter(
-    model: Any, save_directory: str | Path, *, tokenizer: Any = None, base_model: str | None = None
+    model: Any,
+    save_directory: str | Path,
+    *,
+    tokenizer: Any = None,
+    base_model: str | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write the adapters of `model` (a LlamaForCausalLM with LoRA) in PEFT's format."""
     from safetensors.numpy import save_file
@@ -85,6 +91,5 @@ def save_peft_adapter(
         "use_dora": False,
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(out))
+    save_tokenizer(tokenizer, out, chat_template)
     return out

@@ -25,6 +25,7 @@ from jaxtrain.hf.model_card import render_model_card, training_summary
 from jaxtrain.hf.peft import save_peft_adapter
 from jaxtrain.hf.registry import ModelFamily, family_of
 from jaxtrain.hf.safetensors_io import write_safetensors
+from jaxtrain.hf.tokenizer_files import save_tokenizer
 from jaxtrain.models.lora import has_lora, merge_lora
 from jaxtrain.pytrees import path_str
 
@@ -58,10 +59,12 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     dtype: Any = None,
     training_summary: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write ``model`` (of a registered family) as an HF directory; returns the directory.
 
     ``dtype``: the weights' dtype on disk (default: the parameters' own dtype).
+    ``chat_template``: saved as the tokenizer's template (default: the tokenizer's own).
     ``training_summary``: facts for the README.md model card (see model_card.py).
     Every process must call this (sharded parameters are gathered); process 0 writes.
     """
@@ -121,8 +124,7 @@ def save_pretrained(
             if getattr(config, k, None) is not None
         }
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(out))
+    save_tokenizer(tokenizer, out, chat_template)
     summary = dict(training_summary or {})
     summary.setdefault("base_model", getattr(model, "name_or_path", None))
     (out / "README.md").write_text(render_model_card(config, hf_config, summary, family.task))
@@ -141,8 +143,15 @@ def save_trainer_state(
     Hugging Face directory (with LoRA: merged into the base weights, or a PEFT adapter
     directory when `lora_format="peft"`). kwargs go to `save_pretrained`."""
     model = trainer.model_from_state(state)
+    # The template the run rendered its conversations with (None: the tokenizer's own).
+    kwargs.setdefault("chat_template", getattr(trainer.arguments, "chat_template", None))
     if has_lora(model) and lora_format == "peft":
-        return save_peft_adapter(model, save_directory, tokenizer=trainer.processing_class)
+        return save_peft_adapter(
+            model,
+            save_directory,
+            tokenizer=kwargs.get("tokenizer", trainer.processing_class),
+            chat_template=kwargs["chat_template"],
+        )
     if lora_format not in ("merged", "peft"):
         raise ArgumentError(f"lora_format={lora_format!r}: use 'merged' or 'peft'.")
     kwargs.setdefault("tokenizer", trainer.processing_class)

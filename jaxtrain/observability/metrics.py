@@ -142,7 +142,9 @@ class _ClosedWindow:
             per_device = flops / elapsed / self._window.num_devices
             logs["tflops_per_device"] = per_device / 1e12
             if self._window.peak_flops:
-                logs["mfu"] = per_device / self._window.peak_flops
+                # At most 1: a faster run means a stale peak, which the monitor corrects;
+                # this is the last guard, not the fix.
+                logs["mfu"] = min(per_device / self._window.peak_flops, 1.0)
         return logs
 
 

@@ -19,6 +19,8 @@ on_train_end). Only process 0 writes anything.
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ import jax
 from jaxtrain.observability import weights
 from jaxtrain.observability.compiles import CompileEvent, TrackedJit
 from jaxtrain.observability.flops import FlopsCounter, matmul_parameters
-from jaxtrain.observability.hardware import device_peak_flops
+from jaxtrain.observability.hardware import PeakFlops, cpu_shares, device_peak, remeasure_cpu_peak
 from jaxtrain.observability.metrics import (
     BatchCounts,
     DataWaitClock,
@@ -38,22 +40,29 @@ from jaxtrain.observability.metrics import (
 from jaxtrain.observability.trackers import check_trackers, default_run_name, start_trackers
 
 GIB = 2.0**30
+logger = logging.getLogger("jaxtrain.observability")
 
 
 class MonitorLog:
-    """The loop's metric log: `write(step, values)` goes to every started tracker."""
+    """The loop's metric log: `write(step, values)` goes to every started tracker.
+
+    Compiles report from a compile thread while the loop writes from the main one: a lock
+    keeps each record whole in trackers whose writers are not thread-safe."""
 
     def __init__(self, trackers: list[Any], before_close: list[Any] | None = None):
         self.trackers = trackers
         self._before_close = before_close or []
+        self._lock = threading.Lock()
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        for tracker in self.trackers:
-            tracker.log(step, values)
+        with self._lock:
+            for tracker in self.trackers:
+                tracker.log(step, values)
 
     def log_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None:
-        for tracker in self.trackers:
-            tracker.log_histograms(step, histograms)
+        with self._lock:
+            for tracker in self.trackers:
+                tracker.log_histograms(step, histograms)
 
     def close(self) -> None:
         for callback in self._before_close:
@@ -118,9 +127,11 @@ class RunMonitor:
         self._step = 0
         self._weight_fn: TrackedJit | None = None
         self._pending_weights: tuple[int, Any] | None = None
-        self._peak: tuple[str, float | None] | None = None
+        self._peak: tuple[str, PeakFlops] | None = None
         self._window: MetricsWindow | None = None
         self._run_info_dir: Path | None = None  # run_info.json still to write there
+        self._out_dir: Path | None = None  # where run_info.json is rewritten (a new peak)
+        self._warned_peak = False
         if self.is_writer:
             check_trackers(args.report_to, args.output_dir)
 
@@ -151,7 +162,7 @@ class RunMonitor:
         )
         # run_info.json holds the device's peak FLOP/s, which on a CPU is measured: that
         # waits until the first step is done (first_step_done) instead of delaying it.
-        self._run_info_dir = out_dir
+        self._run_info_dir = self._out_dir = out_dir
         return self._log
 
     def first_step_done(self, state: Any) -> None:
@@ -171,7 +182,8 @@ class RunMonitor:
             self._write_run_info(out_dir)
 
     def _write_run_info(self, out_dir: Path) -> None:
-        description, peak = self.peak
+        description, peak_info = self.peak_info
+        peak = peak_info.flops
         seq = self.args.max_sequence_length
         info = {
             "run_name": self.run_name,
@@ -179,6 +191,7 @@ class RunMonitor:
             "device_kind": jax.devices()[0].device_kind,
             "num_devices": self.num_devices,
             "peak_tflops_per_device": peak / 1e12 if peak else None,
+            "peak": peak_info.to_json(),  # per device, and where the number came from
             "num_parameters": self.num_parameters,
             "flops_formula": "exact" if self.flops.exact else "6 * num_parameters",
             "flops_per_token_at_max_sequence_length": self.flops.per_token(seq),
@@ -190,8 +203,14 @@ class RunMonitor:
 
     @property
     def peak(self) -> tuple[str, float | None]:
+        """(device description, peak FLOP/s per device or None)."""
+        description, info = self.peak_info
+        return description, info.flops
+
+    @property
+    def peak_info(self) -> tuple[str, PeakFlops]:
         if self._peak is None:
-            self._peak = device_peak_flops()
+            self._peak = device_peak()
         return self._peak
 
     def tracker_state(self) -> dict[str, Any]:
@@ -207,7 +226,7 @@ class RunMonitor:
         return self.data_wait.timed(iter(batches))
 
     def window(self) -> MetricsWindow:
-        peak = self._peak[1] if self._peak is not None else None  # set by first_step_done
+        peak = self._peak[1].flops if self._peak is not None else None  # see first_step_done
         self._window = MetricsWindow(
             num_devices=self.num_devices,
             peak_flops=peak,
@@ -240,10 +259,47 @@ class RunMonitor:
         return TrackedJit(fn, name, report, compiler_options=self.compiler_options, **jit_kwargs)
 
     def step_logs(self, logs: dict[str, float]) -> dict[str, float]:
-        """A closed window's logs plus memory (track_memory)."""
+        """A closed window's logs plus memory (track_memory); an MFU above 100% first
+        corrects the peak (`_check_peak`)."""
+        self._check_peak(logs)
         if self.args.track_memory:
             logs.update(memory_logs())
         return logs
+
+    def _check_peak(self, logs: dict[str, float]) -> None:
+        """A window that achieved more FLOP/s than the peak proves the peak wrong. A measured
+        CPU peak (taken under load) is probed again and raised to at least what the run
+        achieved; run_info.json says so. Any other peak (table, JAXTRAIN_CPU_PEAK_TFLOPS) is
+        warned about once; MFU is clamped to 1 as the last guard."""
+        if "mfu" not in logs or self._peak is None or not self._peak[1].flops:
+            return
+        description, info = self._peak
+        achieved = logs["tflops_per_device"] * 1e12
+        if achieved <= info.flops:
+            return
+        if jax.devices()[0].platform == "cpu" and info.source != "environment":
+            start = time.perf_counter()
+            shares = cpu_shares()
+            machine = remeasure_cpu_peak(achieved * shares)
+            info = PeakFlops(machine.flops / shares, machine.source, machine.measured_at)
+            self._peak = (description, info)
+            if self._window is not None:  # the probe's seconds are not step time
+                self._window.peak_flops = info.flops
+                self._window.exclude(time.perf_counter() - start)
+            if self.is_writer and self._run_info_dir is None and self._out_dir is not None:
+                self._write_run_info(self._out_dir)
+        elif not self._warned_peak:
+            self._warned_peak = True
+            logger.warning(
+                "The run achieved %.3g TFLOP/s per device, above the %s peak of %s (%s): the "
+                "peak is too low, so MFU is logged as at most 100%%. Fix the peak (e.g. "
+                "JAXTRAIN_CPU_PEAK_TFLOPS) for a meaningful MFU.",
+                achieved / 1e12,
+                info.source,
+                description,
+                f"{info.flops / 1e12:.3g} TFLOP/s",
+            )
+        logs["mfu"] = min(achieved / info.flops, 1.0)
 
     @staticmethod
     def progress_fields(logs: dict[str, float]) -> dict[str, Any]:

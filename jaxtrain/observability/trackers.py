@@ -135,34 +135,47 @@ class WandbTracker:
 
 
 class MlflowTracker:
+    """Logs through an `MlflowClient` by explicit run id, never through `mlflow.log_*`: those
+    use the calling thread's active run, and compiles are reported from a compile thread,
+    where they would open a second run that is never ended."""
+
     name = "mlflow"
+    _PARAMS_PER_CALL = 100  # MLflow's log_batch limit
 
     def __init__(
         self, out_dir: Path, *, run_name: str, project: str, config: dict, resume: dict, **_: Any
     ):
-        import mlflow
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
 
-        self._mlflow = mlflow
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             # No server configured: a local file store in the run directory (MLflow 3 keeps
             # it behind an opt-in; `mlflow ui --backend-store-uri <output_dir>/mlruns`).
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (out_dir / "mlruns").resolve().as_uri()
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(project)
+        self._client = client = MlflowClient(tracking_uri=uri)
         if resume.get("run_id"):
-            self._run = mlflow.start_run(run_id=resume["run_id"])
+            self.run_id = resume["run_id"]
+            client.update_run(self.run_id, status="RUNNING")
         else:
-            self._run = mlflow.start_run(run_name=run_name)
-            params = {k: str(v)[:500] for k, v in config.items()}
-            mlflow.log_params(params)
-        self.run_id = self._run.info.run_id
+            experiment = client.get_experiment_by_name(project)
+            experiment_id = (
+                experiment.experiment_id if experiment else client.create_experiment(project)
+            )
+            self.run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
+            params = [Param(k, str(v)[:500]) for k, v in config.items()]
+            for i in range(0, len(params), self._PARAMS_PER_CALL):
+                client.log_batch(self.run_id, params=params[i : i + self._PARAMS_PER_CALL])
 
     def log(self, step: int, values: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
         numeric = _numeric(values)
         if numeric:
-            self._mlflow.log_metrics(numeric, step=step)
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, v, now, step) for k, v in numeric.items()]
+            self._client.log_batch(self.run_id, metrics=metrics)
 
     def log_histograms(self, step: int, histograms: dict[str, dict[str, Any]]) -> None: ...
 
@@ -170,7 +183,7 @@ class MlflowTracker:
         return {"run_id": self.run_id}
 
     def close(self) -> None:
-        self._mlflow.end_run()
+        self._client.set_terminated(self.run_id, status="FINISHED")
 
 
 TRACKER_CLASSES = {

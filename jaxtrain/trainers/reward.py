@@ -125,6 +125,7 @@ class RewardTrainer(PairTrainer):
         backbone = merge_lora(reward.backbone)
         out = Path(save_directory)
         kwargs.setdefault("tokenizer", self.processing_class)
+        kwargs.setdefault("chat_template", self.arguments.chat_template)  # the run's template
         kwargs["max_shard_size"] = "1000GB"  # one file: the head is added below
         with tempfile.TemporaryDirectory() as tmp:
             written = save_pretrained(backbone, tmp, **kwargs)

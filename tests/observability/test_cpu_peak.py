@@ -3,8 +3,19 @@
 import json
 
 import pytest
+from obs_helpers import obs_trainer
 
-from jaxtrain.observability.hardware import CPU_PEAK_FILE, cached_cpu_peak, machine_signature
+from jaxtrain.observability.hardware import (
+    CPU_PEAK_FILE,
+    cached_cpu_peak,
+    cpu_peak,
+    cpu_shares,
+    forget_cpu_peak,
+    machine_signature,
+    measured_cpu_peak,
+    remeasure_cpu_peak,
+)
+from jaxtrain.observability.logs import read_jsonl
 
 PROBE = dict(size=256, seconds=0.05, min_repeats=2)  # the mechanism, not the real probe
 
@@ -31,3 +42,57 @@ def test_the_cpu_peak_can_be_set_by_hand(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_CPU_PEAK_TFLOPS", "0.5")
     assert cached_cpu_peak(tmp_path, **PROBE) == pytest.approx(0.5e12)
     assert not (tmp_path / CPU_PEAK_FILE).exists()
+
+
+def test_every_cpu_peak_says_where_it_came_from(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXTRAIN_CPU_PEAK_TFLOPS", raising=False)
+    first = cpu_peak(tmp_path, **PROBE)
+    assert first.source == "measured" and first.measured_at is not None
+    again = cpu_peak(tmp_path, **PROBE)
+    assert (again.source, again.flops, again.measured_at) == (
+        "cached",
+        first.flops,
+        first.measured_at,
+    )
+    # A run beat the peak: probed again and raised to at least what the run achieved.
+    raised = remeasure_cpu_peak(1e20, tmp_path, **PROBE)
+    try:
+        assert raised.source == "remeasured" and raised.flops == 1e20
+        assert json.loads((tmp_path / CPU_PEAK_FILE).read_text())["peak_flops"] == 1e20
+        assert measured_cpu_peak() == 1e20  # this process uses it from now on
+    finally:
+        forget_cpu_peak()
+    assert cpu_peak(tmp_path, **PROBE).to_json()["source"] == "cached"
+    monkeypatch.setenv("JAXTRAIN_CPU_PEAK_TFLOPS", "0.5")
+    assert cpu_peak(tmp_path, **PROBE).source == "environment"
+
+
+@pytest.fixture
+def stale_cpu_peak(tmp_path, monkeypatch):
+    """A cache holding a peak measured under heavy load: far below what the CPU does."""
+    monkeypatch.delenv("JAXTRAIN_CPU_PEAK_TFLOPS", raising=False)
+    monkeypatch.setenv("JAXTRAIN_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    stale = {"machine": machine_signature(), "peak_flops": 1e6, "measured": 1.0}
+    (tmp_path / "cache" / CPU_PEAK_FILE).write_text(json.dumps(stale))
+    forget_cpu_peak()
+    yield tmp_path / "cache" / CPU_PEAK_FILE
+    forget_cpu_peak()  # later tests read the real cache again
+
+
+def test_a_run_that_beats_a_stale_cached_peak_remeasures_it(tmp_path, stale_cpu_peak):
+    """The demo logged MFU up to 138% against a peak measured under load; a run that beats
+    the peak now probes again, raises the stored peak and never logs MFU above 100%."""
+    out = tmp_path / "run"
+    obs_trainer(
+        out, report_to=[], max_steps=4, evaluation_strategy="no", track_memory=False
+    ).train()
+    logs = [r for r in read_jsonl(out / "metrics.jsonl") if "mfu" in r]
+    assert logs and all(0 < r["mfu"] <= 1.0 for r in logs)
+    stored = json.loads(stale_cpu_peak.read_text())["peak_flops"]
+    achieved = max(r["tflops_per_device"] for r in logs) * 1e12 * cpu_shares()
+    assert stored > 1e8 and stored >= achieved * (1 - 1e-9)
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["peak"]["source"] == "remeasured" and info["peak"]["measured_at"]
+    assert info["peak"]["flops"] == pytest.approx(stored / cpu_shares())
+    assert info["peak_tflops_per_device"] == pytest.approx(stored / cpu_shares() / 1e12)

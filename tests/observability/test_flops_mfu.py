@@ -101,7 +101,7 @@ def test_a_model_without_a_transformer_config_falls_back_to_6n():
 
 
 def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
-    window = MetricsWindow(num_devices=4, peak_flops=100e12)
+    window = MetricsWindow(num_devices=4, peak_flops=1e30)  # far above what the window does
     metrics = {
         "loss_sum": np.float32(20.0),
         "tokens": np.float32(10.0),
@@ -114,7 +114,11 @@ def test_mfu_is_model_flops_per_second_per_device_over_the_peak():
     logs = window.close(1, epoch=0.0).read()
     seconds = 10 / logs["tokens_per_second"]
     assert logs["tflops_per_device"] == pytest.approx(8e12 / seconds / 4 / 1e12)
-    assert logs["mfu"] == pytest.approx(logs["tflops_per_device"] * 1e12 / 100e12)
+    assert logs["mfu"] == pytest.approx(logs["tflops_per_device"] * 1e12 / 1e30)
+    # A peak below what the window achieved is wrong: MFU is never logged above 100%.
+    window = MetricsWindow(num_devices=4, peak_flops=1.0)
+    window.add(metrics, (10, 16, 2, 8e12))
+    assert window.close(1, epoch=0.0).read()["mfu"] == 1.0
     assert logs["loss"] == 2.0 and logs["accuracy"] == 0.5
     # No peak (device not in the table): TFLOP/s yes, MFU no.
     window = MetricsWindow(peak_flops=None)
@@ -144,8 +148,7 @@ def test_peak_table(kind, name, tflops):
 def test_unknown_devices_have_no_peak_and_cpu_is_measured_once():
     assert table_peak("NVIDIA GeForce RTX 4090") is None
     peak = measured_cpu_peak()
-    assert 1e8 < peak < 1e14 and measured_cpu_peak() is not None
-    assert measured_cpu_peak.cache_info().hits >= 1
+    assert 1e8 < peak < 1e14 and measured_cpu_peak() == peak  # read once per process
     description, per_device = device_peak_flops(jax.devices("cpu")[0])
     assert "CPU" in description and per_device == pytest.approx(
         peak / len(jax.local_devices(backend="cpu"))

@@ -1,6 +1,7 @@
 """JSONL, TensorBoard, W&B (offline) and MLflow outputs of a real run parse back; a resumed
 run continues the same tracker runs; a tracker that cannot start fails at construction."""
 
+import json
 import struct
 from collections import defaultdict
 from pathlib import Path
@@ -48,6 +49,31 @@ def read_tensorboard(logdir: Path):
                 else:
                     scalars[value.tag].append((event.step, value.simple_value))
     return scalars, histograms
+
+
+def read_wandb_history(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """{key: [(step, value)]} of a .wandb file: a 7-byte W&B header, then LevelDB-log blocks
+    of 32 KiB whose records (u32 crc, u16 length, u8 type: 1 full, 2 first, 3 middle,
+    4 last) hold `Record` protos."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, pending = path.read_bytes(), 7, 32768, b""
+    history = defaultdict(list)
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                for item in record.history.item:
+                    key = item.key or "/".join(item.nested_key)
+                    history[key].append((record.history.step.num, json.loads(item.value_json)))
+    return history
 
 
 def test_jsonl_holds_every_metric_at_every_logging_step(resumed_run):
@@ -129,3 +155,32 @@ def test_report_to_is_validated_and_parsed_from_the_command_line():
     args = TrainingArguments.from_dict({"report_to": "tensorboard,wandb"}, source="cli")
     assert args.report_to == ["tensorboard", "wandb"]
     assert TrainingArguments().report_to == ["jsonl"]
+
+
+def test_every_tracker_holds_the_compile_records_in_the_run_it_opened(resumed_run):
+    """Compiles are reported from a compile thread; MLflow's active run is per thread, so
+    logging there through `mlflow.log_metrics` opened a second run that never ended."""
+    from mlflow.tracking import MlflowClient
+
+    run_id = resumed_run.first_state["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=(resumed_run.out_dir / "mlruns").as_uri())
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments)
+    assert [r.info.run_id for r in runs] == [run_id]  # one run, through the resume too
+    (run,) = runs
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run_id, "compile/train_step_s")
+    assert [m.step for m in history] == [0, 6]  # the first run's compile and the resume's
+    assert all(m.value > 0 for m in history)
+    assert run.data.params["max_steps"] == "12" and "loss" in run.data.metrics
+
+    logdir = next((resumed_run.out_dir / "tensorboard").iterdir())
+    scalars, _ = read_tensorboard(logdir)
+    assert [s for s, _ in scalars["compile/train_step_s"]] == [0, 6]
+
+    wandb_id = resumed_run.first_state["wandb"]["run_id"]
+    wandb_runs = sorted((resumed_run.out_dir / "wandb").glob(f"offline-run-*-{wandb_id}"))
+    assert wandb_runs
+    compiles = [read_wandb_history(next(r.glob("*.wandb"))) for r in wandb_runs]
+    assert [s for h in compiles for s, _ in h["compile/train_step_s"]] == [0, 6]
+    assert [s for h in compiles for s, _ in h["loss"]] == LOG_STEPS
