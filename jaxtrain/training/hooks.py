@@ -11,9 +11,10 @@ cannot replace the state or the batch.
 
 Cadence: a hook with `every=N` (`add_hook(hook, every=N)`, or an `every` attribute on the
 callback) sees the per-step hooks (`on_step_start`, `on_step_end`) only at steps whose
-number, the `step` argument it receives, is a multiple of N. The other five hooks fire when
-their event happens (a log, an evaluation, a save: each has its own cadence in
-TrainingArguments).
+number, the `step` argument it receives, is a multiple of N; a receiver with a `due(step)`
+method decides for itself (the run's own evaluation and saving are such hooks, run_hooks.py).
+The other five hooks fire when their event happens (a log, an evaluation, a save: each has
+its own cadence in TrainingArguments).
 """
 
 from __future__ import annotations
@@ -100,11 +101,23 @@ class HookSet:
         hooks (whose last argument is the step) a receiver with a cadence runs only when due."""
         step = args[-1] if name in PER_STEP_HOOKS else None
         for receiver, cadence in self.receivers:
-            if step is not None and cadence.every is not None and not cadence.due(step):
+            if step is not None and not self._due(receiver, cadence, step):
                 continue
             method = getattr(receiver, name, None)
             if method is not None:
                 method(*args)
+
+    def any_due(self, step: int) -> bool:
+        """Whether any receiver's per-step hooks run at `step`."""
+        return any(self._due(receiver, cadence, step) for receiver, cadence in self.receivers)
+
+    @staticmethod
+    def _due(receiver: Any, cadence: Cadence, step: int) -> bool:
+        # A receiver's own `due(step)` (the run's evaluation and saving) or its `every`.
+        due = getattr(receiver, "due", None)
+        if callable(due):
+            return due(step)
+        return cadence.every is None or cadence.due(step)
 
 
 def call_hooks(receivers: list[Any], name: str, *args: Any) -> None:

@@ -4,7 +4,7 @@ The loop only orchestrates: the math is in `step.py` (pure, jitted), data in
 `jaxtrain.data`, checkpoints in `jaxtrain.checkpointing`, measurements in
 `jaxtrain.observability`. It talks to the Trainer through its public interface only (see
 trainer.py) and owns what it creates: the compiled step, the progress bar, the log, the
-batch reader. When to evaluate and save are cadences (hooks.Cadence) decided in __init__.
+batch reader. Evaluation and saving are hooks with cadences of their own (run_hooks.py).
 The device never waits for the host: step n+1 is dispatched before the metrics of step n
 are read, and metrics are read only at logging cadence (one step late).
 """
@@ -26,7 +26,8 @@ from flax import nnx
 from jaxtrain.checkpointing import RunStart, StartPlan
 from jaxtrain.observability.progress import make_progress
 from jaxtrain.state import TrainState
-from jaxtrain.training.hooks import Cadence
+from jaxtrain.training.hooks import HookSet
+from jaxtrain.training.run_hooks import EvaluationHook, SaveHook, StopState
 from jaxtrain.training.stopping import (
     Deadline,
     NonFiniteGuard,
@@ -76,9 +77,7 @@ class TrainingLoop:
         self.pending = None  # a closed logging window whose device metrics are read one step late
         self.hooks = trainer.hooks  # who hears about the run, fixed for its duration
         self.train_step = None  # compiled while the state is built; this run owns it
-        # When to evaluate and save: cadences in steps, decided here once.
-        self.eval_every = Cadence(self._eval_steps())
-        self.save_every = Cadence(self.args.save_steps)
+        self.stop = StopState()  # why the loop leaves after this step, if it does
 
     def run(self) -> TrainerOutput:
         trainer, args = self.trainer, self.args
@@ -170,16 +169,34 @@ class TrainingLoop:
         return trainer.monitor.timed(trainer.data_meter.wrap(self.prefetcher))
 
     # ------------------------------------------------------------------ loop
+    def _run_hooks(self, step: int, start: RunStart) -> tuple[EvaluationHook, SaveHook]:
+        """Evaluation and saving with their cadences (run_hooks.py). A rerun of a finished run
+        (or one killed after its last commit) adds nothing twice."""
+        evaluation = EvaluationHook(
+            self._evaluate,
+            self._eval_steps(),
+            self.total_steps,
+            self.stop,
+            enabled=self._wants_eval(),
+            evaluated_step=step if start.evaluated else -1,
+        )
+        resumed = start.resumed_from is not None
+        saving = SaveHook(
+            self.trainer,
+            self.args.save_steps,
+            self.stop,
+            evaluation,
+            saved_step=step if resumed else -1,
+        )
+        return evaluation, saving
+
     def _steps(self, state, step: int, batches, signals: StopSignals, start: RunStart):
         trainer, args, total_steps = self.trainer, self.args, self.total_steps
-        resumed = start.resumed_from is not None
-        # A rerun of a finished run (or one killed after its last commit) adds nothing twice.
-        last_eval_step = step if start.evaluated else -1
-        saved_step = step if resumed else -1
+        evaluation, saving = self._run_hooks(step, start)
+        run_hooks = HookSet([evaluation, saving])
         window = trainer.monitor.window()
         window.restart_clock()  # the first batch's wait was before the compile
         first_step = step + 1
-        last_save_time = time.monotonic()
         while step < total_steps:
             if trainer.should_stop:
                 self.stop_reason = "callback"
@@ -195,40 +212,26 @@ class TrainingLoop:
             window.add(metrics, trainer.monitor.count(host_batch))
             self._emit_pending()
             self.hooks.call("on_step_end", trainer, state, metrics, step)
-            early_stop, interval_save = self._poll_stops(step, signals, last_save_time)
-            if early_stop is not None:
-                self.stop_reason = early_stop
-            last = step == total_steps or early_stop is not None or trainer.should_stop
+            self._poll_stops(step, signals, saving.last_save_time)
+            if self.stop.reason is not None:
+                self.stop_reason = self.stop.reason
+            last = step == total_steps or self.stop.reason is not None or trainer.should_stop
             if step % args.logging_steps == 0 or last:
                 self.pending = window.close(step, epoch=trainer.train_loader.epoch(step))
             self.progress.update(step)
-
-            # The run's last step is evaluated even off the cadence; a stop saves at once.
-            eval_now = early_stop is None and (
-                self.eval_every.due(step) or (step == total_steps and self._wants_eval())
-            )
-            save_now = self.save_every.due(step) or interval_save or early_stop is not None
-            if eval_now or save_now:
+            if run_hooks.any_due(step):
                 self._emit_pending()
                 self.guard.flush()  # never evaluate or save past an unseen NaN
-                if eval_now:
-                    self._evaluate(state, step)
-                    last_eval_step = step
-                if save_now:
-                    evaluated = last_eval_step == step
-                    self.checkpoint_path = trainer.save_checkpoint(state, evaluated=evaluated)
-                    saved_step, last_save_time = step, time.monotonic()
+                run_hooks.call("on_step_end", trainer, state, metrics, step)
                 window.restart_clock()
-            if early_stop is not None:
+            if self.stop.reason is not None:
                 break
         self._emit_pending()
         self.guard.flush()
         finished = self.stop_reason in ("completed", "callback")
-        if finished and self._wants_eval() and last_eval_step != step:
-            self._evaluate(state, step)
-        if (args.save_final or not finished) and saved_step != step:
-            evaluated = last_eval_step == step
-            self.checkpoint_path = trainer.save_checkpoint(state, evaluated=evaluated)
+        evaluation.finish(state, step, finished=finished)
+        saving.finish(state, step, finished=finished, save_final=args.save_final)
+        self.checkpoint_path = saving.checkpoint_path or self.checkpoint_path
         return state, step
 
     def _finish(self, state, step: int) -> TrainerOutput:
@@ -263,22 +266,24 @@ class TrainingLoop:
         if state is not None and not any(x.is_deleted() for x in jax.tree.leaves(state.params)):
             nnx.update(self.trainer.model, state.params)
 
-    def _poll_stops(
-        self, step: int, signals: StopSignals, last_save_time: float
-    ) -> tuple[str | None, bool]:
-        """(reason to stop after this step or None, whether save_interval_minutes is due),
-        agreed by every process. With several processes the agreement is a collective that
-        waits for the step in flight, so it runs every MULTI_HOST_POLL_STEPS steps only."""
+    def _poll_stops(self, step: int, signals: StopSignals, last_save_time: float) -> None:
+        """Sets `self.stop`: the reason to stop after this step (or None) and whether
+        save_interval_minutes is due, agreed by every process. With several processes the
+        agreement is a collective that waits for the step in flight, so it runs every
+        MULTI_HOST_POLL_STEPS steps only."""
+        self.stop.reason, self.stop.interval_save_due = None, False
         if jax.process_count() > 1 and step % MULTI_HOST_POLL_STEPS:
-            return None, False
+            return
         interval = self.args.save_interval_minutes
         interval_due = interval is not None and time.monotonic() - last_save_time >= interval * 60
         signal_seen, expired, interval_due = any_process(
             [signals.received is not None, self.deadline.expired(), interval_due]
         )
+        self.stop.interval_save_due = interval_due
         if signal_seen:
-            return f"signal:{signals.received or 'SIGTERM'}", interval_due
-        return ("time_limit" if expired else None), interval_due
+            self.stop.reason = f"signal:{signals.received or 'SIGTERM'}"
+        elif expired:
+            self.stop.reason = "time_limit"
 
     def _emit_pending(self) -> None:
         """Read and write the closed logging window, if any (its step is already done)."""
