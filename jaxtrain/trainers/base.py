@@ -12,8 +12,8 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory, ShardingPlan, initialize_distributed
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
-from jaxtrain.trainers.logps import pair_mask
 from jaxtrain.training.compiler import run_compiler_options
+from jaxtrain.training.logps import pair_mask
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.trainer import Trainer
 

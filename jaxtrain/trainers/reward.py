@@ -24,7 +24,7 @@ from jaxtrain.arguments import ArgumentError
 from jaxtrain.models.lora import merge_lora
 from jaxtrain.trainers.base import PairTrainer, concrete_model
 from jaxtrain.trainers.frozen import TaskModel, freeze
-from jaxtrain.trainers.logps import pair_mask
+from jaxtrain.training.logps import pair_mask
 from jaxtrain.training.state import TrainState
 
 __all__ = ["RewardModel", "RewardTrainer"]
