@@ -31,17 +31,13 @@ from jaxtrain.training.state import TrainState
 LossSumsFn = Objective
 
 
-def causal_lm_sums(
-    logits: jax.Array, labels: jax.Array, *, shifted: bool = False
-) -> dict[str, jax.Array]:
+def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
     """Sums of next-token cross-entropy and accuracy; labels are aligned with the inputs.
 
     logits[:, t] predicts labels[:, t + 1]; positions labelled IGNORE_INDEX do not count.
-    ``shifted=True``: the labels are already the targets of the logits (logits[:, t]
-    predicts labels[:, t]). The log-probs come from ``logps.target_logps``.
+    The log-probs are ``logps.target_logps``'s.
     """
-    targets_BxT = labels if shifted else next_token_targets(labels)
-    logp_BxT, mask_BxT, top_BxT = target_logps(logits, targets_BxT)
+    logp_BxT, mask_BxT, top_BxT = target_logps(logits, next_token_targets(labels))
     return {
         "loss_sum": -logp_BxT.sum(),
         "correct": top_BxT.sum().astype(jnp.float32),
