@@ -14,7 +14,7 @@ from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.state import TrainState
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
-from jaxtrain.trainers.logps import pair_mask
+from jaxtrain.training.logps import pair_mask
 from jaxtrain.training.trainer import Trainer
 
 __all__ = ["PairTrainer", "TaskTrainer", "concrete_model", "task_runtime"]

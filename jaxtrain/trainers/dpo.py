@@ -34,9 +34,9 @@ from jaxtrain.trainers.base import (
 )
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
-from jaxtrain.trainers.logps import pair_mask, sequence_logps
+from jaxtrain.training.logps import pair_mask, sequence_logps
 
-__all__ = ["DPOArguments", "DPOTrainer", "dpo_losses", "reference_logps"]
+__all__ = ["DPOArguments", "DPOTrainer", "dpo_loss_sums", "dpo_losses", "reference_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
@@ -109,6 +109,48 @@ def pair_logps(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]
     return logps[:n], logps[n:], tokens[:n], tokens[n:]
 
 
+def dpo_loss_sums(
+    policy: Any, reference: Any, batch: dict[str, jax.Array], args: DPOArguments
+) -> dict[str, jax.Array]:
+    """The objective's sums over a batch of pairs (per pair: loss, rewards, log-probs).
+
+    The reference log-probs are the batch's precomputed columns when present, else
+    ``reference``'s (no gradient), else 0 (reference-free).
+    """
+    chosen, rejected, chosen_n, rejected_n = pair_logps(policy, batch)
+    if "reference_chosen_logps" in batch:
+        ref_chosen = batch["reference_chosen_logps"]
+        ref_rejected = batch["reference_rejected_logps"]
+    elif reference is not None:
+        ref = pair_logps(reference, batch)
+        ref_chosen, ref_rejected = jax.lax.stop_gradient(ref[0]), jax.lax.stop_gradient(ref[1])
+    else:  # reference_free
+        ref_chosen = ref_rejected = jnp.zeros_like(chosen)
+    if args.loss_type == "ipo":  # IPO compares mean per-token log-probs
+        c_n, r_n = jnp.maximum(chosen_n, 1.0), jnp.maximum(rejected_n, 1.0)
+        terms = (chosen / c_n, rejected / r_n, ref_chosen / c_n, ref_rejected / r_n)
+    else:
+        terms = (chosen, rejected, ref_chosen, ref_rejected)
+    losses = dpo_losses(
+        *terms, beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing
+    )
+    real = pair_mask(batch["labels"]).astype(jnp.float32)
+    reward_chosen = args.beta * jax.lax.stop_gradient(chosen - ref_chosen)
+    reward_rejected = args.beta * jax.lax.stop_gradient(rejected - ref_rejected)
+    won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
+    return {
+        "loss_sum": (losses * real).sum(),
+        "tokens": real.sum(),
+        "correct": won.sum(),
+        "rewards/chosen_sum": (reward_chosen * real).sum(),
+        "rewards/rejected_sum": (reward_rejected * real).sum(),
+        "rewards/margins_sum": ((reward_chosen - reward_rejected) * real).sum(),
+        "rewards/accuracies_sum": won.sum(),
+        "logps/chosen_sum": (jax.lax.stop_gradient(chosen) * real).sum(),
+        "logps/rejected_sum": (jax.lax.stop_gradient(rejected) * real).sum(),
+    }
+
+
 class DPOTrainer(PairTrainer):
     """Train a policy on (prompt, chosen, rejected) pairs with the DPO family of losses.
 
@@ -172,39 +214,7 @@ class DPOTrainer(PairTrainer):
     # ---------------------------------------------------------------- objective
     def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        args = self.dpo_args
-        chosen, rejected, chosen_n, rejected_n = pair_logps(model.model, batch)
-        if "reference_chosen_logps" in batch:
-            ref_chosen = batch["reference_chosen_logps"]
-            ref_rejected = batch["reference_rejected_logps"]
-        elif model.reference is not None:
-            ref = pair_logps(model.reference, batch)
-            ref_chosen, ref_rejected = jax.lax.stop_gradient(ref[0]), jax.lax.stop_gradient(ref[1])
-        else:  # reference_free
-            ref_chosen = ref_rejected = jnp.zeros_like(chosen)
-        if args.loss_type == "ipo":  # IPO compares mean per-token log-probs
-            c_n, r_n = jnp.maximum(chosen_n, 1.0), jnp.maximum(rejected_n, 1.0)
-            terms = (chosen / c_n, rejected / r_n, ref_chosen / c_n, ref_rejected / r_n)
-        else:
-            terms = (chosen, rejected, ref_chosen, ref_rejected)
-        losses = dpo_losses(
-            *terms, beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing
-        )
-        real = pair_mask(batch["labels"]).astype(jnp.float32)
-        reward_chosen = args.beta * jax.lax.stop_gradient(chosen - ref_chosen)
-        reward_rejected = args.beta * jax.lax.stop_gradient(rejected - ref_rejected)
-        won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
-        return {
-            "loss_sum": (losses * real).sum(),
-            "tokens": real.sum(),
-            "correct": won.sum(),
-            "rewards/chosen_sum": (reward_chosen * real).sum(),
-            "rewards/rejected_sum": (reward_rejected * real).sum(),
-            "rewards/margins_sum": ((reward_chosen - reward_rejected) * real).sum(),
-            "rewards/accuracies_sum": won.sum(),
-            "logps/chosen_sum": (jax.lax.stop_gradient(chosen) * real).sum(),
-            "logps/rejected_sum": (jax.lax.stop_gradient(rejected) * real).sum(),
-        }
+        return dpo_loss_sums(model.model, model.reference, batch, self.dpo_args)
 
     # --------------------------------------------------------------- precompute
     def _with_reference_logps(self, reference: nnx.Module, dataset: Any, tokenizer: Any) -> Any:

@@ -25,7 +25,7 @@ from jaxtrain.models.lora import merge_lora
 from jaxtrain.state import TrainState
 from jaxtrain.trainers.base import PairTrainer, concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel, freeze
-from jaxtrain.trainers.logps import pair_mask
+from jaxtrain.training.logps import pair_mask
 
 __all__ = ["RewardModel", "RewardTrainer"]
 

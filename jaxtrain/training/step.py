@@ -8,7 +8,6 @@ padded) micro-batch more than a token of a long one; this never does.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,51 +15,34 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.custom_derivatives import SymbolicZero
 
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.objective import Objective, check_loss_sums
 from jaxtrain.state import TrainState
+from jaxtrain.training.logps import (
+    chunk_tokens_for,
+    chunked_logp_sums,
+    chunks_logits,
+    next_token_targets,
+    target_logps,
+)
 
 # (model, batch, rng) -> dict of sums over the batch: the contract is in objective.py.
 LossSumsFn = Objective
 
 
-def causal_lm_sums(
-    logits: jax.Array, labels: jax.Array, *, shifted: bool = False
-) -> dict[str, jax.Array]:
+def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
     """Sums of next-token cross-entropy and accuracy; labels are aligned with the inputs.
 
     logits[:, t] predicts labels[:, t + 1]; positions labelled IGNORE_INDEX do not count.
-    ``shifted=True``: the labels are already the targets of the logits (logits[:, t]
-    predicts labels[:, t]).
+    The log-probs are ``logps.target_logps``'s.
     """
-    logits_BxTxV, targets_BxT = logits.astype(jnp.float32), labels
-    if not shifted:
-        # The last position has no target: it is masked, not sliced off. Slicing [B, T, V]
-        # logits costs a logits-sized copy forward and a pad of their gradient backward.
-        ignore = jnp.full_like(labels[:, :1], IGNORE_INDEX)
-        targets_BxT = jnp.concatenate([labels[:, 1:], ignore], axis=1)
-    mask_BxT = targets_BxT != IGNORE_INDEX
-    safe_targets = jnp.where(mask_BxT, targets_BxT, 0)
-    log_norm = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    target_logit = jnp.take_along_axis(logits_BxTxV, safe_targets[..., None], axis=-1)[..., 0]
-    nll_BxT = (log_norm - target_logit) * mask_BxT
-    # The target is the model's top guess when its logit is the maximum (ties count as right).
-    # Cheaper than argmax, which XLA:CPU does not vectorise (~2% of a small model's step).
-    correct_BxT = (target_logit >= logits_BxTxV.max(axis=-1)) & mask_BxT
+    logp_BxT, mask_BxT, top_BxT = target_logps(logits, next_token_targets(labels))
     return {
-        "loss_sum": nll_BxT.sum(),
-        "correct": correct_BxT.sum().astype(jnp.float32),
+        "loss_sum": -logp_BxT.sum(),
+        "correct": top_BxT.sum().astype(jnp.float32),
         "tokens": mask_BxT.sum().astype(jnp.float32),
     }
-
-
-# Vocabularies from this size on get the chunked loss: float32 logits of a whole batch would
-# dominate memory (vocab 49152, batch 8 x 512: 805 MB, and as much again for their gradient).
-CHUNKED_LOSS_MIN_VOCAB = 32768
-# Target float32 logits per chunk (elements): 2**24 = 64 MiB.
-CHUNK_LOGITS = 2**24
 
 
 def chunked_causal_lm_sums(
@@ -70,97 +52,17 @@ def chunked_causal_lm_sums(
     *,
     chunk_tokens: int,
 ) -> dict[str, jax.Array]:
-    """``causal_lm_sums`` from hidden states [B, T, D], ``chunk_tokens`` positions at a time.
-
-    ``project`` maps hidden states to logits (the model's output head). Each chunk's logits
-    live only inside one scan step, so no [B, T, V] array ever exists. Under differentiation
-    the same step also forms the loss's gradient for the chunk's hidden states and for the
-    head's weights (Liger's fused linear cross-entropy does the same): the backward pass only
-    scales them, where recomputing every chunk's logits there made the step of a 2-layer
-    model with a 49k vocabulary 1.29x slower than whole-batch logits (bench/RESULTS.md).
-    """
-    d = hidden.shape[-1]
-    h = hidden[:, :-1].reshape(-1, d)
-    targets = labels[:, 1:].reshape(-1)
-    n = targets.shape[0]
-    chunk_tokens = min(chunk_tokens, n)
-    chunks = -(-n // chunk_tokens)
-    pad = chunks * chunk_tokens - n
-    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(chunks, chunk_tokens, d)
-    targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_INDEX)
-    targets = targets.reshape(chunks, chunk_tokens)
-    # The head's weights become explicit arguments, so the gradient can be formed for them.
-    head, weights = jax.closure_convert(project, h[0])
-    return _fused_chunk_sums(head, h, targets, *weights)
-
-
-def _chunk_sums(head: Callable, h_c, t_c, weights) -> tuple[dict[str, jax.Array], Callable]:
-    """One chunk's sums and the vjp of those sums in (h_c, *weights), through the logits."""
-
-    def sums_of(h_c, *weights):
-        logits = head(h_c, *weights).astype(jnp.float32)
-        return causal_lm_sums(logits[:, None], t_c[:, None], shifted=True)
-
-    return jax.vjp(sums_of, h_c, *weights)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_chunk_sums(head: Callable, h, targets, *weights) -> dict[str, jax.Array]:
-    def body(carry, xs):
-        sums, _ = _chunk_sums(head, *xs, weights)
-        return jax.tree.map(jnp.add, carry, sums), None
-
-    sums, _ = jax.lax.scan(body, _zero_sums(), (h, targets))
-    return sums
-
-
-def _fused_chunk_sums_fwd(head: Callable, h, targets, *weights):
-    # With symbolic zeros each argument says whether it is differentiated: a frozen head
-    # (LoRA's base, a teacher) gets no gradient, so none is formed or accumulated for it.
-    trained = [w.perturbed for w in weights]
-    h, targets, weights = h.value, targets.value, [w.value for w in weights]
-
-    def body(carry, xs):
-        sums_acc, grads_acc = carry
-        sums, vjp = _chunk_sums(head, *xs, weights)
-        # d loss_sum only: tokens and correct are counts, not differentiable.
-        d_h, *d_weights = vjp({"loss_sum": 1.0, "correct": 0.0, "tokens": 0.0})
-        d_weights = [g for g, t in zip(d_weights, trained) if t]
-        grads_acc = [a + g.astype(jnp.float32) for a, g in zip(grads_acc, d_weights)]
-        return (jax.tree.map(jnp.add, sums_acc, sums), grads_acc), d_h
-
-    zero_grads = [jnp.zeros_like(w, jnp.float32) for w, t in zip(weights, trained) if t]
-    (sums, d_weights), d_h = jax.lax.scan(body, (_zero_sums(), zero_grads), (h, targets))
-    grads = iter(d_weights)
-    d_weights = [next(grads).astype(w.dtype) if t else None for w, t in zip(weights, trained)]
-    return sums, (d_h, d_weights)
-
-
-def _fused_chunk_sums_bwd(head: Callable, residuals, cotangent):
-    d_h, d_weights = residuals
-    scale = cotangent["loss_sum"]  # the sums are linear in it; counts carry no gradient
-    if isinstance(scale, SymbolicZero):
-        return (None, None, *(None for _ in d_weights))
-    return (
-        d_h * scale.astype(d_h.dtype),
-        None,
-        *(None if g is None else g * scale.astype(g.dtype) for g in d_weights),
-    )
-
-
-_fused_chunk_sums.defvjp(_fused_chunk_sums_fwd, _fused_chunk_sums_bwd, symbolic_zeros=True)
-
-
-def _zero_sums() -> dict[str, jax.Array]:
-    zero = jnp.zeros((), jnp.float32)
-    return {"loss_sum": zero, "correct": zero, "tokens": zero}
+    """``causal_lm_sums`` from hidden states [B, T, D], ``chunk_tokens`` positions at a time
+    (``logps.chunked_logp_sums``: no [B, T, V] logits, the gradient formed in the forward)."""
+    sums = chunked_logp_sums(hidden, project, labels, chunk_tokens=chunk_tokens)
+    return {"loss_sum": -sums["logp_sum"], "correct": sums["top"], "tokens": sums["tokens"]}
 
 
 def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
     """Default loss of the Trainer: a causal LM called as model(input_ids, ...) -> logits.
 
-    Models with ``hidden_states`` and ``output_projection`` (the Llama family) and a
-    vocabulary of at least CHUNKED_LOSS_MIN_VOCAB get the chunked loss (same sums).
+    Models for which ``logps.chunks_logits`` holds (the Llama family, a vocabulary of at
+    least CHUNKED_LOSS_MIN_VOCAB) get the chunked loss (same sums).
     Models with ``returns_aux_losses`` (mixture-of-experts) also return their auxiliary
     losses; see ``add_aux_losses``.
     """
@@ -171,11 +73,10 @@ def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax
     with_aux = bool(getattr(model, "returns_aux_losses", False))
     if with_aux:
         kwargs["return_aux"] = True
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
-    if vocab >= CHUNKED_LOSS_MIN_VOCAB and hasattr(model, "output_projection"):
+    if chunks_logits(model):
         out = model.hidden_states(batch["input_ids"], **kwargs)
         hidden, aux = out if with_aux else (out, None)
-        chunk = max(64, CHUNK_LOGITS // vocab // 64 * 64)
+        chunk = chunk_tokens_for(model.config.vocab_size)
         sums = chunked_causal_lm_sums(
             hidden, model.output_projection(), batch["labels"], chunk_tokens=chunk
         )

@@ -19,7 +19,7 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.hf import AutoModelForCausalLM
 from jaxtrain.trainers import DPOArguments, DPOTrainer, dpo_losses, reference_logps
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
-from jaxtrain.trainers.logps import token_logps
+from jaxtrain.training.logps import token_logps
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

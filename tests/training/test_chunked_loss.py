@@ -7,9 +7,15 @@ import pytest
 from flax import nnx
 
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-from jaxtrain.trainers.logps import chunked_sequence_logps, sequence_logps, token_logps
-from jaxtrain.training.step import (
+from jaxtrain.trainers.dpo import DPOArguments, dpo_loss_sums
+from jaxtrain.training import logps
+from jaxtrain.training.logps import (
     CHUNKED_LOSS_MIN_VOCAB,
+    chunked_token_logps,
+    sequence_logps,
+    token_logps,
+)
+from jaxtrain.training.step import (
     IGNORE_INDEX,
     causal_lm_loss_sums,
     causal_lm_sums,
@@ -102,9 +108,10 @@ def test_chunked_sequence_logps_equal_the_full_logits(setup):
         logp, mask = token_logps(m(ids), labels)
         return logp.sum(-1), mask.sum(-1).astype(jnp.float32)
 
-    def chunked(m, ids, labels):  # 3 chunks of 5 positions, the last padded
+    def chunked(m, ids, labels):  # 3 chunks of 10 positions, the last padded
         h = m.hidden_states(ids)
-        return chunked_sequence_logps(h, m.output_projection(), labels, chunk_positions=5)
+        logp, mask = chunked_token_logps(h, m.output_projection(), labels, chunk_tokens=10)
+        return logp.sum(-1), mask.sum(-1).astype(jnp.float32)
 
     def total(p, fn):
         logp, tokens = fn(nnx.merge(graphdef, p, rest), batch["input_ids"], batch["labels"])
@@ -121,6 +128,85 @@ def test_chunked_sequence_logps_equal_the_full_logits(setup):
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: total(p, chunked)[0]))(params).jaxpr
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     assert largest_logits(jaxpr, vocab, hidden) == B * 5 * vocab
+
+
+def test_chunked_token_logps_take_a_per_token_cotangent(setup):
+    """GRPO's case: per-token log-probs [B, T-1] weighted per token (an advantage times a
+    completion mask), chunked: the same values, mask and gradients as whole logits."""
+    model, batch = setup
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=(B, T - 1)), jnp.float32)
+
+    def chunked(m, ids, labels):  # 4 chunks of 7 positions, across the rows, the last padded
+        return chunked_token_logps(m.hidden_states(ids), m.output_projection(), labels,
+                                   chunk_tokens=7)  # fmt: skip
+
+    def total(p, fn):
+        logp, mask = fn(nnx.merge(graphdef, p, rest), batch["input_ids"], batch["labels"])
+        return (logp * weights).sum(), (logp, mask)
+
+    grad = jax.jit(jax.value_and_grad(total, has_aux=True), static_argnums=1)
+    (_, (want, want_mask)), want_g = grad(
+        params, lambda m, ids, labels: token_logps(m(ids), labels)
+    )
+    (_, (got, mask)), g = grad(params, chunked)
+    assert got.shape == mask.shape == (B, T - 1)
+    np.testing.assert_array_equal(mask, want_mask)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+
+
+def whole_logits_of(model):
+    return lambda input_ids: model(input_ids)
+
+
+def test_dpo_at_a_large_vocabulary_never_builds_whole_logits(setup, monkeypatch):
+    """DPOTrainer's objective (policy and reference) at vocab >= CHUNKED_LOSS_MIN_VOCAB: the
+    loss and gradients of whole-batch logits, without a [2N, T, V] float32 array."""
+    model, _ = setup
+    monkeypatch.setattr(logps, "CHUNK_LOGITS", 64 * CHUNKED_LOSS_MIN_VOCAB)  # 64 positions
+    n, t = 2, 65  # 2 pairs: 4 rows, 256 predicting positions, 4 chunks
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, CHUNKED_LOSS_MIN_VOCAB, (2, n, t)).astype(np.int32)
+    labels = ids.copy()
+    labels[:, :, :20] = IGNORE_INDEX  # the prompt
+    labels[1, 0, 50:] = IGNORE_INDEX  # a shorter rejected response
+    pairs = {"input_ids": ids[0], "rejected_input_ids": ids[1], "labels": labels[0],
+             "rejected_labels": labels[1]}  # fmt: skip
+    pairs = {k: jnp.asarray(v) for k, v in pairs.items()}
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ref_params = jax.tree.map(lambda x: x * 0.9, params)  # a reference that differs
+    args = DPOArguments(beta=0.5, output_dir="unused")
+
+    def loss(p, ref_p, whole):
+        policy, reference = (nnx.merge(graphdef, x, rest) for x in (p, ref_p))
+        if whole:  # plain callables, without hidden_states: whole-batch logits
+            policy, reference = (whole_logits_of(m) for m in (policy, reference))
+        sums = dpo_loss_sums(policy, reference, pairs, args)
+        return sums["loss_sum"], sums
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
+    compiled = {w: grad.lower(params, ref_params, w).compile() for w in (False, True)}
+    (want, want_sums), want_g = compiled[True](params, ref_params)
+    (got, sums), g = compiled[False](params, ref_params)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for key in want_sums:
+        np.testing.assert_allclose(sums[key], want_sums[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    whole_logits = 2 * n * t * vocab
+    chunked = jax.make_jaxpr(lambda p: jax.grad(lambda p: loss(p, ref_params, False)[0])(p))
+    assert largest_logits(chunked(params).jaxpr, vocab, hidden) == 64 * vocab
+    full = jax.make_jaxpr(lambda p: jax.grad(lambda p: loss(p, ref_params, True)[0])(p))
+    assert largest_logits(full(params).jaxpr, vocab, hidden) >= whole_logits  # can fail
+    # XLA's buffers agree: the compiled chunked program's scratch is less than one
+    # [2N, T, V] float32 array; the whole-logits program's is more.
+    temps = {w: c.memory_analysis().temp_size_in_bytes for w, c in compiled.items()}
+    print("DPO temp bytes (chunked, whole):", temps[False], temps[True])
+    assert temps[False] < 4 * whole_logits < temps[True]
 
 
 def test_fused_chunks_give_the_gradient_of_whatever_is_differentiated():

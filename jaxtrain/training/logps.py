@@ -1,0 +1,238 @@
+"""Log-probabilities of labelled tokens: the one home of the maths and of its chunking.
+
+Every objective that scores labels under a causal LM (the LM loss, SFT, distillation's
+cross-entropy, DPO, GRPO) reads them from here:
+
+- ``target_logps`` is the formula: log p(target) per position from logits [..., V];
+- ``token_logps`` applies it to a batch's whole logits [B, T, V];
+- at a large vocabulary, ``chunked_token_logps`` and ``chunked_logp_sums`` apply it to a
+  chunk of positions at a time (``_token_chunks``), projecting the hidden states to logits
+  inside one scan step, so no [B, T, V] float32 array ever exists.
+
+The two chunked functions differ only in how they are differentiated. ``chunked_token_logps``
+returns per-token log-probs [B, T-1] for any downstream weighting (DPO's per-row terms,
+GRPO's per-token advantages), so its backward pass recomputes each chunk's logits
+(jax.checkpoint). ``chunked_logp_sums`` returns their sum (the LM loss): one scalar
+cotangent scales every token alike, so the chunk's gradient is formed in the forward pass
+and the backward only scales it (0.98x the step time of whole-batch logits against 1.29x
+with recompute, bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from jaxtrain.data.collate import IGNORE_INDEX
+
+# Vocabularies from this size on get chunked log-probs: float32 logits of a whole batch
+# would dominate memory (vocab 49152, batch 8 x 512: 805 MB, and as much again for their
+# gradient).
+CHUNKED_LOSS_MIN_VOCAB = 32768
+# Target float32 logits per chunk (elements): 2**24 = 64 MiB.
+CHUNK_LOGITS = 2**24
+
+
+def target_logps(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log p(target), mask, target is the top logit), each [...], from logits [..., V].
+
+    Targets equal to IGNORE_INDEX are masked: their log-prob is 0 and they are never top.
+    """
+    logits = logits.astype(jnp.float32)
+    mask = targets != IGNORE_INDEX
+    safe = jnp.where(mask, targets, 0)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    logp = jnp.where(mask, target_logit - log_norm, 0.0)
+    # The target is the model's top guess when its logit is the maximum (ties count as right).
+    # Cheaper than argmax, which XLA:CPU does not vectorise (~2% of a small model's step).
+    top = (target_logit >= logits.max(axis=-1)) & mask
+    return logp, mask, top
+
+
+def next_token_targets(labels: jax.Array) -> jax.Array:
+    """[B, T] targets of logits [B, T, V]: labels[:, t + 1], IGNORE_INDEX at the last position.
+
+    The last position is masked, not sliced off: slicing [B, T, V] logits costs a
+    logits-sized copy forward and a pad of their gradient backward.
+    """
+    ignore = jnp.full_like(labels[:, :1], IGNORE_INDEX)
+    return jnp.concatenate([labels[:, 1:], ignore], axis=1)
+
+
+def token_logps(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(log p(label) [B, T-1] (0 where ignored), mask [B, T-1]) from whole logits [B, T, V];
+    logits[:, t] predicts labels[:, t + 1], as in the causal LM loss."""
+    logp, mask, _ = target_logps(logits, next_token_targets(labels))
+    return logp[:, :-1], mask[:, :-1]
+
+
+def chunks_logits(model: Any) -> bool:
+    """Whether `model`'s log-probs are computed a chunk at a time: a vocabulary of at least
+    CHUNKED_LOSS_MIN_VOCAB and a model that exposes ``hidden_states`` and
+    ``output_projection`` (the Llama family)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 0) or 0
+    heads = hasattr(model, "hidden_states") and hasattr(model, "output_projection")
+    return heads and vocab >= CHUNKED_LOSS_MIN_VOCAB
+
+
+def chunk_tokens_for(vocab: int) -> int:
+    """Positions per chunk: CHUNK_LOGITS float32 logits, a multiple of 64 positions."""
+    return max(64, CHUNK_LOGITS // vocab // 64 * 64)
+
+
+def model_token_logps(
+    model: Any, input_ids: jax.Array, labels: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``token_logps`` of a causal LM on ``input_ids`` (right-padded rows: causal attention
+    never lets a real token see the padding), chunked when ``chunks_logits(model)``."""
+    if chunks_logits(model):
+        hidden = model.hidden_states(input_ids)
+        chunk = chunk_tokens_for(model.config.vocab_size)
+        return chunked_token_logps(hidden, model.output_projection(), labels, chunk_tokens=chunk)
+    return token_logps(model(input_ids), labels)
+
+
+def sequence_logps(model: Any, input_ids: jax.Array, labels: jax.Array):
+    """(sum of log p over each row's labelled tokens [B], labelled token count [B])."""
+    logp, mask = model_token_logps(model, input_ids, labels)
+    return logp.sum(-1), mask.sum(-1).astype(jnp.float32)
+
+
+def pair_mask(labels: jax.Array) -> jax.Array:
+    """Rows that hold a real pair ([..., T] labels -> [...] bool); filler rows are all -100."""
+    return (labels[..., 1:] != IGNORE_INDEX).any(-1)
+
+
+# ------------------------------------------------------------------ chunked over the vocabulary
+def _token_chunks(
+    hidden: jax.Array, labels: jax.Array, chunk_tokens: int
+) -> tuple[jax.Array, jax.Array]:
+    """(hidden [C, n, D], targets [C, n]): the B * (T-1) predicting positions, flattened and
+    padded (with ignored targets) to C chunks of n <= chunk_tokens positions."""
+    d = hidden.shape[-1]
+    h = hidden[:, :-1].reshape(-1, d)
+    targets = labels[:, 1:].reshape(-1)
+    n = targets.shape[0]
+    chunk_tokens = min(chunk_tokens, n)
+    chunks = -(-n // chunk_tokens)
+    pad = chunks * chunk_tokens - n
+    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(chunks, chunk_tokens, d)
+    targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_INDEX)
+    return h, targets.reshape(chunks, chunk_tokens)
+
+
+def _chunk_logps(head: Callable, h_c, t_c, *weights) -> tuple[jax.Array, ...]:
+    """``target_logps`` of one chunk: the only place a chunk's logits exist."""
+    return target_logps(head(h_c, *weights), t_c)
+
+
+def chunked_token_logps(
+    hidden: jax.Array,
+    project: Callable[[jax.Array], jax.Array],
+    labels: jax.Array,
+    *,
+    chunk_tokens: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``token_logps`` from hidden states [B, T, D], ``chunk_tokens`` positions at a time.
+
+    ``project`` maps hidden states to logits (the model's output head). Differentiable for
+    any cotangent: the backward pass recomputes each chunk's logits.
+    """
+    b, t, _ = hidden.shape
+    h, targets = _token_chunks(hidden, labels, chunk_tokens)
+    head, weights = jax.closure_convert(project, h[0])
+    chunk_logps = jax.checkpoint(_chunk_logps, static_argnums=(0,))
+
+    def body(carry, xs):
+        return carry, chunk_logps(head, *xs, *weights)[0]
+
+    _, logp = jax.lax.scan(body, None, (h, targets))
+    logp = logp.reshape(-1)[: b * (t - 1)].reshape(b, t - 1)
+    return logp, labels[:, 1:] != IGNORE_INDEX
+
+
+def chunked_logp_sums(
+    hidden: jax.Array,
+    project: Callable[[jax.Array], jax.Array],
+    labels: jax.Array,
+    *,
+    chunk_tokens: int,
+) -> dict[str, jax.Array]:
+    """Sums over ``chunked_token_logps``: {"logp_sum", "top" (targets that are the top
+    logit), "tokens"}, with the gradient of "logp_sum" formed in the forward pass.
+
+    Each chunk's vjp is taken where its logits exist, for the hidden states and for the
+    head's weights (Liger's fused linear cross-entropy does the same); the backward pass
+    only scales them by the one scalar cotangent.
+    """
+    h, targets = _token_chunks(hidden, labels, chunk_tokens)
+    # The head's weights become explicit arguments, so the gradient can be formed for them.
+    head, weights = jax.closure_convert(project, h[0])
+    return _fused_logp_sums(head, h, targets, *weights)
+
+
+def _chunk_sums(head: Callable, h_c, t_c, *weights) -> dict[str, jax.Array]:
+    logp, mask, top = _chunk_logps(head, h_c, t_c, *weights)
+    return {
+        "logp_sum": logp.sum(),
+        "top": top.sum().astype(jnp.float32),
+        "tokens": mask.sum().astype(jnp.float32),
+    }
+
+
+def _zero_sums() -> dict[str, jax.Array]:
+    zero = jnp.zeros((), jnp.float32)
+    return {"logp_sum": zero, "top": zero, "tokens": zero}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_logp_sums(head: Callable, h, targets, *weights) -> dict[str, jax.Array]:
+    def body(carry, xs):
+        return jax.tree.map(jnp.add, carry, _chunk_sums(head, *xs, *weights)), None
+
+    sums, _ = jax.lax.scan(body, _zero_sums(), (h, targets))
+    return sums
+
+
+def _fused_logp_sums_fwd(head: Callable, h, targets, *weights):
+    # With symbolic zeros each argument says whether it is differentiated: a frozen head
+    # (LoRA's base, a teacher) gets no gradient, so none is formed or accumulated for it.
+    trained = [w.perturbed for w in weights]
+    h, targets, weights = h.value, targets.value, [w.value for w in weights]
+
+    def body(carry, xs):
+        sums_acc, grads_acc = carry
+        h_c, t_c = xs
+        sums, vjp = jax.vjp(lambda h_c, *w: _chunk_sums(head, h_c, t_c, *w), h_c, *weights)
+        # d logp_sum only: tokens and top are counts, not differentiable.
+        d_h, *d_weights = vjp({"logp_sum": 1.0, "top": 0.0, "tokens": 0.0})
+        d_weights = [g for g, t in zip(d_weights, trained) if t]
+        grads_acc = [a + g.astype(jnp.float32) for a, g in zip(grads_acc, d_weights)]
+        return (jax.tree.map(jnp.add, sums_acc, sums), grads_acc), d_h
+
+    zero_grads = [jnp.zeros_like(w, jnp.float32) for w, t in zip(weights, trained) if t]
+    (sums, d_weights), d_h = jax.lax.scan(body, (_zero_sums(), zero_grads), (h, targets))
+    grads = iter(d_weights)
+    d_weights = [next(grads).astype(w.dtype) if t else None for w, t in zip(weights, trained)]
+    return sums, (d_h, d_weights)
+
+
+def _fused_logp_sums_bwd(head: Callable, residuals, cotangent):
+    d_h, d_weights = residuals
+    scale = cotangent["logp_sum"]  # the sums are linear in it; counts carry no gradient
+    if isinstance(scale, SymbolicZero):
+        return (None, None, *(None for _ in d_weights))
+    return (
+        d_h * scale.astype(d_h.dtype),
+        None,
+        *(None if g is None else g * scale.astype(g.dtype) for g in d_weights),
+    )
+
+
+_fused_logp_sums.defvjp(_fused_logp_sums_fwd, _fused_logp_sums_bwd, symbolic_zeros=True)
