@@ -1,14 +1,16 @@
 """RunMonitor: everything the loop reports about a run, behind a few calls.
 
-The Trainer owns one and calls it at a handful of points:
+The Trainer creates one (trackers are checked then) and the loop calls it at these points:
 
-    monitor = RunMonitor(args, model_config=..., num_parameters=...)  # checks trackers
-    log = monitor.open(out_dir, start_step)      # starts trackers; log.write fans out
-    batches = monitor.timed(batches)             # data wait time
-    window = monitor.window()                    # throughput, TFLOP/s, MFU
-    window.add(metrics, monitor.count(batch))
-    step_fn = monitor.jit(fn, "train_step", progress=progress, donate_argnums=0)
-    logs = monitor.step_logs(window_stats.read())  # + memory
+    log = monitor.open(out_dir, start_step, tracker_state)   # trackers start (process 0);
+                                                             # log.write(step, values) fans out
+    step = monitor.jit(fn, "train_step", progress=bar, ...)  # a TrackedJit: every compile is
+                                                             # timed, logged and checked
+    batches = monitor.timed(batches)             # the data wait is timed
+    monitor.first_step_done(state)               # time to the first step; run_info.json
+    window = monitor.window()                    # throughput, TFLOP/s, MFU of a log window
+    window.add(metrics, monitor.count(host_batch))
+    logs = monitor.step_logs(window.close(...).read())   # + memory, + a stale CPU peak probed
     monitor.progress_fields(logs)                # what the progress bar shows
     monitor.tracker_state()                      # stored in checkpoints ("trackers")
 

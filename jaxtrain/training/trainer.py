@@ -1,16 +1,19 @@
-"""The Trainer: wires arguments, model, mesh, data, optimizer and checkpoints.
+"""The Trainer: a run's model, data, optimizer and checkpoints, in the run's environment.
 
-`train()` hands one run to `loop.TrainingLoop`; the math lives in `step.py` (pure, jitted),
-data in `jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in
-`jaxtrain.checkpointing` (the Trainer's side of them, where a run starts, saving and loading,
-in trainer_checkpoints.py), and measurements in `jaxtrain.observability`. Subclasses change
-the objective through `compute_loss_sums` / `loss_normalizer` (the contract is in
-objective.py) and react to the run through the TrainerCallback hooks.
+`__init__` reads top to bottom as the start of a run: the runtime (cluster, mesh, sharding
+plan, XLA options: jaxtrain.runtime), the model adopted onto it, the data loaders (checked
+before anything compiles), the optimizer, the checkpoints and the monitor. `train()` hands one
+run to `loop.TrainingLoop`; the math lives in `step.py` and `logps.py` (pure, jitted), data in
+`jaxtrain.data`, sharding in `jaxtrain.parallel`, checkpoints in `jaxtrain.checkpointing` (the
+Trainer's side of them, where a run starts, saving and loading, in trainer_checkpoints.py),
+and measurements in `jaxtrain.observability`. Subclasses change the objective through
+`compute_loss_sums` / `loss_normalizer` (the contract is in jaxtrain/objective.py) and react
+to the run through the TrainerCallback hooks.
 
 What the loop uses, and nothing else: `monitor`, `hooks`, `checkpoints`, `plan_start()`,
-`start_state()`, `abstract_state()`, `compile_train_step()`, `global_batches()`,
-`save_checkpoint()`, `evaluate()`, and public attributes (`arguments`, `model`, `mesh`,
-`train_loader`, `data_meter`, `should_stop`, ...).
+`stage_state()`, `start_state()`, `abstract_state()`, `lower_train_step()`,
+`global_batches()`, `save_checkpoint()`, `evaluate()`, and public attributes (`arguments`,
+`model`, `mesh`, `train_loader`, `data_meter`, `should_stop`, ...).
 """
 
 from __future__ import annotations
