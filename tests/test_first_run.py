@@ -90,6 +90,40 @@ def test_prefetch_batches_zero_is_refused_at_construction():
         TrainingArguments(prefetch_batches=0)
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_prefetch_batches_is_how_far_the_trainer_reads_ahead(tmp_path, ahead):
+    """While the loop holds one batch, the reader has `prefetch_batches` more placed on the
+    mesh and one in hand waiting for room: it has pulled 2 + prefetch_batches host batches."""
+    import threading
+    import time
+
+    trainer = Trainer(arguments=args(tmp_path, prefetch_batches=ahead), model=tiny_model())
+    pulled = []
+    lock = threading.Lock()
+
+    def host_batches():
+        for i in range(20):
+            with lock:
+                pulled.append(i)
+            yield {"input_ids": np.full((4, 8), i, np.int32)}, i
+
+    batches = trainer.global_batches(host_batches(), micro_axis=False)
+    try:
+        (_, first), extra = next(batches)
+        assert extra == 0 and int(first["input_ids"][0, 0]) == 0
+        deadline, seen = time.monotonic() + 10, -1
+        while time.monotonic() < deadline:  # until the reader stops for lack of room
+            time.sleep(0.2)
+            with lock:
+                now = len(pulled)
+            if now == seen:
+                break
+            seen = now
+        assert seen == 2 + ahead
+    finally:
+        batches.close()
+
+
 # ------------------------------------------------------------ 4: pad token fallback
 def test_a_tokenizer_without_pad_pads_with_eos_and_says_so(tmp_path, caplog):
     tokenizer = word_tokenizer(eos_token="</s>")

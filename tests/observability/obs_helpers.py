@@ -47,6 +47,7 @@ def obs_arguments(output_dir: str | Path, **overrides) -> TrainingArguments:
         max_eval_batches=2,
         progress_bar="none",
         report_to=["tensorboard", "wandb", "mlflow"],
+        project_name="obs-project",  # the MLflow experiment and the W&B project
         weight_distribution_log_steps=3,
         track_memory=True,
     )

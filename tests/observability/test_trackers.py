@@ -51,14 +51,13 @@ def read_tensorboard(logdir: Path):
     return scalars, histograms
 
 
-def read_wandb_history(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """{key: [(step, value)]} of a .wandb file: a 7-byte W&B header, then LevelDB-log blocks
-    of 32 KiB whose records (u32 crc, u16 length, u8 type: 1 full, 2 first, 3 middle,
-    4 last) hold `Record` protos."""
+def read_wandb_records(path: Path):
+    """The `Record` protos of a .wandb file: a 7-byte W&B header, then LevelDB-log blocks of
+    32 KiB whose records (u32 crc, u16 length, u8 type: 1 full, 2 first, 3 middle, 4 last)
+    hold them."""
     from wandb.proto import wandb_internal_pb2
 
     data, pos, block, pending = path.read_bytes(), 7, 32768, b""
-    history = defaultdict(list)
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
@@ -67,12 +66,18 @@ def read_wandb_history(path: Path) -> dict[str, list[tuple[int, float]]]:
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
-            record = wandb_internal_pb2.Record.FromString(pending)
+            yield wandb_internal_pb2.Record.FromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                for item in record.history.item:
-                    key = item.key or "/".join(item.nested_key)
-                    history[key].append((record.history.step.num, json.loads(item.value_json)))
+
+
+def read_wandb_history(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """{key: [(step, value)]} of a .wandb file's history records."""
+    history = defaultdict(list)
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                history[key].append((record.history.step.num, json.loads(item.value_json)))
     return history
 
 
@@ -184,3 +189,19 @@ def test_every_tracker_holds_the_compile_records_in_the_run_it_opened(resumed_ru
     compiles = [read_wandb_history(next(r.glob("*.wandb"))) for r in wandb_runs]
     assert [s for h in compiles for s, _ in h["compile/train_step_s"]] == [0, 6]
     assert [s for h in compiles for s, _ in h["loss"]] == LOG_STEPS
+
+
+def test_project_name_names_the_mlflow_experiment_and_the_wandb_project(resumed_run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(resumed_run.out_dir / "mlruns").as_uri())
+    run = client.get_run(resumed_run.first_state["mlflow"]["run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "obs-project"
+    wandb_id = resumed_run.first_state["wandb"]["run_id"]
+    run_dir = next((resumed_run.out_dir / "wandb").glob(f"offline-run-*-{wandb_id}"))
+    projects = {
+        record.run.project
+        for record in read_wandb_records(next(run_dir.glob("*.wandb")))
+        if record.WhichOneof("record_type") == "run"
+    }
+    assert projects == {"obs-project"}

@@ -276,3 +276,43 @@ def test_unknown_optimizer_lists_valid_names():
 def test_bad_optimizer_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_optimizer("adamw", 1e-3, {"w": jnp.zeros((2, 2))}, **kwargs)
+
+
+def test_adam_betas_and_epsilon_reach_the_trainer_s_optimizer(tmp_path):
+    # TrainingArguments.adam_beta1/adam_beta2/adam_epsilon: the Trainer's AdamW makes the
+    # updates optax.adamw makes with those values (and not with the defaults).
+    from tiny_run import tiny_arguments, tiny_model
+
+    from jaxtrain import Trainer
+
+    hyper = dict(adam_beta1=0.5, adam_beta2=0.6, adam_epsilon=1e-2)
+    arguments = tiny_arguments(
+        str(tmp_path),
+        optimizer="adamw",
+        scheduler="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        clip_grad=None,
+        **hyper,
+    )
+    trainer = Trainer(arguments=arguments, model=tiny_model())
+    params = trainer.create_state().params
+    grads = [
+        jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i), p.shape), params)
+        for i in range(3)
+    ]
+
+    def updates(tx):
+        state, out = tx.init(params), []
+        for g in grads:
+            u, state = tx.update(g, state, params)
+            out.append(u)
+        return jax.tree.leaves(out)
+
+    lr = arguments.learning_rate
+    expected = updates(optax.adamw(lr, b1=0.5, b2=0.6, eps=1e-2, weight_decay=0.0))
+    defaults = updates(optax.adamw(lr, weight_decay=0.0))
+    got = updates(trainer.optimizer)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+    assert any(not np.allclose(a, b, rtol=1e-3) for a, b in zip(got, defaults, strict=True))
