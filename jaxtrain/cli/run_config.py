@@ -201,13 +201,17 @@ def _merge(config: dict[str, Any], update: dict[str, Any]) -> None:
             config[key] = value
 
 
-def split_config(config: dict[str, Any]) -> tuple[TrainingArguments, dict, dict, dict]:
+def split_config(
+    config: dict[str, Any], source: str = "the config"
+) -> tuple[TrainingArguments, dict, dict, dict]:
     """-> (TrainingArguments, model section, data section, sample section), all validated."""
-    from jaxtrain.trainers.tasks import task_classes
+    from jaxtrain.task_arguments import check_task_fields, task_arguments_class
 
     fields = {k: v for k, v in config.items() if k not in SECTIONS and k != "task"}
     # `task` (sft, dpo, reward, distill) picks the arguments class: DPOArguments has beta...
-    arguments_class, _ = task_classes(str(config.get("task") or "lm"))
+    task = str(config.get("task") or "lm")
+    arguments_class = task_arguments_class(task)
+    check_task_fields(list(fields), task, source)
     args = arguments_class.from_dict(fields, source="config")
     model = typed_model_section(config.get("model") or {})
     data = typed_section(config.get("data") or {}, DATA_KEYS, "data")
