@@ -39,10 +39,10 @@ def worker(variant: str, vocab: int, steps: int) -> dict:
     from flax import nnx
 
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+    from jaxtrain.state import TrainState
     from jaxtrain.trainers.dpo import DPOArguments, dpo_loss_sums
     from jaxtrain.trainers.frozen import TaskModel
     from jaxtrain.training.logps import pair_mask
-    from jaxtrain.state import TrainState
     from jaxtrain.training.step import (
         causal_lm_loss_sums,
         causal_lm_sums,

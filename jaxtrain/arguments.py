@@ -235,14 +235,23 @@ class TrainingArguments:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, source: str = "arguments") -> TrainingArguments:
+    def from_dict(
+        cls,
+        values: dict[str, Any],
+        *,
+        source: str = "arguments",
+        sources: dict[str, str] | None = None,
+    ) -> TrainingArguments:
+        """Fields from a mapping, each parsed by its declared type; an error names where the
+        value came from: `sources[field]` (a config file, the command line) else `source`."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = [k for k in values if k not in known]
         if unknown:
             raise unknown_fields_error(unknown, list(known), source)
         hints_by_name = typing.get_type_hints(cls)
         coerced = {
-            k: coerce_value(hints_by_name[k], v, field=k, source=source) for k, v in values.items()
+            k: coerce_value(hints_by_name[k], v, field=k, source=(sources or {}).get(k, source))
+            for k, v in values.items()
         }
         return cls(**coerced)
 

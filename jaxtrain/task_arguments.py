@@ -54,7 +54,7 @@ class DPOArguments(TrainingArguments):
     precompute_reference_logps: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        # The task's own checks first: the base's end in the subsystems' (heavy imports).
         if self.loss_type not in DPO_LOSS_TYPES:
             raise ArgumentError(
                 f"DPOArguments.loss_type={self.loss_type!r} is not one of {DPO_LOSS_TYPES}."
@@ -67,6 +67,7 @@ class DPOArguments(TrainingArguments):
             )
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ArgumentError("DPOArguments.label_smoothing applies to loss_type='sigmoid' only.")
+        super().__post_init__()
 
 
 @dataclasses.dataclass
@@ -77,7 +78,6 @@ class DistillationArguments(TrainingArguments):
     distill_temperature: float = 2.0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if not 0 <= self.distill_alpha <= 1:
             raise ArgumentError(
                 f"DistillationArguments.distill_alpha must be in [0, 1], got {self.distill_alpha!r}."
@@ -87,6 +87,7 @@ class DistillationArguments(TrainingArguments):
                 "DistillationArguments.distill_temperature must be > 0, got "
                 f"{self.distill_temperature!r}."
             )
+        super().__post_init__()
 
 
 # `--task` -> its arguments class (the trainer classes: jaxtrain.trainers.tasks.TASKS).

@@ -56,7 +56,6 @@ def test_every_seed_name_of_the_table_is_in_the_readme_section():
     assert set(SEED_ARGUMENT_NAMES) <= listed, set(SEED_ARGUMENT_NAMES) - listed
 
 
-
 def test_a_dpo_config_given_to_the_reward_task_names_which_keys_belong_to_which_task(
     tmp_path, capsys
 ):

@@ -71,7 +71,11 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
         "tune": cmd_tune,
     }
     if command not in commands:
-        print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        import difflib
+
+        close = difflib.get_close_matches(command, list(commands), n=1)
+        hint = f" Did you mean `jaxtrain {close[0]}`?" if close else ""
+        print(f"jaxtrain: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     try:
         return commands[command](rest)

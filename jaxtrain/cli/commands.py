@@ -25,7 +25,9 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     path, rest = split_positional([t for t in tokens if t != "--dry_run"])
     config, sources = resolve_config_with_sources(path, parse_overrides(rest))
     try:
-        args, model_section, data, sample = split_config(config, path or "the command line")
+        args, model_section, data, sample = split_config(
+            config, path or "the command line", sources
+        )
     except ArgumentError as err:
         raise explain_source(err, sources) from None
     from jaxtrain.cli.task import task_trainer
