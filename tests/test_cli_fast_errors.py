@@ -80,3 +80,16 @@ def test_exports_are_git_ignored():
         ["git", "check-ignore", "-q", "exports/demo/model.safetensors"], cwd=ROOT
     )
     assert result.returncode == 0
+
+
+def test_a_missing_local_path_is_not_called_a_hub_id(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "data").mkdir()
+    assert main(["train", "--model.pretrained", "models/Missing", "--max_steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "models/Missing: no such directory" in err and "Hub id" not in err
+    argv = ["train", "--data.source", "files", "--data.train_files", "data/x.jsonl"]
+    assert main([*argv, "--data.tokenizer", "data/tok", "--warmup_steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "data.tokenizer='data/tok': no such directory" in err and "Hub" not in err
