@@ -23,6 +23,24 @@ from jaxtrain.argument_checks import (  # noqa: F401 - the constants' old import
 )
 from jaxtrain.config_values import coerce_value, read_config_file  # noqa: F401 - old path
 from jaxtrain.errors import ArgumentError
+from jaxtrain.seed_names import seed_name_hint
+
+
+def unknown_fields_error(unknown: list[str], known: list[str], source: str) -> ArgumentError:
+    """The error for field names TrainingArguments lacks: an EasyDeL name is answered with
+    its jaxtrain spelling (jaxtrain.seed_names), any other with the closest field."""
+    seeds = [hint for hint in map(seed_name_hint, unknown) if hint]
+    others = [key for key in unknown if not seed_name_hint(key)]
+    hints = []
+    for key in others:
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    lines = [
+        f"Unknown TrainingArguments field(s) in {source}: {', '.join(hints)}. "
+        "Remove them or fix the spelling."
+    ] if hints else []  # fmt: skip
+    lines += [f"{hint}; rename or remove it in {source}." for hint in seeds]
+    return ArgumentError(" ".join(lines))
 
 
 @dataclasses.dataclass
@@ -177,6 +195,15 @@ class TrainingArguments:
     # Give up (DistributedError, exit code 2) when the cluster is not formed within this time.
     distributed_timeout_s: float = 300.0
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
+        # Unknown keyword arguments get the same answer as unknown config keys (an EasyDeL
+        # name gets its jaxtrain spelling) instead of the dataclass __init__'s TypeError.
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            raise unknown_fields_error(unknown, known, "keyword arguments")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         self.optimizer = self.optimizer.lower()
         if isinstance(self.report_to, str):
@@ -208,21 +235,23 @@ class TrainingArguments:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, source: str = "arguments") -> TrainingArguments:
+    def from_dict(
+        cls,
+        values: dict[str, Any],
+        *,
+        source: str = "arguments",
+        sources: dict[str, str] | None = None,
+    ) -> TrainingArguments:
+        """Fields from a mapping, each parsed by its declared type; an error names where the
+        value came from: `sources[field]` (a config file, the command line) else `source`."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = [k for k in values if k not in known]
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, known, n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ArgumentError(
-                f"Unknown TrainingArguments field(s) in {source}: {', '.join(hints)}. "
-                "Remove them or fix the spelling."
-            )
+            raise unknown_fields_error(unknown, list(known), source)
         hints_by_name = typing.get_type_hints(cls)
         coerced = {
-            k: coerce_value(hints_by_name[k], v, field=k, source=source) for k, v in values.items()
+            k: coerce_value(hints_by_name[k], v, field=k, source=(sources or {}).get(k, source))
+            for k, v in values.items()
         }
         return cls(**coerced)
 

@@ -21,13 +21,31 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text()
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ArgumentError(f"Config file {path} is not valid YAML/JSON: {err}") from err
+    except json.JSONDecodeError as err:
+        raise ArgumentError(
+            f"Config file {path}, line {err.lineno}, column {err.colno}: not valid JSON "
+            f"({err.msg})."
+        ) from None
+    except yaml.YAMLError as err:
+        raise ArgumentError(yaml_error_line(path, text, err)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ArgumentError(f"Config file {path} must hold a mapping of field: value at top level.")
     return data
+
+
+def yaml_error_line(path: Path, text: str, err: yaml.YAMLError) -> str:
+    """One line naming the file, the line and what is wrong (YAML's own is several lines)."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"Config file {path}"
+    if mark is not None:
+        where += f", line {mark.line + 1}, column {mark.column + 1}"
+        line = text.splitlines()[mark.line] if mark.line < len(text.splitlines()) else ""
+        if "\t" in line or "\t" in (getattr(err, "problem", "") or ""):
+            return f"{where}: a tab character; YAML indents with spaces only. Replace it."
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    return f"{where}: not valid YAML ({problem})."
 
 
 _TRUE = {"true", "1", "yes", "on"}

@@ -45,8 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command in COMMANDS and any(t in ("-h", "--help") for t in rest):
         from jaxtrain.cli.help import command_help
+        from jaxtrain.errors import ArgumentError
 
-        print(command_help(command))
+        try:
+            print(command_help(command, rest))
+        except ArgumentError as err:  # e.g. --task with no such task
+            print(f"jaxtrain {command}: error: {err}", file=sys.stderr)
+            return err.exit_code
         return 0
     from jaxtrain import interrupts
 
@@ -71,7 +76,11 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
         "tune": cmd_tune,
     }
     if command not in commands:
-        print(f"jaxtrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        import difflib
+
+        close = difflib.get_close_matches(command, list(commands), n=1)
+        hint = f" Did you mean `jaxtrain {close[0]}`?" if close else ""
+        print(f"jaxtrain: unknown command {command!r}.{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     try:
         return commands[command](rest)

@@ -25,7 +25,9 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     path, rest = split_positional([t for t in tokens if t != "--dry_run"])
     config, sources = resolve_config_with_sources(path, parse_overrides(rest))
     try:
-        args, model_section, data, sample = split_config(config)
+        args, model_section, data, sample = split_config(
+            config, path or "the command line", sources
+        )
     except ArgumentError as err:
         raise explain_source(err, sources) from None
     from jaxtrain.cli.task import task_trainer
@@ -164,7 +166,15 @@ def cmd_sample(tokens: list[str]) -> int:
     tokenizer = run.sections.tokenizer
     if tokenizer is None:
         raise ArgumentError("the run directory has no tokenizer/ to encode the prompt.")
-    print_sample(run.trainer.model_from_state(run.state), tokenizer, sample)
+    dataset = None
+    if sample.get("prompt") is None:
+        # The end-of-run sample's prompt: the first row of the run's eval (else train) data.
+        from jaxtrain.cli.run_dir import build_data
+
+        train, evaluation, _ = build_data(run.sections.data, run.sections.args.max_sequence_length)
+        dataset = evaluation if evaluation is not None else train
+    model = run.trainer.model_from_state(run.state)
+    print_sample(model, tokenizer, sample, dataset, run.sections.args)
     return EXIT_OK
 
 

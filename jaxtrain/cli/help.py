@@ -120,11 +120,19 @@ def _entry(flag: str, kind: str, default: Any, doc: str) -> str:
     return head + (f"\n      {doc}" if doc else "")
 
 
-def dataclass_help(cls: type, prefix: str = "", choices: dict[str, tuple] | None = None) -> str:
+def dataclass_help(
+    cls: type,
+    prefix: str = "",
+    choices: dict[str, tuple] | None = None,
+    only: set[str] | None = None,
+) -> str:
+    """Every field of `cls` (or those in `only`) with its type, default and doc."""
     hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
+    docs = inherited_docs(cls)
     entries = []
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -138,6 +146,33 @@ def dataclass_help(cls: type, prefix: str = "", choices: dict[str, tuple] | None
     return "\n".join(entries)
 
 
+def inherited_docs(cls: type) -> dict[str, str]:
+    """field_docs of `cls` and of every dataclass it inherits from (a task's arguments class
+    documents only its own fields; the rest are TrainingArguments')."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update({k: v for k, v in field_docs(klass).items() if v})
+    return docs
+
+
+def task_fields_help(task: str | None) -> str:
+    """The fields a task adds to TrainingArguments: of `task`, or of every task."""
+    from jaxtrain.arguments import TrainingArguments
+    from jaxtrain.task_arguments import DPO_LOSS_TYPES, TASK_ARGUMENTS
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    blocks = []
+    for name, cls in TASK_ARGUMENTS.items():
+        extra = {f.name for f in dataclasses.fields(cls)} - base
+        if extra and task in (None, name):
+            blocks.append(
+                f"--task {name} ({cls.__name__}: top level of CONFIG or --field value):\n"
+                + dataclass_help(cls, choices={"loss_type": DPO_LOSS_TYPES}, only=extra)
+            )
+    return "\n\n".join(blocks)
+
+
 def schema_help(schema: dict[str, type], docs: dict[str, str], prefix: str, defaults: dict) -> str:
     return "\n".join(
         _entry(
@@ -147,13 +182,17 @@ def schema_help(schema: dict[str, type], docs: dict[str, str], prefix: str, defa
     )
 
 
-def train_help() -> str:
+def train_help(task: str | None = None) -> str:
+    """`jaxtrain train [--task TASK] --help`: with a task, its arguments class's fields."""
     from jaxtrain import argument_checks as checks
     from jaxtrain.arguments import TrainingArguments
     from jaxtrain.cli import run_config
     from jaxtrain.data.collate import TRUNCATION_MODES
     from jaxtrain.models import REMAT_POLICIES, LlamaConfig
+    from jaxtrain.task_arguments import DPO_LOSS_TYPES, task_arguments_class
     from jaxtrain.training.optim import OPTIMIZERS, SCHEDULERS
+
+    arguments_class = TrainingArguments if task is None else task_arguments_class(task)
 
     choices = {
         "optimizer": OPTIMIZERS,
@@ -166,10 +205,20 @@ def train_help() -> str:
         "truncation_mode": TRUNCATION_MODES,
         "on_nan": checks.ON_NAN,
         "report_to": checks.REPORT_TO,
+        "loss_type": DPO_LOSS_TYPES,
     }
     demo = run_config.DEFAULT_CONFIG
-    return f"""usage: jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value]
+    which = "" if task is None else f" --task {task}"
+    task_fields = task_fields_help(task)
+    task_text = (
+        f"Task fields ({'every task' if task is None else 'this task'}; "
+        f"`jaxtrain train --task TASK --help` shows one):\n{task_fields}\n\n"
+        if task_fields
+        else ""
+    )
+    return f"""usage: jaxtrain train{which} [CONFIG.yaml|json] [--field value ...] [--model.field value]
                       [--data.field value] [--sample.field value] [--dry_run]
+                      [--task lm|sft|dpo|reward|distill]
 
 Train a model. With no CONFIG and no --model.pretrained the demo's settings are the base
 (a small Llama on the embedded corpus: `jaxtrain train` alone runs the demo); with a CONFIG
@@ -181,9 +230,13 @@ override the file. Values are written `--field value` or `--field=value`; lists 
   -h, --help
       Show this message.
 
-TrainingArguments (--field value, or `field: value` at the top of CONFIG):
-{dataclass_help(TrainingArguments, choices=choices)}
+  --task STR  (default: 'lm')
+      The trainer: lm, sft, dpo, reward or distill (distill: --teacher.pretrained DIR).
 
+{arguments_class.__name__} (--field value, or `field: value` at the top of CONFIG):
+{dataclass_help(arguments_class, choices=choices, only=base_fields(arguments_class))}
+
+{task_text}
 model section (--model.field value; LlamaConfig fields; vocab_size and special token ids
 follow the tokenizer unless set):
   --model.pretrained DIR
@@ -198,10 +251,29 @@ sample section (--sample.field value; the sample printed when training ends):
 """
 
 
-def command_help(command: str) -> str:
-    """`jaxtrain COMMAND --help`."""
+def base_fields(cls: type) -> set[str]:
+    """The TrainingArguments fields of `cls` (its defaults may differ: SFTArguments)."""
+    from jaxtrain.arguments import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)} & {
+        f.name for f in dataclasses.fields(cls)
+    }
+
+
+def task_of(tokens: list[str]) -> str | None:
+    """The value of `--task X` / `--task=X` among `tokens`, else None."""
+    for index, token in enumerate(tokens):
+        if token.startswith("--task="):
+            return token.split("=", 1)[1]
+        if token == "--task" and index + 1 < len(tokens):
+            return tokens[index + 1]
+    return None
+
+
+def command_help(command: str, tokens: list[str] | None = None) -> str:
+    """`jaxtrain COMMAND --help` (`tokens`: the rest of the line, e.g. `--task dpo`)."""
     if command == "train":
-        return train_help()
+        return train_help(task_of(tokens or []))
     from jaxtrain.cli import run_config
 
     sample = schema_help(run_config.SAMPLE_KEYS, schema_docs(run_config, "SAMPLE_KEYS"), "", {})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxtrain.cli.launch_options import RAY_OPTIONS, SLURM_OPTIONS, TUNE_OPTIONS, options_help
 from jaxtrain.errors import ArgumentError
 
 LAUNCH_USAGE = """usage:
@@ -29,29 +30,31 @@ TUNE_USAGE = """usage:
   SPACE: loguniform(a,b) uniform(a,b) quniform(a,b,q) randint(a,b) choice(x,y,..) grid(x,y,..)
 """
 
-_RAY_OPTIONS = {
-    "address": str,
-    "num_processes": int,
-    "devices_per_process": int,
-    "cpus_per_process": float,
-    "gpus_per_process": float,
-    "max_restarts": int,
-    "placement_strategy": str,
-    "teardown_timeout_s": float,
-    "start_timeout_s": float,
-}
-_SLURM_OPTIONS = {
-    "nodes": int,
-    "tasks_per_node": int,
-    "cpus_per_task": int,
-    "gpus_per_task": int,
-    "time": str,
-    "partition": str,
-    "account": str,
-    "job_name": str,
-    "output": str,
-    "setup": list,
-}
+_RAY_OPTIONS = {name: option.kind for name, option in RAY_OPTIONS.items()}
+_SLURM_OPTIONS = {name: option.kind for name, option in SLURM_OPTIONS.items()}
+
+
+def launch_help() -> str:
+    """`jaxtrain launch --help`: the usage, then every option with its type, default, doc."""
+    return (
+        f"{LAUNCH_USAGE}\nRun a jaxtrain COMMAND as one JAX process per Ray actor or SLURM task.\n\n"
+        f"--ray options:\n{options_help(RAY_OPTIONS)}\n\n"
+        f"--slurm options (the sbatch script is printed, or submitted with --submit):\n"
+        f"{options_help(SLURM_OPTIONS)}\n"
+        "  --submit\n      Submit the script with sbatch instead of printing it.\n"
+    )
+
+
+def tune_help() -> str:
+    """`jaxtrain tune --help`: the usage, then every option with its type, default, doc."""
+    return (
+        f"{TUNE_USAGE}\nRay Tune over `jaxtrain train` trials; the best config goes to "
+        "TUNE_DIR/best.yaml.\n\n"
+        "  --search STR  (repeatable)\n      KEY=SPACE(VALUES): a TrainingArguments field or "
+        "section.field (lr is learning_rate) and its search space.\n"
+        f"{options_help(TUNE_OPTIONS)}\n"
+        "  --field value\n      Any other option is passed to every trial's `jaxtrain train`.\n"
+    )
 
 
 def _typed(name: str, kind: type, raw: str) -> Any:
@@ -103,7 +106,7 @@ def split_launch(tokens: list[str]) -> tuple[str, dict[str, Any], list[str]]:
 def cmd_launch(tokens: list[str], entry: Any = None) -> int:
     """`entry`: the CLI's main, run by every process (jaxtrain.cli.main passes itself)."""
     if tokens[:1] in (["-h"], ["--help"]):
-        print(LAUNCH_USAGE, end="")
+        print(launch_help(), end="")
         return 0
     backend, options, command = split_launch(tokens)
     if backend == "slurm":
@@ -121,24 +124,12 @@ def cmd_launch(tokens: list[str], entry: Any = None) -> int:
     return launch_ray(command, ClusterConfig(**options), entry)
 
 
-_TUNE_OPTIONS = {
-    "num_samples": int,
-    "scheduler": str,
-    "metric": str,
-    "mode": str,
-    "max_concurrent_trials": int,
-    "cpus_per_trial": float,
-    "gpus_per_trial": float,
-    "grace_period": int,
-    "reduction_factor": float,
-    "tune_dir": str,
-    "address": str,
-}
+_TUNE_OPTIONS = {name: option.kind for name, option in TUNE_OPTIONS.items()}
 
 
 def cmd_tune(tokens: list[str]) -> int:
     if any(t in ("-h", "--help") for t in tokens):
-        print(TUNE_USAGE, end="")
+        print(tune_help(), end="")
         return 0
     from jaxtrain.cli.run_config import parse_overrides, resolve_config
     from jaxtrain.cli.tune import parse_search, tune_runs

@@ -87,12 +87,29 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
             key, value = key.split("=", 1)
         else:
             if index + 1 >= len(tokens):
-                raise ArgumentError(f"--{key} needs a value, e.g. --{key} 1e-3.")
+                raise ArgumentError(f"--{key} needs a value, e.g. --{key} {example_value(key)}.")
             index += 1
             value = tokens[index]
         overrides[key] = value
         index += 1
     return overrides
+
+
+# An example value per type, for a flag given without one.
+EXAMPLES = {int: "100", float: "1e-3", bool: "true", str: "VALUE"}
+
+
+def example_value(key: str) -> str:
+    """An example value of the type of TrainingArguments field (or section key) `key`."""
+    section, _, field = key.partition(".")
+    schemas = {"data": DATA_KEYS, "sample": SAMPLE_KEYS}
+    if field:
+        kind = schemas.get(section, {}).get(field)
+    else:
+        kind = typing.get_type_hints(TrainingArguments).get(key)
+        options = [t for t in typing.get_args(kind) if t is not type(None)]
+        kind = options[0] if options else kind
+    return EXAMPLES.get(kind, "VALUE")
 
 
 # Where a value of the resolved config came from (`resolve_config_with_sources`).
@@ -201,17 +218,21 @@ def _merge(config: dict[str, Any], update: dict[str, Any]) -> None:
             config[key] = value
 
 
-def split_config(config: dict[str, Any]) -> tuple[TrainingArguments, dict, dict, dict]:
+def split_config(
+    config: dict[str, Any], source: str = "the config", sources: dict[str, str] | None = None
+) -> tuple[TrainingArguments, dict, dict, dict]:
     """-> (TrainingArguments, model section, data section, sample section), all validated."""
-    from jaxtrain.trainers.tasks import task_classes
+    from jaxtrain.task_arguments import check_task_fields, task_arguments_class
 
     fields = {k: v for k, v in config.items() if k not in SECTIONS and k != "task"}
     # `task` (sft, dpo, reward, distill) picks the arguments class: DPOArguments has beta...
-    arguments_class, _ = task_classes(str(config.get("task") or "lm"))
-    args = arguments_class.from_dict(fields, source="config")
-    model = typed_model_section(config.get("model") or {})
-    data = typed_section(config.get("data") or {}, DATA_KEYS, "data")
-    sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample")
+    task = str(config.get("task") or "lm")
+    arguments_class = task_arguments_class(task)
+    check_task_fields(list(fields), task, source)
+    args = arguments_class.from_dict(fields, source="config", sources=sources)
+    model = typed_model_section(config.get("model") or {}, sources)
+    data = typed_section(config.get("data") or {}, DATA_KEYS, "data", sources)
+    sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample", sources)
     return args, model, data, sample
 
 
@@ -225,12 +246,18 @@ def _unknown_keys(unknown: list[str], known: list[str], name: str) -> ArgumentEr
     )
 
 
-def typed_section(values: dict, schema: dict[str, type], name: str) -> dict[str, Any]:
+def typed_section(
+    values: dict, schema: dict[str, type], name: str, sources: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A section's keys parsed by `schema`; errors name where a value came from (`sources`)."""
     unknown = sorted(set(values) - set(schema))
     if unknown:
         raise _unknown_keys(unknown, list(schema), name)
+    where = sources or {}
     return {
-        k: coerce_value(schema[k] | None, v, field=f"{name}.{k}", source="config")
+        k: coerce_value(
+            schema[k] | None, v, field=f"{name}.{k}", source=where.get(f"{name}.{k}", "config")
+        )
         for k, v in values.items()
     }
 
@@ -239,7 +266,9 @@ def typed_section(values: dict, schema: dict[str, type], name: str) -> dict[str,
 MODEL_EXTRA_KEYS = ("pretrained", "base_model")
 
 
-def typed_model_section(values: dict[str, Any]) -> dict[str, Any]:
+def typed_model_section(
+    values: dict[str, Any], sources: dict[str, str] | None = None
+) -> dict[str, Any]:
     """LlamaConfig fields parsed by their declared types and checked together, before any
     data is read: a misspelled key or an inconsistent shape is an ArgumentError."""
     from jaxtrain.models.classes import classes_for
@@ -250,8 +279,11 @@ def typed_model_section(values: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(k for k in values if k not in known)
     if unknown:
         raise _unknown_keys(unknown, known, "model")
+    where = sources or {}
     typed = {
-        k: coerce_value(hints[k], v, field=f"model.{k}", source="config") if k in hints else v
+        k: coerce_value(hints[k], v, field=f"model.{k}", source=where.get(f"model.{k}", "config"))
+        if k in hints
+        else v
         for k, v in values.items()
     }
     if "pretrained" not in typed:  # a pretrained model's architecture is its config.json

@@ -77,9 +77,11 @@ def build_data(data: dict[str, Any], seq_len: int):
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    local = Path(path).expanduser()
-    looks_local = local.is_absolute() or str(path).startswith((".", "~"))
-    if looks_local and not local.is_dir():  # a hub id may still sit in the local HF cache
+    from jaxtrain.hf.load import looks_local
+
+    if (
+        looks_local(path) and not Path(path).expanduser().is_dir()
+    ):  # a hub id may still sit in the local HF cache
         raise ArgumentError(
             f"data.tokenizer={path!r}: no such directory. Pass the local directory of a Hugging "
             "Face tokenizer (tokenizer.json or tokenizer_config.json)."

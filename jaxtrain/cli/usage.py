@@ -1,5 +1,7 @@
 """The usage text of `jaxtrain` (a leaf: every command module may quote it)."""
 
+from jaxtrain.errors import ArgumentError
+
 EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]"
 
 USAGE = f"""usage:
@@ -23,7 +25,23 @@ With no config, `jaxtrain train` trains a small Llama on the embedded corpus (th
 
 
 def split_positional(tokens: list[str]) -> tuple[str | None, list[str]]:
-    """(the leading positional argument or None, the rest)."""
-    if tokens and not tokens[0].startswith("--"):
-        return tokens[0], tokens[1:]
-    return None, tokens
+    """(the positional argument or None, the `--key value` rest). The positional may stand
+    anywhere on the line (`train --task reward dpo.yaml`): a token is a value when it
+    follows a `--key` without `=`, else it is the positional; a second one is an error."""
+    positional: list[str] = []
+    rest: list[str] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        if token.startswith("--") and "=" not in token and index + 1 < len(tokens):
+            rest += tokens[index : index + 2]
+            index += 2
+            continue
+        (rest if token.startswith("--") else positional).append(token)
+        index += 1
+    if len(positional) > 1:
+        raise ArgumentError(
+            f"one positional argument expected (a config file or RUN_DIR), got {positional}; "
+            "every other value follows its --key."
+        )
+    return (positional[0] if positional else None), rest

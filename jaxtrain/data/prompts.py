@@ -40,7 +40,8 @@ def sample_prompt(
 ) -> tuple[list[int], str]:
     """-> (prompt token ids, the prompt as text) for the end-of-run sample.
 
-    Order: `prompt` if given; chat rows: the conversation up to its last assistant reply,
+    Order: `prompt` if given; a row's own `prompt` (DPO/reward pairs, prompt+completion);
+    chat rows: the conversation up to its last assistant reply,
     rendered with the chat template and its generation prompt; token or text rows: the first
     half (at most MAX_PROMPT_TOKENS tokens) of the first row.
     """
@@ -49,6 +50,10 @@ def sample_prompt(
         return ids or [tokenizer.eos_token_id], prompt
     row = first_row(dataset) or {}
     messages = row.get(messages_column)
+    if isinstance(row.get("prompt"), str):  # preference and prompt/completion rows
+        return sample_prompt(tokenizer, None, prompt=row["prompt"])
+    if isinstance(row.get("prompt"), list | tuple) and row["prompt"]:
+        messages = row["prompt"]  # a conversational prompt
     if isinstance(messages, list | tuple) and messages:
         turns = [dict(m) for m in messages]
         while turns and turns[-1].get("role") == "assistant":

@@ -26,6 +26,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
+def looks_local(path: str | Path) -> bool:
+    """True when `path` reads as a local path rather than a Hub id "org/name": absolute,
+    starting with . or ~, more than two parts, or under a directory that exists here."""
+    text = str(path)
+    parts = Path(text).expanduser().parts
+    return (
+        Path(text).expanduser().is_absolute()
+        or text.startswith((".", "~"))
+        or len(parts) > 2
+        or (len(parts) == 2 and Path(parts[0]).is_dir())
+    )
+
+
 def resolve_model_dir(path: str | Path) -> Path:
     """The local directory for ``path``: a directory, or a hub id already in the HF cache."""
     local = Path(path).expanduser()
@@ -39,7 +52,7 @@ def resolve_model_dir(path: str | Path) -> Path:
     if local.exists():
         raise HFError(f"{local} is a file; pass the model directory that contains it.")
     text = str(path)
-    if _HUB_ID.fullmatch(text):
+    if _HUB_ID.fullmatch(text) and not looks_local(text):
         cached = _cached_snapshot(text)
         if cached is not None:
             return cached

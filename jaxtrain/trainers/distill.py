@@ -11,39 +11,19 @@ vocabulary) is frozen: no gradient, no optimizer state, sharded on the same mesh
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.task_arguments import DistillationArguments
 from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sft import SFTTrainer
 from jaxtrain.training.step import causal_lm_sums
 
 __all__ = ["DistillationArguments", "DistillationTrainer", "distillation_kl"]
-
-
-@dataclasses.dataclass
-class DistillationArguments(TrainingArguments):
-    # Weight of the KL term; 1 - distill_alpha weighs the hard-label cross-entropy.
-    distill_alpha: float = 0.5
-    # Softmax temperature of both distributions in the KL term.
-    distill_temperature: float = 2.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.distill_alpha <= 1:
-            raise ArgumentError(
-                f"DistillationArguments.distill_alpha must be in [0, 1], got {self.distill_alpha!r}."
-            )
-        if not self.distill_temperature > 0:
-            raise ArgumentError(
-                "DistillationArguments.distill_temperature must be > 0, got "
-                f"{self.distill_temperature!r}."
-            )
 
 
 def distillation_kl(

@@ -15,7 +15,6 @@ all (`reference_free`: ref = 0). Policy and reference see chosen and rejected in
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -23,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.errors import DatasetError
+from jaxtrain.task_arguments import DPO_LOSS_TYPES, DPOArguments
 from jaxtrain.trainers.base import (
     PairTrainer,
     add_columns,
@@ -38,38 +38,8 @@ from jaxtrain.training.logps import pair_mask, sequence_logps
 
 __all__ = ["DPOArguments", "DPOTrainer", "dpo_loss_sums", "dpo_losses", "reference_logps"]
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+LOSS_TYPES = DPO_LOSS_TYPES
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
-
-
-@dataclasses.dataclass
-class DPOArguments(TrainingArguments):
-    # Strength of the implicit KL penalty towards the reference (the "temperature" of DPO).
-    beta: float = 0.1
-    # "sigmoid" (DPO), "ipo" (Azar et al. 2023) or "hinge" (SLiC).
-    loss_type: str = "sigmoid"
-    # sigmoid only: probability that a preference label is flipped (conservative DPO).
-    label_smoothing: float = 0.0
-    # Compare with a uniform reference (reference log-probs 0): no reference model at all.
-    reference_free: bool = False
-    # Compute the reference log-probs once before training and store them in the datasets;
-    # the step then runs the policy only (the reference is not kept on the devices).
-    precompute_reference_logps: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.loss_type not in LOSS_TYPES:
-            raise ArgumentError(
-                f"DPOArguments.loss_type={self.loss_type!r} is not one of {LOSS_TYPES}."
-            )
-        if not self.beta > 0:
-            raise ArgumentError(f"DPOArguments.beta must be > 0, got {self.beta!r}.")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ArgumentError(
-                f"DPOArguments.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}."
-            )
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ArgumentError("DPOArguments.label_smoothing applies to loss_type='sigmoid' only.")
 
 
 def dpo_losses(

@@ -8,27 +8,14 @@ message lists). Differences from the base Trainer: the loss is on the responses 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from jaxtrain.arguments import TrainingArguments
+from jaxtrain.task_arguments import SFTArguments
 from jaxtrain.trainers.data import SFTFeaturizer
 from jaxtrain.training.trainer import Trainer
 
 __all__ = ["SFTArguments", "SFTTrainer"]
-
-
-@dataclasses.dataclass
-class SFTArguments(TrainingArguments):
-    # Learn the assistant turns / completions only (prompt tokens carry label -100).
-    completion_only_loss: bool = True
-    # None: on when max_steps > 0 (packing needs a known run length), else off.
-    packing: bool | None = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        if self.packing is None:
-            self.packing = isinstance(self.max_steps, int) and self.max_steps > 0
-        super().__post_init__()
 
 
 class SFTTrainer(Trainer):

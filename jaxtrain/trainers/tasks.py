@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import TrainingArguments
+from jaxtrain.task_arguments import task_arguments_class
 
 __all__ = ["TASKS", "task_classes"]
 
@@ -34,16 +35,8 @@ def task_classes(task: str) -> tuple[type[TrainingArguments], Any]:
     """(arguments class, trainer class) of `task`; ArgumentError naming the known tasks."""
     import importlib
 
-    if task not in TASKS:
-        raise ArgumentError(
-            f"--task {task!r} is not a task; use one of {', '.join(TASKS)} "
-            "(lm: the plain causal LM Trainer)."
-        )
-    arguments_name, trainer_path, _ = TASKS[task]
+    arguments_cls = task_arguments_class(task)  # ArgumentError naming the tasks
+    _, trainer_path, _ = TASKS[task]
     module_name, _, class_name = trainer_path.rpartition(".")
     trainer_cls = getattr(importlib.import_module(module_name), class_name)
-    if arguments_name == "TrainingArguments":
-        return TrainingArguments, trainer_cls
-    from jaxtrain import trainers
-
-    return getattr(trainers, arguments_name), trainer_cls
+    return arguments_cls, trainer_cls

@@ -1,0 +1,146 @@
+"""The arguments class of each `--task` (SFTArguments, DPOArguments, DistillationArguments).
+
+Part of the configuration: it imports nothing of the implementation, so the command line
+can parse and check a task's fields (and say which task a field belongs to) before jax,
+the data or the model are touched. The trainers import these classes from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtrain.arguments import TrainingArguments
+from jaxtrain.errors import ArgumentError
+
+__all__ = [
+    "DPO_LOSS_TYPES",
+    "TASK_ARGUMENTS",
+    "DPOArguments",
+    "DistillationArguments",
+    "SFTArguments",
+    "check_task_fields",
+    "task_arguments_class",
+    "task_of_field",
+]
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+@dataclasses.dataclass
+class SFTArguments(TrainingArguments):
+    # Learn the assistant turns / completions only (prompt tokens carry label -100).
+    completion_only_loss: bool = True
+    # None: on when max_steps > 0 (packing needs a known run length), else off.
+    packing: bool | None = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.packing is None:
+            self.packing = isinstance(self.max_steps, int) and self.max_steps > 0
+        super().__post_init__()
+
+
+@dataclasses.dataclass
+class DPOArguments(TrainingArguments):
+    # Strength of the implicit KL penalty towards the reference (the "temperature" of DPO).
+    beta: float = 0.1
+    # "sigmoid" (DPO), "ipo" (Azar et al. 2023) or "hinge" (SLiC).
+    loss_type: str = "sigmoid"
+    # sigmoid only: probability that a preference label is flipped (conservative DPO).
+    label_smoothing: float = 0.0
+    # Compare with a uniform reference (reference log-probs 0): no reference model at all.
+    reference_free: bool = False
+    # Compute the reference log-probs once before training and store them in the datasets;
+    # the step then runs the policy only (the reference is not kept on the devices).
+    precompute_reference_logps: bool = False
+
+    def __post_init__(self) -> None:
+        # The task's own checks first: the base's end in the subsystems' (heavy imports).
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ArgumentError(
+                f"DPOArguments.loss_type={self.loss_type!r} is not one of {DPO_LOSS_TYPES}."
+            )
+        if not self.beta > 0:
+            raise ArgumentError(f"DPOArguments.beta must be > 0, got {self.beta!r}.")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ArgumentError(
+                f"DPOArguments.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}."
+            )
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ArgumentError("DPOArguments.label_smoothing applies to loss_type='sigmoid' only.")
+        super().__post_init__()
+
+
+@dataclasses.dataclass
+class DistillationArguments(TrainingArguments):
+    # Weight of the KL term; 1 - distill_alpha weighs the hard-label cross-entropy.
+    distill_alpha: float = 0.5
+    # Softmax temperature of both distributions in the KL term.
+    distill_temperature: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.distill_alpha <= 1:
+            raise ArgumentError(
+                f"DistillationArguments.distill_alpha must be in [0, 1], got {self.distill_alpha!r}."
+            )
+        if not self.distill_temperature > 0:
+            raise ArgumentError(
+                "DistillationArguments.distill_temperature must be > 0, got "
+                f"{self.distill_temperature!r}."
+            )
+        super().__post_init__()
+
+
+# `--task` -> its arguments class (the trainer classes: jaxtrain.trainers.tasks.TASKS).
+TASK_ARGUMENTS: dict[str, type[TrainingArguments]] = {
+    "lm": TrainingArguments,
+    "sft": SFTArguments,
+    "dpo": DPOArguments,
+    "reward": TrainingArguments,
+    "distill": DistillationArguments,
+}
+
+
+def task_arguments_class(task: str) -> type[TrainingArguments]:
+    """The arguments class of `task`; ArgumentError naming the known tasks."""
+    if task not in TASK_ARGUMENTS:
+        raise ArgumentError(
+            f"--task {task!r} is not a task; use one of {', '.join(TASK_ARGUMENTS)} "
+            "(lm: the plain causal LM Trainer)."
+        )
+    return TASK_ARGUMENTS[task]
+
+
+def task_of_field(name: str) -> list[str]:
+    """The tasks whose arguments class has field `name` and TrainingArguments has not."""
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if name in base:
+        return []
+    return [
+        task
+        for task, cls in TASK_ARGUMENTS.items()
+        if name in {f.name for f in dataclasses.fields(cls)}
+    ]
+
+
+def check_task_fields(fields: list[str], task: str, source: str) -> None:
+    """ArgumentError when `fields` hold another task's fields (a DPO config's beta given to
+    --task reward): it names each field's task and this task's own fields."""
+    own = {f.name for f in dataclasses.fields(task_arguments_class(task))}
+    foreign = {name: task_of_field(name) for name in fields if name not in own}
+    foreign = {name: tasks for name, tasks in foreign.items() if tasks}
+    if not foreign:
+        return
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    extra = sorted(own - base)
+    listed = "; ".join(
+        f"{name} is a field of --task {' / '.join(t)}" for name, t in foreign.items()
+    )
+    mine = (
+        f"its own fields beyond TrainingArguments are {', '.join(extra)}"
+        if extra
+        else ("it has only the TrainingArguments fields")
+    )
+    raise ArgumentError(
+        f"{source} is used with --task {task}, but {listed}. --task {task} does not read "
+        f"them ({mine}): remove them, or run the task they belong to."
+    )

@@ -1,0 +1,95 @@
+"""Argument errors arrive before any heavy import, as one line naming the field, file or line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxtrain.cli import main
+
+ROOT = Path(__file__).parents[1]
+
+PROBE = """
+import sys
+from jaxtrain.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("jax", "flax", "optax", "datasets", "transformers") if m in sys.modules)
+print(code, heavy)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--learning_rate", "-1"],
+        ["train", "--learning_rate", "abc"],
+        ["train", "--use_wandb", "true"],
+        ["train", "--task", "dpo", "--beta", "-1"],
+        ["train", "--task", "reward", "--beta", "0.1"],
+    ],
+)
+def test_argument_errors_arrive_without_importing_jax(tmp_path, argv):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.stdout.strip() == "2 []", (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_yaml_type_error_names_the_file(tmp_path, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text("learning_rate: fast\nmodel: {hidden_size: big}\n")
+    assert main(["train", str(config)]) == 2
+    assert f"learning_rate in {config} must be float, got 'fast'" in capsys.readouterr().err
+    config.write_text("model: {hidden_size: big}\n")
+    assert main(["train", str(config)]) == 2
+    assert f"model.hidden_size in {config} must be int" in capsys.readouterr().err
+
+
+def test_a_tab_in_yaml_is_one_line_naming_file_and_line(tmp_path, capsys):
+    config = tmp_path / "tabbed.yaml"
+    config.write_text("learning_rate: 1e-3\nmodel:\n\thidden_size: 64\n")
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{config}, line 3" in err and "tab" in err
+
+
+def test_a_flag_without_a_value_suggests_a_value_of_its_type(capsys):
+    assert main(["train", "--max_steps"]) == 2
+    assert "--max_steps needs a value, e.g. --max_steps 100." in capsys.readouterr().err
+    assert main(["train", "--learning_rate"]) == 2
+    assert "e.g. --learning_rate 1e-3" in capsys.readouterr().err
+
+
+def test_a_misspelled_command_suggests_the_command(capsys):
+    assert main(["trian"]) == 2
+    assert "Did you mean `jaxtrain train`?" in capsys.readouterr().err
+
+
+def test_exports_are_git_ignored():
+    result = subprocess.run(
+        ["git", "check-ignore", "-q", "exports/demo/model.safetensors"], cwd=ROOT
+    )
+    assert result.returncode == 0
+
+
+def test_a_missing_local_path_is_not_called_a_hub_id(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "data").mkdir()
+    assert main(["train", "--model.pretrained", "models/Missing", "--max_steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "models/Missing: no such directory" in err and "Hub id" not in err
+    argv = ["train", "--data.source", "files", "--data.train_files", "data/x.jsonl"]
+    assert main([*argv, "--data.tokenizer", "data/tok", "--warmup_steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "data.tokenizer='data/tok': no such directory" in err and "Hub" not in err
