@@ -202,16 +202,19 @@ class TrainingLoop:
                 self.stop_reason = "callback"
                 break
             host_batch, batch = next(batches)
-            self.hooks.call("on_step_start", trainer, state, step)
+            # Hooks may hand back a state, a batch, metrics (hooks.py); None changes nothing.
+            state = self.hooks.step_start(trainer, state, step)
+            batch, extra_logs = self.hooks.batch(trainer, batch, step)
             state, metrics = self.train_step(state, batch)
             self.latest_state = state
             step += 1
             if step == first_step:
                 trainer.monitor.first_step_done(state)
+            state, metrics = self.hooks.step_end(trainer, state, metrics, step)
+            self.latest_state = state
             self.guard.push(step, metrics["nonfinite"])
-            window.add(metrics, trainer.monitor.count(host_batch))
+            window.add(metrics, trainer.monitor.count(host_batch), extra_logs)
             self._emit_pending()
-            self.hooks.call("on_step_end", trainer, state, metrics, step)
             self._poll_stops(step, signals, saving.last_save_time)
             if self.stop.reason is not None:
                 self.stop_reason = self.stop.reason
@@ -312,6 +315,7 @@ class TrainingLoop:
 
     def _evaluate(self, state, step: int) -> None:
         trainer = self.trainer
+        self.hooks.call("on_evaluate_start", trainer, state, step)
         metrics = trainer.evaluate(state)
         self.log.write(step, metrics)
         self.hooks.call("on_evaluate", trainer, metrics, step)

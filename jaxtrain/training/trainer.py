@@ -379,7 +379,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
 
     # ------------------------------------------------------------------ train
     def add_hook(self, hook: Any, *, every: int | None = None) -> None:
-        """Register a callback (an object with any of the seven TrainerCallback methods) or
+        """Register a callback (an object with any of the TrainerCallback hooks, hooks.py) or
         a function called as `on_step_end(trainer, state, metrics, step)`.
 
         `every=N`: its per-step hooks run only at steps that are multiples of N (see
