@@ -28,6 +28,7 @@ from jaxtrain.observability.progress import make_progress
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet
 from jaxtrain.training.run_hooks import EvaluationHook, SaveHook, StopState
+from jaxtrain.training.startup import startup_summary, summary_lines
 from jaxtrain.training.stopping import (
     Deadline,
     NonFiniteGuard,
@@ -149,6 +150,11 @@ class TrainingLoop:
         )
         if start.resumed_from is not None:
             self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
+        summary = startup_summary(trainer)  # all of it in run_info.json, a few lines here
+        trainer.monitor.add_run_info("startup", summary)
+        if jax.process_index() == 0:
+            for line in summary_lines(summary):
+                self.progress.write(line)
 
     # ----------------------------------------------------------------- setup
     def _write_run_files(self) -> None:
