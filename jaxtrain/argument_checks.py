@@ -28,6 +28,7 @@ SUBSYSTEM_CHECKS = (
     "jaxtrain.data.fields",  # truncation_mode, packing, streaming, columns, chat template
     "jaxtrain.training.stopping",  # training_time_limit
     "jaxtrain.parallel.options",  # batch split, mesh, sharding rules, cluster
+    "jaxtrain.training.pruning",  # pruning_*
 )
 
 

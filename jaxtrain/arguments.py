@@ -130,6 +130,18 @@ class TrainingArguments:
     # Projections that get adapters: "attention", "mlp", or names such as q_proj, o_proj.
     lora_targets: list[str] = dataclasses.field(default_factory=lambda: ["attention", "mlp"])
 
+    # Gradual magnitude pruning (jaxtrain/training/pruning.py): the fraction of each targeted
+    # matrix pruned by pruning_end_step (0 = off), on Zhu and Gupta's cubic schedule from
+    # pruning_begin_step, masks updated every pruning_frequency steps.
+    pruning_target_sparsity: float = 0.0
+    pruning_begin_step: int = 0
+    # None: the run's last step.
+    pruning_end_step: int | None = None
+    pruning_frequency: int = 100
+    # Regexes searched in parameter paths ('model/layers/0/mlp/down_proj/kernel'); None =
+    # every parameter with ndim >= 2 except embeddings and norms.
+    pruning_targets: list[str] | None = None
+
     # Cadences (in optimizer steps).
     logging_steps: int = 10
     evaluation_strategy: str = "steps"

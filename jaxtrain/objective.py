@@ -37,7 +37,9 @@ REQUIRED_KEYS = ("loss_sum", "tokens")
 KNOWN_KEYS = (*REQUIRED_KEYS, "correct")
 # Keys the train step adds to the objective's sums; an objective returning them would be
 # overwritten silently, so they are refused.
-STEP_KEYS = ("grad_norm", "learning_rate", "nonfinite")
+# Values of the state after a step, logged as the logging window's last (not sums).
+STATE_KEYS = ("sparsity",)
+STEP_KEYS = ("grad_norm", "learning_rate", "nonfinite", *STATE_KEYS)
 SUM_SUFFIX = "_sum"
 # Names the logs already use for something else: an extra sum may not be logged as one.
 RESERVED_LOG_NAMES = frozenset(

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxtrain.data.collate import IGNORE_INDEX
-from jaxtrain.objective import STEP_KEYS, summarize_sums
+from jaxtrain.objective import STATE_KEYS, STEP_KEYS, summarize_sums
 
 
 class BatchCounts(NamedTuple):
@@ -79,6 +79,7 @@ class MetricsWindow:
         perplexity: bool = True,
     ) -> None:
         self._metrics: list[dict[str, Any]] = []
+        self._extra_logs: dict[str, Any] = {}
         self.perplexity = perplexity  # the loss is a per-token NLL (objective.py)
         self._counts = np.zeros(4, np.float64)
         self._clock = time.perf_counter()
@@ -86,9 +87,17 @@ class MetricsWindow:
         self.peak_flops = peak_flops
         self.data_wait = data_wait or DataWaitClock()
 
-    def add(self, metrics: dict[str, Any], counts: tuple[float, ...]) -> None:
+    def add(
+        self,
+        metrics: dict[str, Any],
+        counts: tuple[float, ...],
+        extra_logs: dict[str, Any] | None = None,
+    ) -> None:
+        """One step's device metrics and counts; `extra_logs` (numbers, e.g. from a batch
+        hook) are logged as they are, the window's last value of each key."""
         self._metrics.append(metrics)
         self._counts[: len(counts)] += counts
+        self._extra_logs.update(extra_logs or {})
 
     def restart_clock(self) -> None:
         """Exclude time spent outside training steps (eval, saving) from throughput."""
@@ -102,7 +111,8 @@ class MetricsWindow:
     def close(self, step: int, *, epoch: float) -> _ClosedWindow:
         closed = _ClosedWindow(self, self._metrics, self._counts.copy(), step, epoch)
         closed.data_wait_s = self.data_wait.take()
-        self._metrics, self._counts = [], np.zeros(4, np.float64)
+        closed.extra_logs = self._extra_logs
+        self._metrics, self._counts, self._extra_logs = [], np.zeros(4, np.float64), {}
         return closed
 
 
@@ -111,10 +121,11 @@ class _ClosedWindow:
         self._window, self._metrics, self._counts = window, metrics, counts
         self.step, self.epoch = step, epoch
         self.data_wait_s = 0.0
+        self.extra_logs: dict[str, Any] = {}
 
     def read(self) -> dict[str, float]:
         """Wait for the window's last step, then summarise it."""
-        values = jax.device_get(self._metrics)
+        values, extra = jax.device_get((self._metrics, self.extra_logs))
         now = time.perf_counter()
         elapsed = max(now - self._window._clock, 1e-9)
         self._window._clock = now
@@ -138,6 +149,8 @@ class _ClosedWindow:
             "padded_tokens_per_second": positions / elapsed,
             "sequences_per_second": sequences / elapsed,
         }
+        logs.update({key: float(values[-1][key]) for key in STATE_KEYS if key in values[-1]})
+        logs.update({key: float(value) for key, value in extra.items()})
         if flops > 0:
             per_device = flops / elapsed / self._window.num_devices
             logs["tflops_per_device"] = per_device / 1e12

@@ -134,6 +134,8 @@ class RunMonitor:
         self._run_info_dir: Path | None = None  # run_info.json still to write there
         self._out_dir: Path | None = None  # where run_info.json is rewritten (a new peak)
         self._warned_peak = False
+        # Sections the loop adds to run_info.json (the start-up summary), add_run_info().
+        self.run_info_extra: dict[str, Any] = {}
         if self.is_writer:
             check_trackers(args.report_to, args.output_dir)
 
@@ -201,7 +203,12 @@ class RunMonitor:
         }
         if self.flops.exact:
             info["matmul_parameters"] = matmul_parameters(self.flops.config)
+        info.update(self.run_info_extra)
         (out_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    def add_run_info(self, key: str, value: Any) -> None:
+        """A JSON-ready section of run_info.json, written with the rest of it."""
+        self.run_info_extra[key] = value
 
     @property
     def peak(self) -> tuple[str, float | None]:

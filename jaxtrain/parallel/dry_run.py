@@ -70,44 +70,61 @@ def activation_bytes_estimate(
     return int(tokens * (kept * dtype_bytes + 2 * vocab / tp * 4))
 
 
+def memory_estimate(trainer: Any) -> dict[str, int | None]:
+    """Bytes per device of the run, from shapes alone: parameters, gradients, optimizer
+    state, activations (a rough estimate, None when the model's config lacks the sizes) and
+    their total (None with it), plus the parameters' bytes over all devices."""
+    args = trainer.arguments
+    abstract, shardings = trainer.abstract_state(), trainer.state_shardings
+    param_b = tree_bytes_per_device(abstract.params, shardings.params)
+    opt_b = tree_bytes_per_device(abstract.opt_state, shardings.opt_state)
+    dtype_bytes = np.dtype(args.dtype or getattr(trainer.model, "dtype", np.float32)).itemsize
+    act_b = activation_bytes_estimate(
+        trainer.model_config,
+        dict(trainer.sharding_plan.mesh.shape),
+        args.micro_batch_size,
+        args.max_sequence_length,
+        dtype_bytes=dtype_bytes,
+        remat=args.gradient_checkpointing,
+    )
+    return {
+        "parameters": param_b,
+        "gradients": param_b,
+        "optimizer_state": opt_b,
+        "activations": act_b,
+        "total": None if act_b is None else 2 * param_b + opt_b + act_b,
+        "all_parameters": sum(
+            math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(abstract.params)
+        ),
+    }
+
+
 def dry_run_report(trainer: Any) -> str:
     """The text of `Trainer.dry_run()`."""
     args = trainer.arguments
     plan = trainer.sharding_plan
     abstract = trainer.abstract_state()
     shardings = trainer.state_shardings
-    mesh_shape = dict(plan.mesh.shape)
-    param_b = tree_bytes_per_device(abstract.params, shardings.params)
-    opt_b = tree_bytes_per_device(abstract.opt_state, shardings.opt_state)
-    total_param_b = sum(
-        math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract.params)
-    )
-    dtype_bytes = np.dtype(args.dtype or getattr(trainer.model, "dtype", np.float32)).itemsize
-    act_b = activation_bytes_estimate(
-        trainer.model_config,
-        mesh_shape,
-        args.micro_batch_size,
-        args.max_sequence_length,
-        dtype_bytes=dtype_bytes,
-        remat=args.gradient_checkpointing,
-    )
+    memory = memory_estimate(trainer)
     lines = [
         f"jaxtrain dry run: {describe_mesh(plan.mesh)}",
-        f"parameters: {trainer.num_parameters:,} ({human_bytes(total_param_b)} in total)",
+        f"parameters: {trainer.num_parameters:,} ({human_bytes(memory['all_parameters'])} in "
+        "total)",
         f"global batch: {args.total_batch_size} x {args.max_sequence_length} tokens, "
         f"{args.gradient_accumulation_steps} micro-batch(es) of {args.micro_batch_size} rows, "
         f"batch sharding {plan.batch.spec(3, micro_axis=True)}",
         "per device:",
-        f"  parameters       {human_bytes(param_b):>12}",
-        f"  gradients        {human_bytes(param_b):>12}",
-        f"  optimizer state  {human_bytes(opt_b):>12}",
+        f"  parameters       {human_bytes(memory['parameters']):>12}",
+        f"  gradients        {human_bytes(memory['gradients']):>12}",
+        f"  optimizer state  {human_bytes(memory['optimizer_state']):>12}",
     ]
-    if act_b is not None:
+    if memory["activations"] is not None:
         lines.append(
-            f"  activations      {human_bytes(act_b):>12}  (rough estimate, "
+            f"  activations      {human_bytes(memory['activations']):>12}  (rough estimate, "
             f"gradient_checkpointing={args.gradient_checkpointing})"
         )
-        lines.append(f"  total            {human_bytes(2 * param_b + opt_b + act_b):>12}")
+        lines.append(f"  total            {human_bytes(memory['total']):>12}")
     lines.append("parameter shardings (path, shape, dtype, logical axes, spec, per-device shard):")
     params_by_path = jax.tree_util.tree_leaves_with_path(
         abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable)

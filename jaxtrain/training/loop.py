@@ -28,6 +28,7 @@ from jaxtrain.observability.progress import make_progress
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet
 from jaxtrain.training.run_hooks import EvaluationHook, SaveHook, StopState
+from jaxtrain.training.startup import startup_summary, summary_lines
 from jaxtrain.training.stopping import (
     Deadline,
     NonFiniteGuard,
@@ -149,6 +150,11 @@ class TrainingLoop:
         )
         if start.resumed_from is not None:
             self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
+        summary = startup_summary(trainer)  # all of it in run_info.json, a few lines here
+        trainer.monitor.add_run_info("startup", summary)
+        if jax.process_index() == 0:
+            for line in summary_lines(summary):
+                self.progress.write(line)
 
     # ----------------------------------------------------------------- setup
     def _write_run_files(self) -> None:
@@ -202,16 +208,19 @@ class TrainingLoop:
                 self.stop_reason = "callback"
                 break
             host_batch, batch = next(batches)
-            self.hooks.call("on_step_start", trainer, state, step)
+            # Hooks may hand back a state, a batch, metrics (hooks.py); None changes nothing.
+            state = self.hooks.step_start(trainer, state, step)
+            batch, extra_logs = self.hooks.batch(trainer, batch, step)
             state, metrics = self.train_step(state, batch)
             self.latest_state = state
             step += 1
             if step == first_step:
                 trainer.monitor.first_step_done(state)
+            state, metrics = self.hooks.step_end(trainer, state, metrics, step)
+            self.latest_state = state
             self.guard.push(step, metrics["nonfinite"])
-            window.add(metrics, trainer.monitor.count(host_batch))
+            window.add(metrics, trainer.monitor.count(host_batch), extra_logs)
             self._emit_pending()
-            self.hooks.call("on_step_end", trainer, state, metrics, step)
             self._poll_stops(step, signals, saving.last_save_time)
             if self.stop.reason is not None:
                 self.stop_reason = self.stop.reason
@@ -312,6 +321,7 @@ class TrainingLoop:
 
     def _evaluate(self, state, step: int) -> None:
         trainer = self.trainer
+        self.hooks.call("on_evaluate_start", trainer, state, step)
         metrics = trainer.evaluate(state)
         self.log.write(step, metrics)
         self.hooks.call("on_evaluate", trainer, metrics, step)

@@ -117,8 +117,12 @@ def make_train_step(
     seed: int,
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
     normalizer_fn: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens,
+    state_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """Build `train_step(state, batch, frozen=None)`; batch leaves are [A, ...] (micro-batches).
+
+    `state_metrics(new_state)`: values of the state after the update, logged as the logging
+    window's last (objective.STATE_KEYS: pruning's `sparsity`).
 
     `frozen` is the model's non-Param state (frozen weights such as a DPO reference, a teacher
     or LoRA's base kernels): an argument, so that it is placed on the mesh like any input and
@@ -183,6 +187,8 @@ def make_train_step(
         metrics["grad_norm"] = grad_norm
         metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if state_metrics is not None:
+            metrics.update(state_metrics(new_state))
         return new_state, metrics
 
     return train_step

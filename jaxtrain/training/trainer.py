@@ -44,6 +44,7 @@ from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
 from jaxtrain.training.optim import build_optimizer, build_schedule, check_warmup
+from jaxtrain.training.pruning import pruning_metrics, with_pruning
 from jaxtrain.training.state import (
     ReadyBuild,
     StagedBuild,
@@ -113,6 +114,8 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         self.pad_token_id = self._resolve_pad_token_id()
         self._build_loaders(dataset_train, dataset_eval)
         self.optimizer, self.schedule = self.create_optimizer(self._schedule_length())
+        # Masks live in the optimizer state, for any optimizer (pruning.py says why).
+        self.optimizer = with_pruning(self.optimizer, args, self._schedule_length())
         self.checkpoints = RunCheckpoints(args)  # where train() starts, its saves, keep-N
         self.monitor = self._create_monitor()  # trackers, throughput/MFU, compiles, report
 
@@ -379,7 +382,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
 
     # ------------------------------------------------------------------ train
     def add_hook(self, hook: Any, *, every: int | None = None) -> None:
-        """Register a callback (an object with any of the seven TrainerCallback methods) or
+        """Register a callback (an object with any of the TrainerCallback hooks, hooks.py) or
         a function called as `on_step_end(trainer, state, metrics, step)`.
 
         `every=N`: its per-step hooks run only at steps that are multiples of N (see
@@ -424,6 +427,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
             seed=self.arguments.seed,
             loss_sums_fn=with_activation_sharding(self._train_loss_sums, self.sharding_plan.rules),
             normalizer_fn=self.loss_normalizer,
+            state_metrics=pruning_metrics,
         )
         # Compiled ahead of time; a batch of another shape recompiles with a warning naming
         # the changed shapes, and every compile is logged (compiles.py).
