@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,38 @@ def unknown_fields_error(unknown: list[str], known: list[str], source: str) -> A
     ] if hints else []  # fmt: skip
     lines += [f"{hint}; rename or remove it in {source}." for hint in seeds]
     return ArgumentError(" ".join(lines))
+
+
+# A smoke test of a whole script: JAXTRAIN_MAX_STEPS=N caps every run of the process at N
+# updates and every evaluation at N batches (tests/test_readme.py runs the README this way).
+STEP_CAP_VARIABLE = "JAXTRAIN_MAX_STEPS"
+logger = logging.getLogger("jaxtrain")
+
+
+def apply_step_cap(args: Any) -> None:
+    """Shorten `args` in place to $JAXTRAIN_MAX_STEPS updates, when it is set."""
+    raw = os.environ.get(STEP_CAP_VARIABLE, "").strip()
+    if not raw:
+        return
+    if not raw.isdigit() or int(raw) < 1:
+        raise ArgumentError(f"{STEP_CAP_VARIABLE}={raw!r} must be a positive number of steps.")
+    cap = int(raw)
+    before = args.max_steps
+    args.max_steps = cap if args.max_steps <= 0 else min(args.max_steps, cap)
+    args.max_eval_batches = min(args.max_eval_batches or cap, cap)
+    args.warmup_steps = min(args.warmup_steps, args.max_steps // 2)  # the schedule must fit
+    if before > args.max_steps and args.pruning_end_step is not None:
+        # The pruning window shrinks with the run, so its checks still hold.
+        args.pruning_begin_step = args.pruning_begin_step * args.max_steps // before
+        args.pruning_end_step = max(
+            args.pruning_begin_step + 1, args.pruning_end_step * args.max_steps // before
+        )
+        args.pruning_frequency = max(1, args.pruning_frequency * args.max_steps // before)
+    if args.max_steps != before:
+        logger.warning(
+            "jaxtrain: %s=%d: max_steps %d -> %d, max_eval_batches <= %d.",
+            STEP_CAP_VARIABLE, cap, before, args.max_steps, cap,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -222,6 +256,7 @@ class TrainingArguments:
             self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
         self.report_to = [str(t).lower() for t in (self.report_to or [])] or ["jsonl"]
         self.scheduler = self.scheduler.lower().replace("-", "_")
+        apply_step_cap(self)
         validate_arguments(self)  # its own fields, then each subsystem's
 
     # ----- derived values -----
