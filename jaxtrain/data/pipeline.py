@@ -18,7 +18,7 @@ from jaxtrain.data.evaluation import EvalLoader
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.fields import DataSettings
 from jaxtrain.data.loader import BatchLoader, UnitLoader, check_processes, prepare_source
-from jaxtrain.data.scan import scan_tokens, warn_truncation
+from jaxtrain.data.scan import sample_scan, scan_tokens, warn_truncation
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source, is_hf_dataset
 from jaxtrain.data.streams import StreamUnits
 from jaxtrain.data.units import MapUnits
@@ -87,6 +87,9 @@ def build_train_loader(
     featurizer = _featurizer(settings, tokenizer, name, featurizer, vocab_size)
     if isinstance(source, RandomAccessSource):
         scan = scan_tokens(source, vocab_size=vocab_size, seq_len=settings.seq_len)
+        if scan is None and collator is None and type(featurizer) is Featurizer:
+            # Text or chat rows: tokenize a sample now, so the warning comes at the start.
+            scan = sample_scan(source, featurizer, seq_len=settings.seq_len)
         if not (settings.packing and settings.split_long_documents):  # else long rows are split
             warn_truncation(
                 scan, name=name, seq_len=settings.seq_len, mode=settings.truncation_mode

@@ -29,6 +29,7 @@ class TokenScan:
     # Tokens beyond max_sequence_length (in `long_rows` rows) that truncation drops.
     truncated_tokens: int
     long_rows: int
+    sampled_from: int | None = None  # the source's row count when `rows` are a sample of it
 
     @property
     def truncated_share(self) -> float:
@@ -102,12 +103,40 @@ def scan_tokens(
     )
 
 
+# Rows of text (or chat) data tokenized at the start to estimate what truncation drops: the
+# whole dataset is tokenized only as it is read, so a long-row problem would otherwise show
+# only in the end-of-run summary.
+TRUNCATION_SAMPLE_ROWS = 256
+
+
+def sample_scan(
+    source: RandomAccessSource, featurize: Any, *, seq_len: int, rows: int = TRUNCATION_SAMPLE_ROWS
+) -> TokenScan | None:
+    """A TokenScan of up to `rows` rows spread over a text or chat `source`, featurized now
+    (`featurize(rows, where)` -> token rows); None for an empty source."""
+    n = len(source)
+    if n == 0:
+        return None
+    indices = np.unique(np.linspace(0, n - 1, min(n, rows)).astype(int)).tolist()
+    examples = featurize(source.read(indices), indices)
+    lengths = np.asarray([len(e["input_ids"]) for e in examples])
+    over = np.maximum(lengths - seq_len, 0)
+    return TokenScan(
+        rows=len(lengths),
+        tokens=int(lengths.sum()),
+        truncated_tokens=int(over.sum()),
+        long_rows=int(np.count_nonzero(over)),
+        sampled_from=n if len(lengths) < n else None,
+    )
+
+
 def warn_truncation(scan: TokenScan | None, *, name: str, seq_len: int, mode: str) -> None:
     """One warning with the share of tokens truncation drops (nothing when none)."""
     if scan is None or not scan.truncated_tokens:
         return
+    sample = f" sampled from its {scan.sampled_from}" if scan.sampled_from else ""
     logger.warning(
-        "%s: %.1f%% of its tokens (%d of %d, in %d of %d rows) are beyond "
+        "%s: %.1f%% of its tokens (%d of %d, in %d of %d rows%s) are beyond "
         "max_sequence_length=%d and are dropped (truncation_mode=%s). Raise "
         "max_sequence_length, or use packing=True to split long documents instead.",
         name,
@@ -116,6 +145,7 @@ def warn_truncation(scan: TokenScan | None, *, name: str, seq_len: int, mode: st
         scan.tokens,
         scan.long_rows,
         scan.rows,
+        sample,
         seq_len,
         mode,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import datasets
+import numpy as np
 import pytest
 
 from jaxtrain import TrainingArguments
@@ -71,3 +72,24 @@ def test_truncation_that_drops_tokens_is_one_warning_with_its_share(caplog):
     warnings = [r.getMessage() for r in caplog.records if "max_sequence_length" in r.getMessage()]
     assert len(warnings) == 1
     assert "60.0% of its tokens (48 of 80, in 4 of 4 rows)" in warnings[0]
+
+
+def test_text_rows_from_files_warn_about_truncation_at_the_start(tmp_path, caplog, chat_tokenizer):
+    """Text rows are tokenized as they are read, so the share was only known at the end of the
+    run; a sample tokenized when the loader is built gives the warning at the start."""
+    import json
+
+    from jaxtrain.data import load_files
+
+    lines = [{"text": " ".join(["a"] * (12 if i % 4 == 0 else 4))} for i in range(300)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = load_files(str(path), name="data.train_files")
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        build_train_loader(args(), rows, tokenizer=chat_tokenizer, vocab_size=VOCAB)
+    warnings = [r.getMessage() for r in caplog.records if "max_sequence_length" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    # Every 4th row is long; the sample is 256 rows spread evenly over the 300.
+    sampled = np.unique(np.linspace(0, 299, 256).astype(int))
+    long_rows = int(np.count_nonzero(sampled % 4 == 0))
+    assert f"in {long_rows} of 256 rows sampled from its 300)" in warnings[0], warnings[0]
