@@ -77,8 +77,12 @@ class MetricsWindow:
         peak_flops: float | None = None,
         data_wait: DataWaitClock | None = None,
         perplexity: bool = True,
+        unit: str = "tokens",
     ) -> None:
         self._metrics: list[dict[str, Any]] = []
+        # What a batch's "targets" count: target tokens, or examples (image classification,
+        # whose throughput is examples/s and has no tokens or padding).
+        self.unit = unit
         self._extra_logs: dict[str, Any] = {}
         self.perplexity = perplexity  # the loss is a per-token NLL (objective.py)
         self._counts = np.zeros(4, np.float64)
@@ -145,10 +149,13 @@ class _ClosedWindow:
             "step_time_s": elapsed / steps,
             "data_wait_s": self.data_wait_s / steps,
             "data_wait_fraction": min(self.data_wait_s / elapsed, 1.0),
-            "tokens_per_second": targets / elapsed,
-            "padded_tokens_per_second": positions / elapsed,
-            "sequences_per_second": sequences / elapsed,
         }
+        if self._window.unit == "examples":
+            logs["examples_per_second"] = targets / elapsed
+        else:
+            logs["tokens_per_second"] = targets / elapsed
+            logs["padded_tokens_per_second"] = positions / elapsed
+            logs["sequences_per_second"] = sequences / elapsed
         logs.update({key: float(values[-1][key]) for key in STATE_KEYS if key in values[-1]})
         logs.update({key: float(value) for key, value in extra.items()})
         if flops > 0:

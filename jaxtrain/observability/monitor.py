@@ -110,8 +110,10 @@ class RunMonitor:
         num_devices: int | None = None,
         compiler_options: dict[str, Any] | None = None,
         perplexity: bool = True,
+        batch_unit: str = "tokens",
     ):
         self.args = args
+        self.batch_unit = batch_unit  # what throughput counts: "tokens" or "examples"
         self.perplexity = perplexity  # log exp(loss): the loss is a per-token NLL
         self.compiler_options = compiler_options  # XLA options of every compile of the run
         # The devices the run's mesh spans (a Trainer may be given a subset of jax.devices()):
@@ -241,6 +243,7 @@ class RunMonitor:
             peak_flops=peak,
             data_wait=self.data_wait,
             perplexity=self.perplexity,
+            unit=self.batch_unit,
         )
         return self._window
 
@@ -314,7 +317,12 @@ class RunMonitor:
     def progress_fields(logs: dict[str, float]) -> dict[str, Any]:
         """Step and ETA are the bar's own; these go beside them."""
         fields: dict[str, Any] = {"epoch": round(float(logs.get("epoch", 0.0)), 2)}
-        names = {"loss": "loss", "learning_rate": "lr", "tokens_per_second": "tok/s"}
+        names = {
+            "loss": "loss",
+            "learning_rate": "lr",
+            "tokens_per_second": "tok/s",
+            "examples_per_second": "ex/s",
+        }
         fields.update({short: logs[key] for key, short in names.items() if key in logs})
         if "mfu" in logs:
             fields["mfu"] = f"{100 * logs['mfu']:.1f}%"

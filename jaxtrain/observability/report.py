@@ -43,6 +43,7 @@ def collect_series(records: list[dict[str, Any]]) -> Series:
         "learning_rate",
         "tokens_per_second",
         "padded_tokens_per_second",
+        "examples_per_second",
         "mfu",
         "tflops_per_device",
         "grad_norm",
@@ -93,6 +94,7 @@ def summarise(records: list[dict[str, Any]], info: dict[str, Any], series: Serie
     for key, label in (
         ("tokens_per_second", "tokens/s (real, median)"),
         ("padded_tokens_per_second", "tokens/s (padded, median)"),
+        ("examples_per_second", "examples/s (median)"),
         ("tflops_per_device", "TFLOP/s per device (median)"),
     ):
         if key in series:
@@ -146,7 +148,10 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
     ax = axes[0, 2]
     draw(ax, "tokens_per_second", "real target tokens", color="tab:purple")
     draw(ax, "padded_tokens_per_second", "padded tokens", color="tab:gray", linestyle="--")
-    ax.set_title("throughput (tokens/s)")
+    draw(ax, "examples_per_second", "examples", color="tab:purple")
+    ax.set_title(
+        "throughput (examples/s)" if "examples_per_second" in series else "throughput (tokens/s)"
+    )
     ax = axes[1, 0]
     if "mfu" in series:
         steps, values = series["mfu"]

@@ -89,6 +89,7 @@ class ImageClassificationTrainer(Trainer):
     """Trainer for ``model(pixel_values) -> logits [B, num_labels]`` (e.g. the ViT)."""
 
     loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
+    batch_unit = "examples"  # throughput in examples/s: an image has no tokens
 
     def __init__(self, *args: Any, **kwargs: Any):
         arguments = kwargs.get("arguments")

@@ -142,9 +142,14 @@ class TrainingLoop:
         """The run's first lines, once its state exists (a refused resume prints only its
         error)."""
         trainer, args = self.trainer, self.args
+        per_step = (
+            f"{args.total_batch_size} examples"
+            if trainer.batch_unit == "examples"
+            else f"{args.total_batch_size} x {args.max_sequence_length} tokens"
+        )
         self.progress.write(
             f"jaxtrain: {trainer.num_parameters / 1e6:.2f}M parameters, {self.total_steps} "
-            f"steps, {args.total_batch_size} x {args.max_sequence_length} tokens per step, "
+            f"steps, {per_step} per step, "
             f"devices: {trainer.mesh.devices.size} x {trainer.mesh.devices.flat[0].device_kind}, "
             f"mesh {dict(trainer.mesh.shape)}"
         )

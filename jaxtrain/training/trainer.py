@@ -84,6 +84,8 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
     # The loss is a mean negative log-likelihood per token, so exp(loss) is logged as
     # perplexity; a subclass whose objective is another loss sets False (objective.py).
     loss_is_token_nll: bool = True
+    # What a batch's targets are, for throughput: "tokens" (tokens/s) or "examples".
+    batch_unit: str = "tokens"
 
     def __init__(
         self,
@@ -180,6 +182,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
             num_devices=self.mesh.size,
             compiler_options=self.runtime.compiler_options,
             perplexity=self.loss_is_token_nll,
+            batch_unit=self.batch_unit,
         )
 
     def _configure_model(self, model: nnx.Module) -> None:

@@ -70,6 +70,16 @@ def test_vit_learns_the_shapes_above_90_percent(trained):
     assert "accuracy" in logged[-1]
 
 
+def test_an_image_run_reports_examples_per_second_not_tokens(trained):
+    # An image has no tokens: throughput is examples/s, in the logs and on the progress bar.
+    trainer, _, out = trained
+    logged = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert all(r["examples_per_second"] > 0 for r in logged)
+    assert not any("tokens_per_second" in k for r in logged for k in r)
+    fields = trainer.monitor.progress_fields(logged[-1])
+    assert "ex/s" in fields and "tok/s" not in fields
+
+
 def test_rows_without_an_image_are_named():
     bad = datasets.Dataset.from_dict({"image": [np.zeros((1, SIZE, SIZE))], "labels": [0]})
     config = ViTConfig(image_size=SIZE, patch_size=4, num_channels=1, hidden_size=16,
