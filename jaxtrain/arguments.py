@@ -168,9 +168,11 @@ class TrainingArguments:
     # matrix pruned by pruning_end_step (0 = off), on Zhu and Gupta's cubic schedule from
     # pruning_begin_step, masks updated every pruning_frequency steps.
     pruning_target_sparsity: float = 0.0
+    # The step pruning starts at (the sparsity is 0 before it).
     pruning_begin_step: int = 0
-    # None: the run's last step.
+    # The step the target sparsity is reached at; None: the run's last step.
     pruning_end_step: int | None = None
+    # Steps between two updates of the masks.
     pruning_frequency: int = 100
     # Regexes searched in parameter paths ('model/layers/0/mlp/down_proj/kernel'); None =
     # every parameter with ndim >= 2 except embeddings and norms.

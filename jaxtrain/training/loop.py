@@ -221,11 +221,13 @@ class TrainingLoop:
             step += 1
             if step == first_step:
                 trainer.monitor.first_step_done(state)
+            # The previous window's logs go out now that this step is dispatched, and before
+            # this step's hooks log anything: trackers such as W&B drop a step that goes back.
+            self._emit_pending()
             state, metrics = self.hooks.step_end(trainer, state, metrics, step)
             self.latest_state = state
             self.guard.push(step, metrics["nonfinite"])
             window.add(metrics, trainer.monitor.count(host_batch), extra_logs)
-            self._emit_pending()
             self._poll_stops(step, signals, saving.last_save_time)
             if self.stop.reason is not None:
                 self.stop_reason = self.stop.reason
