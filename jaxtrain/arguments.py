@@ -161,7 +161,8 @@ class TrainingArguments:
     lora_alpha: float = 16.0
     # Dropout on the adapters' input during training.
     lora_dropout: float = 0.0
-    # Projections that get adapters: "attention", "mlp", or names such as q_proj, o_proj.
+    # What gets adapters (PEFT's target_modules): "attention", "mlp", projection names
+    # (o_proj, c_attn, mlp.c_proj, fc1) or parts of fused kernels (q_proj, v_proj, up_proj).
     lora_targets: list[str] = dataclasses.field(default_factory=lambda: ["attention", "mlp"])
 
     # Gradual magnitude pruning (jaxtrain/training/pruning.py): the fraction of each targeted

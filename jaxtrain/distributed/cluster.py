@@ -107,12 +107,23 @@ class Attempt:
     cause: str | None = None
 
 
+def plain_output() -> None:
+    """No ANSI colour codes where the driver's output is not a terminal (a log file, a pipe):
+    Ray colours the "(pid=...)" prefix of forwarded lines unless RAY_COLOR_PREFIX=0."""
+    import sys
+
+    streams = (sys.stdout, sys.stderr)
+    if not all(getattr(s, "isatty", None) and s.isatty() for s in streams):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def ensure_ray(cluster: ClusterConfig) -> None:
     """Join the cluster at `cluster.address`, or start a local Ray instance."""
     import ray
 
     if ray.is_initialized():
         return
+    plain_output()
     if cluster.address is not None:
         ray.init(address=cluster.address, log_to_driver=True)
         return

@@ -7,7 +7,9 @@
 ```
 `config_scaling_variables` are multiplied by the `scaling_index` of a run;
 `config_variables` are fixed. A variable is one of three kinds, decided by its name:
-- a LlamaConfig field (hidden_size, num_hidden_layers, rope_theta, ...): the architecture;
+- a field of a model config (hidden_size, num_hidden_layers, rope_theta, the MoE's
+  moe_intermediate_size, GPT-2's or ViT's own...): the architecture; a field the run's family
+  lacks is left out (the default recipe scales moe_intermediate_size, a dense model has none);
 - `dtype`, `param_dtype`, `seed`: how a new model is built (compute/stored dtype, init seed);
 - `sharding_axis_dims`, `sharding_rules`, `sharding_regex_rules`, `gradient_checkpointing`:
   TrainingArguments fields that every run of this trainer uses (the mesh axis settings).
@@ -32,14 +34,19 @@ ARGUMENT_KEYS = (
     "sharding_regex_rules",
     "gradient_checkpointing",
 )
+MODEL_TASKS = ("causal-lm", "image-classification")
 _DTYPE_KEYS = ("dtype", "param_dtype")
 _TUPLE_KEYS = ("sharding_axis_dims",)
 
 
 def _llama_fields() -> dict[str, Any]:
-    from jaxtrain.models import LlamaConfig
+    """The fields of every family's model config (jaxtrain.models.classes), with types."""
+    from jaxtrain.models.classes import all_config_classes
 
-    return typing.get_type_hints(LlamaConfig)
+    fields: dict[str, Any] = {}
+    for config_class in all_config_classes():
+        fields.update(typing.get_type_hints(config_class))
+    return fields
 
 
 def _normalize_value(key: str, value: Any, where: str) -> Any:
@@ -65,7 +72,7 @@ def _check_variables(values: dict[str, Any] | None, where: str) -> dict[str, Any
     unknown = sorted(k for k in values if k not in known)
     if unknown:
         raise ArgumentError(
-            f"{where} has unknown key(s) {unknown}. Use LlamaConfig fields, "
+            f"{where} has unknown key(s) {unknown}. Use model config fields, "
             f"{', '.join(BUILD_KEYS)} (model building) or {', '.join(ARGUMENT_KEYS)} "
             "(mesh settings)."
         )
@@ -91,7 +98,10 @@ class RayDistributedConfig:
     """What a RayDistributedTrainer needs to build, scale and load its model (JSON-able).
 
     `pretrained_model_name_or_path` is a local Hugging Face model directory (its config.json
-    is the base architecture, its tokenizer the processor) or a dict of LlamaConfig fields.
+    is the base architecture, its tokenizer the processor) or a dict of model config fields
+    (`model_type` picks the family: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2,
+    mixtral, qwen2_moe, qwen3_moe, vit). `model_task` ("causal-lm" or "image-classification",
+    None: the family's) is checked against the family when the config is built.
     """
 
     pretrained_model_name_or_path: str | dict[str, Any]
@@ -100,6 +110,7 @@ class RayDistributedConfig:
     # Tokenizer directory when it is not the model directory.
     processor_name_or_path: str | None = None
     model_type: str | None = None
+    model_task: str | None = None
     config_scaling_variables: dict[str, int] | None = None
     config_variables: dict[str, Any] | None = None
 
@@ -110,7 +121,12 @@ class RayDistributedConfig:
         if not isinstance(source, (str, dict)):
             raise ArgumentError(
                 "pretrained_model_name_or_path must be a model directory or a dict of "
-                f"LlamaConfig fields, got {type(source).__name__}."
+                f"model config fields, got {type(source).__name__}."
+            )
+        if self.model_task is not None and self.model_task not in MODEL_TASKS:
+            raise ArgumentError(
+                f"model_task={self.model_task!r} is not a task; use one of {MODEL_TASKS} "
+                "(or None: the task of the model_type's family)."
             )
         if self.bucket_path is not None:
             self.bucket_path = str(self.bucket_path)
@@ -119,7 +135,7 @@ class RayDistributedConfig:
         for key, value in scaling.items():
             if key not in fields:
                 raise ArgumentError(
-                    f"config_scaling_variables[{key!r}]: not a LlamaConfig field; only "
+                    f"config_scaling_variables[{key!r}]: not a model config field; only "
                     "architecture sizes scale (hidden_size, intermediate_size, "
                     "num_attention_heads, num_key_value_heads, num_hidden_layers, ...)."
                 )

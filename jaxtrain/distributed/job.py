@@ -29,6 +29,7 @@ class ModelSource:
     module: tuple[Any, Any] | None = None
     state: Any = None  # a given TrainState on the host ("state")
     checkpoint: str | None = None  # step directory ("checkpoint")
+    model_class: type | None = None  # None: the family's class of `config`
 
     def model(self) -> Any:
         """The model to hand to the Trainer: a concrete module, or a ModelFactory."""
@@ -39,10 +40,10 @@ class ModelSource:
         if self.module is not None:
             graphdef, state = self.module
             return nnx.merge(graphdef, state)
-        from jaxtrain.distributed.models import build_llama
+        from jaxtrain.distributed.models import build_model
 
-        config, build = self.config, dict(self.build)
-        return ModelFactory(lambda: build_llama(config, **build))
+        config, build, model_class = self.config, dict(self.build), self.model_class
+        return ModelFactory(lambda: build_model(config, model_class=model_class, **build))
 
 
 class _Forward:
@@ -127,22 +128,17 @@ class TrainJob:
                 changes.update(resume_from=None, resume_if_possible=True)
         return dataclasses.replace(self.arguments, **changes)
 
-    def run(self, context: JobContext) -> Any:
-        import jax
-
+    def create_trainer(self, attempt: int = 0, callbacks: list[Any] | None = None) -> Any:
+        """The Trainer this job runs in this process (attempt `attempt`), before training."""
         from jaxtrain.runtime import Runtime
-        from jaxtrain.training.loop import TrainerOutput
         from jaxtrain.training.trainer import Trainer
 
         trainer_class = self.trainer_class or Trainer
         if self.source.kind == "state":
             trainer_class = _starting_from(trainer_class, self.source.state)
-        callbacks = list(self.callbacks)
-        if jax.process_index() == 0:
-            callbacks.append(_Forward(context))
-        arguments = self.arguments_for(context.attempt)
+        arguments = self.arguments_for(attempt)
         runtime = Runtime.from_arguments(arguments)  # the cluster the actors formed
-        trainer = trainer_class(
+        return trainer_class(
             arguments=arguments,
             runtime=runtime,
             model=self.source.model(),
@@ -150,8 +146,16 @@ class TrainJob:
             dataset_eval=self.dataset_eval,
             data_collator=self.data_collator,
             processing_class=self.processing_class,
-            callbacks=callbacks,
+            callbacks=[*self.callbacks, *(callbacks or [])],
         )
+
+    def run(self, context: JobContext) -> Any:
+        import jax
+
+        from jaxtrain.training.loop import TrainerOutput
+
+        forward = [_Forward(context)] if jax.process_index() == 0 else []
+        trainer = self.create_trainer(context.attempt, forward)
         output = trainer.train()
         state = gather_state(output.state) if self.return_state else None
         if jax.process_index() != 0:

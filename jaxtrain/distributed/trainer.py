@@ -28,7 +28,12 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.distributed.cluster import Attempt, ClusterConfig, run_on_cluster
 from jaxtrain.distributed.config import RayDistributedConfig
 from jaxtrain.distributed.job import ModelSource, TrainJob
-from jaxtrain.distributed.models import build_llama, checkpoint_config, scaled_config
+from jaxtrain.distributed.models import (
+    base_config,
+    build_model,
+    checkpoint_config,
+    scaled_config,
+)
 
 
 class RayDistributedTrainer:
@@ -38,6 +43,7 @@ class RayDistributedTrainer:
     CONFIG_SCALING_VARIABLES: ClassVar[dict[str, int]] = {
         "hidden_size": 256,
         "intermediate_size": 1024,
+        "moe_intermediate_size": 512,  # MoE families only; a dense model has no such field
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
     }
@@ -50,17 +56,24 @@ class RayDistributedTrainer:
         *,
         processor_name_or_path: str | None = None,
         model_type: str | None = None,
+        model_task: str | None = None,
+        model_class: type | None = None,
         config_scaling_variables: dict[str, int] | None = None,
         config_variables: dict[str, Any] | None = None,
         cluster: ClusterConfig | None = None,
         trainer_class: type | None = None,
     ) -> None:
-        """`trainer_class`: the Trainer (sub)class every process runs (default Trainer)."""
+        """`model_type` overrides the config's family; `model_task` ("causal-lm",
+        "image-classification") must be the family's; `model_class` builds new models
+        (default: the family's class, jaxtrain.models.classes); `trainer_class`: the Trainer
+        (sub)class every process runs (default: Trainer, ImageClassificationTrainer for
+        image classification)."""
         self.config = RayDistributedConfig(
             pretrained_model_name_or_path=pretrained_model_name_or_path,
             bucket_path=bucket_path,
             processor_name_or_path=processor_name_or_path,
             model_type=model_type,
+            model_task=model_task,
             config_scaling_variables=(
                 self.CONFIG_SCALING_VARIABLES
                 if config_scaling_variables is None
@@ -72,13 +85,15 @@ class RayDistributedTrainer:
         )
         self.cluster = cluster or ClusterConfig()
         self.trainer_class = trainer_class
+        self._model_class = model_class
         # One record per attempt of the last train(): processes, and who died of what.
         self.attempts: list[Attempt] = []
 
     # ---------------------------------------------------------------- config
     @classmethod
     def from_config(cls, path: str | Path, **kwargs: Any) -> RayDistributedTrainer:
-        """A trainer from a JSON file written by `save_config`; kwargs: cluster, trainer_class."""
+        """A trainer from a JSON file written by `save_config`; kwargs: cluster,
+        trainer_class, model_class."""
         config = RayDistributedConfig.load(path)
         return cls(**dataclasses.asdict(config), **kwargs)
 
@@ -89,14 +104,42 @@ class RayDistributedTrainer:
     def bucket_path(self) -> str | None:
         return self.config.bucket_path
 
+    @property
+    def model_type(self) -> str | None:
+        """The family's model_type (the override, else the base config's)."""
+        return self.config.model_type or getattr(self.base_config, "model_type", None)
+
+    @property
+    def model_task(self) -> str:
+        """causal-lm or image-classification: the task of the family (checked against
+        the model_task given)."""
+        from jaxtrain.models.classes import task_of
+
+        return task_of(self.model_type)
+
+    @property
+    def model_class(self) -> type:
+        """The class new models are built with: the one given, else the family's."""
+        from jaxtrain.models.classes import classes_for
+
+        return self._model_class or classes_for(self.model_type, self.model_task)[1]
+
+    @functools.cached_property
+    def base_config(self) -> Any:
+        """The unscaled config (config.json of the model directory, or the dict)."""
+        return base_config(self.config)
+
     def create_config(self, scaling_index: int) -> Any:
-        """LlamaConfig with config_scaling_variables x scaling_index and config_variables."""
+        """The family's config with config_scaling_variables x scaling_index and
+        config_variables."""
         return scaled_config(self.config, scaling_index)
 
     def create_model(
         self, config: Any, dtype: Any = None, param_dtype: Any = None, seed: int = 0
     ) -> Any:
-        return build_llama(config, dtype=dtype, param_dtype=param_dtype, seed=seed)
+        return build_model(
+            config, model_class=self.model_class, dtype=dtype, param_dtype=param_dtype, seed=seed
+        )
 
     def create_model_from_config(self, scaling_index: int) -> Any:
         return self.create_model(self.create_config(scaling_index), **self.config.build_options)
@@ -202,6 +245,7 @@ class RayDistributedTrainer:
                 f"the given state (step {step})",
                 config=config,
                 build=build,
+                model_class=self._model_class,
                 module=module,
                 state=jax.device_get(state),
             )
@@ -221,6 +265,7 @@ class RayDistributedTrainer:
                 f"checkpoint {checkpoint}",
                 config=config,
                 build=build,
+                model_class=self._model_class,
                 checkpoint=str(checkpoint),
             )
         return ModelSource(
@@ -228,6 +273,7 @@ class RayDistributedTrainer:
             f"a new model at scaling_index={scaling_index}",
             config=self.create_config(scaling_index),
             build=build,
+            model_class=self._model_class,
         )
 
     def newest_bucket_checkpoint(self) -> Path | None:
@@ -274,9 +320,55 @@ class RayDistributedTrainer:
             data_collator=data_collator,
             processing_class=processor,
             callbacks=list(callbacks or []),
-            trainer_class=self.trainer_class,
+            trainer_class=self.trainer_class or self._default_trainer_class(),
             return_state=return_state,
         )
+
+    def _default_trainer_class(self) -> type | None:
+        if self.model_task == "image-classification":
+            from jaxtrain.trainers.classification import ImageClassificationTrainer
+
+            return ImageClassificationTrainer
+        return None  # TrainJob's default: Trainer
+
+    def create_trainer(
+        self,
+        arguments: TrainingArguments,
+        dataset_train: Any,
+        dataset_eval: Any = None,
+        data_collator: Any = None,
+        state: Any = None,
+        *,
+        scaling_index: int = 1,
+        model: Any = None,
+    ) -> Any:
+        """The Trainer that train() runs in every process, built here in this process (not
+        trained): same arguments (mesh settings of config_variables applied), model source
+        (state > model > bucket checkpoint > a new model at `scaling_index`), processor and
+        trainer class."""
+        job = self.build_job(
+            scaling_index, arguments, dataset_train, dataset_eval, data_collator, model, state
+        )
+        return job.create_trainer()
+
+    @staticmethod
+    def extract_column_names(dataset: Any) -> list[str] | None:
+        """The column names of `dataset`: a datasets.Dataset (or IterableDataset with known
+        features), a DatasetDict (its first split), a dict of columns, or a list of row
+        dicts (the first row's keys); None when it has none to tell."""
+        names = getattr(dataset, "column_names", None)
+        if isinstance(names, dict):  # DatasetDict: split -> names
+            names = next(iter(names.values()), None)
+        if names is not None:
+            return list(names)
+        features = getattr(dataset, "features", None)
+        if features is not None:
+            return list(features)
+        if isinstance(dataset, dict):
+            return [str(k) for k in dataset]
+        if isinstance(dataset, (list, tuple)) and dataset and isinstance(dataset[0], dict):
+            return [str(k) for k in dataset[0]]
+        return None
 
     def train(
         self,

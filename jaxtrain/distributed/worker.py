@@ -8,6 +8,7 @@ would touch the devices first (JAX then refuses to join a cluster).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -96,4 +97,9 @@ class ProcessActor:
         from ray import cloudpickle
 
         job: Job = cloudpickle.loads(payload)
-        return job.run(self)
+        if self.process_id == 0:
+            return job.run(self)
+        # Only process 0 prints (Ray forwards every actor's stdout to the driver); errors
+        # and warnings (stderr) of every process still arrive.
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            return job.run(self)

@@ -1,9 +1,12 @@
 """LoRA adapters as a PEFT directory: adapter_config.json + adapter_model.safetensors.
 
 PEFT keeps one adapter per Hugging Face linear layer: lora_A [r, in] and lora_B [out, r].
-jaxtrain's fused projections (q/k/v in one kernel, gate/up in another) share one A across
-the fused outputs, which PEFT represents exactly by repeating A for each of them and
-splitting B along the output dims the way the weight map splits the kernel.
+A whole-kernel adapter on jaxtrain's fused projections (q/k/v in one kernel, gate/up in
+another) shares one A across the fused outputs, which PEFT represents exactly by repeating A
+for each of them and splitting B along the output dims the way the weight map splits the
+kernel. Part adapters (lora_targets q_proj, v_proj...: models.lora.FusedLoRA) are PEFT's own
+layout: each part's A and B are written as they are. GPT-2's layers are Conv1D in
+transformers (c_attn is fused there too), hence ``fan_in_fan_out`` for it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from jaxtrain.hf.errors import HFError
 from jaxtrain.hf.tokenizer_files import save_tokenizer
-from jaxtrain.models.lora import lora_projections
+from jaxtrain.models.lora import FusedLoRA, lora_projections
 
 __all__ = ["save_peft_adapter"]
 
@@ -41,6 +44,24 @@ def _split(
     return [(name, a_rows, b.reshape(r, -1).T)]  # o_proj, down_proj
 
 
+def _adapters(name: str, lora: Any, g: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(HF module name, lora_A [r, in], lora_B [out, r]) of one adapted projection."""
+
+    def arrays(adapter: Any) -> tuple[np.ndarray, np.ndarray]:
+        a = np.asarray(jax.device_get(adapter.a[...]), np.float32)
+        b = np.asarray(jax.device_get(adapter.b[...]), np.float32)
+        return a, b
+
+    if isinstance(lora, FusedLoRA):  # one A and one B per part already
+        out = []
+        for part, adapter in lora.parts.items():
+            a, b = arrays(adapter)
+            r = a.shape[-1]
+            out.append((str(part), a.reshape(-1, r).T, b.reshape(r, -1).T))
+        return out
+    return _split(name, *arrays(lora), g)
+
+
 def save_peft_adapter(
     model: Any,
     save_directory: str | Path,
@@ -49,23 +70,25 @@ def save_peft_adapter(
     base_model: str | None = None,
     chat_template: str | None = None,
 ) -> Path:
-    """Write the adapters of `model` (a LlamaForCausalLM with LoRA) in PEFT's format."""
+    """Write the adapters of `model` (a Llama-family causal LM or a GPT-2 with LoRA) in
+    PEFT's format."""
     from safetensors.numpy import save_file
 
     config = getattr(model, "config", None)
     projections = lora_projections(model)
-    if config is None or not projections:
-        raise HFError("save_peft_adapter needs a LlamaForCausalLM with LoRA adapters.")
+    model_type = getattr(config, "model_type", None)
+    if config is None or not projections or model_type == "vit":
+        raise HFError(
+            "save_peft_adapter needs a causal LM (Llama family or GPT-2) with LoRA adapters; "
+            "export other models merged (lora_format='merged')."
+        )
     tensors: dict[str, np.ndarray] = {}
     modules: set[str] = set()
     first = projections[0][1].lora
-    g = config.num_queries_per_kv
+    g = getattr(config, "num_queries_per_kv", 1)
     for path, projection in projections:
-        lora = projection.lora
-        a = np.asarray(jax.device_get(lora.a[...]), np.float32)
-        b = np.asarray(jax.device_get(lora.b[...]), np.float32)
         parent = ".".join(str(p) for p in path[:-1])
-        for hf_name, lora_a, lora_b in _split(str(path[-1]), a, b, g):
+        for hf_name, lora_a, lora_b in _adapters(str(path[-1]), projection.lora, g):
             modules.add(hf_name)
             stem = f"{PREFIX}.{parent}.{hf_name}"
             tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(lora_a)
@@ -84,7 +107,7 @@ def save_peft_adapter(
         "lora_dropout": first.dropout,
         "target_modules": sorted(modules),
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": model_type == "gpt2",
         "inference_mode": True,
         "modules_to_save": None,
         "use_rslora": False,

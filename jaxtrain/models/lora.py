@@ -6,9 +6,15 @@ nnx.Param of the model into a `Frozen` variable, so the Trainer trains and check
 adapters alone, and passes the frozen base to the compiled step as a sharded argument.
 A and B carry the kernel's logical axes on their in/out dims, so they shard like it.
 
-Targets are logical names: "attention" (qkv_proj, o_proj), "mlp" (gate_up_proj, down_proj),
-a projection's own name, or the Hugging Face names (q_proj, k_proj, v_proj -> qkv_proj;
-gate_proj, up_proj -> gate_up_proj).
+Targets (`lora_targets`) name what to adapt:
+- a group: "attention" (Llama family: qkv_proj, o_proj; GPT-2: attn.c_attn, attn.c_proj;
+  ViT: qkv, out) or "mlp" (gate_up_proj, down_proj; mlp.c_fc, mlp.c_proj; fc1, fc2);
+- a projection, by the end of its attribute path as PEFT matches module names ("c_proj" is
+  both of GPT-2's, "mlp.c_proj" one): one adapter on the whole kernel, fused or not;
+- a part of a fused kernel, by its Hugging Face name: q_proj, k_proj, v_proj (qkv_proj),
+  gate_proj, up_proj (gate_up_proj), query, key, value (ViT's qkv). As in PEFT, each targeted
+  part gets its own A [in..., r] and B [r, part outputs], and its delta lands on its slice of
+  the fused output axis (zeros elsewhere): "q_proj,v_proj" leaves k untouched.
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.errors import ArgumentError
 from jaxtrain.models.frozen import Frozen, freeze, unfreeze
 from jaxtrain.models.layers import Projection
 
 __all__ = [
+    "FUSED_PARTS",
+    "LORA_GROUPS",
     "LORA_TARGETS",
+    "FusedLoRA",
     "LoRA",
     "apply_lora",
     "has_lora",
@@ -34,40 +44,77 @@ __all__ = [
     "set_lora_dropout_key",
 ]
 
-LORA_TARGETS = {
-    "attention": ("qkv_proj", "o_proj"),
-    "mlp": ("gate_up_proj", "down_proj"),
-    "qkv_proj": ("qkv_proj",),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_up_proj",),
-    "down_proj": ("down_proj",),
-    "q_proj": ("qkv_proj",),
-    "k_proj": ("qkv_proj",),
-    "v_proj": ("qkv_proj",),
-    "gate_proj": ("gate_up_proj",),
-    "up_proj": ("gate_up_proj",),
+LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "attention": ("qkv_proj", "o_proj", "attn.c_attn", "attn.c_proj", "qkv", "out"),
+    "mlp": ("gate_up_proj", "down_proj", "mlp.c_fc", "mlp.c_proj", "fc1", "fc2"),
 }
+# Hugging Face names of the parts of a fused projection, in the order of its fused axis, and
+# that axis' logical name. Three parts on an axis of size S: [0, S-2), S-2, S-1 (a Llama
+# kv-group holds its G query heads, then k, then v; GPT-2 and ViT have S = 3).
+FUSED_PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
+    "gate_up_proj": ("gate_up", ("gate_proj", "up_proj")),
+    "qkv": ("qkv", ("query", "key", "value")),
+}
+_PART_OF = {part: fused for fused, (_, parts) in FUSED_PARTS.items() for part in parts}
+_PROJECTIONS = {n for names in LORA_GROUPS.values() for n in names}
+_PROJECTIONS |= {n.split(".")[-1] for n in _PROJECTIONS}  # c_attn, c_proj, c_fc
+# Every name `lora_targets` may hold (the model decides which of them it has).
+LORA_TARGETS: tuple[str, ...] = tuple(sorted(set(LORA_GROUPS) | _PROJECTIONS | set(_PART_OF)))
 
 
 def resolve_targets(targets: Sequence[str]) -> tuple[str, ...]:
-    """Projection attribute names of the logical `targets`; ValueError naming unknown ones."""
+    """The targets with groups expanded (projection path ends and part names), checked
+    against every model family's names; ValueError naming the unknown ones."""
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or not targets:
         raise ValueError(
-            f"lora_targets {list(targets)!r}: unknown {unknown!r}; use some of "
-            f"{sorted(LORA_TARGETS)}"
+            f"lora_targets {list(targets)!r}: unknown {unknown!r}; use some of {list(LORA_TARGETS)}"
         )
-    return tuple(dict.fromkeys(n for t in targets for n in LORA_TARGETS[t]))
+    return tuple(dict.fromkeys(n for t in targets for n in LORA_GROUPS.get(t, (t,))))
+
+
+def _part_slices(base: Projection, fused: str) -> dict[str, tuple[int, int, int]]:
+    """name -> (kernel axis, start, stop) of each part of the fused projection `base`."""
+    axis_name, names = FUSED_PARTS[fused]
+    axes = tuple(base.kernel.get_metadata().get("logical_axes") or ())
+    if axis_name not in axes:
+        raise ValueError(f"{fused}: its kernel has no {axis_name!r} axis to split into {names}")
+    axis = axes.index(axis_name)
+    size = base.kernel[...].shape[axis]
+    if len(names) == 3:
+        bounds = [(0, size - 2), (size - 2, size - 1), (size - 1, size)]
+    else:
+        bounds = [(i * size // len(names), (i + 1) * size // len(names)) for i in range(len(names))]
+    return {n: (axis, start, stop) for n, (start, stop) in zip(names, bounds)}
 
 
 class LoRA(nnx.Module):
-    """The adapter of one Projection: ``delta(x) = dropout(x) A B * alpha / rank``."""
+    """The adapter of one Projection: ``delta(x) = dropout(x) A B * alpha / rank``; with
+    `part` = (kernel axis, start, stop), of that slice of the kernel's outputs only."""
 
-    def __init__(self, base: Projection, *, rank: int, alpha: float, dropout: float, key: Any):
+    def __init__(
+        self,
+        base: Projection,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        key: Any,
+        part: tuple[int, int, int] | None = None,
+    ):
         x_spec, k_spec = base.equation.split("->")[0].split(",")
         out_spec = base.equation.split("->")[1]
         axes = base.kernel.get_metadata().get("logical_axes") or (None,) * len(k_spec)
-        shape = base.kernel[...].shape
+        shape = list(base.kernel[...].shape)
+        self.part = None
+        if part is not None:
+            axis, start, stop = part
+            if k_spec[axis] in x_spec:
+                raise ValueError(f"LoRA part on kernel axis {axis}, an input axis")
+            # (kernel axis, output axis, start, stop, full size): where the delta lands
+            self.part = (axis, out_spec.index(k_spec[axis]), start, stop, shape[axis])
+            shape[axis] = stop - start
         ins = [i for i, c in enumerate(k_spec) if c in x_spec]
         outs = [i for i, c in enumerate(k_spec) if c not in x_spec]
         batch = "".join(c for c in x_spec if c not in k_spec)
@@ -91,18 +138,73 @@ class LoRA(nnx.Module):
         self.dtype = base.dtype
         self.dropout_key = None  # set inside a train step only (set_lora_dropout_key)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _place(self, y: jax.Array, axis: int) -> jax.Array:
+        """`y` (this part's slice) zero-padded to the fused axis' full size."""
+        if self.part is None:
+            return y
+        _, _, start, stop, full = self.part
+        pad = [(0, 0)] * y.ndim
+        pad[axis] = (start, full - stop)
+        return jnp.pad(y, pad)
+
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        key = self.dropout_key if dropout_key is None else dropout_key
         x = x.astype(self.dtype)
-        if self.dropout > 0 and self.dropout_key is not None:
-            keep = jax.random.bernoulli(self.dropout_key, 1 - self.dropout, x.shape)
+        if self.dropout > 0 and key is not None:
+            keep = jax.random.bernoulli(key, 1 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1 - self.dropout), 0).astype(self.dtype)
         xa = jnp.einsum(self.eq_a, x, self.a[...].astype(self.dtype))
-        return jnp.einsum(self.eq_b, xa, self.b[...].astype(self.dtype)) * self.scale
+        y = jnp.einsum(self.eq_b, xa, self.b[...].astype(self.dtype)) * self.scale
+        return y if self.part is None else self._place(y, self.part[1])
 
     def delta(self) -> jax.Array:
         """The kernel update A B * alpha / rank, in the kernel's layout (float32)."""
         a, b = self.a[...].astype(jnp.float32), self.b[...].astype(jnp.float32)
-        return jnp.einsum(self.eq_delta, a, b) * self.scale
+        d = jnp.einsum(self.eq_delta, a, b) * self.scale
+        return d if self.part is None else self._place(d, self.part[0])
+
+
+class FusedLoRA(nnx.Module):
+    """Adapters on some parts of a fused projection (PEFT's one A and one B per targeted
+    module): ``parts`` maps each part's Hugging Face name to its LoRA."""
+
+    def __init__(
+        self,
+        base: Projection,
+        slices: dict[str, tuple[int, int, int]],
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        key: Any,
+    ):
+        self.parts = nnx.Dict(
+            {
+                name: LoRA(
+                    base,
+                    rank=rank,
+                    alpha=alpha,
+                    dropout=dropout,
+                    key=jax.random.fold_in(key, i),
+                    part=part,
+                )  # fmt: skip
+                for i, (name, part) in enumerate(slices.items())
+            }
+        )
+        self.rank, self.alpha, self.dropout = rank, float(alpha), float(dropout)
+        self.scale = self.alpha / rank
+        self.dropout_key = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = None
+        for i, lora in enumerate(self.parts.values()):
+            key = None if self.dropout_key is None else jax.random.fold_in(self.dropout_key, i)
+            out = lora(x, dropout_key=key)
+            y = out if y is None else y + out
+        return y
+
+    def delta(self) -> jax.Array:
+        return sum(lora.delta() for lora in self.parts.values())
 
 
 def lora_projections(model: nnx.Module) -> list[tuple[tuple[Any, ...], Projection]]:
@@ -118,6 +220,33 @@ def has_lora(model: nnx.Module) -> bool:
     return bool(lora_projections(model))
 
 
+def _matches(path: tuple[Any, ...], name: str) -> bool:
+    """PEFT-style: `name` ("c_proj", "mlp.c_proj") is the end of the module's path."""
+    parts = name.split(".")
+    return len(path) >= len(parts) and [str(p) for p in path[-len(parts) :]] == parts
+
+
+def _plan(model: nnx.Module, names: Sequence[str]) -> tuple[list, set[str]]:
+    """[(projection, part slices or None)] to adapt, and the names that matched something."""
+    plan, used = [], set()
+    for path, m in nnx.iter_modules(model):
+        if not (isinstance(m, Projection) and path and isinstance(m.kernel, nnx.Param)):
+            continue
+        if getattr(m, "lora", None) is not None:
+            continue
+        whole = [n for n in names if n not in _PART_OF and _matches(path, n)]
+        parts = [n for n in names if _PART_OF.get(n) == str(path[-1])]
+        if whole:
+            used.update(whole)
+            used.update(parts)  # covered by the whole-kernel adapter
+            plan.append((m, None))
+        elif parts:
+            slices = _part_slices(m, str(path[-1]))
+            used.update(parts)
+            plan.append((m, {n: s for n, s in slices.items() if n in parts}))
+    return plan, used
+
+
 def apply_lora(
     model: nnx.Module,
     *,
@@ -129,35 +258,46 @@ def apply_lora(
 ) -> nnx.Module:
     """Add adapters to the targeted projections of `model` and freeze everything else,
     in place; returns `model`. Modules listing attribute names in `lora_keep` (a reward
-    model's score head) keep those trainable."""
-    names = resolve_targets(targets)
-    chosen = [
-        (path, m)
-        for path, m in nnx.iter_modules(model)
-        if isinstance(m, Projection)
-        and path
-        and path[-1] in names
-        and isinstance(m.kernel, nnx.Param)
-        and getattr(m, "lora", None) is None
-    ]
-    if not chosen:
-        raise ValueError(
-            f"lora_targets {list(targets)!r} match no trainable projection of "
-            f"{type(model).__name__} (projections: qkv_proj, o_proj, gate_up_proj, down_proj)"
+    model's score head, a classifier) keep those trainable. ArgumentError when a target
+    names nothing of this model."""
+    try:
+        names = resolve_targets(targets)
+    except ValueError as err:
+        raise ArgumentError(f"TrainingArguments.{err}") from None
+    plan, used = _plan(model, names)
+    groups = {t: LORA_GROUPS[t] for t in targets if t in LORA_GROUPS}
+    missing = [t for t in targets if not (set(groups[t]) & used if t in groups else t in used)]
+    if missing or not plan:
+        present = set()
+        for p, m in nnx.iter_modules(model):
+            if isinstance(m, Projection) and p and str(p[-1]) in LORA_TARGETS:
+                present.add(str(p[-1]))
+                present.update(FUSED_PARTS.get(str(p[-1]), ("", ()))[1])
+        raise ArgumentError(
+            f"TrainingArguments.lora_targets {list(targets)!r}: {missing or list(targets)!r} "
+            f"match no trainable projection of {type(model).__name__}; its projections and "
+            f"parts: {sorted(present)} (or the groups 'attention', 'mlp')."
         )
     keep = {}
     for _, m in nnx.iter_modules(model):
         for name in getattr(m, "lora_keep", ()):
             keep[(id(m), name)] = getattr(m, name)
     freeze(model)
-    for (m_id, name), var in keep.items():  # restore the kept Params
+    for (m_id, name), kept in keep.items():  # restore the kept Params / modules
+        if isinstance(kept, nnx.Module):
+            unfreeze(kept)
+            continue
         for _, m in nnx.iter_modules(model):
             if id(m) == m_id:
-                setattr(m, name, var)
+                setattr(m, name, kept)
     key = jax.random.key(seed)
-    for i, (_, projection) in enumerate(chosen):
-        projection.lora = LoRA(
-            projection, rank=rank, alpha=alpha, dropout=dropout, key=jax.random.fold_in(key, i)
+    kw = dict(rank=rank, alpha=alpha, dropout=dropout)
+    for i, (projection, slices) in enumerate(plan):
+        k = jax.random.fold_in(key, i)
+        projection.lora = (
+            LoRA(projection, key=k, **kw)
+            if slices is None
+            else FusedLoRA(projection, slices, key=k, **kw)
         )
     return model
 

@@ -111,6 +111,9 @@ class ViTLayer(nnx.Module):
 class ViTForImageClassification(nnx.Module):
     """ViT classifier: ``model(pixel_values [B, C, H, W]) -> logits [B, num_labels]``."""
 
+    # With LoRA (adapters on qkv, out, fc1, fc2) the new head stays trainable (models/lora.py).
+    lora_keep = ("classifier",)
+
     def __init__(
         self,
         config: ViTConfig,

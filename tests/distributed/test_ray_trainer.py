@@ -79,10 +79,14 @@ def test_config_round_trips_through_readable_json(tmp_path):
     assert loaded.config.config_variables["sharding_axis_dims"] == (1, -1, 1, 2, 1)
     assert loaded.create_config(2) == rt.create_config(2)
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**written, "model_task": "x"}))
+    # (model_task is a key now, seed 003: EasyDeL's offload_backend is not one of ours)
+    bad.write_text(json.dumps({**written, "offload_backend": "cpu"}))
     with pytest.raises(
-        ArgumentError, match=r"unknown RayDistributedConfig key\(s\) \['model_task'\]"
+        ArgumentError, match=r"unknown RayDistributedConfig key\(s\) \['offload_backend'\]"
     ):
+        RayDistributedConfig.load(bad)
+    bad.write_text(json.dumps({**written, "model_task": "x"}))
+    with pytest.raises(ArgumentError, match=r"model_task='x' is not a task.*causal-lm"):
         RayDistributedConfig.load(bad)
 
 
