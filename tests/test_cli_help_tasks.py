@@ -44,6 +44,8 @@ def section(title: str) -> str:
 def test_launch_and_tune_help_give_type_default_and_every_readme_option(capsys):
     launch = help_of(capsys, "launch", "--help")
     tune = help_of(capsys, "tune", "--help")
+    for backend in ("--ray", "--slurm"):  # help after the backend flag is the same help
+        assert help_of(capsys, "launch", backend, "--help") == launch
     assert "--num_processes INT  (default: 1)" in launch
     assert "--time STR  (default: None)" in launch and "--submit" in launch
     assert "--scheduler STR  (default: 'asha')" in tune

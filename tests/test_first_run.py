@@ -213,6 +213,30 @@ def test_progress_bars_become_plain_lines_outside_a_terminal():
     assert lines[0].endswith("loss=2.5 tok/s=1,234") and "\r" not in stream.getvalue()
 
 
+@pytest.mark.parametrize("kind", ["rich", "tqdm"])
+def test_a_160_column_terminal_shows_lr_throughput_and_mfu(kind, monkeypatch):
+    """The demo's fields, at their widest (a 5-digit step count, a long lr), fit 160 columns."""
+    import re
+    import time
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "160")
+    stream = Terminal()
+    progress = make_progress(kind, 20000, stream=stream)
+    fields = {"epoch": 12.34, "loss": 4.123456, "lr": 0.000299999, "tok/s": 123456.7}
+    progress.update(10000, {**fields, "mfu": "12.3%"})
+    time.sleep(0.3)  # rich redraws 4 times a second
+    progress.close()
+    last = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).replace("\r", "\n")
+    line = [text for text in last.splitlines() if "10000/20000" in text or "10000/" in text][-1]
+    assert len(line.rstrip()) <= 160, line
+    for shown in ("lr=0.0003", "tok/s=123,457", "mfu=12.3%"):
+        assert shown in line, (shown, line)
+
+
 # ------------------------------------------------------------ the command line
 def jaxtrain(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

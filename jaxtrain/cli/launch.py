@@ -105,7 +105,7 @@ def split_launch(tokens: list[str]) -> tuple[str, dict[str, Any], list[str]]:
 
 def cmd_launch(tokens: list[str], entry: Any = None) -> int:
     """`entry`: the CLI's main, run by every process (jaxtrain.cli.main passes itself)."""
-    if tokens[:1] in (["-h"], ["--help"]):
+    if any(t in ("-h", "--help") for t in tokens[:2]):  # `launch --help`, `launch --ray --help`
         print(launch_help(), end="")
         return 0
     backend, options, command = split_launch(tokens)

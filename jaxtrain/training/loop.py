@@ -87,7 +87,7 @@ class TrainingLoop:
         # Written by process 0 only; a resumed run continues its trackers' runs.
         self.log = trainer.monitor.open(args.output_dir, plan.step, plan.tracker_state)
         batches = self._batches(plan.step)
-        primary = jax.process_index() == 0
+        primary = trainer.runtime.is_main_process
         self.progress = make_progress(
             args.progress_bar if primary else "none", self.total_steps, plan.step
         )
@@ -157,13 +157,13 @@ class TrainingLoop:
             self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
         summary = startup_summary(trainer)  # all of it in run_info.json, a few lines here
         trainer.monitor.add_run_info("startup", summary)
-        if jax.process_index() == 0:
+        if trainer.runtime.is_main_process:
             for line in summary_lines(summary):
                 self.progress.write(line)
 
     # ----------------------------------------------------------------- setup
     def _write_run_files(self) -> None:
-        if jax.process_index() != 0:
+        if not self.trainer.runtime.is_main_process:
             return
         out_dir = Path(self.args.output_dir)
         self.args.save(out_dir / "arguments.json")
@@ -256,14 +256,14 @@ class TrainingLoop:
         if self.stop_reason.startswith("signal:"):
             signal_name = self.stop_reason.split(":", 1)[1]
             raise TrainingInterrupted(signal_name, step, self.checkpoint_path)
-        if self.stop_reason == "time_limit":
+        if self.stop_reason == "time_limit" and trainer.runtime.is_main_process:
             print(
                 f"jaxtrain: training_time_limit={self.args.training_time_limit} reached at "
                 f"step {step}; saved {self.checkpoint_path}. Run the same command again to "
                 "continue."
             )
         truncation = trainer.data_meter.truncation_summary()
-        if truncation and jax.process_index() == 0:
+        if truncation and trainer.runtime.is_main_process:
             logger.warning("jaxtrain: at the end of the run, %s.", truncation)
         output = TrainerOutput(
             state=state,
