@@ -14,10 +14,17 @@ from jaxtrain.checkpointing.files import (
     restore_params,
     restore_state,
 )
-from jaxtrain.checkpointing.run import RunCheckpoints, RunStart, StartPlan, load_checked
+from jaxtrain.checkpointing.run import (
+    CheckpointSettings,
+    RunCheckpoints,
+    RunStart,
+    StartPlan,
+    load_checked,
+)
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSettings",
     "RunCheckpoints",
     "RunStart",
     "StartPlan",

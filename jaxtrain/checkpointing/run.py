@@ -36,6 +36,27 @@ from jaxtrain.checkpointing.quiet import quiet_orbax
 from jaxtrain.state import TrainState
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """What a run's checkpoints read of its arguments, and nothing else."""
+
+    output_dir: str
+    resume_from: str | None = None
+    resume_if_possible: bool = True
+    overwrite_output_dir: bool = False
+    optimizer: str = "adamw"  # a resume refuses a checkpoint of another optimizer
+    reset_optimizer: bool = False
+    save_total_limit: int | None = None  # keep-N
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> CheckpointSettings:
+        """The one place these fields are read from TrainingArguments (returned as it is
+        when it already is one)."""
+        if isinstance(args, CheckpointSettings):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass
 class StartPlan:
     """Where a run starts, decided and checked before any array of its state exists."""
@@ -65,9 +86,9 @@ class RunCheckpoints:
     background (keeping the newest `max_to_keep`), `close()` waits for the writes to commit.
     """
 
-    def __init__(self, arguments: Any):
-        self.arguments = arguments
-        self.root = ckpt.checkpoints_root(arguments.output_dir)
+    def __init__(self, settings: CheckpointSettings | Any):
+        self.settings = CheckpointSettings.from_arguments(settings)
+        self.root = ckpt.checkpoints_root(self.settings.output_dir)
         self._saver: _Saver | None = None  # opened at the first save of a run
 
     # ------------------------------------------------------------------ start
@@ -86,7 +107,7 @@ class RunCheckpoints:
         to) matches its step. Everything that can refuse a resume is checked here, before
         anything is compiled or restored.
         """
-        args = self.arguments
+        args = self.settings
         path = compat.resume_checkpoint(args)
         if path is None:
             refused = bool(ckpt.committed_steps(self.root)) and not args.overwrite_output_dir
@@ -142,7 +163,7 @@ class RunCheckpoints:
         """`plan` with its state: `fresh_state()`, or the checkpoint restored onto
         `abstract_state()` (its shardings); with `reset_optimizer`, only the parameters,
         with a new optimizer state from `init_optimizer(params)`."""
-        args, path = self.arguments, plan.resumed_from
+        args, path = self.settings, plan.resumed_from
         fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(StartPlan)}
         if path is None:
             return RunStart(**fields, state=fresh_state())
@@ -161,7 +182,7 @@ class RunCheckpoints:
         """Start a background save of `state` with `metadata` (JSON); returns the step
         directory it commits to. The save before it is committed first."""
         if self._saver is None:
-            self._saver = _Saver(self.root, max_to_keep=self.arguments.save_total_limit)
+            self._saver = _Saver(self.root, max_to_keep=self.settings.save_total_limit)
         return self._saver.save(state, metadata=metadata)
 
     def wait(self) -> None:

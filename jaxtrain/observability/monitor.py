@@ -20,6 +20,7 @@ on_train_end). Only process 0 writes anything.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -100,10 +101,39 @@ def memory_logs() -> dict[str, float]:
     return logs
 
 
+@dataclasses.dataclass(frozen=True)
+class MonitorSettings:
+    """What the monitor reads of a run's arguments, and nothing else."""
+
+    output_dir: str
+    report_to: tuple[str, ...] = ("jsonl",)
+    project_name: str = "jaxtrain"
+    run_name: str | None = None
+    run_report: bool = True
+    track_memory: bool = False
+    weight_distribution_log_steps: int | None = None
+    max_sequence_length: int = 0  # FLOPs per token are reported at this length
+    # Every argument of the run, as trackers record it (W&B config, MLflow params).
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> MonitorSettings:
+        """The one place these fields are read from TrainingArguments (returned as it is
+        when it already is one)."""
+        if isinstance(args, MonitorSettings):
+            return args
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("config", "report_to")]
+        return cls(
+            **{name: getattr(args, name) for name in names},
+            report_to=tuple(args.report_to),
+            config=args.to_dict(),
+        )
+
+
 class RunMonitor:
     def __init__(
         self,
-        args: Any,
+        args: MonitorSettings | Any,
         *,
         model_config: Any,
         num_parameters: int,
@@ -112,7 +142,8 @@ class RunMonitor:
         perplexity: bool = True,
         batch_unit: str = "tokens",
     ):
-        self.args = args
+        self.settings = MonitorSettings.from_arguments(args)
+        args = self.settings
         self.batch_unit = batch_unit  # what throughput counts: "tokens" or "examples"
         self.perplexity = perplexity  # log exp(loss): the loss is a per-token NLL
         self.compiler_options = compiler_options  # XLA options of every compile of the run
@@ -149,17 +180,17 @@ class RunMonitor:
         resumed checkpoint was saved) continues their runs."""
         self._step = start_step
         self._resume_state = dict(tracker_state or {})
-        self.run_name = self._resume_state.get("run_name") or self.args.run_name
+        self.run_name = self._resume_state.get("run_name") or self.settings.run_name
         self.run_name = self.run_name or default_run_name()
         if not self.is_writer:
             return self._log
         out_dir = Path(out_dir)
         self._trackers = start_trackers(
-            self.args.report_to,
+            self.settings.report_to,
             out_dir,
             run_name=self.run_name,
-            project=self.args.project_name,
-            config=self.args.to_dict(),
+            project=self.settings.project_name,
+            config=self.settings.config,
             start_step=start_step,
             resume=self._resume_state,
         )
@@ -190,7 +221,7 @@ class RunMonitor:
     def _write_run_info(self, out_dir: Path) -> None:
         description, peak_info = self.peak_info
         peak = peak_info.flops
-        seq = self.args.max_sequence_length
+        seq = self.settings.max_sequence_length
         info = {
             "run_name": self.run_name,
             "device": description,
@@ -201,7 +232,7 @@ class RunMonitor:
             "num_parameters": self.num_parameters,
             "flops_formula": "exact" if self.flops.exact else "6 * num_parameters",
             "flops_per_token_at_max_sequence_length": self.flops.per_token(seq),
-            "report_to": ["jsonl", *[t for t in self.args.report_to if t != "jsonl"]],
+            "report_to": ["jsonl", *[t for t in self.settings.report_to if t != "jsonl"]],
         }
         if self.flops.exact:
             info["matmul_parameters"] = matmul_parameters(self.flops.config)
@@ -274,7 +305,7 @@ class RunMonitor:
         """A closed window's logs plus memory (track_memory); an MFU above 100% first
         corrects the peak (`_check_peak`)."""
         self._check_peak(logs)
-        if self.args.track_memory:
+        if self.settings.track_memory:
             logs.update(memory_logs())
         return logs
 
@@ -331,7 +362,7 @@ class RunMonitor:
     # ------------------------------------------------------------ hooks
     def on_step_end(self, trainer: Any, state: Any, metrics: Any, step: int) -> None:
         self._step = step
-        every = self.args.weight_distribution_log_steps
+        every = self.settings.weight_distribution_log_steps
         if not every:
             return
         # Every process runs the (SPMD) statistics; only process 0's log writes them.
@@ -354,16 +385,16 @@ class RunMonitor:
         )
 
     def on_train_end(self, trainer: Any, output: Any) -> None:
-        if self.is_writer and self.args.run_report:
+        if self.is_writer and self.settings.run_report:
             from jaxtrain.observability.report import ReportError, write_report
 
             try:
-                result = write_report(self.args.output_dir)
+                result = write_report(self.settings.output_dir)
             except Exception as err:  # asked for and not written: say so, with the way out
                 raise ReportError(
                     f"training finished (checkpoint: {output.checkpoint_path}), but the run "
-                    f"report could not be written to {self.args.output_dir}: "
+                    f"report could not be written to {self.settings.output_dir}: "
                     f"{type(err).__name__}: {err}. Fix the cause and run `jaxtrain report "
-                    f"{self.args.output_dir}`, or pass run_report=False."
+                    f"{self.settings.output_dir}`, or pass run_report=False."
                 ) from err
             print(f"jaxtrain: run report: {result.html}")

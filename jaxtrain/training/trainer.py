@@ -28,13 +28,13 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.checkpointing import RunCheckpoints
+from jaxtrain.checkpointing import CheckpointSettings, RunCheckpoints
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
 from jaxtrain.data.fields import DataSettings
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
-from jaxtrain.observability.monitor import RunMonitor
+from jaxtrain.observability.monitor import MonitorSettings, RunMonitor
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
@@ -118,7 +118,8 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         self.optimizer, self.schedule = self.create_optimizer(self._schedule_length())
         # Masks live in the optimizer state, for any optimizer (pruning.py says why).
         self.optimizer = with_pruning(self.optimizer, args, self._schedule_length())
-        self.checkpoints = RunCheckpoints(args)  # where train() starts, its saves, keep-N
+        # Where train() starts, its saves, keep-N.
+        self.checkpoints = RunCheckpoints(CheckpointSettings.from_arguments(args))
         self.monitor = self._create_monitor()  # trackers, throughput/MFU, compiles, report
 
     # ------------------------------------------------------------------ setup
@@ -176,7 +177,7 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
 
     def _create_monitor(self) -> RunMonitor:
         return RunMonitor(
-            self.arguments,
+            MonitorSettings.from_arguments(self.arguments),
             model_config=self.model_config,
             num_parameters=self.num_parameters,
             num_devices=self.mesh.size,

@@ -13,7 +13,13 @@ from typing import Any
 
 import jax
 
-from jaxtrain.checkpointing import RunStart, StartPlan, load_checked
+from jaxtrain.checkpointing import (
+    CheckpointSettings,
+    RunCheckpoints,
+    RunStart,
+    StartPlan,
+    load_checked,
+)
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.state import TrainState
 from jaxtrain.training.state import ReadyBuild, StagedBuild
@@ -65,6 +71,9 @@ class TrainerCheckpoints:
         """Where `train()` starts: step 0, or the checkpoint it resumes, checked (model,
         optimizer, data position) but not yet restored. Clears or refuses output_dir's old
         checkpoints as `jaxtrain.checkpointing.run` describes."""
+        settings = CheckpointSettings.from_arguments(self.arguments)
+        if settings != self.checkpoints.settings:  # arguments changed since the Trainer was built
+            self.checkpoints = RunCheckpoints(settings)
         loader = self.train_loader
         return self.checkpoints.plan(
             model_class=type(self.model).__name__,
