@@ -31,6 +31,18 @@ class TokenScan:
     long_rows: int
     sampled_from: int | None = None  # the source's row count when `rows` are a sample of it
 
+    @classmethod
+    def of(cls, lengths: np.ndarray, seq_len: int, sampled_from: int | None = None) -> TokenScan:
+        """The scan of rows of these token `lengths` at `seq_len`."""
+        over = np.maximum(lengths - seq_len, 0)
+        return cls(
+            rows=len(lengths),
+            tokens=int(lengths.sum()),
+            truncated_tokens=int(over.sum()),
+            long_rows=int(np.count_nonzero(over)),
+            sampled_from=sampled_from,
+        )
+
     @property
     def truncated_share(self) -> float:
         return self.truncated_tokens / self.tokens if self.tokens else 0.0
@@ -94,13 +106,7 @@ def scan_tokens(
             "one token long, or fully masked with labels -100): training on it would log a "
             "loss of 0 and learn nothing. Check the tokenization or the column you pass."
         )
-    over = np.maximum(lengths - seq_len, 0)
-    return TokenScan(
-        rows=len(table),
-        tokens=int(lengths.sum()),
-        truncated_tokens=int(over.sum()),
-        long_rows=int(np.count_nonzero(over)),
-    )
+    return TokenScan.of(lengths, seq_len)
 
 
 # Rows of text (or chat) data tokenized at the start to estimate what truncation drops: the
@@ -120,14 +126,7 @@ def sample_scan(
     indices = np.unique(np.linspace(0, n - 1, min(n, rows)).astype(int)).tolist()
     examples = featurize(source.read(indices), indices)
     lengths = np.asarray([len(e["input_ids"]) for e in examples])
-    over = np.maximum(lengths - seq_len, 0)
-    return TokenScan(
-        rows=len(lengths),
-        tokens=int(lengths.sum()),
-        truncated_tokens=int(over.sum()),
-        long_rows=int(np.count_nonzero(over)),
-        sampled_from=n if len(lengths) < n else None,
-    )
+    return TokenScan.of(lengths, seq_len, sampled_from=n if len(lengths) < n else None)
 
 
 def warn_truncation(scan: TokenScan | None, *, name: str, seq_len: int, mode: str) -> None:
