@@ -296,3 +296,20 @@ def test_no_t_by_t_or_t_by_vocab_buffer_in_a_long_train_step():
     # The check sees a [T, T] array where one exists: the dense path at 1024 tokens.
     dense = max(buffer_sizes(compiled_step(1024, 64, "xla")[0]))
     assert dense[0] >= 1024 * 1024, dense
+
+
+def test_cli_model_section_sets_the_attention_implementation():
+    from jaxtrain.cli.run_config import parse_overrides, resolve_config, split_config
+    from jaxtrain.cli.run_dir import build_model
+    from jaxtrain.errors import ArgumentError
+
+    overrides = parse_overrides(
+        ["--model.hidden_size", "32", "--model.num_attention_heads", "2",
+         "--model.attention_implementation", "blockwise"]
+    )  # fmt: skip
+    _, section, _, _ = split_config(resolve_config(None, overrides))
+    model = build_model({**section, "vocab_size": 64}, None, seed=0)
+    assert model.attention_implementation == "blockwise"
+    assert "attention_implementation" not in model.config.to_dict()
+    with pytest.raises(ArgumentError, match="attention_implementation"):
+        build_model({**section, "attention_implementation": "flash"}, None, seed=0)
