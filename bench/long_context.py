@@ -12,10 +12,10 @@ and compilation).
 
 - ``dense`` vs ``blockwise`` at every size of ``--sizes``; a variant stops growing once a
   step took over 30 s (the next size would take over ~2 minutes) or when the dense scores
-  alone (4 copies of [8, T, T] float32 in the backward pass) would pass 16 GB; blockwise
+  (DENSE_SCORE_COPIES x [8, T, T] float32, measured) would pass 16 GB; blockwise
   still runs the largest size, one step including its compilation (``first_step_s``);
-- a packed 8k row of 16 documents: dense with its [T, T] segment mask vs blockwise, which
-  skips the blocks of other documents;
+- packed rows of 16 documents (4k and 8k): dense with its [T, T] segment mask vs blockwise,
+  which skips the blocks of other documents (dense at 8k is skipped by the memory rule);
 - sp = 4 on 4 simulated CPU devices vs sp = 1: XLA's temp buffer size per device of the
   compiled train step (``memory_analysis``) at 8k, ring attention over the sp axis.
 """
@@ -34,7 +34,14 @@ import time
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_STEP_S = 30.0
 MAX_DENSE_BYTES = 16e9
+# Peak RSS of the dense step in [8, T, T] float32 score arrays: 6754 MB at 4k = 12.6 of them
+# (2026-11-25). At 8k that is ~27 GB: the process was killed on a 24 GB machine.
+DENSE_SCORE_COPIES = 12.6
 HEADS = 8
+
+
+def dense_bytes(seq: int) -> float:
+    return DENSE_SCORE_COPIES * HEADS * seq * seq * 4
 
 
 def build(seq: int, implementation: str):
@@ -132,13 +139,15 @@ def run_worker(*args: str, devices: int = 1) -> dict | None:
     except subprocess.TimeoutExpired:
         return {"error": "timeout (900 s)"}
     if proc.returncode:
-        return {"error": proc.stderr.strip().splitlines()[-1][:200]}
+        lines = proc.stderr.strip().splitlines() or [f"exit {proc.returncode} (killed: memory?)"]
+        return {"error": lines[-1][:200]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--packed-sizes", default="4096,8192")
     parser.add_argument("--skip-packed", action="store_true")
     parser.add_argument("--skip-sp", action="store_true")
     parser.add_argument("--worker", nargs="+")
@@ -163,7 +172,7 @@ def main() -> None:
             last = impl == "blockwise" and seq == sizes[-1] and impl in stopped
             if impl in stopped and not last:
                 results[f"{impl} {seq}"] = {"skipped": stopped[impl]}
-            elif impl == "dense" and 4 * HEADS * seq * seq * 4 > MAX_DENSE_BYTES:
+            elif impl == "dense" and dense_bytes(seq) > MAX_DENSE_BYTES:
                 results[f"{impl} {seq}"] = {"skipped": "dense scores > 16 GB"}
             else:
                 steps = 0 if last else 2 if seq < 16384 else 1
@@ -174,10 +183,14 @@ def main() -> None:
                     stopped[impl] = f"{seq} took {out['step_s']} s a step"
             print(f"{impl} {seq}: {results[f'{impl} {seq}']}", flush=True)
     if not args.skip_packed:
-        for impl in ("xla", "blockwise"):
-            out = run_worker(impl, "8192", "16", "2")
-            results[f"packed 8192 x 16 {impl}"] = out
-            print(f"packed 8192 x 16 docs {impl}: {out}", flush=True)
+        for seq in (int(s) for s in args.packed_sizes.split(",")):
+            for impl in ("xla", "blockwise"):
+                if impl == "xla" and dense_bytes(seq) > MAX_DENSE_BYTES:
+                    out = {"skipped": "dense scores > 16 GB"}
+                else:
+                    out = run_worker(impl, str(seq), "16", "2")
+                results[f"packed {seq} x 16 {impl}"] = out
+                print(f"packed {seq} x 16 docs {impl}: {out}", flush=True)
     if not args.skip_sp:
         for sp in (1, 4):
             out = run_worker("sp", "8192", str(sp), devices=sp)
