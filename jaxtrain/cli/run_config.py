@@ -262,8 +262,9 @@ def typed_section(
     }
 
 
-# Keys of the model section besides LlamaConfig's fields.
-MODEL_EXTRA_KEYS = ("pretrained", "base_model")
+# Keys of the model section besides LlamaConfig's fields. attention_implementation is set
+# on the built model (a call-time attribute, not part of its architecture).
+MODEL_EXTRA_KEYS = ("pretrained", "base_model", "attention_implementation")
 
 
 def typed_model_section(

@@ -18,14 +18,22 @@ def build_model(model_section: dict[str, Any], tokenizer: Any, *, seed: int, sha
     """The model of a run's `model` section; `sharding_for` places pretrained weights."""
     from flax import nnx
 
+    from jaxtrain.models.attention import IMPLEMENTATIONS
     from jaxtrain.models.classes import classes_for
 
     values = dict(model_section)
     base_model = values.pop("base_model", None)  # where a run's weights came from
+    attention = values.pop("attention_implementation", None)
+    if attention not in IMPLEMENTATIONS:
+        raise ArgumentError(
+            f"model.attention_implementation={attention!r}: choose one of "
+            f"{[i for i in IMPLEMENTATIONS if i]} (or leave it unset: blockwise for long rows)."
+        )
     if "pretrained" in values:
         from jaxtrain.cli.pretrained import build_pretrained_model
 
-        return build_pretrained_model(values, tokenizer, sharding_for=sharding_for)
+        model = build_pretrained_model(values, tokenizer, sharding_for=sharding_for)
+        return _with_attention(model, attention)
     if tokenizer is not None:
         values.setdefault("vocab_size", len(tokenizer))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -41,6 +49,12 @@ def build_model(model_section: dict[str, Any], tokenizer: Any, *, seed: int, sha
     model = model_class(config, rngs=nnx.Rngs(seed))
     if base_model:
         model.name_or_path = base_model
+    return _with_attention(model, attention)
+
+
+def _with_attention(model: Any, attention: str | None) -> Any:
+    if attention is not None:
+        model.attention_implementation = attention
     return model
 
 

@@ -1,7 +1,8 @@
 """Attention maths for [B, T, N, H] queries and [B, S, K, H] keys and values (grouped-query:
 N % K == 0): causal attention for training (masks for packed documents and sliding windows,
-query blocks, the cuDNN kernel) and attention against a KV cache for decoding. The modules
-that project into and out of it are in layers.py."""
+query blocks, blockwise and ring attention for long rows in blockwise.py and ring.py, the
+cuDNN kernel) and attention against a KV cache for decoding. The modules that project into
+and out of it are in layers.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain.models.blockwise import blockwise_attention
+from jaxtrain.models.ring import sequence_parallel_attention
+
 Array = jax.Array
+
+
+IMPLEMENTATIONS = (None, "xla", "blockwise", "cudnn")
+
+# Rows from this length on run blockwise attention when no implementation is chosen. On CPU
+# blockwise attention alone (fwd + bwd) was already faster than dense from 256 tokens on
+# (2026-11-25); the model-level bench (bench/long_context.py) sets the line at 1k, where
+# the dense [B, N, T, T] scores stop fitting in cache.
+BLOCKWISE_MIN_LENGTH = 1024
 
 
 def causal_attention(
@@ -20,6 +33,8 @@ def causal_attention(
     segment_ids: Array | None = None,
     sliding_window: int | None = None,
     implementation: str | None = None,
+    scale: float | None = None,
+    logit_cap: float | None = None,
 ) -> Array:
     """Causal (grouped-query) attention. q [B,T,N,H]; k, v [B,T,K,H] with N % K == 0.
 
@@ -27,22 +42,40 @@ def causal_attention(
       packed documents stay independent.
     - sliding_window w: token i attends to j only when i - j < w (HF Mistral semantics),
       i.e. a left window of w - 1 in jax's inclusive ``local_window_size``.
-    ``implementation="cudnn"`` runs ``jax.nn.dot_product_attention``'s fused kernel; None
-    or "xla" run ``grouped_attention`` (the same maths as jax's XLA path, without its
-    per-group vmap: that made XLA transpose the [B, N, T, T] scores of every layer).
+    - ``scale`` (default 1 / sqrt(H)) and ``logit_cap`` (Gemma 2 soft-capping).
+    ``implementation``: "xla" runs ``grouped_attention`` (the same maths as jax's XLA path,
+    without its per-group vmap: that made XLA transpose the [B, N, T, T] scores of every
+    layer); "blockwise" runs models/blockwise.py (online softmax, no T x T array), as ring
+    attention (models/ring.py) when the activation rules split the length over sp > 1
+    devices; None picks "blockwise" from BLOCKWISE_MIN_LENGTH tokens on and "xla" below;
+    "cudnn" runs ``jax.nn.dot_product_attention``'s fused GPU kernel (no soft-capping).
     """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention_implementation={implementation!r}: choose one of {IMPLEMENTATIONS}."
+        )
     if implementation == "cudnn":
+        if logit_cap is not None:
+            raise ValueError("attention_implementation='cudnn' has no logit soft-capping.")
         window = None if sliding_window is None else (sliding_window - 1, 0)
         mask = None if segment_ids is None else same_segment_mask(segment_ids)
         return jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, local_window_size=window, implementation="cudnn"
-        )
-    if implementation not in (None, "xla"):
-        raise ValueError(
-            f"attention_implementation={implementation!r}: choose None, 'xla' or 'cudnn'."
-        )
+            q, k, v, mask=mask, scale=scale, is_causal=True, local_window_size=window,
+            implementation="cudnn",
+        )  # fmt: skip
+    if implementation == "blockwise" or (
+        implementation is None and q.shape[1] >= BLOCKWISE_MIN_LENGTH
+    ):
+        kw = dict(
+            segment_ids=segment_ids, sliding_window=sliding_window, scale=scale,
+            logit_cap=logit_cap,
+        )  # fmt: skip
+        ring = sequence_parallel_attention(q, k, v, **kw)
+        return blockwise_attention(q, k, v, **kw) if ring is None else ring
     mask = causal_mask(q.shape[1], segment_ids=segment_ids, sliding_window=sliding_window)
-    return blocked_causal_attention(q, k, v, mask, sliding_window=sliding_window)
+    return blocked_causal_attention(
+        q, k, v, mask, sliding_window=sliding_window, scale=scale, logit_cap=logit_cap
+    )
 
 
 # Sequences from this length on run causal attention as two query blocks. Measured on CPU
@@ -52,7 +85,14 @@ MIN_BLOCKED_LENGTH = 256
 
 
 def blocked_causal_attention(
-    q: Array, k: Array, v: Array, mask: Array, *, sliding_window: int | None = None
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array,
+    *,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    logit_cap: float | None = None,
 ) -> Array:
     """``grouped_attention`` for a causal ``mask``, one query block at a time.
 
@@ -62,7 +102,7 @@ def blocked_causal_attention(
     """
     t = q.shape[1]
     if t < MIN_BLOCKED_LENGTH or t % 2:
-        return grouped_attention(q, k, v, mask)
+        return grouped_attention(q, k, v, mask, scale=scale, logit_cap=logit_cap)
     block = t // 2
     k, v = repeat_kv(k, v, q.shape[2])  # once here, not once per block
     outputs = []
@@ -72,7 +112,14 @@ def blocked_causal_attention(
         first -= first % block  # whole blocks: the mask covers the rest
         block_mask = mask[:, :, start:end, first:end]
         outputs.append(
-            grouped_attention(q[:, start:end], k[:, first:end], v[:, first:end], block_mask)
+            grouped_attention(
+                q[:, start:end],
+                k[:, first:end],
+                v[:, first:end],
+                block_mask,
+                scale=scale,
+                logit_cap=logit_cap,
+            )  # fmt: skip
         )
     return jnp.concatenate(outputs, axis=1)
 

@@ -8,7 +8,9 @@ the final logits too; per-layer attention kinds (``layer_types``: sliding-window
 Gemma 3 adds q/k RMSNorm and a separate rotary base for its sliding layers
 (``rope_local_base_freq``) and drops the soft-capping.
 
-Attention is ``attention.grouped_attention`` with Gemma's scale and logit soft-capping.
+Attention is ``attention.causal_attention`` with Gemma's scale and logit soft-capping
+(dense einsums for short rows, blockwise for long ones; "cudnn" falls back to them when
+soft-capping is on).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.models.attention import causal_mask, grouped_attention
+from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.layers import (
     Embedding,
@@ -145,10 +147,21 @@ class GemmaAttention(nnx.Module):
         q = apply_rope(q, cos, sin).reshape(b, t, -1, self.head_dim)
         return q, apply_rope(k, cos, sin), v
 
-    def __call__(self, x: Array, cos: Array, sin: Array, segment_ids: Array | None) -> Array:
+    def __call__(
+        self,
+        x: Array,
+        cos: Array,
+        sin: Array,
+        segment_ids: Array | None,
+        implementation: str | None = None,
+    ) -> Array:
         q, k, v = self.project(x, cos, sin)
-        mask = causal_mask(x.shape[1], segment_ids=segment_ids, sliding_window=self.window)
-        out = grouped_attention(q, k, v, mask, scale=self.scale, logit_cap=self.cap)
+        if implementation == "cudnn" and self.cap is not None:
+            implementation = None  # the fused kernel cannot soft-cap: the einsum path can
+        out = causal_attention(
+            q, k, v, segment_ids=segment_ids, sliding_window=self.window,
+            implementation=implementation, scale=self.scale, logit_cap=self.cap,
+        )  # fmt: skip
         return self.o_proj(out)
 
 
@@ -187,15 +200,15 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = GemmaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_feedforward_layernorm = GemmaRMSNorm(d, **norm)
 
-    def __call__(self, x, cos, sin, segment_ids):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+    def __call__(self, x, cos, sin, segment_ids, implementation=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, implementation)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
 
 
-def _run_layer(layer, x, cos, sin, segment_ids):
-    return layer(x, cos, sin, segment_ids)
+def _run_layer(layer, x, cos, sin, segment_ids, implementation):
+    return layer(x, cos, sin, segment_ids, implementation)
 
 
 class GemmaModel(nnx.Module):
@@ -234,15 +247,15 @@ class GemmaModel(nnx.Module):
 
     def __call__(self, input_ids, positions, segment_ids=None, *, remat_policy="none",
                  implementation=None):  # fmt: skip
-        del implementation  # Gemma's attention is always the einsum path (soft-capping)
         tables = self.rope_tables(positions)
         x = constrain(self.embed(input_ids), ACT_BTD)
         run = _run_layer
         if remat_policy != "none":
-            run = nnx.remat(_run_layer, policy=checkpoint_policy(remat_policy))
+            # static_argnums: the implementation string is not an array.
+            run = nnx.remat(_run_layer, policy=checkpoint_policy(remat_policy), static_argnums=5)
         for layer in self.layers:
             cos, sin = tables[layer.sliding]
-            x = constrain(run(layer, x, cos, sin, segment_ids), ACT_BTD)
+            x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)
         return self.norm(x)
 
 

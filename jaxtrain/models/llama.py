@@ -8,6 +8,7 @@ a rename plus reshape; q/k/v and gate/up are fused (see layers.py).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -141,8 +142,11 @@ class LlamaForCausalLM(nnx.Module):
 
     Attributes read at call time (plain Python values, part of the static graph):
     - ``remat_policy``: one of REMAT_POLICIES; rematerialises each decoder layer.
-    - ``attention_implementation``: None or "xla" (``attention.grouped_attention``: einsums,
-      softmax in float32) or "cudnn" (``jax.nn.dot_product_attention``'s fused GPU kernel).
+    - ``attention_implementation``: "xla" (``attention.grouped_attention``: einsums,
+      softmax in float32), "blockwise" (models/blockwise.py: no T x T scores; ring
+      attention over the sp mesh axis), "cudnn" (``jax.nn.dot_product_attention``'s fused
+      GPU kernel) or None (blockwise from ``attention.BLOCKWISE_MIN_LENGTH`` tokens on,
+      "xla" below).
     """
 
     # The decoder stack; families that change only the layers (models/moe.py) replace it.
@@ -229,6 +233,7 @@ class LlamaForCausalLM(nnx.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}.")
         t = input_ids.shape[1]
+        warn_past_context(self.config, t)
         positions, segment_ids = apply_padding_mask(
             attention_mask, input_ids, positions, segment_ids
         )
@@ -241,6 +246,25 @@ class LlamaForCausalLM(nnx.Module):
             remat_policy=self.remat_policy,
             implementation=self.attention_implementation,
         )
+
+
+# Configs already warned about rows past their pretrained context (once per config).
+_WARNED_CONTEXT: set[tuple[int, int]] = set()
+
+
+def warn_past_context(config: LlamaConfig, length: int) -> None:
+    """Warn once per config when a row is longer than ``max_position_embeddings``: rotary
+    positions (and their linear / Llama-3 scalings) still compute, but the model was not
+    pretrained that far, so quality past it needs long-context fine-tuning."""
+    limit = config.max_position_embeddings
+    if length <= limit or (id(config), limit) in _WARNED_CONTEXT:
+        return
+    _WARNED_CONTEXT.add((id(config), limit))
+    warnings.warn(
+        f"rows of {length} tokens exceed max_position_embeddings={limit}: positions past "
+        f"{limit} were not seen in pretraining (rope_scaling={config.rope_scaling}).",
+        stacklevel=3,
+    )
 
 
 def logical_axes(state_or_model: nnx.State | nnx.Module) -> nnx.State:

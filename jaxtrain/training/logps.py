@@ -36,6 +36,9 @@ from jaxtrain.data.collate import IGNORE_INDEX
 CHUNKED_LOSS_MIN_VOCAB = 32768
 # Target float32 logits per chunk (elements): 2**24 = 64 MiB.
 CHUNK_LOGITS = 2**24
+# Whole-batch logits above this many elements (256 MiB in float32) are chunked at any
+# vocabulary: a 32k-token row at vocab 32000 would otherwise hold 4 GiB of logits.
+LONG_ROW_LOGITS = 2**26
 
 
 def target_logps(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -72,13 +75,14 @@ def token_logps(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Ar
     return logp[:, :-1], mask[:, :-1]
 
 
-def chunks_logits(model: Any) -> bool:
-    """Whether `model`'s log-probs are computed a chunk at a time: a vocabulary of at least
-    CHUNKED_LOSS_MIN_VOCAB and a model that exposes ``hidden_states`` and
-    ``output_projection`` (the Llama family)."""
+def chunks_logits(model: Any, tokens: int = 0) -> bool:
+    """Whether `model`'s log-probs are computed a chunk at a time: a model that exposes
+    ``hidden_states`` and ``output_projection`` (the Llama family) with a vocabulary of at
+    least CHUNKED_LOSS_MIN_VOCAB, or a batch of ``tokens`` positions whose whole logits
+    would exceed LONG_ROW_LOGITS (long-context rows at any vocabulary)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0) or 0
     heads = hasattr(model, "hidden_states") and hasattr(model, "output_projection")
-    return heads and vocab >= CHUNKED_LOSS_MIN_VOCAB
+    return heads and (vocab >= CHUNKED_LOSS_MIN_VOCAB or tokens * vocab > LONG_ROW_LOGITS)
 
 
 def chunk_tokens_for(vocab: int) -> int:
@@ -91,7 +95,7 @@ def model_token_logps(
 ) -> tuple[jax.Array, jax.Array]:
     """``token_logps`` of a causal LM on ``input_ids`` (right-padded rows: causal attention
     never lets a real token see the padding), chunked when ``chunks_logits(model)``."""
-    if chunks_logits(model):
+    if chunks_logits(model, input_ids.size):
         hidden = model.hidden_states(input_ids)
         chunk = chunk_tokens_for(model.config.vocab_size)
         return chunked_token_logps(hidden, model.output_projection(), labels, chunk_tokens=chunk)

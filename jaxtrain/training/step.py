@@ -62,7 +62,7 @@ def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax
     """Default loss of the Trainer: a causal LM called as model(input_ids, ...) -> logits.
 
     Models for which ``logps.chunks_logits`` holds (the Llama family, a vocabulary of at
-    least CHUNKED_LOSS_MIN_VOCAB) get the chunked loss (same sums).
+    least CHUNKED_LOSS_MIN_VOCAB or long rows) get the chunked loss (same sums).
     Models with ``returns_aux_losses`` (mixture-of-experts) also return their auxiliary
     losses; see ``add_aux_losses``.
     """
@@ -73,7 +73,7 @@ def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax
     with_aux = bool(getattr(model, "returns_aux_losses", False))
     if with_aux:
         kwargs["return_aux"] = True
-    if chunks_logits(model):
+    if chunks_logits(model, batch["input_ids"].size):
         out = model.hidden_states(batch["input_ids"], **kwargs)
         hidden, aux = out if with_aux else (out, None)
         chunk = chunk_tokens_for(model.config.vocab_size)
