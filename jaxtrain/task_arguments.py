@@ -99,7 +99,7 @@ class DistillationArguments(TrainingArguments):
 class GRPOArguments(TrainingArguments):
     """GRPO (online RL from reward functions). `total_batch_size` counts completions: each
     update sees total_batch_size / num_generations prompts, num_generations completions each.
-    `max_sequence_length` is unused: rows are max_prompt_length + max_completion_length."""
+    `max_sequence_length` is set to max_prompt_length + max_completion_length (a row)."""
 
     # Completions sampled per prompt (the group whose mean reward is the baseline); >= 2.
     num_generations: int = 8
@@ -139,6 +139,8 @@ class GRPOArguments(TrainingArguments):
     def __post_init__(self) -> None:
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        # A row is a prompt then its completion: the length the step is compiled for.
+        self.max_sequence_length = self.max_prompt_length + self.max_completion_length
         if isinstance(self.rewards, str):
             self.rewards = [r.strip() for r in self.rewards.split(",") if r.strip()]
         checks = [

@@ -1,0 +1,133 @@
+"""GRPOTrainer: a tiny Llama learns a verifiable toy task, errors before any update, LoRA,
+exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import tiny_arguments, tiny_model
+
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.trainers import GRPOArguments, GRPOTrainer
+from jaxtrain.trainers.rewards import RewardError, format_regex, last_number_matches
+
+BIG = {str(i) for i in range(10, 20)}
+
+
+def big_first_number(prompts, completions, **_):
+    """1 when the completion starts with a number of at least 10 (10 of the 64 tokens)."""
+    return [float(bool(c.split()) and c.split()[0] in BIG) for c in completions]
+
+
+def prompts(n: int = 16) -> list[dict[str, object]]:
+    return [
+        {"prompt": f"what is {i % 7} + {(3 * i) % 5} ?", "answer": i % 7 + (3 * i) % 5}
+        for i in range(n)
+    ]
+
+
+class Logs:
+    def __init__(self):
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, trainer, logs, step):
+        self.logs.append(dict(logs))
+
+
+def grpo_args(tmp_path, **overrides):
+    values = dict(
+        max_steps=4,
+        total_batch_size=16,
+        num_generations=4,
+        max_prompt_length=8,
+        max_completion_length=3,
+        learning_rate=1e-2,
+    )
+    return tiny_arguments(GRPOArguments, tmp_path, **{**values, **overrides})
+
+
+def test_it_learns_the_toy_task(tokenizer, tmp_path):
+    logs = Logs()
+    args = grpo_args(tmp_path, max_steps=40, learning_rate=5e-3, beta=0.04, seed=0)
+    trainer = GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[big_first_number],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+        callbacks=[logs],
+    )
+    trainer.train()
+    rewards = [entry["reward"] for entry in logs.logs if "reward" in entry]
+    assert len(rewards) == 40
+    first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
+    print("first", first, "last", last, [round(x, 2) for x in rewards])
+    assert last >= 2 * first and last >= first + 0.3
+    kls = [entry["kl"] for entry in logs.logs]
+    print("kl", [round(k, 2) for k in kls])
+    assert max(kls) < 1.0  # beta 0.04 keeps the policy near the reference
+    one = logs.logs[-1]
+    for key in ("reward_std", "rewards/big_first_number", "frac_reward_zero_std",
+                "clip_ratio", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "completions/clipped_ratio",
+                "time/generation_s", "time/training_s"):  # fmt: skip
+        assert key in one, key
+
+
+def make(tokenizer, tmp_path, reward, **overrides):
+    return GRPOTrainer(
+        arguments=grpo_args(tmp_path, **overrides),
+        model=tiny_model(),
+        reward_funcs=[reward],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+    )
+
+
+def raises_on_seven(prompts, completions, **_):
+    if any("+" in p for p in prompts):
+        raise ZeroDivisionError("no sevens")
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize(
+    "reward, match",
+    [
+        (raises_on_seven, r"raises_on_seven raised ZeroDivisionError: no sevens on prompt "
+         r"'what is \d \+ \d \?'"),
+        (lambda prompts, completions, **_: [1.0], "returned 1 values for 16 completions"),
+        (lambda prompts, completions, **_: [float("nan")] * 16, "returned NaN for prompt"),
+        (lambda prompts, completions, **_: [None] * 16, "returned None for every completion"),
+    ],
+)  # fmt: skip
+def test_reward_errors_name_the_function_before_any_update(tokenizer, tmp_path, reward, match):
+    trainer = make(tokenizer, tmp_path, reward, max_steps=1)
+    with pytest.raises(RewardError, match=match):
+        trainer.train()
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(num_generations=1), "num_generations=1: a group needs at least 2"),
+        (dict(num_generations=3), "multiple of num_generations=3"),
+        (dict(loss_type="ppo"), "loss_type='ppo' is not one of"),
+        (dict(scale_rewards="max"), "scale_rewards='max'"),
+    ],
+)
+def test_bad_arguments_are_argument_errors_before_compiling(tmp_path, overrides, match):
+    with pytest.raises(ArgumentError, match=match):
+        grpo_args(tmp_path, **overrides)
+
+
+def test_builtin_rewards():
+    assert last_number_matches(["q"] * 3, ["it is 7", "7 or 8", "none"], answer=[7, "7", 1]) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+    reward = format_regex(r"\d+ </s>")
+    assert reward(["q", "q"], ["12 </s>", "12 13"]) == [1.0, 0.0]
