@@ -131,3 +131,72 @@ def test_builtin_rewards():
     ]
     reward = format_regex(r"\d+ </s>")
     assert reward(["q", "q"], ["12 </s>", "12 13"]) == [1.0, 0.0]
+
+
+class Completions:
+    """Each step's sampled completions (the trainer's last generated batch); stops the run
+    after step `stop_after` (a kill: steps after the last save are lost)."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.by_step: dict[int, list[str]] = {}
+        self.stop_after = stop_after
+
+    def on_step_end(self, trainer, state, metrics, step):
+        self.by_step[step] = list(trainer.last_completions)
+        if step == self.stop_after:
+            trainer.should_stop = True
+
+
+def run(tokenizer, out, seen, **overrides):
+    import jax
+
+    args = grpo_args(out, max_steps=8, save_steps=2, num_iterations=2, beta=0.04, **overrides)
+    trainer = GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[big_first_number],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+        callbacks=[seen],
+    )
+    output = trainer.train()
+    return jax.tree.leaves(jax.device_get(output.state.params))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_exact_resume_mid_run(tokenizer, tmp_path, lora):
+    """Killed after step 5 (last save: step 4), resumed: the same completions from there on
+    as the uninterrupted run, and bit-equal parameters at the end (num_iterations 2, KL)."""
+    extra = dict(lora_rank=4, lora_alpha=8) if lora else {}
+    whole, part, rest = Completions(), Completions(stop_after=5), Completions()
+    full = run(tokenizer, tmp_path / "a", whole, **extra)
+    run(tokenizer, tmp_path / "b", part, **extra)
+    resumed = run(tokenizer, tmp_path / "b", rest, **extra)
+    assert sorted(rest.by_step) == [5, 6, 7, 8]
+    for step in rest.by_step:
+        assert rest.by_step[step] == whole.by_step[step], step
+    for a, b in zip(full, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_lora_reference_is_the_base_without_adapters(tokenizer, tmp_path):
+    logs = Logs()
+    args = grpo_args(tmp_path, max_steps=3, beta=0.04, lora_rank=4, lora_alpha=8)
+    trainer = GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[big_first_number],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+        callbacks=[logs],
+    )
+    assert trainer.model.reference is None  # no second copy of the weights
+    trainer.train()
+    kls = [entry["kl"] for entry in logs.logs]
+    assert kls[0] == 0.0  # B = 0 at the start: policy == base
+    assert 0 < kls[-1] < 1.0  # the adapters moved the policy away from the base
+
+
+def test_save_steps_must_fall_on_generation_boundaries(tmp_path):
+    with pytest.raises(ArgumentError, match="save_steps=3 .* multiple of num_iterations=2"):
+        grpo_args(tmp_path, save_steps=3, num_iterations=2)
