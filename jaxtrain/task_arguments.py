@@ -132,7 +132,7 @@ class GRPOArguments(TrainingArguments):
     reward_weights: list[float] | None = None
     # CLI: reward functions as module:function paths, or the built-ins "last_number_matches"
     # and "format_regex" (jaxtrain/trainers/rewards.py).
-    rewards: list[str] | None = None
+    reward: list[str] | None = None
     # The pattern of the built-in format_regex reward (fullmatch of the completion).
     format_pattern: str | None = None
 
@@ -141,8 +141,8 @@ class GRPOArguments(TrainingArguments):
             self.epsilon_high = self.epsilon
         # A row is a prompt then its completion: the length the step is compiled for.
         self.max_sequence_length = self.max_prompt_length + self.max_completion_length
-        if isinstance(self.rewards, str):
-            self.rewards = [r.strip() for r in self.rewards.split(",") if r.strip()]
+        if isinstance(self.reward, str):
+            self.reward = [r.strip() for r in self.reward.split(",") if r.strip()]
         checks = [
             (
                 self.loss_type in GRPO_LOSS_TYPES,

@@ -125,7 +125,7 @@ class GRPOTrainer(TaskTrainer):
     """Online RL from reward functions: see the module docstring and README "GRPO".
 
     `reward_funcs`: callables `fn(prompts, completions, **columns) -> list[float | None]`
-    (default: `arguments.rewards`, paths or built-ins). `reference_model`: the KL reference
+    (default: `arguments.reward`, paths or built-ins). `reference_model`: the KL reference
     when beta > 0 (default: a frozen copy of `model` now; with LoRA the base without the
     adapters, no copy).
     """
@@ -198,12 +198,12 @@ class GRPOTrainer(TaskTrainer):
     @staticmethod
     def _reward_funcs(funcs: Any, args: GRPOArguments) -> list[Callable]:
         if funcs is None:
-            funcs = [load_reward(s, format_pattern=args.format_pattern) for s in args.rewards or []]
+            funcs = [load_reward(s, format_pattern=args.format_pattern) for s in args.reward or []]
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         if not funcs:
             raise ArgumentError(
                 "GRPOTrainer needs reward functions: reward_funcs=[fn, ...] or "
-                "GRPOArguments.rewards (e.g. ['last_number_matches'] or ['my_module:fn'])."
+                "GRPOArguments.reward (e.g. ['last_number_matches'] or ['my_module:fn'])."
             )
         for fn in funcs:
             if not callable(fn):

@@ -200,3 +200,49 @@ def test_lora_reference_is_the_base_without_adapters(tokenizer, tmp_path):
 def test_save_steps_must_fall_on_generation_boundaries(tmp_path):
     with pytest.raises(ArgumentError, match="save_steps=3 .* multiple of num_iterations=2"):
         grpo_args(tmp_path, save_steps=3, num_iterations=2)
+
+
+def test_cli_task_grpo_with_a_reward_path_and_builtins(tokenizer, tmp_path, monkeypatch, capsys):
+    import json
+
+    import yaml
+
+    from jaxtrain.cli import main
+
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in prompts(8)))
+    (tmp_path / "my_rewards.py").write_text(
+        "def starts_big(prompts, completions, answer, **_):\n"
+        "    return [float(c.split()[:1] > ['10']) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {
+        "task": "grpo",
+        "output_dir": str(tmp_path / "run"),
+        "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1),
+        "data": {"source": "files", "train_files": str(rows),
+                 "tokenizer": str(tmp_path / "tokenizer")},
+        "max_steps": 2, "total_batch_size": 8, "num_generations": 4, "max_prompt_length": 8,
+        "max_completion_length": 3, "warmup_steps": 0, "logging_steps": 1,
+        "progress_bar": "none", "run_report": False, "save_final": False,
+        "evaluation_strategy": "no", "report_to": "jsonl",
+    }  # fmt: skip
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args = [
+        "train",
+        str(path),
+        "--reward",
+        "my_rewards:starts_big,last_number_matches,format_regex",
+    ]
+    assert main([*args, "--format_pattern", r"\d+.*"]) == 0
+    logs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [entry for entry in logs if "reward" in entry]
+    assert len(steps) == 2
+    for name in ("starts_big", "last_number_matches", "format_regex('\\\\d+.*')"):
+        assert f"rewards/{name}" in steps[-1], sorted(steps[-1])
+    capsys.readouterr()
+    assert main([*args, "--output_dir", str(tmp_path / "run2")]) == 2
+    assert "format_regex reward needs a pattern" in capsys.readouterr().err
