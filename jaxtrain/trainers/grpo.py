@@ -58,7 +58,16 @@ class PromptLoader:
 
     state_is_per_process = False
 
-    def __init__(self, num_rows: int, prompts: int, num_iterations: int, seed: int, shuffle: bool):
+    def __init__(
+        self,
+        num_rows: int,
+        prompts: int,
+        num_iterations: int,
+        seed: int,
+        shuffle: bool,
+        group: int = 1,
+        accumulation: int = 1,
+    ):
         if num_rows < prompts:
             raise DatasetError(
                 f"dataset_train has {num_rows} prompts but one update needs {prompts} "
@@ -66,6 +75,7 @@ class PromptLoader:
             )
         self.num_rows, self.prompts, self.num_iterations = num_rows, prompts, num_iterations
         self.seed, self.shuffle = seed, shuffle
+        self.group, self.accumulation = group, accumulation
         self.rounds_per_epoch = num_rows // prompts
         # Host batches handed out, by step: the trainer puts the generated rows in them, so
         # the loop's throughput counts the completions (not the prompt rows) of each step.
@@ -100,7 +110,10 @@ class PromptLoader:
     def batches(self, start_step: int = 0, *, with_stats: bool = False):
         step = start_step
         while True:  # the loop swaps this for the generated batch (GRPOTrainer.on_batch)
-            batch = {"prompt_rows": self.rows_at(step)[None]}
+            # One entry per completion, [A, M] like the train batch: it splits over the
+            # mesh's data axes whenever the generated batch does.
+            rows = np.repeat(self.rows_at(step), self.group)
+            batch = {"prompt_rows": rows.reshape(self.accumulation, -1)}
             self.handed_out[step] = batch
             yield (batch, None) if with_stats else batch
             step += 1
@@ -268,6 +281,8 @@ class GRPOTrainer(TaskTrainer):
             args.num_iterations,
             args.seed,
             args.shuffle_train,
+            group=args.num_generations,
+            accumulation=args.gradient_accumulation_steps,
         )
         self.eval_loader = None
         self.sharding_plan.batch.check(args.micro_batch_size, self.sequence_length, "micro-batch")
