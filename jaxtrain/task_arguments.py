@@ -17,6 +17,9 @@ __all__ = [
     "TASK_ARGUMENTS",
     "DPOArguments",
     "DistillationArguments",
+    "GRPOArguments",
+    "GRPO_LOSS_TYPES",
+    "GRPO_SCALE_REWARDS",
     "SFTArguments",
     "check_task_fields",
     "task_arguments_class",
@@ -24,6 +27,8 @@ __all__ = [
 ]
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclasses.dataclass
@@ -90,6 +95,101 @@ class DistillationArguments(TrainingArguments):
         super().__post_init__()
 
 
+@dataclasses.dataclass
+class GRPOArguments(TrainingArguments):
+    """GRPO (online RL from reward functions). `total_batch_size` counts completions: each
+    update sees total_batch_size / num_generations prompts, num_generations completions each.
+    `max_sequence_length` is set to max_prompt_length + max_completion_length (a row)."""
+
+    # Completions sampled per prompt (the group whose mean reward is the baseline); >= 2.
+    num_generations: int = 8
+    # Prompt tokens kept (the start is cut: the end of a prompt is what the answer follows).
+    max_prompt_length: int = 256
+    # New tokens sampled per completion at most.
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    # Weight of the KL penalty to the reference (the start model; with LoRA, the base without
+    # adapters). 0 keeps no reference at all.
+    beta: float = 0.0
+    # The KL term times the ratio pi / pi_old (TRL's use_bias_correction_kl, its default):
+    # an unbiased KL gradient on reused batches; False: the plain k3 estimator.
+    kl_ratio_weight: bool = True
+    # The ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high].
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets e.g. 0.28)
+    # Updates per generated batch (the later ones are off-policy, with the old log-probs).
+    num_iterations: int = 1
+    # How the token losses are averaged: see README "GRPO" (grpo, bnpo, dr_grpo, dapo).
+    loss_type: str = "dapo"
+    # Advantages: reward minus the group mean, divided by the group's std ("group"), the
+    # batch's ("batch") or not at all ("none", Dr. GRPO).
+    scale_rewards: str = "group"
+    # Completions cut at max_completion_length (no eos) get no loss.
+    mask_truncated_completions: bool = False
+    # One weight per reward function (default all 1).
+    reward_weights: list[float] | None = None
+    # CLI: reward functions as module:function paths, or the built-ins "last_number_matches"
+    # and "format_regex" (jaxtrain/trainers/rewards.py).
+    reward: list[str] | None = None
+    # The pattern of the built-in format_regex reward (fullmatch of the completion).
+    format_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        # A row is a prompt then its completion: the length the step is compiled for.
+        self.max_sequence_length = self.max_prompt_length + self.max_completion_length
+        if isinstance(self.reward, str):
+            self.reward = [r.strip() for r in self.reward.split(",") if r.strip()]
+        checks = [
+            (
+                self.loss_type in GRPO_LOSS_TYPES,
+                f"loss_type={self.loss_type!r} is not one of {GRPO_LOSS_TYPES}",
+            ),
+            (
+                self.scale_rewards in GRPO_SCALE_REWARDS,
+                f"scale_rewards={self.scale_rewards!r} is not one of {GRPO_SCALE_REWARDS}",
+            ),
+            (
+                isinstance(self.num_generations, int) and self.num_generations >= 2,
+                f"num_generations={self.num_generations!r}: a group needs at least 2 completions "
+                "(its mean is the baseline); set num_generations >= 2",
+            ),
+            (
+                self.total_batch_size % max(self.num_generations, 1) == 0,
+                f"total_batch_size={self.total_batch_size} counts completions and must be a "
+                f"multiple of num_generations={self.num_generations} (prompts x group)",
+            ),
+            (self.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
+            (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
+            (self.temperature > 0, f"temperature must be > 0 (sampling), got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (
+                self.top_k is None or self.top_k >= 1,
+                f"top_k must be None or >= 1, got {self.top_k}",
+            ),
+            (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
+            (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
+            (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ArgumentError(f"GRPOArguments.{message}.")
+        if self.save_steps and self.save_steps % self.num_iterations:
+            raise ArgumentError(
+                f"GRPOArguments.save_steps={self.save_steps} must be a multiple of "
+                f"num_iterations={self.num_iterations}: a checkpoint inside a generated batch's "
+                "updates could not be resumed exactly (its old log-probs are not saved)."
+            )
+        if self.packing:
+            raise ArgumentError(
+                "GRPOArguments.packing: GRPO rows cannot be packed; set packing=False."
+            )
+        super().__post_init__()
+
+
 # `--task` -> its arguments class (the trainer classes: jaxtrain.trainers.tasks.TASKS).
 TASK_ARGUMENTS: dict[str, type[TrainingArguments]] = {
     "lm": TrainingArguments,
@@ -97,6 +197,7 @@ TASK_ARGUMENTS: dict[str, type[TrainingArguments]] = {
     "dpo": DPOArguments,
     "reward": TrainingArguments,
     "distill": DistillationArguments,
+    "grpo": GRPOArguments,
 }
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxtrain.models.kv_cache import cached_forward, empty_cache, supports_kv_cache
 
-__all__ = ["generate"]
+__all__ = ["generate", "sample_left_padded"]
 
 
 def _pick(logits, i, key, temperature, top_p, *, sample: bool, top_k: int | None):
@@ -122,6 +122,31 @@ def _generate_uncached(
     done0 = jnp.zeros((batch,), dtype=bool)
     end, buf, _ = jax.lax.while_loop(cond, body, (prompt_len, buf, done0))
     return buf, end
+
+
+def sample_left_padded(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt: jax.Array,
+    pad: jax.Array,
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int | None,
+    eos_token_ids: Sequence[int],
+) -> tuple[jax.Array, jax.Array]:
+    """Sampled tokens [B, max_new_tokens] (rows that ended repeat the first eos) and how many
+    steps ran, from left-padded prompts [B, P] (`pad` [B]: each row's padding) on a KV-cache
+    model split as (graphdef, state). Arrays stay on their devices: a caller with fixed
+    shapes (GRPO) compiles it once, whatever the parameters' values."""
+    eos = jnp.asarray(list(eos_token_ids) or [-1], jnp.int32)
+    return _generate_cached(
+        graphdef, state, prompt, pad, key,
+        jnp.asarray(max(temperature, 1e-6), jnp.float32), jnp.asarray(top_p, jnp.float32), eos,
+        max_new=max_new_tokens, sample=temperature > 0, top_k=top_k,
+    )  # fmt: skip
 
 
 def _prompts(prompt_ids: Any) -> tuple[np.ndarray, np.ndarray, bool]:

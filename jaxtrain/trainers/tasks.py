@@ -28,6 +28,11 @@ TASKS: dict[str, tuple[str, str, str]] = {
         "jaxtrain.trainers.distill.DistillationTrainer",
         "text, messages or prompt+completion",
     ),
+    "grpo": (
+        "GRPOArguments",
+        "jaxtrain.trainers.grpo.GRPOTrainer",
+        "prompt, messages or prompt_ids (+ columns for the rewards)",
+    ),
 }
 
 

@@ -1,0 +1,483 @@
+"""GRPO (Shao et al. 2024, DeepSeekMath) and its variants Dr. GRPO and DAPO on the Trainer.
+
+Each update: take total_batch_size / num_generations prompts, sample num_generations
+completions of each from the live policy (the compiled KV-cache sampler, on the run's mesh),
+score them with Python reward functions on the host, turn the rewards into advantages per
+group, and step on the clipped surrogate (grpo_loss.py). A generated batch serves
+num_iterations updates (the later ones with the log-probs of the policy that sampled it).
+
+Why generation runs in the Trainer's own hooks (`on_step_start` keeps the live state,
+`on_batch` swaps the prompt batch for the scored completions) rather than in a data
+collator: sampling needs the newest parameters, which only the loop holds, while the loop,
+the compiled step, checkpoints and logging stay the base Trainer's, unchanged. The train
+loader yields prompt rows only (PromptLoader: a pure function of seed and step), so a
+resumed run regenerates with the same prompts and the same sampling key; every shape is
+fixed (prompts left-padded to max_prompt_length, completions max_completion_length), so the
+sampler and the train step compile once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.data import DataMeter
+from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.data.errors import DatasetError
+from jaxtrain.data.fields import DataSettings
+from jaxtrain.data.units import epoch_order
+from jaxtrain.models.generation import sample_left_padded
+from jaxtrain.models.kv_cache import supports_kv_cache
+from jaxtrain.task_arguments import GRPOArguments
+from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime
+from jaxtrain.trainers.frozen import TaskModel
+from jaxtrain.trainers.grpo_loss import group_advantages, grpo_loss_sums, grpo_normalizer
+from jaxtrain.trainers.rewards import load_reward, reward_name, score_completions
+from jaxtrain.training.logps import model_token_logps
+
+__all__ = ["GRPOArguments", "GRPOTrainer", "PromptLoader"]
+
+logger = logging.getLogger(__name__)
+
+PROMPT_ID_COLUMNS = ("prompt_ids", "input_ids")
+
+
+class PromptLoader:
+    """Which dataset rows are the prompts of each step: a shuffled epoch order (seed, epoch),
+    one round of `prompts` rows per num_iterations steps. Has the train loader interface
+    the loop and checkpoints use."""
+
+    state_is_per_process = False
+
+    def __init__(
+        self,
+        num_rows: int,
+        prompts: int,
+        num_iterations: int,
+        seed: int,
+        shuffle: bool,
+        group: int = 1,
+        accumulation: int = 1,
+    ):
+        if num_rows < prompts:
+            raise DatasetError(
+                f"dataset_train has {num_rows} prompts but one update needs {prompts} "
+                "(total_batch_size / num_generations); lower total_batch_size or add prompts"
+            )
+        self.num_rows, self.prompts, self.num_iterations = num_rows, prompts, num_iterations
+        self.seed, self.shuffle = seed, shuffle
+        self.group, self.accumulation = group, accumulation
+        self.rounds_per_epoch = num_rows // prompts
+        # Host batches handed out, by step: the trainer puts the generated rows in them, so
+        # the loop's throughput counts the completions (not the prompt rows) of each step.
+        self.handed_out: dict[int, dict[str, Any]] = {}
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rounds_per_epoch * self.num_iterations
+
+    def epoch(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+    def rows_at(self, step: int) -> np.ndarray:
+        epoch, within = divmod(step // self.num_iterations, self.rounds_per_epoch)
+        order = epoch_order(self.num_rows, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        return order[within * self.prompts : (within + 1) * self.prompts].astype(np.int32)
+
+    def data_state(self, step: int) -> dict[str, Any]:
+        return {"kind": "grpo_prompts", "step": int(step), "seed": self.seed,
+                "num_rows": self.num_rows, "prompts": self.prompts}  # fmt: skip
+
+    def check_data_state(self, state: dict[str, Any]) -> int:
+        mine = self.data_state(state.get("step", 0))
+        changed = [k for k in mine if k != "step" and state.get(k) != mine[k]]
+        if changed:
+            raise DatasetError(
+                f"the checkpoint's prompt order differs in {changed} (saved {state}, now "
+                f"{mine}); resume with the same dataset, seed and batch sizes"
+            )
+        return int(state["step"])
+
+    def batches(self, start_step: int = 0, *, with_stats: bool = False):
+        step = start_step
+        while True:  # the loop swaps this for the generated batch (GRPOTrainer.on_batch)
+            # One entry per completion, [A, M] like the train batch: it splits over the
+            # mesh's data axes whenever the generated batch does.
+            rows = np.repeat(self.rows_at(step), self.group)
+            batch = {"prompt_rows": rows.reshape(self.accumulation, -1)}
+            self.handed_out[step] = batch
+            yield (batch, None) if with_stats else batch
+            step += 1
+
+
+@contextlib.contextmanager
+def adapters_off(model: nnx.Module):
+    """`model` without its LoRA adapters while inside (traced: the base weights alone)."""
+    from jaxtrain.models.lora import lora_projections
+
+    saved = [(m, m.lora) for _, m in lora_projections(model)]
+    for m, _ in saved:
+        m.lora = None
+    try:
+        yield model
+    finally:
+        for m, lora in saved:
+            m.lora = lora
+
+
+class GRPOTrainer(TaskTrainer):
+    """Online RL from reward functions: see the module docstring and README "GRPO".
+
+    `reward_funcs`: callables `fn(prompts, completions, **columns) -> list[float | None]`
+    (default: `arguments.reward`, paths or built-ins). `reference_model`: the KL reference
+    when beta > 0 (default: a frozen copy of `model` now; with LoRA the base without the
+    adapters, no copy).
+    """
+
+    loss_is_token_nll = False
+
+    def __init__(
+        self,
+        arguments: GRPOArguments | None = None,
+        model: Any = None,
+        reward_funcs: Callable | Sequence[Callable] | None = None,
+        dataset_train: Any = None,
+        processing_class: Any = None,
+        reference_model: Any = None,
+        **kwargs: Any,
+    ):
+        args = arguments if arguments is not None else GRPOArguments()
+        if not isinstance(args, GRPOArguments):
+            raise ArgumentError("GRPOTrainer needs GRPOArguments (num_generations, beta, ...).")
+        if kwargs.get("dataset_eval") is not None:
+            raise ArgumentError("GRPOTrainer has no evaluation yet: pass dataset_eval=None.")
+        if processing_class is None:
+            raise ArgumentError(
+                "GRPOTrainer needs processing_class=tokenizer (prompts are tokenized and "
+                "completions decoded for the reward functions)."
+            )
+        self.grpo_args, self.processing_class = args, processing_class
+        self.reward_funcs = self._reward_funcs(reward_funcs, args)
+        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ArgumentError(
+                f"GRPOArguments.reward_weights has {len(weights)} weights for "
+                f"{len(self.reward_funcs)} reward functions; give one per function."
+            )
+        self.reward_weights = np.asarray(weights, np.float64)
+        if dataset_train is None:
+            raise ArgumentError("GRPOTrainer needs dataset_train (the prompts).")
+        self._read_prompts(dataset_train)  # checked before anything compiles
+        model = concrete_model(model, args, task_runtime(args, kwargs))
+        if not supports_kv_cache(model):
+            raise ArgumentError(
+                f"GRPO samples with the KV-cache generator; {type(model).__name__} has no KV "
+                "cache (the Llama family and its MoE, Gemma 2/3 and GPT-2 have)."
+            )
+        reference = None
+        if args.beta > 0 and (reference_model is not None or not args.lora_rank):
+            reference = (
+                concrete_model(reference_model, args, kwargs["runtime"])
+                if reference_model is not None
+                else nnx.clone(model)
+            )
+        self._round: tuple[int, dict[str, jax.Array], dict[str, float], dict] | None = None
+        self._live_state = None
+        self._last_batch_time: float | None = None
+        self._last_generation_s = 0.0
+        self._old_logps_fn = None
+        super().__init__(
+            arguments=args,
+            model=TaskModel(model, reference=reference),
+            dataset_train=dataset_train,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        eos = getattr(processing_class, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model_config, "eos_token_id", None)
+        self.eos_token_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
+                              if e is not None]  # fmt: skip
+
+    @staticmethod
+    def _reward_funcs(funcs: Any, args: GRPOArguments) -> list[Callable]:
+        if funcs is None:
+            funcs = [load_reward(s, format_pattern=args.format_pattern) for s in args.reward or []]
+        funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+        if not funcs:
+            raise ArgumentError(
+                "GRPOTrainer needs reward functions: reward_funcs=[fn, ...] or "
+                "GRPOArguments.reward (e.g. ['last_number_matches'] or ['my_module:fn'])."
+            )
+        for fn in funcs:
+            if not callable(fn):
+                raise ArgumentError(f"reward function {fn!r} is not callable.")
+        return funcs
+
+    # ------------------------------------------------------------------ prompts
+    def _read_prompts(self, dataset: Any) -> None:
+        """Every prompt tokenized (left-truncated to max_prompt_length, with a warning giving
+        the share), what reward functions receive as `prompts`, and the other columns."""
+        rows = _rows(dataset)
+        if not rows:
+            raise DatasetError("dataset_train is empty; pass at least one prompt row")
+        names = list(rows[0])
+        tok, limit = self.processing_class, self.grpo_args.max_prompt_length
+        if "prompt" in names and not isinstance(rows[0]["prompt"], (list, tuple)):
+            kind, used = "text", ["prompt"]
+        elif "prompt" in names or "messages" in names:
+            kind, used = "chat", ["prompt" if "prompt" in names else "messages"]
+        elif any(c in names for c in PROMPT_ID_COLUMNS):
+            kind, used = "ids", [next(c for c in PROMPT_ID_COLUMNS if c in names)]
+        else:
+            raise DatasetError(
+                f"dataset_train has columns {names}; GRPO prompts are a `prompt` text column, "
+                "chat `messages` (or a `prompt` list of messages), or token ids (`prompt_ids`)"
+            )
+        ids, shown, cut = [], [], 0
+        for i, row in enumerate(rows):
+            value = row[used[0]]
+            if kind == "text":
+                tokens, text = tok(value, add_special_tokens=True)["input_ids"], value
+            elif kind == "chat":
+                text = tok.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+                tokens = tok(text, add_special_tokens=False)["input_ids"]
+                text = value  # reward functions get the messages, as TRL passes them
+            else:
+                tokens, text = list(value), tok.decode(list(value))
+            if not len(tokens):
+                raise DatasetError(f"dataset_train row {i}: the prompt is empty")
+            cut += len(tokens) > limit
+            ids.append(np.asarray(tokens[-limit:], np.int32))  # the end is what is answered
+            shown.append(text)
+        if cut:
+            logger.warning(
+                "GRPO: %d of %d prompts (%.1f%%) are longer than max_prompt_length=%d; their "
+                "start is cut. Raise max_prompt_length to keep them whole.",
+                cut, len(rows), 100 * cut / len(rows), limit,
+            )  # fmt: skip
+        self.prompt_truncated_share = cut / len(rows)
+        self._prompt_ids, self._prompt_values = ids, shown
+        self._columns = {c: [r[c] for r in rows] for c in names if c not in used}
+
+    def _build_loaders(self, dataset_train: Any, dataset_eval: Any) -> None:
+        args = self.grpo_args
+        self.dataset_train, self.dataset_eval = dataset_train, None
+        self.data_settings = DataSettings.from_arguments(args)
+        if self.runtime.process_count > 1:
+            raise ArgumentError("GRPOTrainer runs on one process (one host) for now.")
+        self.train_loader = PromptLoader(
+            len(self._prompt_ids),
+            args.total_batch_size // args.num_generations,
+            args.num_iterations,
+            args.seed,
+            args.shuffle_train,
+            group=args.num_generations,
+            accumulation=args.gradient_accumulation_steps,
+        )
+        self.eval_loader = None
+        self.sharding_plan.batch.check(args.micro_batch_size, self.sequence_length, "micro-batch")
+        self.data_meter = DataMeter()
+
+    @property
+    def sequence_length(self) -> int:
+        return self.grpo_args.max_prompt_length + self.grpo_args.max_completion_length
+
+    # ------------------------------------------------------------------ objective
+    def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
+        del rng
+        args = self.grpo_args
+        ids, labels = batch["input_ids"], batch["labels"]
+        logps, mask = model_token_logps(model.model, ids, labels)
+        ref = None
+        if args.beta > 0:
+            if model.reference is not None:
+                ref, _ = model_token_logps(model.reference, ids, labels)
+            else:  # LoRA: the base model is the policy without its adapters
+                with adapters_off(model.model) as base:
+                    ref, _ = model_token_logps(base, ids, labels)
+            ref = jax.lax.stop_gradient(ref)
+        sums = grpo_loss_sums(
+            logps, batch.get("old_logps"), ref, batch["advantages"], mask,
+            loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high, max_completion_length=args.max_completion_length,
+            kl_ratio_weight=args.kl_ratio_weight,
+        )  # fmt: skip
+        mask = mask.astype(jnp.float32)
+        units = self._units(mask)
+        return {
+            "loss_sum": sums["loss_sum"],
+            "tokens": units.sum(),
+            # KL and clip ratio: token means, weighted per unit like the loss (per
+            # completion for grpo/dr_grpo, per micro-batch for bnpo, per token for dapo).
+            "kl_sum": (units * sums["row_kl"]).sum(),
+            "clip_ratio_sum": (units * sums["row_clipped"]).sum(),
+        }
+
+    def _units(self, mask: jax.Array) -> jax.Array:
+        """Each row's weight in the unit the loss is averaged over ([B])."""
+        loss_type = self.grpo_args.loss_type
+        if loss_type == "dapo":
+            return mask.sum(-1)
+        if loss_type == "bnpo":
+            return mask.sum(-1) / jnp.maximum(mask.sum(), 1.0)
+        return jnp.ones(mask.shape[0], jnp.float32)
+
+    def loss_normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
+        return grpo_normalizer(self.grpo_args.loss_type, batch["labels"][..., 1:] != IGNORE_INDEX)
+
+    # ---------------------------------------------------------- generated batches
+    def on_step_start(self, trainer: Any, state: Any, step: int) -> None:
+        self._live_state = state  # the parameters this step's completions are sampled from
+
+    def on_batch(self, trainer: Any, batch: dict[str, Any], step: int):
+        now = time.perf_counter()
+        logs: dict[str, float] = {}
+        if self._last_batch_time is not None:  # the previous step's split
+            total = now - self._last_batch_time
+            logs["time/training_s"] = max(total - self._last_generation_s, 0.0)
+        generation = step // self.grpo_args.num_iterations
+        if self._round is None or self._round[0] != generation:
+            placed, round_logs, host = self.generate_batch(self._live_state, step)
+            self._round = (generation, placed, round_logs, host)
+            self._last_generation_s = round_logs["time/generation_s"]
+        else:
+            self._last_generation_s = 0.0
+        self._last_batch_time = time.perf_counter()
+        host = self.train_loader.handed_out.pop(step, None)
+        if host is not None:  # counted by the loop after this hook: tokens/s of completions
+            host.update(self._round[3])
+        return self._round[1], {**self._round[2], **logs,
+                                "time/generation_s": self._last_generation_s}  # fmt: skip
+
+    def sampling_key(self, step: int) -> jax.Array:
+        """The key of the completions of `step`'s round: a function of the seed and the
+        round only, so a resumed run samples what the uninterrupted one did."""
+        return jax.random.fold_in(
+            jax.random.key(self.grpo_args.seed), step // self.grpo_args.num_iterations
+        )
+
+    def generate_batch(
+        self, state: Any, step: int
+    ) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        """The scored completions of `step`'s prompts as a global train batch, and its logs."""
+        args, g = self.grpo_args, self.grpo_args.num_generations
+        start = time.perf_counter()
+        rows = np.repeat(self.train_loader.rows_at(step), g)  # each prompt's group, together
+        n, plen, clen = len(rows), args.max_prompt_length, args.max_completion_length
+        prompt = np.full((n, plen), self.pad_token_id, np.int32)
+        pad = np.zeros(n, np.int32)
+        for i, r in enumerate(rows):
+            p = self._prompt_ids[r]
+            prompt[i, plen - len(p) :], pad[i] = p, plen - len(p)
+        graphdef, params = nnx.split(self.model_from_state(state))
+        tokens, _ = sample_left_padded(
+            graphdef, params, jnp.asarray(prompt), jnp.asarray(pad), self.sampling_key(step),
+            max_new_tokens=clen, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
+        tokens = np.asarray(tokens)  # only completions cross to the host
+        generation_s = time.perf_counter() - start
+        is_eos = np.isin(tokens, self.eos_token_ids)
+        ended = is_eos.any(1)
+        length = np.where(ended, is_eos.argmax(1) + 1, clen)
+        scored = ~(~ended & args.mask_truncated_completions)
+        texts = self.processing_class.batch_decode(
+            [tokens[i, : length[i]].tolist() for i in range(n)], skip_special_tokens=True
+        )
+        per_func = score_completions(
+            self.reward_funcs,
+            [self._prompt_values[r] for r in rows],
+            texts,
+            {k: [v[r] for r in rows] for k, v in self._columns.items()},
+        )
+        unscored = np.isnan(per_func).all(1)
+        rewards = np.nansum(per_func * self.reward_weights, axis=1)
+        rewards[unscored] = np.nan
+        advantages, equal = group_advantages(rewards, g, args.scale_rewards)
+        host = self._train_rows(rows, tokens, length, scored, advantages)
+        placed = self.sharding_plan.batch.to_global(host, micro_axis=True)
+        if args.num_iterations > 1:  # later updates compare with the sampling policy
+            placed["old_logps"] = self._old_logps(state, placed)
+        logs = {
+            "reward": float(np.nanmean(rewards)),
+            "reward_std": float(np.nanstd(rewards, ddof=1)) if n > 1 else 0.0,
+            "frac_reward_zero_std": float(equal.reshape(-1, g)[:, 0].mean()),
+            "completions/mean_length": float(length.mean()),
+            "completions/min_length": float(length.min()),
+            "completions/max_length": float(length.max()),
+            "completions/clipped_ratio": float((~ended).mean()),
+            "time/generation_s": generation_s,
+        }
+        for j, fn in enumerate(self.reward_funcs):
+            column = per_func[:, j]
+            if not np.isnan(column).all():
+                logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
+        self.last_completions = texts  # for inspection (tests, callbacks)
+        return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+
+    def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
+        """[A, M, T] rows: prompt then completion, right-padded (causal attention never
+        lets a real token see the padding); labels are the scored completion tokens."""
+        args, n = self.grpo_args, len(rows)
+        ids = np.full((n, self.sequence_length), self.pad_token_id, np.int32)
+        labels = np.full((n, self.sequence_length), IGNORE_INDEX, np.int32)
+        for i, r in enumerate(rows):
+            p, c = self._prompt_ids[r], tokens[i, : length[i]]
+            ids[i, : len(p)], ids[i, len(p) : len(p) + len(c)] = p, c
+            if scored[i]:
+                labels[i, len(p) : len(p) + len(c)] = c
+        a = args.gradient_accumulation_steps
+        host = {"input_ids": ids, "labels": labels, "advantages": advantages}
+        return {k: v.reshape(a, n // a, *v.shape[1:]) for k, v in host.items()}
+
+    def _old_logps(self, state: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        if self._old_logps_fn is None:
+            graphdef = self.graphdef
+
+            @jax.jit
+            def old_logps(params, rest, ids, labels):
+                model = nnx.merge(graphdef, params, rest).model
+                flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+                logps, _ = model_token_logps(model, flat(ids), flat(labels))
+                return logps.reshape(*ids.shape[:2], -1)
+
+            self._old_logps_fn = old_logps
+        out = self._old_logps_fn(
+            state.params, self.frozen_state(), batch["input_ids"], batch["labels"]
+        )
+        return jax.device_put(out, self.sharding_plan.batch.sharding(3, micro_axis=True))
+
+    def lower_train_step(self, state: Any, batch: dict[str, Any], progress: Any = None):
+        """The step is compiled for the generated batches, not the loader's prompt rows."""
+        args, a = self.grpo_args, self.grpo_args.gradient_accumulation_steps
+        m, t = args.total_batch_size // a, self.sequence_length
+        host = {
+            "input_ids": np.zeros((a, m, t), np.int32),
+            "labels": np.full((a, m, t), IGNORE_INDEX, np.int32),
+            "advantages": np.zeros((a, m), np.float32),
+        }
+        if args.num_iterations > 1:
+            host["old_logps"] = np.zeros((a, m, t - 1), np.float32)
+        return super().lower_train_step(
+            state, self.sharding_plan.batch.to_global(host, micro_axis=True), progress
+        )
+
+
+def _rows(dataset: Any) -> list[dict[str, Any]]:
+    """Row dicts of a datasets.Dataset, a dict of columns or a list of rows."""
+    if isinstance(dataset, dict):
+        names = list(dataset)
+        return [dict(zip(names, values)) for values in zip(*dataset.values())]
+    if hasattr(dataset, "column_names") and isinstance(dataset.column_names, dict):
+        raise ArgumentError("pass one split (dataset['train']), not a DatasetDict")
+    return [dict(r) for r in dataset]

@@ -1,0 +1,167 @@
+"""Reward functions of GRPO: calling them with checks, two built-ins, loading by path.
+
+A reward function is `fn(prompts, completions, **columns) -> list[float | None]`: one value
+per completion (None: this function does not score it); `columns` are the dataset's other
+columns, row-aligned with the completions. Everything here runs on the host.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxtrain.errors import ArgumentError
+
+__all__ = [
+    "RewardError",
+    "format_regex",
+    "last_number_matches",
+    "load_reward",
+    "reward_name",
+    "score_completions",
+]
+
+RewardFunc = Callable[..., Sequence[float | None]]
+
+
+class RewardError(ValueError):
+    """A reward function raised or returned something unusable; names the function."""
+
+
+def reward_name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number_matches(
+    prompts: Sequence[Any], completions: Sequence[str], answer: Sequence[Any], **_: Any
+) -> list[float]:
+    """1.0 when the last number in the completion equals the `answer` column, else 0.0."""
+    out = []
+    for text, want in zip(completions, answer):
+        found = _NUMBER.findall(text)
+        try:
+            out.append(float(bool(found) and float(found[-1]) == float(want)))
+        except (TypeError, ValueError):
+            out.append(0.0)
+    return out
+
+
+def format_regex(pattern: str) -> RewardFunc:
+    """A reward of 1.0 for completions that `pattern` matches in full (re.DOTALL), else 0."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format_reward(prompts: Sequence[Any], completions: Sequence[str], **_: Any) -> list[float]:
+        return [float(compiled.fullmatch(text.strip()) is not None) for text in completions]
+
+    format_reward.__name__ = f"format_regex({pattern!r})"
+    return format_reward
+
+
+BUILTINS = ("last_number_matches", "format_regex")
+
+
+def load_reward(spec: str, *, format_pattern: str | None = None) -> RewardFunc:
+    """A reward function from `module:function` (or `module.function`), or a built-in name."""
+    if spec == "last_number_matches":
+        return last_number_matches
+    if spec == "format_regex":
+        if not format_pattern:
+            raise ArgumentError(
+                "the format_regex reward needs a pattern: set format_pattern (--format_pattern)."
+            )
+        return format_regex(format_pattern)
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ArgumentError(
+            f"reward {spec!r} is not module:function (e.g. my_rewards:exact_answer) nor a "
+            f"built-in ({', '.join(BUILTINS)})."
+        )
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ArgumentError(f"reward {spec!r} cannot be loaded: {exc}") from exc
+    if not callable(fn):
+        raise ArgumentError(f"reward {spec!r} is not callable.")
+    return fn
+
+
+def _call(fn: RewardFunc, prompts: list[Any], completions: list[str], columns: dict) -> Any:
+    try:
+        return fn(prompts=prompts, completions=completions, **columns)
+    except Exception as exc:
+        # Find the first prompt the function fails on, so the error can name it.
+        for i in range(len(prompts)):
+            row = {k: v[i : i + 1] for k, v in columns.items()}
+            try:
+                fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **row)
+            except Exception:
+                raise RewardError(
+                    f"reward function {reward_name(fn)} raised {type(exc).__name__}: {exc} on "
+                    f"prompt {prompts[i]!r} (completion {completions[i]!r})"
+                ) from exc
+        raise RewardError(
+            f"reward function {reward_name(fn)} raised {type(exc).__name__}: {exc} on the batch "
+            f"whose first prompt is {prompts[0]!r}"
+        ) from exc
+
+
+def score_completions(
+    funcs: Sequence[RewardFunc],
+    prompts: list[Any],
+    completions: list[str],
+    columns: dict[str, list[Any]],
+) -> np.ndarray:
+    """Rewards [N, F] (NaN where a function returned None), checked: a function that raises,
+    returns the wrong number of values, a NaN or a non-number, or a batch that no function
+    scored at all, is a RewardError naming the function (before any update)."""
+    n = len(completions)
+    out = np.full((n, len(funcs)), np.nan, np.float64)
+    for j, fn in enumerate(funcs):
+        values = _call(fn, prompts, completions, columns)
+        name = reward_name(fn)
+        try:
+            values = list(values)
+        except TypeError:
+            raise RewardError(
+                f"reward function {name} returned {type(values).__name__}; return a list of "
+                f"{n} floats (None: not scored), one per completion"
+            ) from None
+        if len(values) != n:
+            raise RewardError(
+                f"reward function {name} returned {len(values)} values for {n} completions; "
+                "return one value (float or None) per completion"
+            )
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                raise RewardError(
+                    f"reward function {name} returned {v!r} for prompt {prompts[i]!r}; "
+                    "rewards are floats (or None: not scored)"
+                ) from None
+            if math.isnan(x):
+                raise RewardError(
+                    f"reward function {name} returned NaN for prompt {prompts[i]!r}; return "
+                    "None for a completion it does not score"
+                )
+            out[i, j] = x
+    if np.isnan(out).all():
+        names = ", ".join(reward_name(f) for f in funcs)
+        raise RewardError(
+            f"the reward functions ({names}) returned None for every completion of the batch: "
+            "nothing to learn from; check their inputs (columns: "
+            f"{sorted(columns) or 'none'})"
+        )
+    return out

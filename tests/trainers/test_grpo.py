@@ -1,0 +1,248 @@
+"""GRPOTrainer: a tiny Llama learns a verifiable toy task, errors before any update, LoRA,
+exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import tiny_arguments, tiny_model
+
+from jaxtrain.arguments import ArgumentError
+from jaxtrain.trainers import GRPOArguments, GRPOTrainer
+from jaxtrain.trainers.rewards import RewardError, format_regex, last_number_matches
+
+BIG = {str(i) for i in range(10, 20)}
+
+
+def big_first_number(prompts, completions, **_):
+    """1 when the completion starts with a number of at least 10 (10 of the 64 tokens)."""
+    return [float(bool(c.split()) and c.split()[0] in BIG) for c in completions]
+
+
+def prompts(n: int = 16) -> list[dict[str, object]]:
+    return [
+        {"prompt": f"what is {i % 7} + {(3 * i) % 5} ?", "answer": i % 7 + (3 * i) % 5}
+        for i in range(n)
+    ]
+
+
+class Logs:
+    def __init__(self):
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, trainer, logs, step):
+        self.logs.append(dict(logs))
+
+
+def grpo_args(tmp_path, **overrides):
+    values = dict(
+        max_steps=4,
+        total_batch_size=16,
+        num_generations=4,
+        max_prompt_length=8,
+        max_completion_length=3,
+        learning_rate=1e-2,
+    )
+    return tiny_arguments(GRPOArguments, tmp_path, **{**values, **overrides})
+
+
+def test_it_learns_the_toy_task(tokenizer, tmp_path):
+    logs = Logs()
+    args = grpo_args(tmp_path, max_steps=40, learning_rate=5e-3, beta=0.04, seed=0)
+    trainer = GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[big_first_number],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+        callbacks=[logs],
+    )
+    trainer.train()
+    rewards = [entry["reward"] for entry in logs.logs if "reward" in entry]
+    assert len(rewards) == 40
+    first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
+    print("first", first, "last", last, [round(x, 2) for x in rewards])
+    assert last >= 2 * first and last >= first + 0.3
+    kls = [entry["kl"] for entry in logs.logs]
+    print("kl", [round(k, 2) for k in kls])
+    assert max(kls) < 1.0  # beta 0.04 keeps the policy near the reference
+    one = logs.logs[-1]
+    for key in ("reward_std", "rewards/big_first_number", "frac_reward_zero_std",
+                "clip_ratio", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "completions/clipped_ratio",
+                "time/generation_s", "time/training_s"):  # fmt: skip
+        assert key in one, key
+
+
+def make(tokenizer, tmp_path, reward, **overrides):
+    return GRPOTrainer(
+        arguments=grpo_args(tmp_path, **overrides),
+        model=tiny_model(),
+        reward_funcs=[reward],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+    )
+
+
+def raises_on_seven(prompts, completions, **_):
+    if any("+" in p for p in prompts):
+        raise ZeroDivisionError("no sevens")
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize(
+    "reward, match",
+    [
+        (raises_on_seven, r"raises_on_seven raised ZeroDivisionError: no sevens on prompt "
+         r"'what is \d \+ \d \?'"),
+        (lambda prompts, completions, **_: [1.0], "returned 1 values for 16 completions"),
+        (lambda prompts, completions, **_: [float("nan")] * 16, "returned NaN for prompt"),
+        (lambda prompts, completions, **_: [None] * 16, "returned None for every completion"),
+    ],
+)  # fmt: skip
+def test_reward_errors_name_the_function_before_any_update(tokenizer, tmp_path, reward, match):
+    trainer = make(tokenizer, tmp_path, reward, max_steps=1)
+    with pytest.raises(RewardError, match=match):
+        trainer.train()
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(num_generations=1), "num_generations=1: a group needs at least 2"),
+        (dict(num_generations=3), "multiple of num_generations=3"),
+        (dict(loss_type="ppo"), "loss_type='ppo' is not one of"),
+        (dict(scale_rewards="max"), "scale_rewards='max'"),
+    ],
+)
+def test_bad_arguments_are_argument_errors_before_compiling(tmp_path, overrides, match):
+    with pytest.raises(ArgumentError, match=match):
+        grpo_args(tmp_path, **overrides)
+
+
+def test_builtin_rewards():
+    assert last_number_matches(["q"] * 3, ["it is 7", "7 or 8", "none"], answer=[7, "7", 1]) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+    reward = format_regex(r"\d+ </s>")
+    assert reward(["q", "q"], ["12 </s>", "12 13"]) == [1.0, 0.0]
+
+
+class Completions:
+    """Each step's sampled completions (the trainer's last generated batch); stops the run
+    after step `stop_after` (a kill: steps after the last save are lost)."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.by_step: dict[int, list[str]] = {}
+        self.stop_after = stop_after
+
+    def on_step_end(self, trainer, state, metrics, step):
+        self.by_step[step] = list(trainer.last_completions)
+        if step == self.stop_after:
+            trainer.should_stop = True
+
+
+def run(tokenizer, out, seen, **overrides):
+    import jax
+
+    args = grpo_args(out, max_steps=8, save_steps=2, num_iterations=2, beta=0.04, **overrides)
+    trainer = GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[big_first_number],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+        callbacks=[seen],
+    )
+    output = trainer.train()
+    return jax.tree.leaves(jax.device_get(output.state.params))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_exact_resume_mid_run(tokenizer, tmp_path, lora):
+    """Killed after step 5 (last save: step 4), resumed: the same completions from there on
+    as the uninterrupted run, and bit-equal parameters at the end (num_iterations 2, KL)."""
+    extra = dict(lora_rank=4, lora_alpha=8) if lora else {}
+    whole, part, rest = Completions(), Completions(stop_after=5), Completions()
+    full = run(tokenizer, tmp_path / "a", whole, **extra)
+    run(tokenizer, tmp_path / "b", part, **extra)
+    resumed = run(tokenizer, tmp_path / "b", rest, **extra)
+    assert sorted(rest.by_step) == [5, 6, 7, 8]
+    for step in rest.by_step:
+        assert rest.by_step[step] == whole.by_step[step], step
+    for a, b in zip(full, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_lora_reference_is_the_base_without_adapters(tokenizer, tmp_path):
+    logs = Logs()
+    args = grpo_args(tmp_path, max_steps=3, beta=0.04, lora_rank=4, lora_alpha=8)
+    trainer = GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[big_first_number],
+        dataset_train=prompts(),
+        processing_class=tokenizer,
+        callbacks=[logs],
+    )
+    assert trainer.model.reference is None  # no second copy of the weights
+    trainer.train()
+    kls = [entry["kl"] for entry in logs.logs]
+    assert kls[0] == 0.0  # B = 0 at the start: policy == base
+    assert 0 < kls[-1] < 1.0  # the adapters moved the policy away from the base
+
+
+def test_save_steps_must_fall_on_generation_boundaries(tmp_path):
+    with pytest.raises(ArgumentError, match="save_steps=3 .* multiple of num_iterations=2"):
+        grpo_args(tmp_path, save_steps=3, num_iterations=2)
+
+
+def test_cli_task_grpo_with_a_reward_path_and_builtins(tokenizer, tmp_path, monkeypatch, capsys):
+    import json
+
+    import yaml
+
+    from jaxtrain.cli import main
+
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in prompts(8)))
+    (tmp_path / "my_rewards.py").write_text(
+        "def starts_big(prompts, completions, answer, **_):\n"
+        "    return [float(c.split()[:1] > ['10']) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {
+        "task": "grpo",
+        "output_dir": str(tmp_path / "run"),
+        "model": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1),
+        "data": {"source": "files", "train_files": str(rows),
+                 "tokenizer": str(tmp_path / "tokenizer")},
+        "max_steps": 2, "total_batch_size": 8, "num_generations": 4, "max_prompt_length": 8,
+        "max_completion_length": 3, "warmup_steps": 0, "logging_steps": 1,
+        "progress_bar": "none", "run_report": False, "save_final": False,
+        "evaluation_strategy": "no", "report_to": "jsonl",
+    }  # fmt: skip
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args = [
+        "train",
+        str(path),
+        "--reward",
+        "my_rewards:starts_big,last_number_matches,format_regex",
+    ]
+    assert main([*args, "--format_pattern", r"\d+.*"]) == 0
+    logs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [entry for entry in logs if "reward" in entry]
+    assert len(steps) == 2
+    for name in ("starts_big", "last_number_matches", "format_regex('\\\\d+.*')"):
+        assert f"rewards/{name}" in steps[-1], sorted(steps[-1])
+    capsys.readouterr()
+    assert main([*args, "--output_dir", str(tmp_path / "run2")]) == 2
+    assert "format_regex reward needs a pattern" in capsys.readouterr().err
