@@ -163,10 +163,13 @@ def remeasure_cpu_peak(
     achieved: float, cache_dir: str | Path | None = None, **probe: Any
 ) -> PeakFlops:
     """A run achieved `achieved` FLOP/s (whole machine), more than the stored peak: the
-    stored number was measured under load. Probe again and store max(probe, achieved), so
-    no later run reads a peak below what this one did; this process uses it from now on."""
+    stored number may have been measured under load. Probe again and store the probe (never
+    the run's own figure: a FLOPs count or a window's timing can be wrong, and a stored
+    peak outlives the run); this process uses it from now on. A run that still beats it
+    gets its MFU clamped at 100%."""
+    del achieved  # why the probe runs, not what it finds
     when = time.time()
-    peak = max(probe_cpu_peak(**probe), float(achieved))
+    peak = probe_cpu_peak(**probe)
     _store(_peak_file(cache_dir), peak, when, probe)
     result = PeakFlops(peak, "remeasured", when)
     with _process_lock:

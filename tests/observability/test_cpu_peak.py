@@ -82,7 +82,7 @@ def stale_cpu_peak(tmp_path, monkeypatch):
 
 def test_a_run_that_beats_a_stale_cached_peak_remeasures_it(tmp_path, stale_cpu_peak):
     """The demo logged MFU up to 138% against a peak measured under load; a run that beats
-    the peak now probes again, raises the stored peak and never logs MFU above 100%."""
+    the peak now probes again, stores the probe and never logs MFU above 100%."""
     out = tmp_path / "run"
     obs_trainer(
         out, report_to=[], max_steps=4, evaluation_strategy="no", track_memory=False
@@ -90,8 +90,9 @@ def test_a_run_that_beats_a_stale_cached_peak_remeasures_it(tmp_path, stale_cpu_
     logs = [r for r in read_jsonl(out / "metrics.jsonl") if "mfu" in r]
     assert logs and all(0 < r["mfu"] <= 1.0 for r in logs)
     stored = json.loads(stale_cpu_peak.read_text())["peak_flops"]
-    achieved = max(r["tflops_per_device"] for r in logs) * 1e12 * cpu_shares()
-    assert stored > 1e8 and stored >= achieved * (1 - 1e-9)
+    # The stale 1e6 is replaced by a real probe (2 cores reach 1e10-1e12 FLOP/s), never by
+    # the run's own figure (a wrong FLOPs count once stored 2.2e14 for this 2-core machine).
+    assert 1e9 < stored < 1e13
     info = json.loads((out / "run_info.json").read_text())
     assert info["peak"]["source"] == "remeasured" and info["peak"]["measured_at"]
     assert info["peak"]["flops"] == pytest.approx(stored / cpu_shares())

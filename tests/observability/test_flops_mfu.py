@@ -153,3 +153,33 @@ def test_unknown_devices_have_no_peak_and_cpu_is_measured_once():
     assert "CPU" in description and per_device == pytest.approx(
         peak / len(jax.local_devices(backend="cpu"))
     )
+
+
+def test_the_first_step_s_time_counts_in_its_window(tmp_path):
+    """The first window waits for step 1 (the CPU peak is probed on an idle device); that wait
+    is step time. It was excluded with the probe, so a one-step window timed ~0 s and logged
+    an absurd FLOP/s (2.2e14 on 2 cores), which the peak correction then stored."""
+    import datasets
+    from flax import nnx
+
+    from jaxtrain import Trainer, TrainingArguments
+    from jaxtrain.models import LlamaForCausalLM
+    from jaxtrain.observability.hardware import cpu_shares, probe_cpu_peak
+    from jaxtrain.observability.logs import read_jsonl
+
+    # Big enough that a step's compute, not its dispatch, is most of its time.
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    rows = np.random.default_rng(0).integers(1, 511, size=(64, 128)).tolist()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, logging_steps=1, total_batch_size=8,
+        max_sequence_length=128, progress_bar="none", run_report=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    dataset = datasets.Dataset.from_dict({"input_ids": rows})
+    Trainer(arguments=args, model=model, dataset_train=dataset).train()
+    logs = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "step_time_s" in r]
+    # No window can beat the machine: the first windows logged 1-9 TFLOP/s per device where
+    # a fresh probe of these 2 cores finds ~0.1-0.2.
+    peak = probe_cpu_peak() / cpu_shares()
+    assert all(r["tflops_per_device"] * 1e12 <= 1.5 * peak for r in logs), (peak, logs)
