@@ -54,12 +54,13 @@ def test_every_cpu_peak_says_where_it_came_from(tmp_path, monkeypatch):
         first.flops,
         first.measured_at,
     )
-    # A run beat the peak: probed again and raised to at least what the run achieved.
+    # A run beat the peak: probed again; the probe is stored, not the run's figure (1e20
+    # FLOP/s is no 2-core CPU's: a FLOPs count or a window's time was wrong).
     raised = remeasure_cpu_peak(1e20, tmp_path, **PROBE)
     try:
-        assert raised.source == "remeasured" and raised.flops == 1e20
-        assert json.loads((tmp_path / CPU_PEAK_FILE).read_text())["peak_flops"] == 1e20
-        assert measured_cpu_peak() == 1e20  # this process uses it from now on
+        assert raised.source == "remeasured" and 1e8 < raised.flops < 1e13
+        assert json.loads((tmp_path / CPU_PEAK_FILE).read_text())["peak_flops"] == raised.flops
+        assert measured_cpu_peak() == raised.flops  # this process uses it from now on
     finally:
         forget_cpu_peak()
     assert cpu_peak(tmp_path, **PROBE).to_json()["source"] == "cached"
