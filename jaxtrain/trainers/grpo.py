@@ -297,7 +297,8 @@ class GRPOTrainer(TaskTrainer):
         del rng
         args = self.grpo_args
         ids, labels = batch["input_ids"], batch["labels"]
-        logps, mask = model_token_logps(model.model, ids, labels)
+        # The entropy comes out of the same (chunked) logits as the log-probs.
+        logps, mask, entropy = model_token_logps(model.model, ids, labels, entropy=True)
         ref = None
         if args.beta > 0:
             if model.reference is not None:
@@ -314,13 +315,15 @@ class GRPOTrainer(TaskTrainer):
         )  # fmt: skip
         mask = mask.astype(jnp.float32)
         units = self._units(mask)
+        row_entropy = entropy.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
         return {
             "loss_sum": sums["loss_sum"],
             "tokens": units.sum(),
-            # KL and clip ratio: token means, weighted per unit like the loss (per
+            # KL, clip ratio and entropy: token means, weighted per unit like the loss (per
             # completion for grpo/dr_grpo, per micro-batch for bnpo, per token for dapo).
             "kl_sum": (units * sums["row_kl"]).sum(),
             "clip_ratio_sum": (units * sums["row_clipped"]).sum(),
+            "entropy_sum": (units * row_entropy).sum(),
         }
 
     def _units(self, mask: jax.Array) -> jax.Array:
