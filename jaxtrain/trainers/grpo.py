@@ -382,13 +382,7 @@ class GRPOTrainer(TaskTrainer):
         for i, r in enumerate(rows):
             p = self._prompt_ids[r]
             prompt[i, plen - len(p) :], pad[i] = p, plen - len(p)
-        graphdef, params = nnx.split(self.model_from_state(state))
-        tokens, _ = sample_left_padded(
-            graphdef, params, jnp.asarray(prompt), jnp.asarray(pad), self.sampling_key(step),
-            max_new_tokens=clen, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, eos_token_ids=self.eos_token_ids,
-        )  # fmt: skip
-        tokens = np.asarray(tokens)  # only completions cross to the host
+        tokens = self.sample(state, prompt, pad, step)
         generation_s = time.perf_counter() - start
         is_eos = np.isin(tokens, self.eos_token_ids)
         ended = is_eos.any(1)
@@ -427,6 +421,18 @@ class GRPOTrainer(TaskTrainer):
                 logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+
+    def sample(self, state: Any, prompt: np.ndarray, pad: np.ndarray, step: int) -> np.ndarray:
+        """Completions [N, max_completion_length] of left-padded prompts [N, P] (`pad`: each
+        row's padding) from the live parameters, on the run's mesh."""
+        args = self.grpo_args
+        graphdef, params = nnx.split(self.model_from_state(state))
+        tokens, _ = sample_left_padded(
+            graphdef, params, jnp.asarray(prompt), jnp.asarray(pad), self.sampling_key(step),
+            max_new_tokens=args.max_completion_length, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
+        return np.asarray(tokens)  # only completions cross to the host
 
     def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
         """[A, M, T] rows: prompt then completion, right-padded (causal attention never
