@@ -343,11 +343,13 @@ class GRPOTrainer(TaskTrainer):
         self._live_state = state  # the parameters this step's completions are sampled from
 
     def on_batch(self, trainer: Any, batch: dict[str, Any], step: int):
+        # The previous update may still run (async dispatch): wait for it, so its time counts
+        # as training, not as this step's generation (which needs its parameters anyway).
+        jax.block_until_ready(self._live_state.params)
         now = time.perf_counter()
         logs: dict[str, float] = {}
-        if self._last_batch_time is not None:  # the previous step's split
-            total = now - self._last_batch_time
-            logs["time/training_s"] = max(total - self._last_generation_s, 0.0)
+        if self._last_batch_time is not None:  # the previous step's rest: its update
+            logs["time/training_s"] = now - self._last_batch_time
         generation = step // self.grpo_args.num_iterations
         if self._round is None or self._round[0] != generation:
             placed, round_logs, host = self.generate_batch(self._live_state, step)

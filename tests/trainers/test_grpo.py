@@ -72,6 +72,8 @@ def test_it_learns_the_toy_task(tokenizer, tmp_path):
                 "completions/max_length", "completions/clipped_ratio",
                 "time/generation_s", "time/training_s"):  # fmt: skip
         assert key in one, key
+    # The split: every update takes time (it was once attributed to generation, or to 0).
+    assert all(entry["time/training_s"] > 0 for entry in logs.logs[1:])
     assert 0 < one["entropy"] <= np.log(64)  # per-token nats over the 64-token vocabulary
 
 

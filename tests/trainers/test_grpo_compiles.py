@@ -48,6 +48,7 @@ def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer
                 if steps.step >= 1:
                     after_first.append(found.group(1))
 
+    jax.clear_caches()  # earlier tests of this process may have compiled the same shapes
     handler = Record(level=logging.DEBUG)
     logging.getLogger("jax").addHandler(handler)
     try:
