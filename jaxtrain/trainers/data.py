@@ -100,6 +100,22 @@ def encode_prompt_completion(
     return {"input_ids": ids, "labels": labels}
 
 
+def encode_scored_response(
+    tokenizer: Any,
+    prompt: Any,
+    completion: Any,
+    max_length: int,
+    chat_template: str | None = None,
+) -> np.ndarray:
+    """Token ids of prompt + completion as the pair trainers encode a response (so a reward
+    model scores GRPO's completions as it saw its chosen and rejected rows); a text
+    completion of a chat prompt is the assistant's reply."""
+    if _is_messages(prompt) and isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+    encoder = _Encoder(tokenizer, chat_template, "reward_model")
+    return encode_prompt_completion(encoder, prompt, completion, max_length)["input_ids"]
+
+
 def _check_value(name: str, where: Any, column: str, value: Any, conversational: bool) -> None:
     empty = value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0)
     if empty:

@@ -297,7 +297,8 @@ class GRPOTrainer(TaskTrainer):
         del rng
         args = self.grpo_args
         ids, labels = batch["input_ids"], batch["labels"]
-        logps, mask = model_token_logps(model.model, ids, labels)
+        # The entropy comes out of the same (chunked) logits as the log-probs.
+        logps, mask, entropy = model_token_logps(model.model, ids, labels, entropy=True)
         ref = None
         if args.beta > 0:
             if model.reference is not None:
@@ -314,13 +315,15 @@ class GRPOTrainer(TaskTrainer):
         )  # fmt: skip
         mask = mask.astype(jnp.float32)
         units = self._units(mask)
+        row_entropy = entropy.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
         return {
             "loss_sum": sums["loss_sum"],
             "tokens": units.sum(),
-            # KL and clip ratio: token means, weighted per unit like the loss (per
+            # KL, clip ratio and entropy: token means, weighted per unit like the loss (per
             # completion for grpo/dr_grpo, per micro-batch for bnpo, per token for dapo).
             "kl_sum": (units * sums["row_kl"]).sum(),
             "clip_ratio_sum": (units * sums["row_clipped"]).sum(),
+            "entropy_sum": (units * row_entropy).sum(),
         }
 
     def _units(self, mask: jax.Array) -> jax.Array:
@@ -340,11 +343,13 @@ class GRPOTrainer(TaskTrainer):
         self._live_state = state  # the parameters this step's completions are sampled from
 
     def on_batch(self, trainer: Any, batch: dict[str, Any], step: int):
+        # The previous update may still run (async dispatch): wait for it, so its time counts
+        # as training, not as this step's generation (which needs its parameters anyway).
+        jax.block_until_ready(self._live_state.params)
         now = time.perf_counter()
         logs: dict[str, float] = {}
-        if self._last_batch_time is not None:  # the previous step's split
-            total = now - self._last_batch_time
-            logs["time/training_s"] = max(total - self._last_generation_s, 0.0)
+        if self._last_batch_time is not None:  # the previous step's rest: its update
+            logs["time/training_s"] = now - self._last_batch_time
         generation = step // self.grpo_args.num_iterations
         if self._round is None or self._round[0] != generation:
             placed, round_logs, host = self.generate_batch(self._live_state, step)
@@ -379,13 +384,7 @@ class GRPOTrainer(TaskTrainer):
         for i, r in enumerate(rows):
             p = self._prompt_ids[r]
             prompt[i, plen - len(p) :], pad[i] = p, plen - len(p)
-        graphdef, params = nnx.split(self.model_from_state(state))
-        tokens, _ = sample_left_padded(
-            graphdef, params, jnp.asarray(prompt), jnp.asarray(pad), self.sampling_key(step),
-            max_new_tokens=clen, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, eos_token_ids=self.eos_token_ids,
-        )  # fmt: skip
-        tokens = np.asarray(tokens)  # only completions cross to the host
+        tokens = self.sample(state, prompt, pad, step)
         generation_s = time.perf_counter() - start
         is_eos = np.isin(tokens, self.eos_token_ids)
         ended = is_eos.any(1)
@@ -424,6 +423,18 @@ class GRPOTrainer(TaskTrainer):
                 logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+
+    def sample(self, state: Any, prompt: np.ndarray, pad: np.ndarray, step: int) -> np.ndarray:
+        """Completions [N, max_completion_length] of left-padded prompts [N, P] (`pad`: each
+        row's padding) from the live parameters, on the run's mesh."""
+        args = self.grpo_args
+        graphdef, params = nnx.split(self.model_from_state(state))
+        tokens, _ = sample_left_padded(
+            graphdef, params, jnp.asarray(prompt), jnp.asarray(pad), self.sampling_key(step),
+            max_new_tokens=args.max_completion_length, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
+        return np.asarray(tokens)  # only completions cross to the host
 
     def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
         """[A, M, T] rows: prompt then completion, right-padded (causal attention never

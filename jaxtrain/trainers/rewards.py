@@ -22,11 +22,21 @@ __all__ = [
     "format_regex",
     "last_number_matches",
     "load_reward",
+    "reward_model",
     "reward_name",
     "score_completions",
 ]
 
 RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def reward_model(model: Any, tokenizer: Any = None, **kwargs: Any) -> RewardFunc:
+    """A RewardModel (or a RewardTrainer export directory) as a reward function; see
+    jaxtrain.trainers.reward_scoring.reward_model."""
+    # Imported here: the scorer loads JAX models, the rest of this module is host-only.
+    from jaxtrain.trainers.reward_scoring import reward_model as build
+
+    return build(model, tokenizer, **kwargs)
 
 
 class RewardError(ValueError):

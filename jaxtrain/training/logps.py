@@ -41,8 +41,12 @@ CHUNK_LOGITS = 2**24
 LONG_ROW_LOGITS = 2**26
 
 
-def target_logps(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(log p(target), mask, target is the top logit), each [...], from logits [..., V].
+def target_logps(
+    logits: jax.Array, targets: jax.Array, *, entropy: bool = False
+) -> tuple[jax.Array, ...]:
+    """(log p(target), mask, target is the top logit), each [...], from logits [..., V];
+    with ``entropy``, a fourth: the entropy of the distribution at each position (0 where
+    masked, no gradient: it is logged, not optimised).
 
     Targets equal to IGNORE_INDEX are masked: their log-prob is 0 and they are never top.
     """
@@ -55,7 +59,13 @@ def target_logps(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.
     # The target is the model's top guess when its logit is the maximum (ties count as right).
     # Cheaper than argmax, which XLA:CPU does not vectorise (~2% of a small model's step).
     top = (target_logit >= logits.max(axis=-1)) & mask
-    return logp, mask, top
+    if not entropy:
+        return logp, mask, top
+    # H = log Z - E_p[logit], from the log-normaliser already formed: no second softmax.
+    logits = jax.lax.stop_gradient(logits)
+    probs = jnp.exp(logits - jax.lax.stop_gradient(log_norm)[..., None])
+    ent = jax.lax.stop_gradient(log_norm) - (probs * logits).sum(-1)
+    return logp, mask, top, jnp.where(mask, ent, 0.0)
 
 
 def next_token_targets(labels: jax.Array) -> jax.Array:
@@ -68,11 +78,15 @@ def next_token_targets(labels: jax.Array) -> jax.Array:
     return jnp.concatenate([labels[:, 1:], ignore], axis=1)
 
 
-def token_logps(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+def token_logps(
+    logits: jax.Array, labels: jax.Array, *, entropy: bool = False
+) -> tuple[jax.Array, ...]:
     """(log p(label) [B, T-1] (0 where ignored), mask [B, T-1]) from whole logits [B, T, V];
-    logits[:, t] predicts labels[:, t + 1], as in the causal LM loss."""
-    logp, mask, _ = target_logps(logits, next_token_targets(labels))
-    return logp[:, :-1], mask[:, :-1]
+    logits[:, t] predicts labels[:, t + 1], as in the causal LM loss. With ``entropy``, a
+    third: each labelled position's entropy [B, T-1] (0 where ignored)."""
+    out = target_logps(logits, next_token_targets(labels), entropy=entropy)
+    logp, mask = out[0][:, :-1], out[1][:, :-1]
+    return (logp, mask, out[3][:, :-1]) if entropy else (logp, mask)
 
 
 def chunks_logits(model: Any, tokens: int = 0) -> bool:
@@ -91,15 +105,18 @@ def chunk_tokens_for(vocab: int) -> int:
 
 
 def model_token_logps(
-    model: Any, input_ids: jax.Array, labels: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+    model: Any, input_ids: jax.Array, labels: jax.Array, *, entropy: bool = False
+) -> tuple[jax.Array, ...]:
     """``token_logps`` of a causal LM on ``input_ids`` (right-padded rows: causal attention
-    never lets a real token see the padding), chunked when ``chunks_logits(model)``."""
+    never lets a real token see the padding), chunked when ``chunks_logits(model)``; with
+    ``entropy`` the per-position entropies too, from the same logits."""
     if chunks_logits(model, input_ids.size):
         hidden = model.hidden_states(input_ids)
         chunk = chunk_tokens_for(model.config.vocab_size)
-        return chunked_token_logps(hidden, model.output_projection(), labels, chunk_tokens=chunk)
-    return token_logps(model(input_ids), labels)
+        return chunked_token_logps(
+            hidden, model.output_projection(), labels, chunk_tokens=chunk, entropy=entropy
+        )
+    return token_logps(model(input_ids), labels, entropy=entropy)
 
 
 def sequence_logps(model: Any, input_ids: jax.Array, labels: jax.Array):
@@ -131,9 +148,9 @@ def _token_chunks(
     return h, targets.reshape(chunks, chunk_tokens)
 
 
-def _chunk_logps(head: Callable, h_c, t_c, *weights) -> tuple[jax.Array, ...]:
+def _chunk_logps(head: Callable, h_c, t_c, *weights, entropy: bool = False) -> tuple:
     """``target_logps`` of one chunk: the only place a chunk's logits exist."""
-    return target_logps(head(h_c, *weights), t_c)
+    return target_logps(head(h_c, *weights), t_c, entropy=entropy)
 
 
 def chunked_token_logps(
@@ -142,8 +159,10 @@ def chunked_token_logps(
     labels: jax.Array,
     *,
     chunk_tokens: int,
-) -> tuple[jax.Array, jax.Array]:
-    """``token_logps`` from hidden states [B, T, D], ``chunk_tokens`` positions at a time.
+    entropy: bool = False,
+) -> tuple[jax.Array, ...]:
+    """``token_logps`` from hidden states [B, T, D], ``chunk_tokens`` positions at a time
+    (with ``entropy``, the entropies too, from the same chunk's logits).
 
     ``project`` maps hidden states to logits (the model's output head). Differentiable for
     any cotangent: the backward pass recomputes each chunk's logits.
@@ -151,14 +170,18 @@ def chunked_token_logps(
     b, t, _ = hidden.shape
     h, targets = _token_chunks(hidden, labels, chunk_tokens)
     head, weights = jax.closure_convert(project, h[0])
-    chunk_logps = jax.checkpoint(_chunk_logps, static_argnums=(0,))
+    chunk_logps = jax.checkpoint(
+        functools.partial(_chunk_logps, entropy=entropy), static_argnums=(0,)
+    )
 
     def body(carry, xs):
-        return carry, chunk_logps(head, *xs, *weights)[0]
+        out = chunk_logps(head, *xs, *weights)
+        return carry, (out[0], out[3] if entropy else None)
 
-    _, logp = jax.lax.scan(body, None, (h, targets))
-    logp = logp.reshape(-1)[: b * (t - 1)].reshape(b, t - 1)
-    return logp, labels[:, 1:] != IGNORE_INDEX
+    _, (logp, ent) = jax.lax.scan(body, None, (h, targets))
+    unchunk = lambda x: x.reshape(-1)[: b * (t - 1)].reshape(b, t - 1)  # noqa: E731
+    mask = labels[:, 1:] != IGNORE_INDEX
+    return (unchunk(logp), mask, unchunk(ent)) if entropy else (unchunk(logp), mask)
 
 
 def chunked_logp_sums(

@@ -68,10 +68,13 @@ def test_it_learns_the_toy_task(tokenizer, tmp_path):
     assert max(kls) < 1.0  # beta 0.04 keeps the policy near the reference
     one = logs.logs[-1]
     for key in ("reward_std", "rewards/big_first_number", "frac_reward_zero_std",
-                "clip_ratio", "completions/mean_length", "completions/min_length",
+                "clip_ratio", "entropy", "completions/mean_length", "completions/min_length",
                 "completions/max_length", "completions/clipped_ratio",
                 "time/generation_s", "time/training_s"):  # fmt: skip
         assert key in one, key
+    # The split: every update takes time (it was once attributed to generation, or to 0).
+    assert all(entry["time/training_s"] > 0 for entry in logs.logs[1:])
+    assert 0 < one["entropy"] <= np.log(64)  # per-token nats over the 64-token vocabulary
 
 
 def make(tokenizer, tmp_path, reward, **overrides):

@@ -232,3 +232,36 @@ def test_fused_chunks_give_the_gradient_of_whatever_is_differentiated():
         want = jax.value_and_grad(full, argnums=argnums)(h, w)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_entropy_from_the_chunked_pass_equals_a_direct_softmax(setup):
+    """Per-token entropies of the labelled positions, from the same chunked pass as the
+    log-probs (and from whole logits), equal -sum p log p of a direct softmax; no gradient
+    flows through them and the log-probs are unchanged."""
+    model, batch = setup
+    ids, labels = batch["input_ids"], batch["labels"]
+    logits = np.asarray(model(ids), np.float64)[:, :-1]
+    logp_all = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+               keepdims=True)) - logits.max(-1, keepdims=True)  # fmt: skip
+    mask = np.asarray(labels[:, 1:]) != IGNORE_INDEX
+    want = np.where(mask, -(np.exp(logp_all) * logp_all).sum(-1), 0.0)
+    want_logp, _ = token_logps(model(ids), labels)
+    h = model.hidden_states(ids)
+    chunked = chunked_token_logps(h, model.output_projection(), labels, chunk_tokens=10,
+                                  entropy=True)  # fmt: skip
+    for logp, got_mask, ent in (chunked, token_logps(model(ids), labels, entropy=True),
+                                logps.model_token_logps(model, ids, labels, entropy=True)):  # fmt: skip
+        np.testing.assert_allclose(ent, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got_mask, mask)
+        np.testing.assert_allclose(logp, want_logp, rtol=1e-6)
+    assert want[mask].min() > 1.0  # a real distribution over 32k tokens, not a constant
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def mean_entropy(p):
+        m = nnx.merge(graphdef, p, rest)
+        return chunked_token_logps(m.hidden_states(ids), m.output_projection(), labels,
+                                   chunk_tokens=10, entropy=True)[2].sum()  # fmt: skip
+
+    for g in jax.tree.leaves(jax.grad(mean_entropy)(params)):
+        assert not np.asarray(g).any()
