@@ -351,6 +351,17 @@ class GRPOTrainer(TaskTrainer):
         if self._last_batch_time is not None:  # the previous step's rest: its update
             logs["time/training_s"] = now - self._last_batch_time
         generation = step // self.grpo_args.num_iterations
+        if self._round is None and step % self.grpo_args.num_iterations:
+            # A checkpoint holds no generated batch: said, not hidden.
+            logger.warning(
+                "GRPO resumed at step %d, inside a round of num_iterations=%d updates: the "
+                "checkpoint does not hold the round's completions, so they are sampled again "
+                "(same key) from the resumed parameters, and the rest of this round differs "
+                "from an uninterrupted run. Checkpoints at round boundaries (save_steps a "
+                "multiple of num_iterations) resume exactly.",
+                step,
+                self.grpo_args.num_iterations,
+            )
         if self._round is None or self._round[0] != generation:
             placed, round_logs, host = self.generate_batch(self._live_state, step)
             self._round = (generation, placed, round_logs, host)

@@ -166,6 +166,26 @@ def run(tokenizer, out, seen, **overrides):
     return jax.tree.leaves(jax.device_get(output.state.params))
 
 
+def test_a_resume_inside_a_round_says_it_is_not_exact(tokenizer, tmp_path, caplog):
+    """A checkpoint inside a round (here the final save at step 3 of rounds of 2 updates)
+    holds no generated batch: the resumed run samples it again and says so."""
+    import logging
+
+    args = dict(num_iterations=2, save_steps=2, save_final=True)
+    for max_steps in (3, 4):
+        trainer = GRPOTrainer(
+            arguments=grpo_args(tmp_path, max_steps=max_steps, **args),
+            model=tiny_model(),
+            reward_funcs=[big_first_number],
+            dataset_train=prompts(),
+            processing_class=tokenizer,
+        )
+        with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+            trainer.train()
+    said = [r.getMessage() for r in caplog.records if "inside a round" in r.getMessage()]
+    assert len(said) == 1 and "resumed at step 3" in said[0], said
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_exact_resume_mid_run(tokenizer, tmp_path, lora):
     """Killed after step 5 (last save: step 4), resumed: the same completions from there on
