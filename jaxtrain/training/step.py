@@ -208,3 +208,19 @@ def make_eval_step(
         return check_loss_sums(loss_sums_fn(model, batch, jax.random.key(0)))
 
     return eval_step
+
+
+class StepWithFrozen:
+    """The compiled train step with the frozen state bound: `step(state, batch)`. The frozen
+    state is placed at the first call (a ModelFactory's exists only once the state does)."""
+
+    def __init__(self, compiled: Any, frozen_state: Callable[[], Any]):
+        self.compiled, self._frozen_state, self.frozen = compiled, frozen_state, None
+
+    def __call__(self, state: TrainState, batch: dict[str, jax.Array]):
+        if self.frozen is None:
+            self.frozen = self._frozen_state()
+        return self.compiled(state, batch, self.frozen)
+
+    def __getattr__(self, name: str) -> Any:  # compiles, lower, ... of the TrackedJit
+        return getattr(self.compiled, name)

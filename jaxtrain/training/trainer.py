@@ -54,6 +54,7 @@ from jaxtrain.training.state import (
     stage_state_build,
 )
 from jaxtrain.training.step import (
+    StepWithFrozen,
     causal_lm_loss_sums,
     count_target_tokens,
     make_train_step,
@@ -442,9 +443,9 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         tracked = self.monitor.jit(step_fn, "train_step", progress=progress, **options)
         finish = tracked.lower_for(state, batch, abstract_arrays(rest, rest_shardings))
 
-        def compiled_step() -> _WithFrozen:
+        def compiled_step() -> StepWithFrozen:
             finish()
-            return _WithFrozen(tracked, self.frozen_state)
+            return StepWithFrozen(tracked, self.frozen_state)
 
         return compiled_step
 
@@ -496,19 +497,3 @@ class Trainer(TrainerCheckpoints, TrainerCallback):
         for metrics in self.eval(state):  # noqa: B007 - the last yield covers the whole set
             pass
         return metrics
-
-
-class _WithFrozen:
-    """The compiled train step with the frozen state bound: `step(state, batch)`. The frozen
-    state is placed at the first call (a ModelFactory's exists only once the state does)."""
-
-    def __init__(self, compiled: Any, frozen_state: Callable[[], Any]):
-        self.compiled, self._frozen_state, self.frozen = compiled, frozen_state, None
-
-    def __call__(self, state: TrainState, batch: dict[str, jax.Array]):
-        if self.frozen is None:
-            self.frozen = self._frozen_state()
-        return self.compiled(state, batch, self.frozen)
-
-    def __getattr__(self, name: str) -> Any:  # compiles, lower, ... of the TrackedJit
-        return getattr(self.compiled, name)
