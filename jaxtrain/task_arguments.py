@@ -177,12 +177,6 @@ class GRPOArguments(TrainingArguments):
         for ok, message in checks:
             if not ok:
                 raise ArgumentError(f"GRPOArguments.{message}.")
-        if self.save_steps and self.save_steps % self.num_iterations:
-            raise ArgumentError(
-                f"GRPOArguments.save_steps={self.save_steps} must be a multiple of "
-                f"num_iterations={self.num_iterations}: a checkpoint inside a generated batch's "
-                "updates could not be resumed exactly (its old log-probs are not saved)."
-            )
         if self.packing:
             raise ArgumentError(
                 "GRPOArguments.packing: GRPO rows cannot be packed; set packing=False."

@@ -11,6 +11,7 @@ from jaxtrain.checkpointing.files import (
     committed_steps,
     find_checkpoint,
     read_metadata,
+    restore_extra,
     restore_params,
     restore_state,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "find_checkpoint",
     "load_checked",
     "read_metadata",
+    "restore_extra",
     "restore_params",
     "restore_state",
 ]

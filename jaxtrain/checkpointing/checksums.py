@@ -19,7 +19,7 @@ from jaxtrain.checkpointing.files import damaged
 CHECKSUMS_FILE = "checksums.json"
 # The folders whose files the checksums cover (Orbax's own step metadata is rewritten at
 # commit time, so it is not covered).
-COVERED = ("state", "meta")
+COVERED = ("state", "meta", "extra")
 _CHUNK = 8 << 20  # crc32 releases the GIL on large buffers: the loop keeps running
 
 
@@ -36,7 +36,7 @@ def _covered_files(step_dir: Path) -> list[Path]:
 
 
 def write_checksums(step_dir: Path) -> None:
-    """Record size and crc32 of every file under `step_dir`'s state and meta folders."""
+    """Record size and crc32 of every file under `step_dir`'s state, meta and extra folders."""
     files = {
         str(p.relative_to(step_dir)): [p.stat().st_size, file_crc32(p)]
         for p in _covered_files(step_dir)

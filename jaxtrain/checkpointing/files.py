@@ -1,8 +1,9 @@
 """Checkpoint files on disk: where they live, which are committed, reading them back.
 
 A step directory `checkpoints/<step>/` holds `state/` (the TrainState as tensorstore files),
-`meta/` (arguments, model config, data position, trackers as JSON) and `checksums.json`.
-Nothing is pickled.
+`meta/` (arguments, model config, data position, trackers as JSON), `checksums.json`, and
+`extra/` when a task trainer kept arrays beside the state (GRPO: the generated batch of a
+round it stopped inside). Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -76,26 +77,51 @@ def restore_state(path: str | Path, abstract_state: TrainState) -> TrainState:
     `abstract_state` is a TrainState of arrays or jax.ShapeDtypeStruct (with shardings) that
     fixes the structure, shapes and placement to restore into.
     """
-    import orbax.checkpoint as ocp
-
     state_dir = Path(path).absolute() / "state"
     if not state_dir.is_dir():
         raise CheckpointError(
             f"{path} is not a jaxtrain checkpoint step directory (no 'state' folder). "
             "Pass a directory like <output_dir>/checkpoints/<step>."
         )
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    return _restore_standard(
+        state_dir,
+        abstract_state,
+        "the train state",
+        "Either its files are damaged, or it was written for another model or optimizer "
+        "configuration. Delete that step directory to resume from the previous checkpoint, "
+        "pass --reset_optimizer true if only the optimizer changed, or start a new run in a "
+        "new output_dir.",
+    )
+
+
+def restore_extra(path: str | Path, abstract: Any) -> Any:
+    """The arrays a task trainer kept beside the train state in the step directory `path`
+    (its `extra/` item), read onto `abstract`'s shapes, dtypes and shardings."""
+    extra_dir = Path(path).absolute() / "extra"
+    if not extra_dir.is_dir():  # its metadata says it has one: a file went missing
+        raise damaged(Path(path), extra_dir, "the folder is missing")
+    return _restore_standard(
+        extra_dir,
+        abstract,
+        "the task trainer's arrays",
+        "Either its files are damaged, or the run's settings changed their shapes (e.g. "
+        "max_completion_length). Resume with the settings of the run that wrote it, or from "
+        "another checkpoint.",
+    )
+
+
+def _restore_standard(folder: Path, abstract: Any, what: str, advice: str) -> Any:
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
     quiet_orbax()
     try:
         with ocp.StandardCheckpointer() as checkpointer:  # closed: no stray async threads
-            return checkpointer.restore(state_dir, target)
+            return checkpointer.restore(folder, target)
     except Exception as err:  # re-raised with the path and what to do; never ignored
         raise CheckpointError(
-            f"Could not restore the train state from {state_dir}: {type(err).__name__}: "
-            f"{_first_line(err)}. Either its files are damaged, or it was written for another model or "
-            "optimizer configuration. Delete that step directory to resume from the previous "
-            "checkpoint, pass --reset_optimizer true if only the optimizer changed, or start "
-            "a new run in a new output_dir."
+            f"Could not restore {what} from {folder}: {type(err).__name__}: "
+            f"{_first_line(err)}. {advice}"
         ) from err
 
 

@@ -69,6 +69,9 @@ class StartPlan:
     # Whether the resumed run had evaluated at `step` before saving it (a rerun of a
     # finished run must not log that evaluation twice).
     evaluated: bool = False
+    # The JSON details of the arrays a task trainer saved beside the state (its `extra`
+    # item, e.g. GRPO's generated batch inside a round), or None when it saved none.
+    extra: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -150,6 +153,7 @@ class RunCheckpoints:
             resumed_from=path,
             tracker_state=metadata.get("trackers") or {},
             evaluated=bool(metadata.get("evaluated", False)),
+            extra=metadata.get("extra"),
         )
 
     def load(
@@ -178,12 +182,13 @@ class RunCheckpoints:
         return RunStart(**fields, state=state)
 
     # ------------------------------------------------------------------ saves
-    def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
-        """Start a background save of `state` with `metadata` (JSON); returns the step
-        directory it commits to. The save before it is committed first."""
+    def save(self, state: TrainState, *, metadata: dict[str, Any], extra: Any = None) -> Path:
+        """Start a background save of `state` with `metadata` (JSON) and `extra` (a pytree of
+        arrays kept beside the state, or None); returns the step directory they commit to,
+        together. The save before it is committed first."""
         if self._saver is None:
             self._saver = _Saver(self.root, max_to_keep=self.settings.save_total_limit)
-        return self._saver.save(state, metadata=metadata)
+        return self._saver.save(state, metadata=metadata, extra=extra)
 
     def wait(self) -> None:
         """Block until every save started so far is committed."""
@@ -232,7 +237,8 @@ _DELETING = ".jaxtrain-deleting"  # suffix of an old checkpoint being deleted (k
 
 
 class _Saver:
-    """Orbax's CheckpointManager writing `<root>/<step>/{state,meta}`, keeping the newest K.
+    """Orbax's CheckpointManager writing `<root>/<step>/{state,meta[,extra]}`, keeping the
+    newest K.
 
     Saves are asynchronous (the loop keeps stepping while bytes go to disk) and Orbax commits
     a step directory atomically (written as `<step>.orbax-checkpoint-tmp-*`, then renamed).
@@ -269,20 +275,18 @@ class _Saver:
             self._manager = ocp.CheckpointManager(root, options=options)
         quiet_orbax()
 
-    def save(self, state: TrainState, *, metadata: dict[str, Any]) -> Path:
+    def save(self, state: TrainState, *, metadata: dict[str, Any], extra: Any = None) -> Path:
         import orbax.checkpoint as ocp
 
         step = int(jax.device_get(state.step))
+        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(metadata)}
+        if extra is not None:  # one more item of the same step: committed with the rest
+            items["extra"] = ocp.args.StandardSave(extra)
         with self._failures():
             self._manager.wait_until_finished()  # Orbax would wait too; _saving is one step
             self._prune()
             self._saving = step
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
-                ),
-            )
+            self._manager.save(step, args=ocp.args.Composite(**items))
         return self.root / str(step)
 
     def _prune(self) -> None:

@@ -11,9 +11,10 @@ Why generation runs in the Trainer's own hooks (`on_step_start` keeps the live s
 collator: sampling needs the newest parameters, which only the loop holds, while the loop,
 the compiled step, checkpoints and logging stay the base Trainer's, unchanged. The train
 loader yields prompt rows only (PromptLoader: a pure function of seed and step), so a
-resumed run regenerates with the same prompts and the same sampling key; every shape is
-fixed (prompts left-padded to max_prompt_length, completions max_completion_length), so the
-sampler and the train step compile once.
+resumed run regenerates with the same prompts and the same sampling key; a checkpoint inside
+a round keeps the round's batch (grpo_round.py), so the resumed updates reuse it. Every shape
+is fixed (prompts left-padded to max_prompt_length, completions max_completion_length), so
+the sampler and the train step compile once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import group_advantages, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader
+from jaxtrain.trainers.grpo_round import GeneratedRound
 from jaxtrain.trainers.rewards import load_reward, reward_name, score_completions
 from jaxtrain.training.logps import model_token_logps
 
@@ -122,7 +124,7 @@ class GRPOTrainer(TaskTrainer):
                 if reference_model is not None
                 else nnx.clone(model)
             )
-        self._round: tuple[int, dict[str, jax.Array], dict[str, float], dict] | None = None
+        self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
         self._live_state = None
         self._last_batch_time: float | None = None
         self._last_generation_s = 0.0
@@ -284,28 +286,48 @@ class GRPOTrainer(TaskTrainer):
             logs["time/training_s"] = now - self._last_batch_time
         generation = step // self.grpo_args.num_iterations
         if self._round is None and step % self.grpo_args.num_iterations:
-            # A checkpoint holds no generated batch: said, not hidden.
+            # Resumed inside a round from a checkpoint that does not keep its batch (see
+            # resume_extra): said, not hidden.
             logger.warning(
-                "GRPO resumed at step %d, inside a round of num_iterations=%d updates: the "
-                "checkpoint does not hold the round's completions, so they are sampled again "
-                "(same key) from the resumed parameters, and the rest of this round differs "
-                "from an uninterrupted run. Checkpoints at round boundaries (save_steps a "
-                "multiple of num_iterations) resume exactly.",
+                "GRPO resumed at step %d, inside a round of num_iterations=%d updates, from a "
+                "checkpoint that does not hold the round's generated batch (written by an "
+                "older jaxtrain, or with another num_iterations): its completions are sampled "
+                "again (same key) from the resumed parameters, and the rest of this round "
+                "differs from an uninterrupted run.",
                 step,
                 self.grpo_args.num_iterations,
             )
-        if self._round is None or self._round[0] != generation:
+        if self._round is None or self._round.generation != generation:
             placed, round_logs, host = self.generate_batch(self._live_state, step)
-            self._round = (generation, placed, round_logs, host)
+            self._round = GeneratedRound(
+                generation, placed, round_logs, self.last_completions, host
+            )
             self._last_generation_s = round_logs["time/generation_s"]
         else:
             self._last_generation_s = 0.0
         self._last_batch_time = time.perf_counter()
         host = self.train_loader.handed_out.pop(step, None)
         if host is not None:  # counted by the loop after this hook: tokens/s of completions
-            host.update(self._round[3])
-        return self._round[1], {**self._round[2], **logs,
-                                "time/generation_s": self._last_generation_s}  # fmt: skip
+            host.update(self._round.host)
+        return self._round.batch, {**self._round.logs, **logs,
+                                   "time/generation_s": self._last_generation_s}  # fmt: skip
+
+    def checkpoint_extra(self, step: int) -> tuple[dict[str, Any], Any] | None:
+        """Inside a round (step `step` reuses the batch of the steps before it): the round's
+        batch and logs, so a resume finishes the round exactly. At a boundary: nothing."""
+        n, current = self.grpo_args.num_iterations, self._round
+        if current is None or step % n == 0 or current.generation != step // n:
+            return None
+        return current.checkpoint(n)
+
+    def resume_extra(
+        self, details: dict[str, Any], restore: Callable[[Any], Any], step: int
+    ) -> None:
+        """The round a checkpoint kept becomes the current one (the next steps reuse it);
+        one that does not continue at `step` (num_iterations changed) is left unread."""
+        if GeneratedRound.fits(details, step, self.grpo_args.num_iterations):
+            self._round = GeneratedRound.restored(details, restore, self._abstract_batch())
+            self.last_completions = self._round.completions
 
     def sampling_key(self, step: int) -> jax.Array:
         """The key of the completions of `step`'s round: a function of the seed and the
@@ -316,8 +338,9 @@ class GRPOTrainer(TaskTrainer):
 
     def generate_batch(
         self, state: Any, step: int
-    ) -> tuple[dict[str, jax.Array], dict[str, float]]:
-        """The scored completions of `step`'s prompts as a global train batch, and its logs."""
+    ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray]]:
+        """The scored completions of `step`'s prompts as a global train batch, its logs, and
+        its input_ids and labels on the host."""
         args, g = self.grpo_args, self.grpo_args.num_generations
         start = time.perf_counter()
         rows = np.repeat(self.train_loader.rows_at(step), g)  # each prompt's group, together
@@ -411,20 +434,28 @@ class GRPOTrainer(TaskTrainer):
         )
         return jax.device_put(out, self.sharding_plan.batch.sharding(3, micro_axis=True))
 
-    def lower_train_step(self, state: Any, batch: dict[str, Any], progress: Any = None):
-        """The step is compiled for the generated batches, not the loader's prompt rows."""
+    def _abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The generated train batch's shapes, dtypes and shardings ([A, M, ...] global)."""
         args, a = self.grpo_args, self.grpo_args.gradient_accumulation_steps
         m, t = args.total_batch_size // a, self.sequence_length
-        host = {
-            "input_ids": np.zeros((a, m, t), np.int32),
-            "labels": np.full((a, m, t), IGNORE_INDEX, np.int32),
-            "advantages": np.zeros((a, m), np.float32),
+        shapes = {
+            "input_ids": ((a, m, t), jnp.int32),
+            "labels": ((a, m, t), jnp.int32),
+            "advantages": ((a, m), jnp.float32),
         }
         if args.num_iterations > 1:
-            host["old_logps"] = np.zeros((a, m, t - 1), np.float32)
-        return super().lower_train_step(
-            state, self.sharding_plan.batch.to_global(host, micro_axis=True), progress
-        )
+            shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
+        layout = self.sharding_plan.batch
+        return {
+            k: jax.ShapeDtypeStruct(
+                shape, dtype, sharding=layout.sharding(len(shape), micro_axis=True)
+            )
+            for k, (shape, dtype) in shapes.items()
+        }
+
+    def lower_train_step(self, state: Any, batch: dict[str, Any], progress: Any = None):
+        """The step is compiled for the generated batches, not the loader's prompt rows."""
+        return super().lower_train_step(state, self._abstract_batch(), progress)
 
 
 def _rows(dataset: Any) -> list[dict[str, Any]]:

@@ -4,10 +4,16 @@
 `arguments`, `model`, `model_config`, `optimizer`, `train_loader`, `checkpoints`, `monitor`,
 `hooks`, `create_state()` and `abstract_state()`. The files themselves are
 `jaxtrain.checkpointing`'s, which knows nothing of the Trainer: this is where the two meet.
+
+A task trainer that holds more than the train state between steps (GRPO's generated batch,
+reused by the updates of a round) keeps it in the same checkpoint through
+`checkpoint_extra` (what to save, asked at every save) and `resume_extra` (given it back
+before the first resumed step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,7 @@ from jaxtrain.checkpointing import (
     RunStart,
     StartPlan,
     load_checked,
+    restore_extra,
 )
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.state import TrainState
@@ -34,9 +41,27 @@ class TrainerCheckpoints:
         `evaluated`: the run has evaluated (and logged) this step already."""
         step = int(jax.device_get(state.step))
         metadata = {**self._checkpoint_metadata(step), "evaluated": evaluated}
-        path = self.checkpoints.save(state, metadata=metadata)
+        extra = self.checkpoint_extra(step)
+        arrays = None
+        if extra is not None:
+            metadata["extra"], arrays = extra
+        path = self.checkpoints.save(state, metadata=metadata, extra=arrays)
         self.hooks.call("on_save", self, str(path), step)
         return str(path)
+
+    def checkpoint_extra(self, step: int) -> tuple[dict[str, Any], Any] | None:
+        """What a subclass keeps in the checkpoint of `step` beside the train state: (JSON
+        details, a pytree of global arrays), written in the same atomic commit (the details
+        in its metadata, the arrays as its `extra` item). None (the default): nothing."""
+        return None
+
+    def resume_extra(
+        self, details: dict[str, Any], restore: Callable[[Any], Any], step: int
+    ) -> None:
+        """Given back what `checkpoint_extra` saved in the checkpoint `train()` resumes at
+        `step`, before its first step: `details` as saved, and `restore(abstract)` reads the
+        arrays onto `abstract` (ShapeDtypeStructs with this run's shardings). Only called for
+        a checkpoint that has them; the default ignores them."""
 
     def _checkpoint_metadata(self, step: int) -> dict[str, Any]:
         metadata = {
@@ -86,13 +111,20 @@ class TrainerCheckpoints:
     ) -> RunStart:
         """`plan` (default: `plan_start()`) with its state: a fresh state built around the
         model's arrays (by `fresh`, a `stage_state(copy=False)`, when given), or the
-        checkpoint restored onto this Trainer's shardings."""
-        return self.checkpoints.load(
+        checkpoint restored onto this Trainer's shardings (its extra arrays, if it has
+        any, handed to `resume_extra`)."""
+        start = self.checkpoints.load(
             plan if plan is not None else self.plan_start(),
             fresh_state=lambda: (fresh or self.stage_state(copy=False)).run(),
             abstract_state=self.abstract_state,
             init_optimizer=self.optimizer.init,
         )
+        path = start.resumed_from
+        if path is not None and start.extra is not None:
+            self.resume_extra(
+                start.extra, lambda abstract: restore_extra(path, abstract), start.step
+            )
+        return start
 
     def _model_config_dict(self) -> dict[str, Any] | None:
         config = self.model_config

@@ -87,8 +87,9 @@ def run(name: str, dims: tuple[int, ...], out: Path) -> dict:
     }
 
 
-out = Path(sys.argv[1])
-print(json.dumps({
-    "single": run("single", (1, 1, 1, 1, 1), out),
-    "dp2_fsdp2": run("dp2_fsdp2", (2, 2, 1, 1, 1), out),
-}))  # fmt: skip
+if __name__ == "__main__":  # grpo_resume_worker.py imports the model and tokenizer
+    out = Path(sys.argv[1])
+    print(json.dumps({
+        "single": run("single", (1, 1, 1, 1, 1), out),
+        "dp2_fsdp2": run("dp2_fsdp2", (2, 2, 1, 1, 1), out),
+    }))  # fmt: skip

@@ -33,3 +33,23 @@ def test_dp_fsdp_mesh_gives_the_update_of_one_device(tmp_path):
     second = [k for k in one.files if k.startswith("1_")]
     # The second update (on the old log-probs) moved the parameters: not a vacuous match.
     assert any(not np.allclose(one[k], one["0_" + k[2:]]) for k in second)
+
+
+def test_a_resume_inside_a_round_on_the_mesh_is_exact(tmp_path):
+    """Stopped inside a round on a dp=2 x fsdp=2 mesh and resumed: the checkpoint's round
+    batch comes back sharded like the generated one, and the run ends bit-equal."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "grpo_resume_worker.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "extra" in info["extra"], info  # the save at step 3 kept the round's batch
+    assert info["steps"] == [4] and info["same_completions"], info
+    assert info["batch"] == info["batch_whole"] and info["batch"][0] == 4, info
+    whole, resumed = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
+    for key in whole.files:
+        np.testing.assert_array_equal(resumed[key], whole[key], err_msg=key)
