@@ -225,6 +225,7 @@ LAYERS = (
     ("jaxtrain.observability", "jaxtrain.checkpointing"),
     ("jaxtrain.training",),
     ("jaxtrain.trainers",),
+    ("jaxtrain.planning",),
     ("jaxtrain.distributed",),
     ("jaxtrain.cli", "jaxtrain"),  # the package's __init__ re-exports the public API
 )

@@ -25,7 +25,7 @@ from jaxtrain.cli.usage import USAGE
 
 __all__ = ["COMMANDS", "USAGE", "main"]
 
-COMMANDS = ("train", "eval", "sample", "export", "report")
+COMMANDS = ("train", "eval", "sample", "export", "report", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +64,7 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
     from jaxtrain.cli.export import cmd_export
     from jaxtrain.cli.launch import cmd_launch, cmd_tune
+    from jaxtrain.cli.plan import cmd_plan
     from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
 
     commands = {
@@ -72,6 +73,7 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
         "sample": cmd_sample,
         "export": cmd_export,
         "report": cmd_report,
+        "plan": cmd_plan,
         "launch": lambda tokens: cmd_launch(tokens, entry=main),  # workers run this CLI
         "tune": cmd_tune,
     }

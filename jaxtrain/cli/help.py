@@ -270,6 +270,27 @@ def task_of(tokens: list[str]) -> str | None:
     return None
 
 
+PLAN_HELP = """usage: jaxtrain plan [CONFIG.yaml] [--hf_config config.json] [--devices N]
+                     [--accelerator h100|h200|a100|v5e|v5p] [--processes P] [--sweep]
+                     [--layers auto|all|unit] [--output plan.json] [--field value ...]
+
+Compile the run's train step for N devices (as CPU devices, from shapes alone: nothing is
+allocated) and read per-device memory, FLOPs and collectives from the compiled program; add a
+roofline estimate of the step time and MFU on the accelerator. Every `jaxtrain train` field
+(mesh, batch, sequence, dtype, remat, optimizer, accumulation) is read as for a run.
+
+  --hf_config PATH     a Hugging Face config.json (configs/ ships Llama-3 8B/70B, Mixtral,
+                       Gemma-2-27B); default: the config's model section
+  --devices INT        target device count (default: one node of the accelerator)
+  --accelerator STR    spec table in jaxtrain/planning/accelerators.py (default: h100)
+  --processes INT      hosts (default: devices / devices per node); sets the link classes
+  --sweep              plan every (dp, fsdp, ep, tp) mesh that divides the devices, ranked
+  --layers STR         all: compile every layer; unit: the repeating unit of layers, once
+                       and twice, scaled to the depth; auto (default): unit above 4 layers
+  --output PATH        where plan.json goes (default: plan.json)
+"""
+
+
 def command_help(command: str, tokens: list[str] | None = None) -> str:
     """`jaxtrain COMMAND --help` (`tokens`: the rest of the line, e.g. `--task dpo`)."""
     if command == "train":
@@ -308,5 +329,6 @@ Write a run's checkpoint as a Hugging Face directory (safetensors, config, token
 
 Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.
 """,
+        "plan": PLAN_HELP,
     }
     return texts[command]

@@ -157,3 +157,26 @@ class TrackedJit:
     @property
     def compiles(self) -> int:
         return len(self.events)
+
+
+def memory_summary(executable: Any) -> dict[str, float] | None:
+    """Per-device bytes XLA assigned to a compiled program: its inputs, outputs (those
+    written over donated inputs counted once), temporaries, and the peak they add up to.
+    None when the backend does not say."""
+    try:
+        memory = executable.memory_analysis()
+    except (AttributeError, NotImplementedError, RuntimeError):  # some backends have none
+        return None
+    if memory is None:
+        return None
+    summary = {
+        "arguments": float(memory.argument_size_in_bytes),
+        "outputs": float(memory.output_size_in_bytes),
+        "aliased": float(memory.alias_size_in_bytes),
+        "temporaries": float(memory.temp_size_in_bytes),
+        "generated_code": float(memory.generated_code_size_in_bytes),
+    }
+    summary["peak"] = (
+        summary["arguments"] + summary["outputs"] - summary["aliased"] + summary["temporaries"]
+    )
+    return summary

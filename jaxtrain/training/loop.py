@@ -24,6 +24,7 @@ import jax
 from flax import nnx
 
 from jaxtrain.checkpointing import RunStart, StartPlan
+from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.progress import make_progress
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet
@@ -136,6 +137,9 @@ class TrainingLoop:
             start = trainer.start_state(plan, fresh=fresh)  # on a failure, compiles are waited for
             self._announce(start)  # usually before the compile's own line
             self.train_step = compiling.result()
+        # What XLA assigned per device: `jaxtrain plan` predicts this figure.
+        memory = memory_summary(self.train_step.compiled.executable)
+        trainer.monitor.add_run_info("train_step_memory", memory)
         return start, itertools.chain([first], batches)
 
     def _announce(self, start: RunStart) -> None:

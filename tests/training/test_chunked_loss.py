@@ -73,7 +73,7 @@ def test_chunked_sums_and_grads_equal_the_full_logits(setup, tied):
         sums = fn(nnx.merge(graphdef, p, rest), batch)
         return sums["loss_sum"], sums
 
-    def chunked(m, b):  # 5 chunks of 5 positions, the last padded
+    def chunked(m, b):  # chunks of 3 positions of each of the 2 rows, the last padded
         h = m.hidden_states(b["input_ids"])
         return chunked_causal_lm_sums(h, m.output_projection(), b["labels"], chunk_tokens=5)
 
@@ -94,7 +94,8 @@ def test_chunked_sums_and_grads_equal_the_full_logits(setup, tied):
     # No value of the chunked gradient computation is as large as the batch's logits.
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p, chunked)[0]))(params).jaxpr
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
-    assert largest_logits(jaxpr, vocab, hidden) == 5 * vocab
+    # A chunk holds every row (they stay split over the batch axes), -(-5 // B) positions each.
+    assert largest_logits(jaxpr, vocab, hidden) == B * -(-5 // B) * vocab
     full = jax.make_jaxpr(jax.grad(lambda p: loss(p, full_sums)[0]))(params).jaxpr
     assert largest_logits(full, vocab, hidden) >= B * (T - 1) * vocab  # the check can fail
 
@@ -108,7 +109,7 @@ def test_chunked_sequence_logps_equal_the_full_logits(setup):
         logp, mask = token_logps(m(ids), labels)
         return logp.sum(-1), mask.sum(-1).astype(jnp.float32)
 
-    def chunked(m, ids, labels):  # 3 chunks of 10 positions, the last padded
+    def chunked(m, ids, labels):  # chunks of 5 positions of each of the 2 rows
         h = m.hidden_states(ids)
         logp, mask = chunked_token_logps(h, m.output_projection(), labels, chunk_tokens=10)
         return logp.sum(-1), mask.sum(-1).astype(jnp.float32)
@@ -190,11 +191,13 @@ def test_dpo_at_a_large_vocabulary_never_builds_whole_logits(setup, monkeypatch)
     compiled = {w: grad.lower(params, ref_params, w).compile() for w in (False, True)}
     (want, want_sums), want_g = compiled[True](params, ref_params)
     (got, sums), g = compiled[False](params, ref_params)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # float32 logits of [rows, 16] chunks against [rows, 64]: XLA blocks the matmuls
+    # differently, which moves the sum of 180 log-probs by ~1e-5 relative.
+    np.testing.assert_allclose(got, want, rtol=3e-5)
     for key in want_sums:
-        np.testing.assert_allclose(sums[key], want_sums[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(sums[key], want_sums[key], rtol=3e-5, atol=1e-6, err_msg=key)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5)
 
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     whole_logits = 2 * n * t * vocab

@@ -1,0 +1,220 @@
+"""`jaxtrain plan`: compile the run's train step for a target cluster and predict the step.
+
+    jaxtrain plan [CONFIG.yaml] [--hf_config config.json] --devices 256 --accelerator h100
+                  [--processes 32] [--sweep] [--layers auto|all|unit] [--output plan.json]
+                  [--field value ...]
+
+The run's own arguments (mesh, batch, sequence, dtype, remat, optimizer, accumulation) come
+from the config and flags as for `jaxtrain train`. The compile runs in a child process with
+that many CPU devices (jaxtrain/planning/worker.py); nothing is allocated, nothing trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.errors import ArgumentError
+
+PLAN_OPTIONS = {
+    "hf_config": None,
+    "devices": None,
+    "accelerator": "h100",
+    "processes": None,
+    "layers": "auto",
+    "output": "plan.json",
+}
+PLAN_FLAGS = ("sweep",)
+
+
+def split_plan_options(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """(plan options, the rest for the run's config)."""
+    options: dict[str, Any] = dict(PLAN_OPTIONS)
+    options["sweep"] = False
+    rest: list[str] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        key, _, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if key in PLAN_FLAGS:
+            options[key] = True
+        elif key in PLAN_OPTIONS:
+            if not inline:
+                if index + 1 >= len(tokens):
+                    raise ArgumentError(f"--{key} needs a value.")
+                index += 1
+                inline = tokens[index]
+            options[key] = inline
+        else:
+            rest.append(token)
+        index += 1
+    return options, rest
+
+
+def _positive_int(options: dict[str, Any], key: str) -> int | None:
+    value = options[key]
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ArgumentError(f"--{key} must be a positive integer, got {value!r}.")
+    return number
+
+
+def model_spec(options: dict[str, Any], model_section: dict[str, Any]) -> dict[str, Any]:
+    """{"hf_config": ...} from --hf_config or model.pretrained's config.json, else the
+    jaxtrain model section (vocab_size and special ids as the data's tokenizer would set)."""
+    path = options["hf_config"]
+    if path is None and "pretrained" in model_section:
+        path = str(Path(model_section["pretrained"]) / "config.json")
+    if path is not None:
+        try:
+            hf = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ArgumentError(f"--hf_config {path}: cannot read it as JSON ({err}).") from None
+        if not isinstance(hf, dict):
+            raise ArgumentError(f"--hf_config {path}: expected a JSON object (a config.json).")
+        return {"hf_config": hf, "source": path}
+    spec = dict(model_section)
+    spec.pop("base_model", None)
+    return spec
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def sweep_meshes(devices: int, per_node: int, micro_batch: int, config: Any) -> list[list[int]]:
+    """(dp, fsdp, ep, tp, 1) meshes over `devices`: tp within a node and dividing the heads,
+    ep (mixture-of-experts models) dividing the experts, dp x fsdp dividing the micro-batch;
+    dp and tp are powers of two or the whole count."""
+    heads = int(getattr(config, "num_attention_heads", 1))
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    experts = int(getattr(config, "num_experts", 0) or 0)
+    meshes = []
+    for tp in _divisors(min(devices, per_node)):
+        if heads % tp or kv % tp or (tp & (tp - 1)):
+            continue
+        for ep in _divisors(devices // tp) if experts else [1]:
+            if experts and (experts % ep or ep > per_node):
+                continue
+            rest = devices // (tp * ep)
+            for dp in _divisors(rest):
+                fsdp = rest // dp
+                if (dp & (dp - 1)) and dp != rest or micro_batch % (dp * fsdp):
+                    continue
+                meshes.append([dp, fsdp, ep, tp, 1])
+    return meshes
+
+
+def run_worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The worker's results, computed in a child process with spec["devices"] CPU devices."""
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-plan-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        flags = env.get("XLA_FLAGS", "").split()
+        flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
+        flags.append(f"--xla_force_host_platform_device_count={spec['devices']}")
+        env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+        done = subprocess.run(
+            [sys.executable, "-m", "jaxtrain.planning.worker", str(spec_path), str(out_path)],
+            env=env,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"jaxtrain plan's compile process failed (exit {done.returncode}).")
+        return json.loads(out_path.read_text())
+
+
+def cmd_plan(tokens: list[str]) -> int:
+    from jaxtrain.cli.run_config import (
+        explain_source,
+        parse_overrides,
+        resolve_config_with_sources,
+        split_config,
+    )
+    from jaxtrain.cli.usage import split_positional
+    from jaxtrain.planning.accelerators import accelerator
+    from jaxtrain.planning.program import build_config
+    from jaxtrain.planning.report import details, ranked, table
+    from jaxtrain.planning.roofline import estimate
+
+    options, rest = split_plan_options(tokens)
+    accel = accelerator(options["accelerator"])
+    path, rest = split_positional(rest)
+    config, sources = resolve_config_with_sources(path, parse_overrides(rest))
+    try:
+        args, model_section, _, _ = split_config(config, path or "the command line", sources)
+    except ArgumentError as err:
+        raise explain_source(err, sources) from None
+    if options["layers"] not in ("auto", "all", "unit"):
+        raise ArgumentError(f"--layers must be auto, all or unit, got {options['layers']!r}.")
+    model = model_spec(options, model_section)
+    model_config = build_config(model)
+    devices = _positive_int(options, "devices") or accel.node
+    processes = _positive_int(options, "processes") or max(1, math.ceil(devices / accel.node))
+    if devices % processes:
+        raise ArgumentError(f"--devices {devices} must divide evenly over --processes {processes}.")
+    per_node = min(devices // processes, accel.node)
+    if options["sweep"]:
+        meshes = sweep_meshes(devices, per_node, args.micro_batch_size, model_config)
+        if not meshes:
+            raise ArgumentError(
+                f"No mesh over {devices} devices splits the micro-batch of "
+                f"{args.micro_batch_size} rows: raise total_batch_size."
+            )
+    else:
+        meshes = [list(args.sharding_axis_dims)]
+    arguments = {**args.to_dict(), "compilation_cache_dir": None, "report_to": ["jsonl"]}
+    arguments["max_steps"] = args.max_steps if args.max_steps > 0 else 1000
+    spec = {
+        "model": model,
+        "arguments": arguments,
+        "devices": devices,
+        "meshes": meshes,
+        "layers": options["layers"],
+        "attention": model_section.get("attention_implementation"),
+    }
+    print(
+        f"jaxtrain plan: {model_config.model_type} "
+        f"({model_config.num_hidden_layers} layers) on {devices} x {accel.name} "
+        f"({processes} node(s) of {per_node}); {len(meshes)} mesh(es) to compile",
+        flush=True,
+    )
+    entries = run_worker(spec)
+    for entry in entries:
+        if "figures" in entry:
+            entry["figures"]["devices"] = devices
+            entry["estimate"] = estimate(
+                entry["figures"], accel, devices=devices, per_node=per_node, dtype=args.dtype
+            )
+    entries = ranked(entries)
+    print("\n".join(table(entries)))
+    best = next((e for e in entries if "estimate" in e), None)
+    if best is not None:
+        print("\n".join(details(best, accel.name)))
+    out = Path(options["output"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": model,
+        "accelerator": accel.to_json(),
+        "devices": devices,
+        "processes": processes,
+        "arguments": arguments,
+        "meshes": [{k: v for k, v in e.items()} for e in entries],
+    }
+    for entry in report["meshes"]:
+        entry.get("figures", {}).pop("collective_ops", None)  # per-op detail: large, internal
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if best is not None else 2

@@ -1,0 +1,287 @@
+"""Compile the Trainer's own train step from shapes alone and read what XLA made of it.
+
+Nothing is allocated: the Trainer gets a ModelFactory (its state is `eval_shape`d), the batch
+is ShapeDtypeStructs, and `Trainer.compile_train_step` lowers and compiles the step the run
+would run (same loss, optimizer, sharding rules, remat policy, accumulation loop, XLA options).
+The executable then reports per-device memory (`memory_analysis`), FLOPs and bytes accessed
+(`cost_analysis`) and its optimized HLO, from which hlo.py reads the collectives.
+
+Depth. A 70B model's 80 layers unrolled take XLA:CPU minutes and gigabytes to compile, and
+every layer compiles to the same per-device program. So a deep model compiles its repeating
+unit of layers (1, or the period of a per-layer pattern such as Gemma's sliding/global
+alternation) once and twice, and each figure is scaled linearly to the full depth:
+    figure(L) = figure(u) + (L/u - 1) * (figure(2u) - figure(u)).
+Parameters and optimizer state are exact either way (from the full model's shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.observability.compiles import memory_summary
+from jaxtrain.planning.hlo import KINDS, collectives, matmul_flops, memory_traffic
+
+# Compiling the whole model is the default up to this many layers.
+WHOLE_MODEL_LAYERS = 4
+
+
+def build_config(model: dict[str, Any]) -> Any:
+    """The model config of a plan's model: {"hf_config": config.json's dict} or a jaxtrain
+    model section (model_type and the config's fields). A config without a pad token pads
+    with id 0: the compiled program is the same, and the Trainer's notice is not printed."""
+    config = _config(model)
+    if getattr(config, "pad_token_id", 0) is None:
+        config = dataclasses.replace(config, pad_token_id=0)
+    return config
+
+
+def _config(model: dict[str, Any]) -> Any:
+    if "hf_config" in model:
+        from jaxtrain.hf.registry import get_family
+
+        hf = model["hf_config"]
+        source = model.get("source", "config.json")
+        return get_family(hf.get("model_type"), source=source).from_hf_config(hf, source)
+    from jaxtrain.models.classes import classes_for
+
+    values = {k: v for k, v in model.items() if k not in ("source", "attention_implementation")}
+    config_class, _ = classes_for(values.get("model_type"))
+    return config_class.from_dict(values)
+
+
+def layer_period(config: Any) -> int:
+    """The smallest number of layers after which per-layer settings repeat."""
+    lists = _per_layer_lists(config)
+    layers = int(config.num_hidden_layers)
+    for period in range(1, layers + 1):
+        repeats = all(all(v[i] == v[i % period] for i in range(layers)) for v in lists.values())
+        if repeats and _sparse_pattern_repeats(config, period):
+            return period
+    return layers
+
+
+def _per_layer_lists(config: Any) -> dict[str, list[Any]]:
+    layers = int(config.num_hidden_layers)
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if isinstance(getattr(config, f.name), list) and len(getattr(config, f.name)) == layers
+    }
+
+
+def _sparse_pattern_repeats(config: Any, period: int) -> bool:
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", []) or [])
+    return period % step == 0 and not dense
+
+
+def with_layers(config: Any, layers: int) -> Any:
+    """`config` cut to its first `layers` layers (per-layer lists cut alike)."""
+    cut = {name: values[:layers] for name, values in _per_layer_lists(config).items()}
+    return dataclasses.replace(config, num_hidden_layers=layers, **cut)
+
+
+def model_factory(config: Any, attention: str | None = None) -> Any:
+    from flax import nnx
+
+    from jaxtrain.models.classes import classes_for
+    from jaxtrain.parallel import ModelFactory
+
+    _, model_class = classes_for(getattr(config, "model_type", None))
+
+    def build() -> Any:
+        model = model_class(config, rngs=nnx.Rngs(0))
+        if attention is not None:
+            model.attention_implementation = attention
+        return model
+
+    return ModelFactory(build)
+
+
+def abstract_batch(args: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch the train step takes: (micro-batches, rows, tokens) int32 fields."""
+    keys = ["input_ids", "attention_mask", "labels"]
+    if args.packing:
+        keys += ["segment_ids", "positions"]
+    shape = (args.gradient_accumulation_steps, args.micro_batch_size, args.max_sequence_length)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in keys}
+
+
+def compiled_figures(trainer: Any, executable: Any) -> dict[str, Any]:
+    """Per-device memory, FLOPs and collectives of a compiled train step."""
+    cost = executable.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    devices = trainer.mesh.devices.size
+    text = executable.as_text()
+    ops = collectives(text, devices)
+    by_kind = {
+        kind: {
+            "count": sum(c.executions for c in ops if c.kind == kind),
+            "bytes": sum(c.bytes * c.executions for c in ops if c.kind == kind),
+            "link_bytes": sum(c.link_bytes * c.executions for c in ops if c.kind == kind),
+        }
+        for kind in KINDS
+    }
+    return {
+        "memory": memory_summary(executable),
+        # Per device. XLA's count of all ops, a loop body counted once; the dots' with loops.
+        "xla_flops": float(cost.get("flops", 0.0)),
+        "matmul_flops": matmul_flops(text),
+        "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "bytes_accessed": memory_traffic(text),
+        "collectives": by_kind,
+        # (kind, link bytes per step, partition groups) for the link classes (roofline.py).
+        "collective_ops": [
+            {"kind": c.kind, "link_bytes": c.link_bytes * c.executions, "groups": c.groups}
+            for c in ops
+            if c.link_bytes
+        ],
+    }
+
+
+def plan_trainer(config: Any, args: Any, devices: list[Any], attention: str | None = None):
+    from jaxtrain.training.trainer import Trainer
+
+    return Trainer(arguments=args, model=model_factory(config, attention), devices=devices)
+
+
+def compile_step(trainer: Any) -> tuple[dict[str, Any], float]:
+    """(figures, compile seconds) of `trainer`'s train step, compiled from shapes."""
+    start = time.perf_counter()
+    step = trainer.compile_train_step(trainer.abstract_state(), abstract_batch(trainer.arguments))
+    seconds = time.perf_counter() - start
+    return compiled_figures(trainer, step.compiled.executable), seconds
+
+
+def _scale(small: Any, large: Any, units: float) -> Any:
+    """small + (units - 1) * (large - small), through nested dicts of numbers."""
+    if isinstance(small, dict):
+        return {k: _scale(small[k], large[k], units) for k in small}
+    if isinstance(small, int | float) and not isinstance(small, bool):
+        return small + (units - 1) * (large - small)
+    return large
+
+
+def _scaled_ops(small: list[dict], large: list[dict], units: float) -> list[dict]:
+    """Collective ops of the full depth: the 2u-layer program's, each op weighted so that the
+    total per kind and group follows the same linear rule as every other figure."""
+
+    def totals(ops: list[dict]) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for op in ops:
+            key = (op["kind"], repr(op["groups"]))
+            out[key] = out.get(key, 0.0) + op["link_bytes"]
+        return out
+
+    a, b = totals(small), totals(large)
+    groups = {repr(op["groups"]): op["groups"] for op in small + large}
+    scaled = []
+    for key in sorted(set(a) | set(b)):
+        value = a.get(key, 0.0) + (units - 1) * (b.get(key, 0.0) - a.get(key, 0.0))
+        if value > 0:
+            scaled.append({"kind": key[0], "link_bytes": value, "groups": groups[key[1]]})
+    return scaled
+
+
+def plan_program(
+    config: Any,
+    args: Any,
+    devices: list[Any],
+    *,
+    layers: str = "auto",
+    attention: str | None = None,
+) -> dict[str, Any]:
+    """Everything `jaxtrain plan` reads from the compiled step for one mesh (args'
+    sharding_axis_dims) over `devices`. `layers`: "all" compiles the whole model, "unit" the
+    repeating unit twice (scaled), "auto" the whole model up to WHOLE_MODEL_LAYERS layers."""
+    from jaxtrain.parallel.dry_run import tree_bytes_per_device
+
+    args = dataclasses.replace(args, output_dir=tempfile.mkdtemp(prefix="jaxtrain-plan-"))
+    full = plan_trainer(config, args, devices, attention)
+    abstract, shardings = full.abstract_state(), full.state_shardings
+    full_shapes = (dict(full.sharding_plan.mesh.shape), abstract.params)
+    total_layers = int(config.num_hidden_layers)
+    period = layer_period(config)
+    whole = layers == "all" or (layers == "auto" and total_layers <= WHOLE_MODEL_LAYERS)
+    whole = whole or 2 * period >= total_layers
+    if whole:
+        figures, seconds = compile_step(full)
+        method = f"whole model compiled ({total_layers} layers)"
+        compile_seconds = [seconds]
+    else:
+        del full
+        small, s1 = compile_step(
+            plan_trainer(with_layers(config, period), args, devices, attention)
+        )
+        large, s2 = compile_step(
+            plan_trainer(with_layers(config, 2 * period), args, devices, attention)
+        )
+        units = total_layers / period
+        figures = _scale(small, large, units)
+        figures["collective_ops"] = _scaled_ops(
+            small["collective_ops"], large["collective_ops"], units
+        )
+        method = (
+            f"{period} and {2 * period} of {total_layers} layers compiled, every figure scaled "
+            f"linearly to {total_layers} layers"
+        )
+        compile_seconds = [s1, s2]
+    params = tree_bytes_per_device(abstract.params, shardings.params)
+    figures["state"] = {
+        "parameters": float(params),
+        "optimizer_state": float(tree_bytes_per_device(abstract.opt_state, shardings.opt_state)),
+        "gradients": float(params),  # one per parameter, inside XLA's temporaries
+    }
+    figures["peak_bytes"] = figures["memory"]["peak"]
+    figures["shape_estimate_bytes"] = shape_estimate(full_shapes, config, args, figures["state"])
+    figures["method"] = method
+    figures["compile_seconds"] = compile_seconds
+    figures["num_parameters"] = int(
+        sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
+    )
+    figures["model_flops"] = model_flops(config, args, figures["num_parameters"])
+    return figures
+
+
+def shape_estimate(
+    full_shapes: tuple[dict[str, int], Any], config: Any, args: Any, state: dict[str, float]
+) -> float:
+    """Per-device bytes from shapes alone, for a compiler that frees each layer's gathered
+    weights and full-size gradient after use (XLA's GPU and TPU schedulers bound them; XLA:CPU
+    keeps every layer's at once): the state, the gradients, activations (dry_run's estimate)
+    and two layers' worth of gathered weights and unreduced gradients in float32."""
+    from jaxtrain.parallel.dry_run import activation_bytes_estimate
+
+    mesh_shape, params = full_shapes
+    dtype_bytes = np.dtype(args.dtype or np.float32).itemsize
+    activations = activation_bytes_estimate(
+        config,
+        mesh_shape,
+        args.micro_batch_size,
+        args.max_sequence_length,
+        dtype_bytes=dtype_bytes,
+        remat=args.gradient_checkpointing,
+    )
+    total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    layer = 4.0 * total_params / int(config.num_hidden_layers) / mesh_shape.get("tp", 1)
+    fixed = state["parameters"] + state["optimizer_state"] + state["gradients"]
+    return fixed + float(activations or 0) + 2 * 2 * layer
+
+
+def model_flops(config: Any, args: Any, num_parameters: int) -> float:
+    """Model FLOPs of one step whose rows are all real tokens (the Trainer's count, flops.py)."""
+    from jaxtrain.observability.flops import FlopsCounter
+
+    rows = args.total_batch_size
+    seq = args.max_sequence_length
+    ones = np.ones((rows, seq), np.int32)
+    full = {"input_ids": ones, "attention_mask": ones, "labels": ones}
+    return FlopsCounter(config, num_parameters).batch_flops(full)

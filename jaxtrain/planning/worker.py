@@ -1,0 +1,52 @@
+"""The child process of `jaxtrain plan`: `python -m jaxtrain.planning.worker SPEC OUT`.
+
+It is started with XLA_FLAGS=--xla_force_host_platform_device_count=N (the target's device
+count, as CPU devices), compiles the train step for each mesh of SPEC and writes their
+figures (or the reason a mesh cannot run) to OUT as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+
+def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import jax
+
+    from jaxtrain.arguments import TrainingArguments
+    from jaxtrain.errors import JaxtrainError
+    from jaxtrain.planning.program import build_config, plan_program
+
+    config = build_config(spec["model"])
+    base = TrainingArguments.from_dict(spec["arguments"], source="the plan's arguments")
+    devices = jax.devices()[: spec["devices"]]
+    results = []
+    for dims in spec["meshes"]:
+        args = dataclasses.replace(base, sharding_axis_dims=tuple(dims))
+        try:
+            figures = plan_program(
+                config, args, devices, layers=spec["layers"], attention=spec.get("attention")
+            )
+        except JaxtrainError as err:  # this mesh cannot run the model: say why, try the next
+            results.append({"mesh": list(dims), "error": str(err)})
+            continue
+        results.append({"mesh": list(dims), "figures": figures})
+        print(f"planned mesh {dims}: {figures['method']}", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = plan_meshes(spec)
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

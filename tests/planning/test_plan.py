@@ -1,0 +1,173 @@
+"""`jaxtrain plan`: the plan of a run equals the run (memory, FLOPs), its collectives equal
+the analytical volumes, and the HLO reader handles XLA's spellings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxtrain.cli import main
+from jaxtrain.planning.hlo import collectives, matmul_flops, memory_traffic
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """tests/planning/plan_worker.py: plans and a real run on 8 CPU devices (one process)."""
+    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("plan_worker.py"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_the_plan_s_memory_is_what_the_run_compiles(measured):
+    assert measured["run_peak"] > 0
+    assert measured["plan_peak"] == pytest.approx(measured["run_peak"], rel=0.05)
+
+
+def test_the_plan_s_flops_are_the_trainer_s(measured):
+    assert measured["plan_model_flops"] == pytest.approx(measured["trainer_flops"], rel=0.02)
+    # The compiled program's matmuls are the analytical count with full (masked) attention
+    # scores, which XLA computes in full.
+    assert measured["plan_matmul_flops"] == pytest.approx(
+        measured["analytic_full_attention"], rel=0.02
+    )
+
+
+def test_fsdp_collectives_are_one_gather_and_one_scatter_of_the_parameters(measured):
+    """fsdp=8, 2 micro-batches: the parameters are gathered once (the gathers are hoisted out
+    of the accumulation loop) and their gradients reduce-scattered once per micro-batch."""
+    found, params = measured["fsdp_collectives"], measured["parameter_bytes"]
+    assert found["all-gather"]["bytes"] == pytest.approx(params, rel=0.05)
+    assert found["reduce-scatter"]["bytes"] == pytest.approx(2 * params, rel=0.05)
+    assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * params  # scalars only
+
+
+def test_a_tp_plan_all_reduces_in_every_layer(measured):
+    found = measured["tp_collectives"]
+    # Forward and backward, attention and MLP: at least 4 per layer.
+    assert found["all-reduce"]["count"] >= 4 * measured["layers"]
+    assert found["all-reduce"]["bytes"] > 0
+
+
+def test_two_compiled_layers_scaled_to_six_equal_the_whole_model(measured):
+    whole, unit = measured["whole"], measured["unit"]
+    assert "scaled" in measured["unit_method"]
+    for key in whole:
+        assert unit[key] == pytest.approx(whole[key], rel=0.02), key
+    for kind, c in measured["whole_collectives"].items():
+        assert measured["unit_collectives"][kind]["bytes"] == pytest.approx(c["bytes"], rel=0.02)
+
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %g = f32[16,4]{1,0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %w = f32[4,4]{1,0} constant({...})
+  %d = f32[16,4]{1,0} dot(%g, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %r = f32[16,4]{1,0} all-reduce(%d), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %z = s32[] constant(0)
+  %s = f32[8,4]{1,0} dynamic-slice(%r, %i, %z), dynamic_slice_sizes={8,4}
+  ROOT %t = (s32[], f32[8,4]) tuple(%i, %s)
+}
+
+%cond (c: (s32[], f32[8,4])) -> pred[] {
+  %c = (s32[], f32[8,4]) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[8,4]) -> f32[8,4] {
+  %x0 = f32[8,4]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,4]) tuple(%zero, %x0)
+  %loop = (s32[], f32[8,4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %y = f32[8,4]{1,0} get-tuple-element(%loop), index=1
+  %m = f32[8,4]{1,0} all-reduce(%y), channel_id=3, replica_groups=mesh['a'=2,'b'=4] {'b'}, to_apply=%add
+  ROOT %out = f32[8,4]{1,0} add(%m, %m)
+}
+"""
+
+
+def test_the_hlo_reader_counts_loops_groups_and_scatters():
+    by_kind = {}
+    for c in collectives(HLO, 8):
+        by_kind.setdefault(c.kind, []).append(c)
+    (gather,) = by_kind["all-gather"]
+    assert (gather.executions, gather.group_size, gather.bytes) == (3, 4, 16 * 4 * 4)
+    assert gather.groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Only half of the loop's all-reduce is ever used: on an accelerator, a reduce-scatter.
+    (scatter,) = by_kind["reduce-scatter"]
+    assert (scatter.executions, scatter.group_size, scatter.groups[1]) == (3, 2, [2, 3])
+    (reduced,) = by_kind["all-reduce"]  # the entry's: its whole result is used
+    assert (reduced.executions, reduced.group_size) == (1, 4)
+    assert reduced.groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert reduced.link_bytes == 2 * 3 / 4 * 8 * 4 * 4
+    assert matmul_flops(HLO) == 3 * 2 * 16 * 4 * 4
+    assert memory_traffic(HLO) > 0
+
+
+def test_jaxtrain_plan_sweeps_meshes_and_writes_plan_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(
+        [
+            "plan",
+            "--devices",
+            "4",
+            "--accelerator",
+            "a100",
+            "--sweep",
+            "--output",
+            str(out),
+            "--total_batch_size",
+            "8",
+            "--max_sequence_length",
+            "64",
+            "--model.num_hidden_layers",
+            "2",
+            "--model.vocab_size",
+            "512",
+            "--model.num_attention_heads",
+            "4",
+            "--model.num_key_value_heads",
+            "2",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    plan = json.loads(out.read_text())
+    meshes = [m["mesh"] for m in plan["meshes"]]
+    assert [1, 4, 1, 1, 1] in meshes and [4, 1, 1, 1, 1] in meshes and [2, 1, 1, 2, 1] in meshes
+    planned = [m for m in plan["meshes"] if "estimate" in m]
+    assert planned and all(m["estimate"]["fits"] for m in planned)
+    times = [m["estimate"]["step_time_s"]["serial"] for m in planned]
+    assert times == sorted(times)  # ranked by predicted step time
+    assert plan["accelerator"]["name"] == "NVIDIA A100 SXM 80GB"
+    assert "FLOPs per step" in printed and "collectives per step" in printed
+
+
+def test_plan_refuses_an_unknown_accelerator_and_a_bad_device_count(capsys):
+    assert main(["plan", "--accelerator", "tpu-v9"]) == 2
+    assert "--accelerator 'tpu-v9': choose one of h100" in capsys.readouterr().err
+    assert main(["plan", "--devices", "0"]) == 2
+    assert "--devices must be a positive integer" in capsys.readouterr().err
