@@ -243,6 +243,10 @@ class TrainingArguments:
     process_id: int | None = None
     # Give up (DistributedError, exit code 2) when the cluster is not formed within this time.
     distributed_timeout_s: float = 300.0
+    # Multi-host: a process whose heartbeat stops this long (dead or hung) is lost; every
+    # other process then prints one line and exits with code 5 (parallel/peers.py). JAX's
+    # own heartbeat timeout becomes 2 * this + 10 s.
+    peer_timeout_s: float = 30.0
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
         # Unknown keyword arguments get the same answer as unknown config keys (an EasyDeL

@@ -19,6 +19,7 @@ EXIT_CRASH = 1
 EXIT_BAD_INPUT = 2
 EXIT_TIME_LIMIT = 3  # stopped at training_time_limit after saving: rerun to continue
 EXIT_NONFINITE = 4  # the loss became NaN/Inf (on_nan="stop" or too many skips)
+EXIT_PEER_LOST = 5  # multi-host: another process died or hung (parallel/peers.py): restart all
 # A signal ends the run with 128 + its number, as shells report it: 130 SIGINT, 143 SIGTERM.
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "EXIT_CRASH",
     "EXIT_NONFINITE",
     "EXIT_OK",
+    "EXIT_PEER_LOST",
     "EXIT_TIME_LIMIT",
     "ArgumentError",
     "CheckpointError",

@@ -89,7 +89,14 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     except JaxtrainError as err:
         # The one place a deliberate error becomes its message and exit code; anything
         # else is a bug and keeps its traceback (exit 1).
-        label = "" if isinstance(err, TrainingInterrupted) else "error: "
+        interrupted = isinstance(err, TrainingInterrupted)  # every process stopped together
+        if not interrupted:
+            from jaxtrain.parallel.peers import report_error
+
+            # In a multi-host run: a lost peer is the cause to report, else the peers learn
+            # that this process ends.
+            report_error(err.exit_code)
+        label = "" if interrupted else "error: "
         print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
         if entry and isinstance(err, CheckpointError):
             # Orbax's coroutines left unfinished when it gave up would be reported by the

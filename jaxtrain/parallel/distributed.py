@@ -12,11 +12,28 @@ Sources, first match wins:
 The call is bounded: it runs in a helper thread and a peer that never arrives within
 `distributed_timeout_s` raises DistributedError (exit code 2 from the CLI) instead of hanging.
 It must happen before anything touches a JAX device.
+
+Once formed, the cluster is watched (parallel/peers.py): a process that dies or hangs for
+`peer_timeout_s` ends every other one with one line and exit code 5. For that, process 0
+runs the coordination service in a process of its own (parallel/coordinator.py) when the
+cluster's address is known, and JAX's own heartbeat timeout is set well above
+`peer_timeout_s`, so that the watch, not JAX's C++ abort, ends the survivors. What JAX
+0.10.2 offers (jax/_src/distributed.py): `initialization_timeout` (connect),
+`heartbeat_timeout_seconds` (default 100: the service declares a silent process dead and
+every client then aborts the process, client.h "Terminating process because the JAX
+distributed service detected fatal errors"), `shutdown_timeout_seconds` (default 300: the
+exit barrier). `jax.distributed.initialize` passes no `missed_heartbeat_callback` to
+jaxlib's client, and one passed to jaxlib directly cannot be called (std::bad_cast): the
+abort cannot be caught, only pre-empted. Where JAX detects the cluster itself (SLURM
+without srun's variables, TPU pods) the service stays inside process 0, whose death then
+ends the others with JAX's abort. Ray clusters are not watched here: the Ray driver sees a
+dead actor and tears the cluster down itself (distributed/cluster.py).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +43,17 @@ import jax
 from jaxtrain.errors import DistributedError
 
 DISTRIBUTED_MODES = ("auto", "on", "off")
+# JAX's own default of jax.distributed.initialize(shutdown_timeout_seconds=...).
+JAX_SHUTDOWN_TIMEOUT_S = 300
+# The coordination service process of process 0 (its stdin pipe must stay open while this
+# process lives: its end tells the service that process 0 is gone).
+_service: subprocess.Popen | None = None
+
+
+def jax_heartbeat_timeout(peer_timeout_s: float) -> int:
+    """JAX's heartbeat_timeout_seconds for a watch of `peer_timeout_s`: long enough that
+    the watch always decides first (JAX would end the survivors with a C++ abort)."""
+    return int(2 * peer_timeout_s) + 10
 
 
 @dataclass(frozen=True)
@@ -84,10 +112,12 @@ def _is_initialized() -> bool:
         return False
 
 
-def initialize_distributed(args: Any) -> ClusterSpec | None:
+def initialize_distributed(args: Any, *, watch_peers: bool = True) -> ClusterSpec | None:
     """Form the cluster described by `args` (TrainingArguments) or the environment.
 
-    Returns the ClusterSpec used, or None for a single-process run. Idempotent.
+    Returns the ClusterSpec used, or None for a single-process run. Idempotent. With
+    `watch_peers`, the processes watch each other once the cluster is formed (module
+    docstring); Ray's actors pass False.
     """
     mode = args.distributed
     if mode == "off":
@@ -120,6 +150,14 @@ def initialize_distributed(args: Any) -> ClusterSpec | None:
             process_id=spec.process_id,
         )
     timeout = float(args.distributed_timeout_s)
+    peer_timeout = float(getattr(args, "peer_timeout_s", 30.0))
+    if watch_peers:
+        kwargs["heartbeat_timeout_seconds"] = jax_heartbeat_timeout(peer_timeout)
+        if spec.coordinator_address and spec.process_id == 0:
+            _start_service(spec, kwargs["heartbeat_timeout_seconds"], peer_timeout, timeout)
+            # JAX starts a service on process 0 regardless; it gets a port of its own that
+            # no client uses, and every client (this one too) talks to the service process.
+            kwargs["coordinator_bind_address"] = "127.0.0.1:0"
     outcome: dict[str, BaseException | None] = {}
 
     def connect() -> None:
@@ -138,6 +176,8 @@ def initialize_distributed(args: Any) -> ClusterSpec | None:
         if spec.coordinator_address
         else f"{spec.source} cluster detection"
     )
+    if thread.is_alive() or outcome.get("error") is not None:
+        _stop_service()  # no cluster: its service is not needed for a grace period
     if thread.is_alive():
         raise DistributedError(
             f"jax.distributed.initialize ({where}) did not complete within "
@@ -153,7 +193,76 @@ def initialize_distributed(args: Any) -> ClusterSpec | None:
             "Start every process with the same coordinator_address and num_processes and a "
             "distinct process_id, before anything else touches JAX devices."
         ) from err
+    if watch_peers:
+        _watch(spec, peer_timeout)
     return spec
+
+
+def _start_service(spec: ClusterSpec, heartbeat_s: int, peer_timeout: float, timeout: float):
+    """Process 0: the coordination service in a process of its own (coordinator.py)."""
+    global _service
+    from jaxtrain.parallel.coordinator import start_coordinator
+    from jaxtrain.parallel.peers import beat_interval
+
+    port = str(spec.coordinator_address).rsplit(":", 1)[1]
+    # Where JAX would bind it (jax/_src/distributed.py): all addresses, the address's port.
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}"
+    try:
+        _service = start_coordinator(
+            bind,
+            int(spec.num_processes or 1),
+            heartbeat_timeout_s=heartbeat_s,
+            shutdown_timeout_s=JAX_SHUTDOWN_TIMEOUT_S,
+            # After process 0 dies the others still need the service until their watches
+            # have seen its heartbeat stop.
+            grace_s=peer_timeout + 2 * beat_interval(peer_timeout) + 5,
+            start_timeout_s=timeout,
+        )
+    except RuntimeError as err:
+        raise DistributedError(
+            f"process 0 of {spec.num_processes} ({spec.coordinator_address}): {err} Wait "
+            "until it is free or choose another port in coordinator_address."
+        ) from None
+
+
+def _stop_service() -> None:
+    global _service
+    if _service is not None:
+        _service.kill()
+        _service.wait()
+        _service = None
+
+
+def _watch(spec: ClusterSpec, peer_timeout: float) -> None:
+    from jax._src import distributed as jax_distributed
+
+    from jaxtrain.parallel.peers import start_watch
+
+    # Read from JAX's state, not jax.process_index(): that would start the backend here,
+    # before the runtime's later steps (the compilation cache) are set up.
+    state = jax_distributed.global_state
+    if state.client is None or state.num_processes < 2:
+        return
+    address = spec.coordinator_address or "the coordinator"
+    start_watch(
+        state.client,
+        state.process_id,
+        state.num_processes,
+        peer_timeout,
+        service=f"the coordination service ({address})",
+        on_clean_exit=_tell_service_clean,
+    )
+
+
+def _tell_service_clean() -> None:
+    """Process 0 ends normally: its service may stop as soon as this process is gone."""
+    if _service is None or _service.stdin is None:
+        return
+    try:
+        _service.stdin.write("clean\n")
+        _service.stdin.flush()
+    except OSError:  # the service is already gone
+        pass
 
 
 def gather_json(value: Any) -> list[Any]:

@@ -89,6 +89,10 @@ def normalize_parallel_arguments(args: Any) -> None:
         raise ArgumentError(
             f"TrainingArguments.distributed_timeout_s must be > 0, got {args.distributed_timeout_s}."
         )
+    if not args.peer_timeout_s >= 1:
+        raise ArgumentError(
+            f"TrainingArguments.peer_timeout_s must be >= 1 (seconds), got {args.peer_timeout_s}."
+        )
     if args.num_processes is not None and args.num_processes <= 0:
         raise ArgumentError(
             f"TrainingArguments.num_processes must be > 0, got {args.num_processes}."

@@ -40,6 +40,7 @@ RUNTIME_FIELDS = (
     "num_processes",
     "process_id",
     "distributed_timeout_s",
+    "peer_timeout_s",
     "compilation_cache_dir",
     "sharding_axis_dims",
     "sharding_rules",
@@ -136,10 +137,12 @@ def join_cluster(
             num_processes=num_processes,
             process_id=process_id,
             distributed_timeout_s=timeout_s,
-        )
+        ),
+        # Ray's driver watches its actors and tears the cluster down when one dies.
+        watch_peers=False,
     )
 
 
-def _form_cluster(settings: Any) -> ClusterSpec | None:
+def _form_cluster(settings: Any, *, watch_peers: bool = True) -> ClusterSpec | None:
     # The one call of jax.distributed.initialize's wrapper: idempotent, bounded in time.
-    return initialize_distributed(settings)
+    return initialize_distributed(settings, watch_peers=watch_peers)

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 import jax
 from flax import nnx
 
-from jaxtrain.checkpointing import RunStart, StartPlan
+from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.progress import make_progress
+from jaxtrain.parallel.peers import note_checkpoints
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet
 from jaxtrain.training.run_hooks import EvaluationHook, SaveHook, StopState
@@ -83,6 +84,8 @@ class TrainingLoop:
 
     def run(self) -> TrainerOutput:
         trainer, args = self.trainer, self.args
+        # Named in the line of a lost peer process (multi-host).
+        note_checkpoints(trainer.checkpoints.root, committed_steps)
         plan = trainer.plan_start()  # a resume that cannot happen fails here, before any work
         self._write_run_files()
         # Written by process 0 only; a resumed run continues its trackers' runs.
