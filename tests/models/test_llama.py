@@ -299,3 +299,19 @@ def test_abstract_and_jitted_construction():
     eager = nnx.state(build(cfg), nnx.Param)
     for a, b in zip(jax.tree.leaves(concrete), jax.tree.leaves(eager)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_an_eager_build_draws_what_a_traced_build_draws():
+    """Built eagerly, each weight's normal draw is one small compiled program (layers.py says
+    why, with its options); built inside a trace (a ModelFactory's init, eval_shape), the same
+    draw is traced, where a nested jit may carry no compiler options."""
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4)  # fmt: skip
+    eager = nnx.state(LlamaForCausalLM(config, rngs=nnx.Rngs(3)), nnx.Param)
+    traced = nnx.jit(lambda: nnx.state(LlamaForCausalLM(config, rngs=nnx.Rngs(3)), nnx.Param))()
+    shapes = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(3)))
+    assert jax.tree.map(jnp.shape, nnx.state(shapes, nnx.Param)) == jax.tree.map(jnp.shape, eager)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(traced), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    kernel = np.asarray(eager["model"]["layers"][0]["mlp"]["down_proj"]["kernel"])
+    assert 0.015 < kernel.std() < 0.025  # initializer_range 0.02: a real draw, not zeros
