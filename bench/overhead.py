@@ -14,7 +14,12 @@ Each variant trains the same model shape on the same random tokens in its OWN pr
   own compile options instead of jaxtrain's CPU defaults, jaxtrain/runtime/compiler.py);
 - bare: the same jaxtrain LlamaForCausalLM, nnx.split, one jax.jit(value_and_grad + optax
   adamw, state donated) fed numpy batches in a plain Python loop;
-- handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step.
+- handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step;
+- easydel (with --variants): EasyDeL 0.3.0's own LlamaForCausalLM and Trainer on the same rows,
+  run by bench/easydel_worker.py in EasyDeL's separate venv (never a jaxtrain dependency):
+      python -m venv /tmp/edl && /tmp/edl/bin/pip install easydel==0.3.0 pillow
+  $BENCH_EASYDEL_PYTHON names that interpreter (default /tmp/edl/bin/python);
+  `/tmp/edl/bin/python bench/easydel_worker.py --check` verifies its losses.
 Same optimizer (adamw, constant lr, no clipping, no weight decay) and loss for all.
 
 Metrics (see README.md): tokens/s counts batch * seq positions per step (no padding in this
@@ -62,6 +67,7 @@ VARIANTS = (
     "trainer_hf",
     "trainer_factory",
     "trainer_xla_defaults",
+    "easydel",  # bench/easydel_worker.py, in EasyDeL's own venv
 )
 DEFAULT_VARIANTS = "trainer,bare,handwritten"
 LEARNING_RATE = 3e-4
@@ -318,9 +324,23 @@ def worker(variant: str, size: str, steps: int, warmup: int) -> None:
 
 
 # ------------------------------------------------------------------------------ the parent
+EASYDEL_PYTHON_DEFAULT = "/tmp/edl/bin/python"
+
+
+def worker_command(variant: str, size: str) -> list[str]:
+    if variant != "easydel":
+        return [sys.executable, __file__, "--worker", variant, "--size", size]
+    python = os.environ.get("BENCH_EASYDEL_PYTHON", EASYDEL_PYTHON_DEFAULT)
+    if not os.access(python, os.X_OK):
+        sys.exit(
+            f"easydel variant: no interpreter at {python} (set BENCH_EASYDEL_PYTHON); create it with"
+            " `python -m venv /tmp/edl && /tmp/edl/bin/pip install easydel==0.3.0 pillow`"
+        )
+    return [python, str(Path(__file__).with_name("easydel_worker.py")), "--size", size]
+
+
 def run_worker(variant: str, size: str, steps: int, warmup: int, env: dict | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, "--size", size]
-    cmd += ["--steps", str(steps), "--warmup", str(warmup)]
+    cmd = worker_command(variant, size) + ["--steps", str(steps), "--warmup", str(warmup)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
     if proc.returncode or not lines:
@@ -397,6 +417,9 @@ def parent(args: argparse.Namespace) -> None:
     print(f"command: {command}")
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}")
     print("each run: python bench/overhead.py --worker VARIANT --size SIZE --steps N --warmup W")
+    if "easydel" in args.variants.split(","):
+        python = worker_command("easydel", "S1")[0]  # exits now if it is missing
+        print(f"easydel: {python} bench/easydel_worker.py --size SIZE --steps N --warmup W")
     print("tokens/s = batch * seq per step over steps W+1..N; first step = from process creation")
     results: dict = {
         "command": command,
@@ -412,9 +435,10 @@ def parent(args: argparse.Namespace) -> None:
         print(f"trainer compilation cache: {cache} (warmed by one run per size first)")
     for size in args.sizes.split(","):
         steps = args.steps or DEFAULT_STEPS[size]
-        if env is not None:
-            run_worker("trainer", size, steps, args.warmup, env)
         variants = args.variants.split(",")
+        if env is not None:
+            for variant in ["trainer"] + (["easydel"] if "easydel" in variants else []):
+                run_worker(variant, size, steps, args.warmup, env)
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for repeat in range(args.repeats):
             order = variants if repeat % 2 == 0 else variants[::-1]  # alternate the order
@@ -472,14 +496,14 @@ def main() -> None:
         "--trainer-cache",
         choices=("off", "warm"),
         default="off",
-        help="warm: the Trainer's compilation cache holds its programs (a rerun or resume)",
+        help="warm: the Trainer's (and EasyDeL's) compilation cache holds its programs (a rerun)",
     )
     p.add_argument(
         "--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, with bare: {VARIANTS}"
     )
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--check", action="store_true", help="verify the variants agree, then exit")
-    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=tuple(RUNNERS), help=argparse.SUPPRESS)
     p.add_argument("--size", choices=("S1", "S2"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.check:

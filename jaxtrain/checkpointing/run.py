@@ -321,8 +321,10 @@ class _Saver:
             self._failed = True
             step = self._saving
             target = self.root / str(step) if step is not None else self.root
-            if jax.process_index() == 0 and step is not None:
-                for leftover in self._temporary_dirs(step):  # never mistaken for a checkpoint
+            if jax.process_index() == 0:
+                # Every uncommitted directory, not only this step's: an async write's failure
+                # can surface at the next save, after its own step's directory was made.
+                for leftover in self.root.glob("*.orbax-checkpoint-tmp*"):
                     shutil.rmtree(leftover, ignore_errors=True)
             text = f"{type(err).__name__}: {err}"
             full = "No space left on device" in text or getattr(err, "errno", None) == 28

@@ -90,12 +90,12 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
         # The one place a deliberate error becomes its message and exit code; anything
         # else is a bug and keeps its traceback (exit 1).
         interrupted = isinstance(err, TrainingInterrupted)  # every process stopped together
-        if not interrupted:
-            from jaxtrain.parallel.peers import report_error
-
-            # In a multi-host run: a lost peer is the cause to report, else the peers learn
-            # that this process ends.
-            report_error(err.exit_code)
+        # In a multi-host run: a lost peer is the cause to report, else the peers learn that
+        # this process ends. Only a run that joined a cluster has imported the watch; an
+        # argument error must not import jax (and the parallel package) to find that out.
+        peers = sys.modules.get("jaxtrain.parallel.peers")
+        if not interrupted and peers is not None:
+            peers.report_error(err.exit_code)
         label = "" if interrupted else "error: "
         print(f"jaxtrain {command}: {label}{err}", file=sys.stderr)
         if entry and isinstance(err, CheckpointError):
