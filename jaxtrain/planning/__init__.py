@@ -1,6 +1,7 @@
 """`jaxtrain plan`: a run's own train step compiled for a cluster it does not have, and read.
 
   hlo.py           the collectives of an optimized HLO module (kind, bytes, groups, trip counts)
+  hlo_costs.py     its matmul FLOPs and memory traffic, loops counted
   program.py       compile the Trainer's train step from shapes alone on N (virtual) devices and
                    read memory, FLOPs and collectives from the executable; big models compile a
                    repeating unit of layers twice and are scaled to their depth

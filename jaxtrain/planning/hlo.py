@@ -1,4 +1,5 @@
-"""The collectives of an optimized HLO module, read from its text.
+"""The collectives of an optimized HLO module, read from its text (hlo_costs.py: its FLOPs
+and memory traffic).
 
 `collectives(hlo_text)` lists every all-gather, reduce-scatter, all-reduce, all-to-all and
 collective-permute with the bytes it moves, the size of its device groups, which devices those
@@ -100,7 +101,6 @@ class Program:
     computations: dict[str, list[str]] = field(default_factory=dict)
     entry: str = ""
     fused_by: dict[str, str] = field(default_factory=dict)  # fused computation -> its fusion
-    fused_users: dict[str, list[str]] = field(default_factory=dict)  # name -> its users
 
 
 def shape_bytes(shape: str) -> float:
@@ -112,6 +112,12 @@ def shape_bytes(shape: str) -> float:
         size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
         total += size * _DTYPE_BYTES[dtype]
     return total
+
+
+def shape_dims(shape: str) -> list[int]:
+    """The dimensions of an HLO array shape (the first array of a tuple)."""
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
 
 
 def shape_elements(shape: str) -> int:
@@ -173,13 +179,13 @@ def parse(text: str) -> Program:
         program.computations[current].append(name)
     for instruction in program.instructions.values():
         if instruction.opcode == "fusion":
-            for role, callee in _called(instruction):
+            for role, callee in called(instruction):
                 if role == "calls":
                     program.fused_by[callee] = instruction.name
     return program
 
 
-def _called(instruction: Instruction) -> list[tuple[str, str]]:
+def called(instruction: Instruction) -> list[tuple[str, str]]:
     pairs = _CALLED.findall(instruction.text)
     branches = _BRANCHES.search(instruction.text)
     if branches:
@@ -199,7 +205,7 @@ def executions_per_computation(program: Program) -> dict[str, int]:
             if instruction.opcode == "while":
                 found = _TRIP_COUNT.search(instruction.text)
                 trips = int(found.group(1)) if found else 1
-            for role, callee in _called(instruction):
+            for role, callee in called(instruction):
                 times = counts[computation] * (trips if role in ("body", "condition") else 1)
                 if counts.get(callee, 0) < times:
                     counts[callee] = times
@@ -256,7 +262,7 @@ def _pairs(text: str) -> list[list[int]]:
     return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", found.group(0))]
 
 
-def _users(program: Program) -> dict[str, list[str]]:
+def users_of(program: Program) -> dict[str, list[str]]:
     users: dict[str, list[str]] = {}
     for instruction in program.instructions.values():
         for operand in instruction.operands:
@@ -294,13 +300,13 @@ def _only_sliced(
             if not _only_sliced_in_branches(program, users, user, name, keep, depth):
                 return False
         elif user.opcode == "fusion":
-            callee = dict(_called(user)).get("calls")
+            callee = dict(called(user)).get("calls")
             positions = [i for i, o in enumerate(user.operands) if o == name]
             params = [
                 p
                 for p in program.computations.get(callee or "", [])
                 if program.instructions[p].opcode == "parameter"
-                and _parameter_index(program.instructions[p]) in positions
+                and parameter_index(program.instructions[p]) in positions
             ]
             if not params or not all(
                 _only_sliced(program, users, p, keep, depth + 1) for p in params
@@ -326,7 +332,7 @@ def _only_sliced_in_branches(
         conditional = program.instructions[use]
         if conditional.opcode != "conditional":
             return False
-        branches = [callee for role, callee in _called(conditional) if role != "to_apply"]
+        branches = [callee for role, callee in called(conditional) if role != "to_apply"]
         for position, operand in enumerate(conditional.operands[1:]):
             if operand != packed.name or position >= len(branches):
                 continue
@@ -345,7 +351,7 @@ def _only_sliced_in_branches(
     return True
 
 
-def _parameter_index(instruction: Instruction) -> int:
+def parameter_index(instruction: Instruction) -> int:
     found = re.search(r"parameter\((\d+)\)", instruction.text)
     return int(found.group(1)) if found else -1
 
@@ -368,7 +374,7 @@ def collectives(text: str, devices: int) -> list[Collective]:
     """Every collective of the optimized HLO `text` of a program over `devices` partitions."""
     program = parse(text)
     runs = executions_per_computation(program)
-    users = _users(program)
+    users = users_of(program)
     found: list[Collective] = []
     for instruction in program.instructions.values():
         kind = instruction.opcode.removesuffix("-start")
@@ -420,126 +426,3 @@ def collectives(text: str, devices: int) -> list[Collective]:
                 )
             )
     return found
-
-
-def _dims(shape: str) -> list[int]:
-    found = _ARRAY.search(shape)
-    return [int(d) for d in found.group(2).split(",") if d] if found else []
-
-
-def matmul_flops(text: str) -> float:
-    """FLOPs of every dot in the program per run of its entry computation, loops counted
-    (2 per multiply-add: output elements times the contracted size). XLA's own
-    cost_analysis counts a while body once, whatever its trip count."""
-    program = parse(text)
-    runs = executions_per_computation(program)
-    total = 0.0
-    for instruction in program.instructions.values():
-        if instruction.opcode != "dot" or not instruction.operands:
-            continue
-        lhs = program.instructions.get(instruction.operands[0])
-        found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.text)
-        if lhs is None or not found:
-            continue
-        lhs_dims = _dims(lhs.shape)
-        contracted = math.prod(lhs_dims[int(i)] for i in found.group(1).split(",") if i)
-        out = math.prod(_dims(instruction.shape))
-        total += 2.0 * out * contracted * runs.get(instruction.computation, 0)
-    return total
-
-
-# Ops that move no data of their own: tuples, views, constants and control flow (the ops of
-# the computations they call are counted instead).
-_NO_TRAFFIC = {
-    "parameter",
-    "constant",
-    "get-tuple-element",
-    "tuple",
-    "bitcast",
-    "while",
-    "call",
-    "conditional",
-    "after-all",
-    "partition-id",
-    "replica-id",
-    "opt-barrier",
-}
-
-
-def _fused_operand_bytes(program: Program, callee: str, index: int, full: float) -> float:
-    """Bytes a fusion reads of its operand `index`: only the slices when every use inside is
-    a dynamic slice, nothing when it is the buffer a dynamic-update-slice writes in place."""
-    users = program.fused_users
-    params = [
-        p
-        for p in program.computations.get(callee, [])
-        if program.instructions[p].opcode == "parameter"
-        and _parameter_index(program.instructions[p]) == index
-    ]
-    if not params:
-        return full
-    total = 0.0
-    for use in users.get(params[0], []):
-        user = program.instructions[use]
-        if user.opcode == "dynamic-slice":
-            total += shape_bytes(user.shape)
-        elif user.opcode == "dynamic-update-slice" and user.operands[0] == params[0]:
-            continue  # written in place: the update's bytes are counted as the result
-        else:
-            return full
-    return total
-
-
-def _result_bytes(program: Program, instruction: Instruction) -> float:
-    """Bytes an op writes: a dynamic-update-slice (bare or a fusion's root) writes its update."""
-    target = instruction
-    if instruction.opcode == "fusion":
-        callee = dict(_called(instruction)).get("calls", "")
-        names = program.computations.get(callee, [])
-        root = next(
-            (n for n in names if " ROOT " in f" {program.instructions[n].text.strip()}"), None
-        )
-        target = program.instructions[root] if root else instruction
-    if target.opcode == "dynamic-update-slice" and len(target.operands) > 1:
-        update = program.instructions.get(target.operands[1])
-        if update is not None:
-            return shape_bytes(update.shape)
-    return shape_bytes(instruction.shape)
-
-
-def memory_traffic(text: str) -> float:
-    """Bytes the program reads and writes in memory per run, loops counted: for every op of
-    the control-flow computations (entry, loop bodies, calls; not the insides of fusions) the
-    bytes it reads of its operands and writes of its result. A slice reads only the slice and
-    an in-place update writes only the update, which matters inside loops (a blockwise
-    attention's scan). XLA's cost_analysis counts a while body once."""
-    program = parse(text)
-    program.fused_users = _users(program)
-    runs = executions_per_computation(program)
-    control = {program.entry}
-    for instruction in program.instructions.values():
-        if instruction.opcode in ("while", "call", "conditional"):
-            control.update(callee for role, callee in _called(instruction) if role != "condition")
-    total = 0.0
-    for computation in control:
-        times = runs.get(computation, 0)
-        for name in program.computations.get(computation, []):
-            instruction = program.instructions[name]
-            if instruction.opcode in _NO_TRAFFIC:
-                continue
-            callee = dict(_called(instruction)).get("calls", "")
-            read = 0.0
-            for index, operand in enumerate(instruction.operands):
-                if operand not in program.instructions:
-                    continue
-                full = shape_bytes(program.instructions[operand].shape)
-                if instruction.opcode == "fusion":
-                    read += _fused_operand_bytes(program, callee, index, full)
-                elif instruction.opcode == "dynamic-update-slice" and index == 0:
-                    continue
-                elif instruction.opcode == "dynamic-slice" and index == 0:
-                    read += shape_bytes(instruction.shape)
-                else:
-                    read += full
-            total += (read + _result_bytes(program, instruction)) * times
-    return total

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.observability.compiles import memory_summary
-from jaxtrain.planning.hlo import KINDS, collectives, matmul_flops, memory_traffic
+from jaxtrain.planning.hlo import KINDS, collectives
+from jaxtrain.planning.hlo_costs import matmul_flops, memory_traffic
 
 # Compiling the whole model is the default up to this many layers.
 WHOLE_MODEL_LAYERS = 4

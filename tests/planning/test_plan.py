@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from jaxtrain.cli import main
-from jaxtrain.planning.hlo import collectives, matmul_flops, memory_traffic
+from jaxtrain.planning.hlo import collectives
+from jaxtrain.planning.hlo_costs import matmul_flops, memory_traffic
 
 ROOT = Path(__file__).resolve().parents[2]
 
