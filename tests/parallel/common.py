@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -14,6 +17,20 @@ from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.parallel import ModelFactory
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def run_worker(script: str, *args: str) -> object:
+    """Run tests/parallel/`script` with `args` in its own process (its own devices); its last
+    stdout line is its JSON report."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(script)), *args],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def worker_env() -> dict[str, str]:

@@ -3,32 +3,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
-from common import worker_env
-
-HERE = Path(__file__).parent
-
-
-def run_worker(script: str, out: Path) -> dict:
-    """Run a worker script on its own devices; its last stdout line is its JSON report."""
-    proc = subprocess.run(
-        [sys.executable, str(HERE / script), str(out)],
-        capture_output=True,
-        text=True,
-        env=worker_env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from common import run_worker
 
 
 def test_dp_fsdp_mesh_gives_the_update_of_one_device(tmp_path):
-    info = run_worker("grpo_worker.py", tmp_path)
+    info = run_worker("grpo_worker.py", str(tmp_path))
     assert info["single"] == {"devices": 1, "sharded": False, "steps": 2}
     assert info["dp2_fsdp2"] == {"devices": 4, "sharded": True, "steps": 2}
     one, mesh = np.load(tmp_path / "single.npz"), np.load(tmp_path / "dp2_fsdp2.npz")
@@ -43,7 +23,7 @@ def test_dp_fsdp_mesh_gives_the_update_of_one_device(tmp_path):
 def test_a_resume_inside_a_round_on_the_mesh_is_exact(tmp_path):
     """Stopped inside a round on a dp=2 x fsdp=2 mesh and resumed: the checkpoint's round
     batch comes back sharded like the generated one, and the run ends bit-equal."""
-    info = run_worker("grpo_resume_worker.py", tmp_path)
+    info = run_worker("grpo_resume_worker.py", str(tmp_path))
     assert "extra" in info["extra"], info  # the save at step 3 kept the round's batch
     assert info["steps"] == [4] and info["same_completions"], info
     assert info["batch"] == info["batch_whole"] and info["batch"][0] == 4, info

@@ -4,27 +4,14 @@ The losses must still equal one device's."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
-from common import worker_env
-
-HERE = Path(__file__).parent
+from common import run_worker
 
 
 def losses(dims: str, out: Path) -> list[float]:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "long_sequence_worker.py"), dims, str(out)],
-        capture_output=True,
-        text=True,
-        env=worker_env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("long_sequence_worker.py", dims, str(out))
 
 
 def test_sequence_and_tensor_parallel_long_rows_train_like_one_device(tmp_path):
