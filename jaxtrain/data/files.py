@@ -2,7 +2,9 @@
 
 jsonl/json, parquet, arrow, csv and txt (one row per line, column ``text``) are read with
 the ``datasets`` builders: memory-mapped Arrow (map-style) or, with ``streaming=True``, an
-``IterableDataset`` read shard by shard. A file that cannot be read is named in the error.
+``IterableDataset`` read shard by shard; small jsonl and txt files straight into memory
+(arrow_rows.py: the same rows, without importing ``datasets``). A file that cannot be read
+is named in the error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.data.arrow_rows import read_small_files
 from jaxtrain.data.errors import DatasetError
 
 __all__ = ["FILE_FORMATS", "load_files", "resolve_files"]
@@ -93,9 +96,14 @@ def quiet_datasets() -> Iterator[None]:
 def load_files(
     pattern: str | Path | Sequence[str | Path], *, name: str, streaming: bool = False
 ) -> Any:
-    """A ``datasets.Dataset`` (or ``IterableDataset`` with ``streaming``) of the files' rows."""
+    """A ``datasets.Dataset`` (or ``IterableDataset`` with ``streaming``) of the files' rows;
+    for small .jsonl/.txt files an ``ArrowRows`` of the same rows."""
     paths = resolve_files(pattern, name=name)
     builder = FILE_FORMATS[Path(paths[0]).suffix.lower()]
+    if not streaming:
+        rows = read_small_files(builder, paths)
+        if rows is not None:
+            return rows
     if streaming:
         # Parse errors would surface late: read the first row of every shard now.
         for path in paths:

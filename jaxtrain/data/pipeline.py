@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxtrain.data.arrow_rows import ArrowRows
 from jaxtrain.data.assemble import Collation, Collator
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.evaluation import EvalLoader
@@ -162,7 +163,7 @@ def build_eval_loader(
     """Every eval row exactly once per evaluation, one document per row."""
     name = "dataset_eval"
     settings = DataSettings.from_arguments(settings)
-    if is_hf_dataset(dataset):
+    if is_hf_dataset(dataset) or isinstance(dataset, ArrowRows):
         scan_tokens(
             RandomAccessSource(dataset, name=name), vocab_size=vocab_size, seq_len=settings.seq_len
         )

@@ -1,10 +1,11 @@
 """A whole map-style token dataset checked at once, before anything is compiled.
 
 Row-by-row checks (`Featurizer`) find a bad row only when its batch is read, possibly hours
-into a run. For a `datasets.Dataset` with an `input_ids` column the whole column is checked
-here in one vectorised pass over its Arrow buffers (no Python loop over rows): token ids
-against the model's vocabulary, whether any row has a target token at all, and how many
-tokens truncation to max_sequence_length will drop. Streams are checked row by row as read.
+into a run. For rows held in Arrow (a `datasets.Dataset`, small files' ``ArrowRows``) with an
+`input_ids` column the whole column is checked here in one vectorised pass over its Arrow
+buffers (no Python loop over rows): token ids against the model's vocabulary, whether any
+row has a target token at all, and how many tokens truncation to max_sequence_length will
+drop. Streams are checked row by row as read.
 """
 
 from __future__ import annotations
@@ -61,16 +62,17 @@ def _flat(table: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
 def scan_tokens(
     source: RandomAccessSource, *, vocab_size: int | None, seq_len: int
 ) -> TokenScan | None:
-    """Check every row of an HF dataset's `input_ids` (and `labels`) column; None when the
-    source is not one (text rows are tokenized later, other sources checked per row)."""
-    data = source.data
+    """Check every row of an Arrow-held `input_ids` (and `labels`) column; None when the
+    source has none (text rows are tokenized later, other sources checked per row)."""
     columns = source.columns or []
-    if not source.is_hf or "input_ids" not in columns:
+    if "input_ids" not in columns:
         return None
-    import pyarrow as pa  # only for HF datasets, whose Arrow table it reads
-
     wanted = [c for c in ("input_ids", "labels") if c in columns]
-    table = data.select_columns(wanted).with_format("arrow")[:]  # in dataset row order
+    table = source.arrow_table(wanted)  # in dataset row order
+    if table is None:
+        return None
+    import pyarrow as pa  # only for rows held in Arrow, whose table it reads
+
     if not pa.types.is_list(table.schema.field("input_ids").type) and not pa.types.is_large_list(
         table.schema.field("input_ids").type
     ):

@@ -3,7 +3,8 @@
 ``as_source`` turns what a user passes as ``dataset_train``/``dataset_eval`` into either
 
 - a ``RandomAccessSource`` (``len`` + ``read(indices)``): HF ``datasets.Dataset``, Grain
-  ``MapDataset``, TFDS array-record data sources, lists/tuples of dicts, local files; or
+  ``MapDataset``, TFDS array-record data sources, lists/tuples of dicts, local files
+  (``ArrowRows`` for small jsonl/txt ones); or
 - an ``IterableSource`` (``iterate(process_index, process_count, skip)``): HF
   ``IterableDataset`` (streaming), Grain ``IterDataset``, any re-iterable of dicts.
 
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.data.arrow_rows import ArrowRows
 from jaxtrain.data.errors import DatasetError
 
 __all__ = ["IterableSource", "RandomAccessSource", "as_source", "is_hf_dataset"]
@@ -59,6 +61,7 @@ class RandomAccessSource:
     def __init__(self, data: Any, *, name: str) -> None:
         self.data, self.name = data, name
         self._hf = is_hf_dataset(data)
+        self._arrow_rows = isinstance(data, ArrowRows)
         self._len = len(data)
 
     def __len__(self) -> int:
@@ -71,8 +74,17 @@ class RandomAccessSource:
 
     @property
     def columns(self) -> list[str] | None:
-        if self._hf:
+        if self._hf or self._arrow_rows:
             return list(self.data.column_names)
+        return None
+
+    def arrow_table(self, columns: list[str]) -> Any:
+        """These columns of every row as one pyarrow Table, in row order, when the rows are
+        held in Arrow (a `datasets.Dataset`, ``ArrowRows``); else None."""
+        if self._hf:
+            return self.data.select_columns(columns).with_format("arrow")[:]
+        if self._arrow_rows:
+            return self.data.table.select(columns)
         return None
 
     def read(self, indices: Sequence[int]) -> list[Row]:
@@ -81,6 +93,8 @@ class RandomAccessSource:
         if self._hf:
             cols = self.data[list(indices)]  # one columnar read for the whole batch
             return [{k: v[i] for k, v in cols.items()} for i in range(len(indices))]
+        if self._arrow_rows:
+            return self.data.rows(indices)
         return [_as_row(self.data[int(i)], name=self.name, where=f"row {i}") for i in indices]
 
 

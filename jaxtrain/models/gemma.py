@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.attention import causal_attention
+from jaxtrain.models.blocks import gated, gelu_tanh
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.layers import (
     Embedding,
@@ -181,9 +182,7 @@ class GemmaMLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(
-            jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
-        )
+        return self.down_proj(gated(gelu_tanh, gate_up[..., 0, :], gate_up[..., 1, :]))
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.attention import causal_attention
+from jaxtrain.models.blocks import gated
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.sharding import constrain, current_rules
 
@@ -370,4 +371,4 @@ class MLP(nnx.Module):
             if proj.bias is not None:
                 bias = proj.bias[...].astype(proj.dtype)  # [2, F]
                 gate, up = gate + bias[0], up + bias[1]
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(gated(jax.nn.silu, gate, up))

@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.models.blocks import gated
+
 Array = jax.Array
 
 IMPLEMENTATIONS = ("blocks", "ragged_dot")
@@ -176,7 +178,7 @@ def expert_mlp(
         pos = jnp.where(keep, (jnp.cumsum(kept) - kept)[e] + rank, rows)
         packed = jnp.zeros((rows, d), x.dtype).at[pos].set(xs, mode="drop")
         h = jax.lax.ragged_dot(packed, gu, kept)
-        h = activation(h[:, :f]) * h[:, f:]
+        h = gated(activation, h[:, :f], h[:, f:])
         y_packed = jax.lax.ragged_dot(h, dn, kept)
         ys = jnp.take(y_packed, pos, axis=0, mode="fill", fill_value=0)
     else:
@@ -194,7 +196,7 @@ def expert_mlp(
         block_expert = jnp.minimum(block_expert, local - 1).astype(jnp.int32)
         used = (ends[-1] // block).astype(jnp.int32)
         h = grouped_matmul(blocks.reshape(num_blocks, block, d), gu, block_expert, used)
-        h = activation(h[..., :f]) * h[..., f:]
+        h = gated(activation, h[..., :f], h[..., f:])
         y_blocks = grouped_matmul(h, dn, block_expert, used).reshape(num_blocks * block, d)
         ys = jnp.take(y_blocks, dest, axis=0, mode="fill", fill_value=0)
 

@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.models.attention import causal_attention, grouped_attention
+from jaxtrain.models.attention import (
+    attention_probs,
+    causal_attention,
+    causal_mask,
+    grouped_attention,
+    softmax_attention,
+)
 
 B, T, N, H = 2, 12, 4, 8
 
@@ -56,6 +62,60 @@ def test_equals_jax_attention_with_gqa_segments_and_windows(t, kv_heads, packed,
         local_window_size=None if window is None else (window - 1, 0))), (0, 1, 2))(q, k, v)  # fmt: skip
     for a, b in zip(ours, ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def softmax_as_written(q, k, v, mask, scale):
+    """The attention softmax_attention computes, left to JAX's autodiff."""
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    probs = attention_probs(scores, q.shape[3], mask, scale=scale)
+    return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
+
+
+def weighted_sum(f):
+    weights = jax.random.normal(jax.random.key(9), (B, T, N, H))
+    return lambda q, k, v: (f(q, k, v) * weights.astype(q.dtype)).sum(dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_softmax_attention_backward_equals_autodiff_of_the_softmax(packed):
+    """Its own backward pass (from the probabilities alone) against differentiating the
+    softmax as written, on a causal mask, packed segments with padding, and one row that sees
+    no key at all (uniform probabilities, zero gradient to its scores)."""
+    q, k, v = qkv(4, seed=3)
+    mask = causal_mask(T, segment_ids=segments(T) if packed else None)
+    mask = jnp.broadcast_to(mask, (B, 1, T, T)).at[1, 0, 2].set(False)  # row 2 of batch 1
+    ours = lambda q, k, v: softmax_attention(q, k, v, mask, 0.3)  # noqa: E731
+    ref = lambda q, k, v: softmax_as_written(q, k, v, mask, 0.3)  # noqa: E731
+    np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), rtol=1e-6, atol=1e-6)
+    got = jax.grad(weighted_sum(ours), (0, 1, 2))(q, k, v)
+    want = jax.grad(weighted_sum(ref), (0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
+    # bf16 inputs: bf16 gradients, as close to the float32 ones as autodiff's own
+    low = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+    got16 = jax.grad(weighted_sum(ours), (0, 1, 2))(*low)
+    want16 = jax.grad(weighted_sum(ref), (0, 1, 2))(*low)
+    for a16, r16, b in zip(got16, want16, want, strict=True):
+        assert a16.dtype == jnp.bfloat16
+        ours_err = float(jnp.abs(a16.astype(jnp.float32) - b).max())
+        autodiff_err = float(jnp.abs(r16.astype(jnp.float32) - b).max())
+        assert ours_err <= 1.5 * autodiff_err + 1e-3
+
+
+def test_softmax_attention_keeps_one_score_sized_array_for_the_backward():
+    """What the backward pass holds on to (the leaves of jax.vjp's function): differentiating
+    the softmax as written keeps the masked scores, their exponentials and the probabilities
+    (and the mask); softmax_attention keeps the probabilities alone."""
+    q, k, v = qkv(4, seed=4)
+    mask = jnp.broadcast_to(causal_mask(T), (B, 1, T, T))
+
+    def kept(f) -> list[tuple[tuple[int, ...], str]]:
+        _, backward = jax.vjp(lambda q, k, v: f(q, k, v, mask, 0.25), q, k, v)
+        leaves = jax.tree.leaves(backward)
+        return [(x.shape, str(x.dtype)) for x in leaves if x.shape[-2:] == (T, T)]
+
+    assert sorted(kept(softmax_attention)) == [((B, 1, T, T), "bool"), ((B, N, T, T), "float32")]
+    assert len(kept(softmax_as_written)) >= 3
 
 
 def test_bf16_inputs_keep_float32_scores():
