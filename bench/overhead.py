@@ -15,6 +15,9 @@ Each variant trains the same model shape on the same random tokens in its OWN pr
 - bare: the same jaxtrain LlamaForCausalLM, nnx.split, one jax.jit(value_and_grad + optax
   adamw, state donated) fed numpy batches in a plain Python loop;
 - handwritten: bench/handwritten_llama.py (pure JAX, plain dict params) with the same step;
+- cli (with --variants): `jaxtrain train config.yaml` on a jsonl file of the same rows, the
+  same shape and optimizer, started in its own process by bench/cli_worker.py (first step and
+  tokens/s from its metrics.jsonl: see that file);
 - easydel (with --variants): EasyDeL 0.3.0's own LlamaForCausalLM and Trainer on the same rows,
   run by bench/easydel_worker.py in EasyDeL's separate venv (never a jaxtrain dependency):
       python -m venv /tmp/edl && /tmp/edl/bin/pip install easydel==0.3.0 pillow
@@ -68,6 +71,7 @@ VARIANTS = (
     "trainer_factory",
     "trainer_xla_defaults",
     "easydel",  # bench/easydel_worker.py, in EasyDeL's own venv
+    "cli",  # bench/cli_worker.py: `jaxtrain train config.yaml` on the same rows
 )
 DEFAULT_VARIANTS = "trainer,bare,handwritten"
 LEARNING_RATE = 3e-4
@@ -319,6 +323,7 @@ def worker(variant: str, size: str, steps: int, warmup: int) -> None:
         steps=steps,
         warmup=warmup,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
     )
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
@@ -328,6 +333,8 @@ EASYDEL_PYTHON_DEFAULT = "/tmp/edl/bin/python"
 
 
 def worker_command(variant: str, size: str) -> list[str]:
+    if variant == "cli":
+        return [sys.executable, str(Path(__file__).with_name("cli_worker.py")), "--size", size]
     if variant != "easydel":
         return [sys.executable, __file__, "--worker", variant, "--size", size]
     python = os.environ.get("BENCH_EASYDEL_PYTHON", EASYDEL_PYTHON_DEFAULT)

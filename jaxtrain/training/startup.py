@@ -46,6 +46,8 @@ def jax_settings(trainer: Any) -> dict[str, Any]:
     """The JAX and XLA settings that change what is compiled or how fast it starts."""
     return {
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        # glibc.malloc.hugetlb=1 made CPU steps 10-20% faster (README "CPU runs")
+        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
         "xla_compiler_options": dict(trainer.runtime.compiler_options or {}),
         "jax_enable_x64": bool(jax.config.jax_enable_x64),
         "jax_compilation_cache_dir": jax.config.jax_compilation_cache_dir,
@@ -114,7 +116,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"jax: backend {s['backend']}, x64 {'on' if s['jax_enable_x64'] else 'off'}, "
         f"compilation cache {s['jax_compilation_cache_dir'] or 'off'}, "
         f"XLA_FLAGS {s['XLA_FLAGS'] or '(unset)'}, compiler options "
-        f"{s['xla_compiler_options'] or '{}'}",
+        f"{s['xla_compiler_options'] or '{}'}"
+        + (f", GLIBC_TUNABLES {s['GLIBC_TUNABLES'] or '(unset)'}" if s["backend"] == "cpu" else ""),
         f"memory per device: {memory}; partition rules: {len(rules)} parameter patterns "
         "(run_info.json lists pattern -> spec)",
     ]

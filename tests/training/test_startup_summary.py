@@ -20,6 +20,7 @@ def test_every_start_prints_the_summary_and_run_info_holds_all_of_it(tmp_path, c
     assert len(lines) == 3, text  # a few lines, once
     assert f"jax {jax.__version__}" in lines[0] and "orbax " in lines[0] and "python " in lines[0]
     assert "x64 off" in lines[1] and "compilation cache" in lines[1]
+    assert "GLIBC_TUNABLES " in lines[1]  # a CPU run names its malloc settings (README)
     assert "memory per device: params " in lines[2] and "parameter patterns" in lines[2]
 
     startup = json.loads((out / "run_info.json").read_text())["startup"]
@@ -27,6 +28,7 @@ def test_every_start_prints_the_summary_and_run_info_holds_all_of_it(tmp_path, c
     assert startup["versions"]["orbax"] == metadata.version("orbax-checkpoint")
     settings = startup["jax_settings"]
     assert settings["XLA_FLAGS"] == os.environ.get("XLA_FLAGS", "")
+    assert settings["GLIBC_TUNABLES"] == os.environ.get("GLIBC_TUNABLES", "")
     assert settings["jax_enable_x64"] is False
     assert settings["jax_compilation_cache_dir"] == jax.config.jax_compilation_cache_dir
     assert settings["xla_compiler_options"] == trainer.runtime.compiler_options
