@@ -285,8 +285,9 @@ roofline estimate of the step time and MFU on the accelerator. Every `jaxtrain t
   --accelerator STR    spec table in jaxtrain/planning/accelerators.py (default: h100)
   --processes INT      hosts (default: devices / devices per node); sets the link classes
   --sweep              plan every (dp, fsdp, ep, tp) mesh that divides the devices, ranked
-  --layers STR         all: compile every layer; unit: the repeating unit of layers, once
-                       and twice, scaled to the depth; auto (default): unit above 4 layers
+  --layers STR         all: compile every layer; unit: the repeating unit of layers, twice
+                       and three times, scaled to the depth; auto (default): unit above 4
+                       layers
   --output PATH        where plan.json goes (default: plan.json)
 """
 

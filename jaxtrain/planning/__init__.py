@@ -4,7 +4,7 @@
   hlo_costs.py     its matmul FLOPs and memory traffic, loops counted
   program.py       compile the Trainer's train step from shapes alone on N (virtual) devices and
                    read memory, FLOPs and collectives from the executable; big models compile a
-                   repeating unit of layers twice and are scaled to their depth
+                   repeating unit of layers twice and three times and are scaled to their depth
   accelerators.py  the spec table (peak FLOP/s, HBM, link bandwidths) with its sources
   roofline.py      compute, memory and communication time; predicted step time, MFU, fit
   report.py        the printed table and plan.json
