@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import DEFAULT_STEPS, run_worker  # noqa: E402 - bench/ is not a package
+from measure import DEFAULT_STEPS  # noqa: E402 - bench/ is not a package
+from overhead import run_worker  # noqa: E402
 
 WARMUP = 4
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (  # noqa: E402 - bench/ is not a package
+from measure import (  # noqa: E402 - bench/ is not a package
     LEARNING_RATE,
     RESULT_PREFIX,
     SEED,

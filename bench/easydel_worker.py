@@ -7,8 +7,9 @@ Runs with EasyDeL's interpreter (a separate venv, never a jaxtrain dependency:
 `python -m venv /tmp/edl && /tmp/edl/bin/pip install easydel==0.3.0 pillow`; easydel imports
 PIL without declaring it, and works without torch once stub_torch_only_hf_modules ran); overhead.py
 starts it for `--variants ...,easydel` with $BENCH_EASYDEL_PYTHON (default /tmp/edl/bin/python).
-It imports nothing from jaxtrain: only numpy, psutil, jax, datasets, easydel and overhead.py's
-SIZES / make_tokens / StepClock (overhead.py imports jaxtrain only inside its runners).
+It imports nothing from jaxtrain: only numpy, psutil, jax, datasets, easydel, measure.py's
+SIZES / make_tokens / StepClock and overhead.py's run_handwritten (overhead.py imports jaxtrain
+only inside its runners).
 
 What runs: `easydel.LlamaForCausalLM` with the shape of SIZES[size] (fp32 dtype, param_dtype
 and attention dtype, vanilla attention, rope theta 10000, RMS eps 1e-6, init std 0.02), trained
@@ -62,7 +63,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (  # noqa: E402 - bench/ is not a package; imports no jaxtrain
+from measure import (  # noqa: E402 - bench/ is not a package; imports no jaxtrain
     DEFAULT_STEPS,
     LEARNING_RATE,
     RESULT_PREFIX,
@@ -70,8 +71,8 @@ from overhead import (  # noqa: E402 - bench/ is not a package; imports no jaxtr
     SIZES,
     StepClock,
     make_tokens,
-    run_handwritten,
 )
+from overhead import run_handwritten  # noqa: E402
 
 # transformers modules that EasyDeL's config modules patch on import; without torch,
 # transformers 5.5 hands back placeholders whose attribute access raises ImportError.

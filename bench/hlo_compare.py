@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import handwritten_llama as hw  # noqa: E402 - bench/ is not a package
-from overhead import SIZES, jaxtrain_loss  # noqa: E402
+from measure import SIZES  # noqa: E402
+from overhead import jaxtrain_loss  # noqa: E402
 
 KINDS = ("fusion", "copy", "transpose", "dot", "cosine", "sine")
 
