@@ -31,6 +31,8 @@ PLAN_OPTIONS = {
     "output": "plan.json",
 }
 PLAN_FLAGS = ("sweep",)
+# Attention kernels XLA:CPU cannot lower, and what the plan compiles in their place.
+CPU_STAND_INS = {"cudnn": "blockwise"}
 
 
 def split_plan_options(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -177,13 +179,14 @@ def cmd_plan(tokens: list[str]) -> int:
         meshes = [list(args.sharding_axis_dims)]
     arguments = {**args.to_dict(), "compilation_cache_dir": None, "report_to": ["jsonl"]}
     arguments["max_steps"] = args.max_steps if args.max_steps > 0 else 1000
+    attention = model_section.get("attention_implementation")
     spec = {
         "model": model,
         "arguments": arguments,
         "devices": devices,
         "meshes": meshes,
         "layers": options["layers"],
-        "attention": model_section.get("attention_implementation"),
+        "attention": CPU_STAND_INS.get(attention, attention),
     }
     print(
         f"jaxtrain plan: {model_config.model_type} "
@@ -191,6 +194,13 @@ def cmd_plan(tokens: list[str]) -> int:
         f"({processes} node(s) of {per_node}); {len(meshes)} mesh(es) to compile",
         flush=True,
     )
+    if attention in CPU_STAND_INS:
+        print(
+            f"attention {attention!r} has no XLA:CPU kernel: the step is compiled with "
+            f"{CPU_STAND_INS[attention]!r} attention (no T x T array either; on one H100 the "
+            "1B campaign measured its peak 18% above cudnn's, bench/RESULTS.md)",
+            flush=True,
+        )
     entries = run_worker(spec)
     for entry in entries:
         if "figures" in entry:
@@ -211,6 +221,7 @@ def cmd_plan(tokens: list[str]) -> int:
         "devices": devices,
         "processes": processes,
         "arguments": arguments,
+        "attention": {"run": attention, "compiled": spec["attention"]},
         "meshes": [{k: v for k, v in e.items()} for e in entries],
     }
     for entry in report["meshes"]:

@@ -1,0 +1,66 @@
+"""bench/accelerator.py (the one-command GPU campaign) in its tiny mode on CPU, so it never rots:
+every stage runs in its own process and its figures land in accelerator.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("accelerator")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "accelerator.py"), "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads((out / "accelerator.json").read_text()), out
+
+
+def test_train_variants_report_the_trainers_figures(campaign):
+    report, _ = campaign
+    assert report["device"]["platform"] == "cpu"
+    # cudnn has no CPU kernel: the campaign leaves it out there.
+    assert set(report["train"]) == {"blockwise", "xla"}
+    for name, result in report["train"].items():
+        assert "error" not in result, (name, result)
+        assert result["tokens_per_second"] > 0 and 0 < result["mfu"] <= 1
+        assert result["window_steps"] == "5-6"
+        assert result["compiled_memory"]["peak"] > 0
+        assert "memory/host_rss_gib" in result["memory"]  # the monitor's track_memory keys
+    # Same weights, same rows: the attention kernels compute the same loss (bf16 compute).
+    losses = [r["loss"] for r in report["train"].values()]
+    assert max(losses) - min(losses) < 1e-2 * max(losses)
+
+
+def test_generation_and_batch_stages(campaign):
+    report, _ = campaign
+    gen = report["generate"]
+    assert gen["new_tokens_per_row"] == 8 and gen["new_tokens_per_second"] > 0
+    batch = report["batch"]
+    small, large = batch["compiled"]
+    assert large["batch"] == 2 * small["batch"]
+    assert large["memory"]["temporaries"] > small["memory"]["temporaries"]
+    # XLA:CPU reports no device memory limit: the stage says so instead of guessing.
+    assert "no memory limit" in batch["error"]
+
+
+def test_plan_is_compared_with_the_measured_run(campaign):
+    report, out = campaign
+    plan = report["plan"]
+    assert "error" not in plan, plan
+    measured = report["train"]["blockwise"]["compiled_memory"]["peak"]
+    assert plan["peak_bytes"] == pytest.approx(measured, rel=0.05)
+    assert plan["estimate"]["compute_s"] > 0
+    table = (out / "accelerator.md").read_text()
+    assert "| blockwise | none | 2 x 128 |" in table and "jaxtrain plan" in table
