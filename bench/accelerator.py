@@ -7,10 +7,11 @@ Every stage runs in its own process (`--worker STAGE ...`), so a stage that runs
 or crashes costs only itself; the parent keeps a wall-clock budget and skips what no longer
 fits, so a session lent a device for minutes gets the most important figures first:
 
-- train/<attention>: the Trainer on random tokens (no padding), AdamW, bf16 compute with fp32
+- train/<variant>: the Trainer on random tokens (no padding), AdamW, bf16 compute with fp32
   parameters, for attention "cudnn" (jax.nn.dot_product_attention's fused kernel, no remat),
-  "blockwise" (models/blockwise.py, no remat) and "xla" (dense einsums; its [B, N, T, T]
-  probabilities need remat "dots_saveable" to fit at 4096). tokens/s and MFU are the Trainer's
+  "blockwise" (models/blockwise.py, no remat), "xla" (dense einsums; its [B, N, T, T]
+  probabilities need remat "dots_saveable" to fit at 4096) and "auto" (no implementation set:
+  the default a user gets); `--variants cudnn_cublas` adds cuDNN with XLA's Triton GEMMs off. tokens/s and MFU are the Trainer's
   own logged values over steps W+1..N (its metrics.jsonl), the memory keys those of its
   monitor (track_memory), the compiled step's memory from its run_info.json.
 - generate: `jaxtrain.models.generate` (KV cache, greedy) from bf16 parameters: new tokens/s of
@@ -18,6 +19,8 @@ fits, so a session lent a device for minutes gets the most important figures fir
 - batch: the largest batch that fits, for the first train variant: the GPU compiler's memory
   analysis of the step at two batch sizes (compiled from shapes, nothing allocated), a line
   through them to the device's limit, then real steps at that batch.
+- profile: the first variant's steps W+1..N traced with jax.profiler, summed by kernel and
+  category (bench/trace_summary.py); the trace stays in DIR/trace.
 - plan: `jaxtrain plan --devices 1 --accelerator h100` of the same run (XLA:CPU in a child
   process: it runs beside the GPU stages), its predicted step time and memory next to the
   measured ones.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -67,16 +71,22 @@ RUNS = {
     "1b": dict(seq=4096, batch=4, steps=12, warmup=4, gen_batch=32, prompt=128, new=256),
     "tiny": dict(seq=128, batch=2, steps=6, warmup=2, gen_batch=2, prompt=8, new=8),
 }
-# (attention implementation, remat policy) per train variant, most wanted first.
-TRAIN_VARIANTS = {
-    "cudnn": "none",
-    "blockwise": "none",
-    "xla": "dots_saveable",
+# name: (attention implementation, remat policy, extra environment), most wanted first.
+# "auto" is attention_implementation=None, the default a user gets.
+TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "cudnn": ("cudnn", "none", {}),
+    "blockwise": ("blockwise", "none", {}),
+    "xla": ("xla", "dots_saveable", {}),
+    "auto": ("auto", "none", {}),
+    # Every matmul through cuBLAS instead of XLA's Triton GEMM emitter where it would pick one.
+    "cudnn_cublas": ("cudnn", "none", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}),
 }
-STAGES = ("train", "generate", "batch", "plan")
+DEFAULT_VARIANTS = "cudnn,blockwise,xla,auto"
+GPU_ONLY = ("cudnn", "cudnn_cublas")
+STAGES = ("train", "generate", "batch", "profile", "plan")
 # Seconds a stage needs at the least (start, imports, compile); a stage is skipped when less
 # of the budget is left. Tiny runs have no minimum.
-MIN_STAGE_S = {"train": 60, "generate": 40, "batch": 100}
+MIN_STAGE_S = {"train": 60, "generate": 40, "batch": 100, "profile": 60}
 
 
 def model_config(size: str):
@@ -120,7 +130,7 @@ def random_rows(size: str, rows: int) -> list[dict]:
     return [{"input_ids": row} for row in tokens]
 
 
-def build_model(size: str, attention: str | None):
+def build_model(size: str, attention: str):
     from flax import nnx
 
     from jaxtrain.models import LlamaForCausalLM
@@ -128,14 +138,36 @@ def build_model(size: str, attention: str | None):
 
     def build():
         model = LlamaForCausalLM(model_config(size), rngs=nnx.Rngs(0))
-        model.attention_implementation = attention
+        model.attention_implementation = None if attention == "auto" else attention
         return model
 
     return ModelFactory(build)
 
 
-def train(size: str, attention: str, remat: str, batch: int | None = None) -> dict:
-    """The Trainer for RUNS[size]'s steps; its own logged figures of the last window."""
+def profiled_window(warmup: int, steps: int, trace_dir: Path):
+    """A callback tracing steps warmup+1..steps with jax.profiler (blocking at both ends, so
+    the trace holds exactly those steps' device work)."""
+    import jax
+
+    from jaxtrain import TrainerCallback
+
+    class Profile(TrainerCallback):
+        def on_step_end(self, trainer, state, metrics, step):
+            if step == warmup:
+                jax.block_until_ready(state)
+                jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+            elif step == steps:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+
+    return Profile()
+
+
+def train(
+    size: str, attention: str, remat: str, batch: int | None = None, trace_dir: Path | None = None
+) -> dict:
+    """The Trainer for RUNS[size]'s steps; its own logged figures of the last window. With
+    `trace_dir`, that window is traced (jax.profiler) and summed by kernel."""
     from jaxtrain import Trainer
 
     run = RUNS[size]
@@ -147,6 +179,9 @@ def train(size: str, attention: str, remat: str, batch: int | None = None) -> di
             arguments=args,
             model=build_model(size, attention),
             dataset_train=random_rows(size, batch * steps),
+            callbacks=[]
+            if trace_dir is None
+            else [profiled_window(run["warmup"], steps, trace_dir)],
         )
         start = time.perf_counter()
         trainer.train()
@@ -159,7 +194,7 @@ def train(size: str, attention: str, remat: str, batch: int | None = None) -> di
         (x["compile/train_step_s"] for x in lines if "compile/train_step_s" in x), None
     )
     keep = ("tokens_per_second", "padded_tokens_per_second", "tflops_per_device", "mfu")
-    return {
+    result = {
         "attention": attention,
         "remat": remat,
         "batch": batch,
@@ -174,6 +209,11 @@ def train(size: str, attention: str, remat: str, batch: int | None = None) -> di
         "compiled_memory": run_info.get("train_step_memory"),
         "wall_s": wall,
     }
+    if trace_dir is not None:
+        from trace_summary import summarize
+
+        result["trace"] = {"dir": str(trace_dir), **summarize(trace_dir)}
+    return result
 
 
 def compiled_peak(size: str, attention: str, remat: str, batch: int) -> dict:
@@ -267,8 +307,7 @@ def plan_command(size: str, attention: str, remat: str, out: Path) -> list[str]:
         "--max_sequence_length", str(run["seq"]),
         "--dtype", "bfloat16", "--gradient_checkpointing", remat,
         "--optimizer", "adamw",
-        "--model.attention_implementation", attention,
-    ]  # fmt: skip
+    ] + ([] if attention == "auto" else ["--model.attention_implementation", attention])  # fmt: skip
 
 
 def read_plan(path: Path) -> dict:
@@ -288,9 +327,12 @@ def run_worker(argv: list[str]) -> None:
     parser.add_argument("--size", default="1b")
     parser.add_argument("--attention", default="cudnn")
     parser.add_argument("--remat", default="none")
+    parser.add_argument("--trace-dir", type=Path)
     opts = parser.parse_args(argv)
     if opts.stage == "train":
         result = train(opts.size, opts.attention, opts.remat)
+    elif opts.stage == "profile":
+        result = train(opts.size, opts.attention, opts.remat, trace_dir=opts.trace_dir)
     elif opts.stage == "generate":
         result = generation(opts.size)
     elif opts.stage == "batch":
@@ -311,12 +353,13 @@ def device_line() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
 
 
-def run_stage(args: list[str], timeout: float, log: Path) -> dict:
+def run_stage(args: list[str], timeout: float, log: Path, env: dict | None = None) -> dict:
     """One worker process; its result, or what went wrong (the log keeps its output)."""
     command = [sys.executable, __file__, "--worker", *args]
     start = time.perf_counter()
+    env = {**os.environ, **(env or {})}
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as err:
         log.write_text(f"{err.stdout or ''}\n{err.stderr or ''}")
         return {"error": f"timed out after {timeout:.0f} s"}
@@ -341,7 +384,9 @@ def markdown(report: dict) -> list[str]:
     ]
     for name, r in report["train"].items():
         if "error" in r:
-            rows.append(f"| {name} | {TRAIN_VARIANTS[name]} | | {r['error'][:160]} | | | | | | |")
+            rows.append(
+                f"| {name} | {TRAIN_VARIANTS[name][1]} | | {r['error'][:160]} | | | | | | |"
+            )
             continue
         peak = r["memory"].get("memory/device_peak_gib")
         compiled = (r.get("compiled_memory") or {}).get("peak")
@@ -373,6 +418,11 @@ def markdown(report: dict) -> list[str]:
                 else ""
             )
         )
+    profile = (report.get("profile") or {}).get("trace")
+    if profile:
+        from trace_summary import lines
+
+        rows += ["", f"profile of steps {report['profile']['window_steps']}:", *lines(profile)]
     plan = report.get("plan") or {}
     if "estimate" in plan:
         est = plan["estimate"]
@@ -393,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/accelerator")
     parser.add_argument("--budget-s", type=float, default=380.0)
     parser.add_argument("--stages", default=",".join(STAGES))
-    parser.add_argument("--variants", default=",".join(TRAIN_VARIANTS))
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--tiny", action="store_true", help="the tiny model (CPU, for tests)")
     opts = parser.parse_args(argv)
     size = "tiny" if opts.tiny else "1b"
@@ -409,16 +459,17 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + opts.budget_s
     device = device_line()
-    if device.get("platform") == "cpu" and "cudnn" in variants:
-        variants.remove("cudnn")  # the fused kernel exists on NVIDIA GPUs only
+    if device.get("platform") == "cpu":  # the fused kernel exists on NVIDIA GPUs only
+        variants = [v for v in variants if v not in GPU_ONLY]
     report: dict = {"size": size, "model": MODELS[size], "run": RUNS[size], "device": device}
     report["train"] = {}
     print(f"accelerator campaign on {device}: stages {stages}, variants {variants}", flush=True)
     first = variants[0] if variants else "blockwise"
+    attention, remat, first_env = TRAIN_VARIANTS[first]
     plan_proc = None
     if "plan" in stages:  # XLA:CPU in the background, beside the GPU stages
         plan_log = open(out / "plan.log", "w")  # noqa: SIM115 - closed after wait()
-        command = plan_command(size, first, TRAIN_VARIANTS[first], out)
+        command = plan_command(size, attention, remat, out)
         plan_proc = subprocess.Popen(command, stdout=plan_log, stderr=subprocess.STDOUT)
     tiny = ["--size", size]
 
@@ -434,11 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     if "train" in stages:
         for name in variants:
             budget = left("train")
-            args = ["train", *tiny, "--attention", name, "--remat", TRAIN_VARIANTS[name]]
+            impl, policy, env = TRAIN_VARIANTS[name]
+            args = ["train", *tiny, "--attention", impl, "--remat", policy]
             result = (
                 {"error": "skipped: the budget ran out"}
                 if budget is None
-                else run_stage(args, budget, out / f"train-{name}.log")
+                else run_stage(args, budget, out / f"train-{name}.log", env)
             )
             report["train"][name] = result
             record(f"train/{name}", result)
@@ -453,14 +505,25 @@ def main(argv: list[str] | None = None) -> int:
         record("generate", result)
     if "batch" in stages:
         budget = left("batch")
-        args = ["batch", *tiny, "--attention", first, "--remat", TRAIN_VARIANTS[first]]
+        args = ["batch", *tiny, "--attention", attention, "--remat", remat]
         result = (
             {"error": "skipped: the budget ran out"}
             if budget is None
-            else run_stage(args, budget, out / "batch.log")
+            else run_stage(args, budget, out / "batch.log", first_env)
         )
         report["batch"] = result
         record("batch", result)
+    if "profile" in stages:
+        budget = left("profile")
+        args = ["profile", *tiny, "--attention", attention, "--remat", remat]
+        args += ["--trace-dir", str(out / "trace")]
+        result = (
+            {"error": "skipped: the budget ran out"}
+            if budget is None
+            else run_stage(args, budget, out / "profile.log", first_env)
+        )
+        report["profile"] = result
+        record("profile", result)
     if plan_proc is not None:
         try:
             plan_proc.wait(timeout=max(deadline - time.perf_counter(), 5))

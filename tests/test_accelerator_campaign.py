@@ -31,7 +31,7 @@ def test_train_variants_report_the_trainers_figures(campaign):
     report, _ = campaign
     assert report["device"]["platform"] == "cpu"
     # cudnn has no CPU kernel: the campaign leaves it out there.
-    assert set(report["train"]) == {"blockwise", "xla"}
+    assert set(report["train"]) == {"blockwise", "xla", "auto"}
     for name, result in report["train"].items():
         assert "error" not in result, (name, result)
         assert result["tokens_per_second"] > 0 and 0 < result["mfu"] <= 1
@@ -64,3 +64,15 @@ def test_plan_is_compared_with_the_measured_run(campaign):
     assert plan["estimate"]["compute_s"] > 0
     table = (out / "accelerator.md").read_text()
     assert "| blockwise | none | 2 x 128 |" in table and "jaxtrain plan" in table
+
+
+def test_profile_stage_traces_the_steady_steps(campaign):
+    report, out = campaign
+    profile = report["profile"]
+    assert profile["window_steps"] == "5-6"
+    trace = profile["trace"]
+    assert trace["source"] == "host XLA threads"  # no device process on XLA:CPU
+    assert trace["events"] > 0 and trace["kernels"]
+    # Two steps of a 2-layer model: each traced kernel ran a multiple of 2 times.
+    assert all(count % 2 == 0 for _, _, count in trace["kernels"])
+    assert list((out / "trace").rglob("perfetto_trace.json.gz"))

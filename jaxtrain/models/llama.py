@@ -145,8 +145,8 @@ class LlamaForCausalLM(nnx.Module):
     - ``attention_implementation``: "xla" (``attention.grouped_attention``: einsums,
       softmax in float32), "blockwise" (models/blockwise.py: no T x T scores; ring
       attention over the sp mesh axis), "cudnn" (``jax.nn.dot_product_attention``'s fused
-      GPU kernel) or None (blockwise from ``attention.BLOCKWISE_MIN_LENGTH`` tokens on,
-      "xla" below).
+      GPU kernel) or None (``attention.default_implementation``: cuDNN on NVIDIA GPUs where
+      it applies, else blockwise from ``attention.BLOCKWISE_MIN_LENGTH`` tokens on, "xla" below).
     """
 
     # The decoder stack; families that change only the layers (models/moe.py) replace it.

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from jaxtrain.models.attention import (
+    BLOCKWISE_MIN_LENGTH,
     attention_probs,
     causal_attention,
     causal_mask,
+    default_implementation,
     grouped_attention,
     softmax_attention,
 )
@@ -156,3 +158,38 @@ def test_rotary_tables_of_traced_positions_equal_the_constant_ones():
     assert got_cos.shape == (1, 8, 16)
     np.testing.assert_array_equal(got_cos[..., :8], got_cos[..., 8:])  # halves repeat
     np.testing.assert_allclose(got_sin[0, 5, :8], np.sin(5 * inv_freq), atol=1e-6)
+
+
+def pick(**overrides) -> str:
+    """default_implementation for an H100 bf16 Llama layer at 4096 tokens, with overrides."""
+    settings = dict(
+        platform="gpu", compute_capability=9.0, dtype="bfloat16", head_dim=64, length=4096,
+        logit_cap=None, sequence_parallel=False,
+    )  # fmt: skip
+    return default_implementation(**{**settings, **overrides})
+
+
+def test_the_default_is_cudnn_on_a_gpu_only_where_the_kernel_applies():
+    assert pick() == "cudnn"
+    assert pick(dtype="float16", head_dim=128, length=16) == "cudnn"
+    # Each condition the fused kernel needs, broken one at a time:
+    assert pick(platform="cpu") == "blockwise"
+    assert pick(platform="cpu", length=512) == "xla"
+    assert pick(compute_capability=7.5) == "blockwise"  # before Ampere
+    assert pick(dtype="float32", length=512) == "xla"
+    assert pick(head_dim=256) == "blockwise" and pick(head_dim=100) == "blockwise"
+    assert pick(logit_cap=50.0) == "blockwise"  # Gemma 2's soft-capping
+    assert pick(sequence_parallel=True) == "blockwise"  # ring attention over sp
+
+
+def test_the_default_on_this_cpu_is_what_it_was():
+    """None on CPU: dense below BLOCKWISE_MIN_LENGTH, blockwise from it on (same numbers)."""
+    q, k, v = qkv(2, seed=3)
+    np.testing.assert_array_equal(
+        causal_attention(q, k, v), causal_attention(q, k, v, implementation="xla")
+    )
+    t = BLOCKWISE_MIN_LENGTH
+    q, k, v = (x[:1, :1].repeat(t, axis=1) for x in qkv(2, seed=4))
+    np.testing.assert_array_equal(
+        causal_attention(q, k, v), causal_attention(q, k, v, implementation="blockwise")
+    )
