@@ -15,13 +15,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.argument_checks import (  # noqa: F401 - the constants' old import path
+from jaxtrain.config.checks import normalized_fields, validate_arguments
+from jaxtrain.config.tables import (  # noqa: F401 - the constants' old import path
     DTYPES,
     EVALUATION_STRATEGIES,
     ON_NAN,
     PROGRESS_BARS,
     REPORT_TO,
-    validate_arguments,
 )
 from jaxtrain.config_values import coerce_value, read_config_file  # noqa: F401 - old path
 from jaxtrain.errors import ArgumentError
@@ -258,13 +258,12 @@ class TrainingArguments:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        self.optimizer = self.optimizer.lower()
-        if isinstance(self.report_to, str):
-            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
-        self.report_to = [str(t).lower() for t in (self.report_to or [])] or ["jsonl"]
-        self.scheduler = self.scheduler.lower().replace("-", "_")
+        # Parsed once, here: CLI strings become lists and tuples, names are lowered. The
+        # checks after this only read.
+        for name, value in normalized_fields(self).items():
+            setattr(self, name, value)
         apply_step_cap(self)
-        validate_arguments(self)  # its own fields, then each subsystem's
+        validate_arguments(self)
 
     # ----- derived values -----
     @property

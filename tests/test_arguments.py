@@ -105,3 +105,52 @@ def test_a_list_field_with_a_bad_item_names_the_item():
     )
     with pytest.raises(ArgumentError, match=r"model.mlp_only_layers\[1\] .* must be int"):
         split_config(resolve_config(None, overrides))
+
+
+def test_building_arguments_imports_no_jax_and_is_fast():
+    """The configuration layer checks everything without the implementation: building every
+    task's arguments imports no jax, flax or optax, and takes well under a second."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, time
+start = time.perf_counter()
+from jaxtrain.task_arguments import DPOArguments, GRPOArguments, SFTArguments
+from jaxtrain.arguments import TrainingArguments
+TrainingArguments(optimizer="AdamW", lora_rank=4, lora_targets="attention,mlp",
+                  sharding_axis_dims="1,-1,1,1,1", training_time_limit="1h",
+                  pruning_targets=["mlp"], max_steps=10)
+DPOArguments(); SFTArguments(max_steps=5); GRPOArguments(total_batch_size=8)
+seconds = time.perf_counter() - start
+heavy = sorted(m for m in ("jax", "flax", "optax", "numpy") if m in sys.modules)
+print(seconds, heavy)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    seconds, heavy = out.stdout.split(" ", 1)
+    assert heavy.strip() == "[]", heavy
+    assert float(seconds) < 0.3, seconds
+
+
+def test_sections_take_every_value_from_the_arguments():
+    """A section has no defaults of its own: it cannot disagree with the arguments."""
+    import dataclasses
+
+    from jaxtrain.config import sections
+
+    args = TrainingArguments(truncation_mode="keep_start", drop_last=False, packing_window=64)
+    for section in (sections.DataSettings, sections.OptimizerSettings, sections.LoopSettings):
+        assert all(
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            for f in dataclasses.fields(section)
+        ), section
+    data = sections.DataSettings.from_arguments(args)
+    assert (data.truncation_mode, data.drop_last, data.packing_window) == ("keep_start", False, 64)
+    default = sections.DataSettings.from_arguments(TrainingArguments())
+    assert (default.truncation_mode, default.drop_last, default.packing_window) == (
+        "keep_end",
+        True,
+        1024,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        data.seq_len = 3  # type: ignore[misc]

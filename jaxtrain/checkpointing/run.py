@@ -33,28 +33,8 @@ from jaxtrain.checkpointing import files as ckpt
 from jaxtrain.checkpointing.checksums import verify_checksums, write_checksums
 from jaxtrain.checkpointing.files import CheckpointError
 from jaxtrain.checkpointing.quiet import quiet_orbax
+from jaxtrain.config.sections import CheckpointSettings
 from jaxtrain.state import TrainState
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSettings:
-    """What a run's checkpoints read of its arguments, and nothing else."""
-
-    output_dir: str
-    resume_from: str | None = None
-    resume_if_possible: bool = True
-    overwrite_output_dir: bool = False
-    optimizer: str = "adamw"  # a resume refuses a checkpoint of another optimizer
-    reset_optimizer: bool = False
-    save_total_limit: int | None = None  # keep-N
-
-    @classmethod
-    def from_arguments(cls, args: Any) -> CheckpointSettings:
-        """The one place these fields are read from TrainingArguments (returned as it is
-        when it already is one)."""
-        if isinstance(args, CheckpointSettings):
-            return args
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass

@@ -184,13 +184,12 @@ def schema_help(schema: dict[str, type], docs: dict[str, str], prefix: str, defa
 
 def train_help(task: str | None = None) -> str:
     """`jaxtrain train [--task TASK] --help`: with a task, its arguments class's fields."""
-    from jaxtrain import argument_checks as checks
     from jaxtrain.arguments import TrainingArguments
     from jaxtrain.cli import run_config
-    from jaxtrain.data.collate import TRUNCATION_MODES
-    from jaxtrain.models import REMAT_POLICIES, LlamaConfig
+    from jaxtrain.config import tables as checks
+    from jaxtrain.config.tables import OPTIMIZERS, REMAT_POLICIES, SCHEDULERS, TRUNCATION_MODES
+    from jaxtrain.models import LlamaConfig
     from jaxtrain.task_arguments import DPO_LOSS_TYPES, task_arguments_class
-    from jaxtrain.training.optim import OPTIMIZERS, SCHEDULERS
 
     arguments_class = TrainingArguments if task is None else task_arguments_class(task)
 

@@ -12,10 +12,11 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
+from jaxtrain.config.tables import TRUNCATION_MODES
+
 __all__ = ["IGNORE_INDEX", "TRUNCATION_MODES", "CollateStats", "collate_examples"]
 
 IGNORE_INDEX = -100
-TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.config.tables import check_divisible
 from jaxtrain.data.assemble import Batch, Collation, Collator
 from jaxtrain.data.collate import CollateStats
 from jaxtrain.data.errors import DatasetError
@@ -32,7 +33,6 @@ from jaxtrain.data.packing import PACKED_FIELDS, Packer
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source
 from jaxtrain.data.streams import StreamUnits
 from jaxtrain.data.units import MapUnits, Position, epoch_order
-from jaxtrain.parallel.batch import check_divisible
 
 __all__ = ["BatchLoader", "DatasetError", "UnitLoader", "prepare_source", "validate_dataset"]
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxtrain.config.sections import DataSettings
 from jaxtrain.data.arrow_rows import ArrowRows
 from jaxtrain.data.assemble import Collation, Collator
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.evaluation import EvalLoader
 from jaxtrain.data.featurize import Featurizer
-from jaxtrain.data.fields import DataSettings
 from jaxtrain.data.loader import BatchLoader, UnitLoader, check_processes, prepare_source
 from jaxtrain.data.scan import sample_scan, scan_tokens, warn_truncation
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source, is_hf_dataset

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.config.tables import REMAT_POLICIES
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.layers import (
     MLP,
@@ -37,8 +38,6 @@ DType = Any
 # Logical names of activation dims for the sharding constraints (see models/sharding.py).
 ACT_BTD = ("batch", "length", "embed")
 ACT_BTV = ("batch", "length", "vocab")
-
-REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
 
 
 def checkpoint_policy(name: str):

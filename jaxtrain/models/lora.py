@@ -26,6 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.config.tables import (
+    FUSED_PART_NAMES,
+    LORA_GROUPS,
+    LORA_TARGETS,
+    resolve_lora_targets,
+)
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.frozen import Frozen, freeze, unfreeze
 from jaxtrain.models.layers import Projection
@@ -44,34 +50,15 @@ __all__ = [
     "set_lora_dropout_key",
 ]
 
-LORA_GROUPS: dict[str, tuple[str, ...]] = {
-    "attention": ("qkv_proj", "o_proj", "attn.c_attn", "attn.c_proj", "qkv", "out"),
-    "mlp": ("gate_up_proj", "down_proj", "mlp.c_fc", "mlp.c_proj", "fc1", "fc2"),
-}
-# Hugging Face names of the parts of a fused projection, in the order of its fused axis, and
-# that axis' logical name. Three parts on an axis of size S: [0, S-2), S-2, S-1 (a Llama
-# kv-group holds its G query heads, then k, then v; GPT-2 and ViT have S = 3).
+# Each fused projection's parts and the logical name of the axis they lie along. Three parts
+# on an axis of size S: [0, S-2), S-2, S-1 (a Llama kv-group holds its G query heads, then k,
+# then v; GPT-2 and ViT have S = 3).
+FUSED_AXES = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "qkv": "qkv"}
 FUSED_PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "qkv_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
-    "gate_up_proj": ("gate_up", ("gate_proj", "up_proj")),
-    "qkv": ("qkv", ("query", "key", "value")),
+    fused: (FUSED_AXES[fused], parts) for fused, parts in FUSED_PART_NAMES.items()
 }
 _PART_OF = {part: fused for fused, (_, parts) in FUSED_PARTS.items() for part in parts}
-_PROJECTIONS = {n for names in LORA_GROUPS.values() for n in names}
-_PROJECTIONS |= {n.split(".")[-1] for n in _PROJECTIONS}  # c_attn, c_proj, c_fc
-# Every name `lora_targets` may hold (the model decides which of them it has).
-LORA_TARGETS: tuple[str, ...] = tuple(sorted(set(LORA_GROUPS) | _PROJECTIONS | set(_PART_OF)))
-
-
-def resolve_targets(targets: Sequence[str]) -> tuple[str, ...]:
-    """The targets with groups expanded (projection path ends and part names), checked
-    against every model family's names; ValueError naming the unknown ones."""
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if unknown or not targets:
-        raise ValueError(
-            f"lora_targets {list(targets)!r}: unknown {unknown!r}; use some of {list(LORA_TARGETS)}"
-        )
-    return tuple(dict.fromkeys(n for t in targets for n in LORA_GROUPS.get(t, (t,))))
+resolve_targets = resolve_lora_targets
 
 
 def _part_slices(base: Projection, fused: str) -> dict[str, tuple[int, int, int]]:

@@ -20,7 +20,6 @@ on_train_end). Only process 0 writes anything.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -30,6 +29,7 @@ from typing import Any
 
 import jax
 
+from jaxtrain.config.sections import MonitorSettings
 from jaxtrain.observability import weights
 from jaxtrain.observability.compiles import CompileEvent, TrackedJit
 from jaxtrain.observability.flops import FlopsCounter, matmul_parameters
@@ -99,35 +99,6 @@ def memory_logs() -> dict[str, float]:
     except ImportError:
         pass
     return logs
-
-
-@dataclasses.dataclass(frozen=True)
-class MonitorSettings:
-    """What the monitor reads of a run's arguments, and nothing else."""
-
-    output_dir: str
-    report_to: tuple[str, ...] = ("jsonl",)
-    project_name: str = "jaxtrain"
-    run_name: str | None = None
-    run_report: bool = True
-    track_memory: bool = False
-    weight_distribution_log_steps: int | None = None
-    max_sequence_length: int = 0  # FLOPs per token are reported at this length
-    # Every argument of the run, as trackers record it (W&B config, MLflow params).
-    config: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def from_arguments(cls, args: Any) -> MonitorSettings:
-        """The one place these fields are read from TrainingArguments (returned as it is
-        when it already is one)."""
-        if isinstance(args, MonitorSettings):
-            return args
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("config", "report_to")]
-        return cls(
-            **{name: getattr(args, name) for name in names},
-            report_to=tuple(args.report_to),
-            config=args.to_dict(),
-        )
 
 
 class RunMonitor:

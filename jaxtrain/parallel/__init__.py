@@ -1,8 +1,8 @@
 """Parallelism: device mesh, sharding rules, sharded init, per-host batches, multi-host."""
 
+from jaxtrain.config.tables import DISTRIBUTED_MODES
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.distributed import (
-    DISTRIBUTED_MODES,
     DistributedError,
     detect_cluster,
     initialize_distributed,

@@ -15,25 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.errors import ArgumentError
+from jaxtrain.config.tables import check_divisible
 from jaxtrain.parallel.mesh import BATCH_AXES, SEQUENCE_AXIS
-
-
-def check_divisible(rows: int, parts: int, *, what: str, over: str, hint: str = "") -> int:
-    """rows // parts, or an ArgumentError naming both numbers and the fix.
-
-    Every split of a batch is checked here, with one error type: micro-batches
-    (gradient_accumulation_steps), hosts (process_count), data-parallel devices (dp*fsdp)
-    and sequence shards (sp). `hint` adds another way out, e.g. " (or change ...)".
-    """
-    if rows <= 0 or parts <= 0:
-        raise ArgumentError(f"{what}={rows} and {over}={parts} must both be positive.")
-    if rows % parts:
-        raise ArgumentError(
-            f"{what}={rows} is not divisible by {over}={parts}: it is split into {parts} equal "
-            f"parts. Make {what} a multiple of {parts}{hint}."
-        )
-    return rows // parts
 
 
 class BatchLayout:

@@ -42,7 +42,6 @@ import jax
 
 from jaxtrain.errors import DistributedError
 
-DISTRIBUTED_MODES = ("auto", "on", "off")
 # JAX's own default of jax.distributed.initialize(shutdown_timeout_seconds=...).
 JAX_SHUTDOWN_TIMEOUT_S = 300
 # The coordination service process of process 0 (its stdin pipe must stay open while this

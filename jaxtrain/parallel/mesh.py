@@ -18,51 +18,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxtrain.config.tables import MESH_AXES, parse_axis_dims
 from jaxtrain.errors import MeshError
 
-MESH_AXES = ("dp", "fsdp", "ep", "tp", "sp")
 BATCH_AXES = ("dp", "fsdp")
 SEQUENCE_AXIS = "sp"
-
-
-def parse_axis_dims(value: object) -> tuple[int, ...]:
-    """Accept (1, -1, 1, 1, 1), [1, -1, ...] or the CLI string "1,-1,1,1,1" / "(1,-1,1,1,1)"."""
-    if isinstance(value, str):
-        text = value.strip().strip("()[]")
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        try:
-            value = [int(p) for p in parts]
-        except ValueError:
-            raise MeshError(
-                f"sharding_axis_dims={value!r} must be {len(MESH_AXES)} integers "
-                f"{MESH_AXES}, e.g. 1,-1,1,1,1."
-            ) from None
-    if not isinstance(value, Sequence) or isinstance(value, bytes):
-        raise MeshError(
-            f"sharding_axis_dims must be a sequence of {len(MESH_AXES)} integers "
-            f"{MESH_AXES}, got {value!r}."
-        )
-    dims = tuple(value)
-    if len(dims) != len(MESH_AXES) or not all(
-        isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims
-    ):
-        raise MeshError(
-            f"sharding_axis_dims={dims!r} must hold exactly {len(MESH_AXES)} integers, one per "
-            f"mesh axis {MESH_AXES}; use -1 for at most one of them (the remaining devices)."
-        )
-    dims = tuple(int(d) for d in dims)
-    if any(d == 0 or d < -1 for d in dims):
-        raise MeshError(
-            f"sharding_axis_dims={dims}: every entry must be a positive size or -1, got "
-            f"{dict(zip(MESH_AXES, dims, strict=True))}."
-        )
-    if dims.count(-1) > 1:
-        named = [a for a, d in zip(MESH_AXES, dims, strict=True) if d == -1]
-        raise MeshError(
-            f"sharding_axis_dims={dims} has -1 for {named}; only one axis may take "
-            "'the remaining devices'. Give the others explicit sizes."
-        )
-    return dims
 
 
 def resolve_axis_dims(dims: object, device_count: int) -> tuple[int, ...]:

@@ -31,10 +31,10 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import DataSettings
 from jaxtrain.data import DataMeter
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
-from jaxtrain.data.fields import DataSettings
 from jaxtrain.models.generation import sample_left_padded
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.task_arguments import GRPOArguments

@@ -22,11 +22,7 @@ import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
-from jaxtrain.argument_checks import check_choice
-from jaxtrain.errors import ArgumentError
-
-SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
-OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
+from jaxtrain.config.tables import OPTIMIZERS, SCHEDULERS
 
 # Muon scales each orthogonalised matrix update to this RMS, the typical RMS of an AdamW update
 # ("Muon is Scalable for LLM Training", 2025), so one schedule serves the muon matrices and the
@@ -286,43 +282,3 @@ def build_optimizer(
     if clip_grad:
         tx = optax.chain(optax.clip_by_global_norm(clip_grad), tx)
     return tx
-
-
-# ------------------------------------------------------------------ arguments
-def check_arguments(args: Any) -> None:
-    """The optimizer's and schedule's fields of TrainingArguments (argument_checks runs it)."""
-    check_choice(args, "optimizer", OPTIMIZERS)
-    check_choice(args, "scheduler", SCHEDULERS)
-    if args.scheduler == "warmup_cosine" and args.warmup_steps == 0:
-        raise ArgumentError(
-            "TrainingArguments.scheduler='warmup_cosine' needs warmup_steps > 0. "
-            "Set --warmup_steps, or use scheduler 'cosine'."
-        )
-    # Warmup must leave steps to decay; with max_steps set this is known now (with epochs,
-    # the Trainer checks it once the dataset gives the number of steps).
-    if args.max_steps > 0:
-        check_warmup(args, args.max_steps, "max_steps")
-
-
-def check_warmup(args: Any, total_steps: int, what: str) -> None:
-    """ArgumentError naming warmup_steps and the run's length when the schedule cannot fit."""
-    if args.scheduler == "constant":
-        return
-    fix = (
-        f"Lower --warmup_steps below {total_steps} (e.g. --warmup_steps {total_steps // 10}) "
-        "or train longer."
-    )
-    if args.warmup_steps >= total_steps:
-        raise ArgumentError(
-            f"TrainingArguments.warmup_steps={args.warmup_steps} must be smaller than the run's "
-            f"{total_steps} steps ({what}) so the {args.scheduler} schedule has steps to "
-            f"decay. {fix}"
-        )
-    if args.scheduler == "wsd":
-        decay = max(1, round(args.wsd_decay_fraction * total_steps))
-        if args.warmup_steps + decay > total_steps:
-            raise ArgumentError(
-                f"TrainingArguments.warmup_steps={args.warmup_steps} plus the wsd decay "
-                f"({decay} steps = wsd_decay_fraction * {total_steps}) exceed the run's "
-                f"{total_steps} steps ({what}). Lower warmup_steps or wsd_decay_fraction."
-            )

@@ -6,7 +6,6 @@ the loop finishes the step it is in, saves, and only then leaves, so no work is 
 
 from __future__ import annotations
 
-import re
 import signal
 import threading
 import time
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxtrain import interrupts
+from jaxtrain.config.tables import parse_duration
 from jaxtrain.errors import (  # noqa: F401  (re-exported: their old home)
     EXIT_BAD_INPUT,
     EXIT_CRASH,
@@ -28,42 +28,6 @@ from jaxtrain.errors import (  # noqa: F401  (re-exported: their old home)
 )
 
 # ------------------------------------------------------------------ time limit
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])")
-_UNIT_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration such as "2h30m", "1d", "90m", "45s", "1.5h", "01:30:00" or
-    "1-12:00:00" (SLURM's days-hours:minutes:seconds).
-
-    A bare number is refused: "90" could mean seconds or minutes, and guessing wrong stops a
-    run at the wrong time.
-    """
-    value = text.strip().lower().replace(" ", "")
-    clock = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d{1,2})(?::(\d{1,2}))?", value)
-    if clock:
-        days, first, second, third = clock.groups()
-        hours, minutes, seconds = (first, second, third) if third else (0, first, second)
-        return int(days or 0) * 86400.0 + int(hours) * 3600.0 + int(minutes) * 60.0 + int(seconds)
-    parts = _DURATION_PART.findall(value)
-    if not parts or "".join(n + u for n, u in parts) != value:
-        raise ValueError(
-            f"{text!r} is not a duration. Write it with units, e.g. '2h30m', '1d', '90m', "
-            "'45s', or as 'HH:MM:SS'."
-        )
-    total = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
-    if total <= 0:
-        raise ValueError(f"{text!r} is not a positive duration.")
-    return total
-
-
-def check_arguments(args: Any) -> None:
-    """TrainingArguments.training_time_limit is a duration (argument_checks runs this)."""
-    if args.training_time_limit is not None:
-        try:
-            parse_duration(str(args.training_time_limit))
-        except ValueError as err:
-            raise ArgumentError(f"TrainingArguments.training_time_limit: {err}") from None
 
 
 def time_limit_seconds(limit: str | None) -> float | None:

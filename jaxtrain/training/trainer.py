@@ -28,13 +28,14 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
-from jaxtrain.checkpointing import CheckpointSettings, RunCheckpoints
+from jaxtrain.checkpointing import RunCheckpoints
+from jaxtrain.config.checks import check_warmup
+from jaxtrain.config.sections import CheckpointSettings, DataSettings, MonitorSettings
 from jaxtrain.data import DataMeter, build_eval_loader, build_train_loader, prefetch
-from jaxtrain.data.fields import DataSettings
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
-from jaxtrain.observability.monitor import MonitorSettings, RunMonitor
+from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.parallel.dry_run import dry_run_report
 from jaxtrain.parallel.init import cast_floating
@@ -43,7 +44,7 @@ from jaxtrain.state import TrainState
 from jaxtrain.training.evaluation import Evaluator
 from jaxtrain.training.hooks import HookSet, ScheduledHook, TrainerCallback
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
-from jaxtrain.training.optim import build_optimizer, build_schedule, check_warmup
+from jaxtrain.training.optim import build_optimizer, build_schedule
 from jaxtrain.training.pruning import pruning_metrics, with_pruning
 from jaxtrain.training.state import (
     ReadyBuild,

@@ -1,0 +1,243 @@
+"""The frozen sections of a run's configuration: what each subsystem reads, and nothing else.
+
+The flat `TrainingArguments` (YAML, CLI, seed names) is what users write; each subsystem takes
+its section, built here from the arguments in one place. A section has no defaults of its
+own: every value comes from the arguments, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = [
+    "CheckpointSettings",
+    "DataSettings",
+    "LoopSettings",
+    "ModelSettings",
+    "MonitorSettings",
+    "OptimizerSettings",
+    "PruningSettings",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer and its learning-rate schedule (training/optim.py)."""
+
+    optimizer: str
+    scheduler: str
+    learning_rate: float
+    warmup_steps: int
+    min_lr_ratio: float
+    wsd_decay_fraction: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    momentum: float
+    clip_grad: float | None
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> OptimizerSettings:
+        if isinstance(args, cls):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class PruningSettings:
+    """Gradual magnitude pruning (training/pruning.py); target_sparsity 0 is off."""
+
+    target_sparsity: float
+    begin_step: int
+    end_step: int | None
+    frequency: int
+    targets: tuple[str, ...] | None
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> PruningSettings:
+        if isinstance(args, cls):
+            return args
+        return cls(
+            target_sparsity=args.pruning_target_sparsity,
+            begin_step=args.pruning_begin_step,
+            end_step=args.pruning_end_step,
+            frequency=args.pruning_frequency,
+            targets=None if args.pruning_targets is None else tuple(args.pruning_targets),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """How the run holds and computes the model: precision, remat, LoRA, the seed of its
+    randomness (LoRA's initial adapters and dropout)."""
+
+    dtype: str | None
+    param_dtype: str | None
+    remat_policy: str  # gradient_checkpointing
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_targets: tuple[str, ...]
+    seed: int
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> ModelSettings:
+        if isinstance(args, cls):
+            return args
+        return cls(
+            dtype=args.dtype,
+            param_dtype=args.param_dtype,
+            remat_policy=args.gradient_checkpointing,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            lora_targets=tuple(args.lora_targets or ()),
+            seed=args.seed,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """What the data pipeline reads of a run's arguments, and nothing else."""
+
+    seq_len: int  # max_sequence_length
+    global_batch_size: int  # total_batch_size: rows of one update, over every host
+    accumulation_steps: int  # gradient_accumulation_steps
+    eval_batch_size: int  # eval_batch_size, default the micro-batch size
+    seed: int
+    shuffle: bool  # shuffle_train
+    drop_last: bool
+    truncation_mode: str
+    packing: bool
+    packing_window: int
+    split_long_documents: bool
+    streaming: bool
+    stream_window: int
+    # The run's length is fixed by max_steps (else by epochs of the data).
+    fixed_length: bool
+    epoch_evaluation: bool  # evaluation_strategy == "epoch"
+    # Featurizing rows: columns, chat template, which tokens carry a loss.
+    text_column: str
+    messages_column: str
+    completion_only_loss: bool
+    chat_template: str | None
+    drop_columns: tuple[str, ...]  # ids_to_pop_from_dataset
+    prefetch_batches: int
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.global_batch_size // self.accumulation_steps
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> DataSettings:
+        """The one place the pipeline's fields are read from TrainingArguments; a
+        DataSettings is returned as it is."""
+        if isinstance(args, DataSettings):
+            return args
+        return cls(
+            seq_len=args.max_sequence_length,
+            global_batch_size=args.total_batch_size,
+            accumulation_steps=args.gradient_accumulation_steps,
+            eval_batch_size=args.resolved_eval_batch_size,
+            seed=args.seed,
+            shuffle=args.shuffle_train,
+            drop_last=args.drop_last,
+            truncation_mode=args.truncation_mode,
+            packing=args.packing,
+            packing_window=args.packing_window,
+            split_long_documents=args.split_long_documents,
+            streaming=args.streaming,
+            stream_window=args.stream_window,
+            fixed_length=args.max_steps > 0,
+            epoch_evaluation=args.evaluation_strategy == "epoch",
+            text_column=args.text_column,
+            messages_column=args.messages_column,
+            completion_only_loss=args.completion_only_loss,
+            chat_template=args.chat_template,
+            drop_columns=tuple(args.ids_to_pop_from_dataset or ()),
+            prefetch_batches=args.prefetch_batches,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorSettings:
+    """What the monitor reads of a run's arguments, and nothing else."""
+
+    output_dir: str
+    report_to: tuple[str, ...]
+    project_name: str
+    run_name: str | None
+    run_report: bool
+    track_memory: bool
+    weight_distribution_log_steps: int | None
+    max_sequence_length: int  # FLOPs per token are reported at this length
+    # Every argument of the run, as trackers record it (W&B config, MLflow params).
+    config: dict[str, Any]
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> MonitorSettings:
+        """The one place these fields are read from TrainingArguments (returned as it is
+        when it already is one)."""
+        if isinstance(args, MonitorSettings):
+            return args
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("config", "report_to")]
+        return cls(
+            **{name: getattr(args, name) for name in names},
+            report_to=tuple(args.report_to),
+            config=args.to_dict(),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """What a run's checkpoints read of its arguments, and nothing else."""
+
+    output_dir: str
+    resume_from: str | None
+    resume_if_possible: bool
+    overwrite_output_dir: bool
+    optimizer: str  # a resume refuses a checkpoint of another optimizer
+    reset_optimizer: bool
+    save_total_limit: int | None  # keep-N
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> CheckpointSettings:
+        """The one place these fields are read from TrainingArguments (returned as it is
+        when it already is one)."""
+        if isinstance(args, CheckpointSettings):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """What the training loop reads: cadences, stops, saving, the run's files."""
+
+    output_dir: str
+    max_steps: int
+    num_train_epochs: int
+    total_batch_size: int
+    max_sequence_length: int
+    logging_steps: int
+    evaluation_strategy: str
+    eval_steps: int
+    max_eval_batches: int | None
+    save_steps: int | None
+    save_final: bool
+    save_interval_minutes: float | None
+    training_time_limit: str | None
+    on_nan: str
+    max_nan_skips: int
+    progress_bar: str
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> LoopSettings:
+        if isinstance(args, cls):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Number of optimizer updates of the run."""
+        return self.max_steps if self.max_steps > 0 else steps_per_epoch * self.num_train_epochs
