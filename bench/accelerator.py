@@ -220,12 +220,12 @@ def compiled_peak(size: str, attention: str, remat: str, batch: int) -> dict:
     """The accelerator compiler's memory analysis of the train step at `batch` (from shapes)."""
     import jax
 
-    from jaxtrain.planning.program import compile_step, plan_trainer
+    from jaxtrain.planning.program import compile_step, plan_step_program
 
-    with tempfile.TemporaryDirectory(prefix="jaxtrain-accel-") as out_dir:
-        args = training_arguments(out_dir, size, batch, RUNS[size]["steps"], remat)
-        trainer = plan_trainer(model_config(size), args, jax.devices()[:1], attention)
-        figures, seconds = compile_step(trainer)
+    args = training_arguments("unused", size, batch, RUNS[size]["steps"], remat)
+    impl = None if attention == "auto" else attention
+    program = plan_step_program(model_config(size), args, jax.devices()[:1], impl)
+    figures, seconds = compile_step(program, args)
     return {"batch": batch, "memory": figures["memory"], "compile_s": seconds}
 
 

@@ -59,14 +59,14 @@ def measure(name: str, steps: int) -> dict[str, float]:
             dataset_train=datasets.Dataset.from_dict({"input_ids": rows.tolist()}),
         )
         step_fn = make_train_step(
-            graphdef=trainer.graphdef,
-            rest=trainer.rest,
-            optimizer=trainer.optimizer,
-            schedule=trainer.schedule,
+            graphdef=trainer.program.graphdef,
+            rest=trainer.program.rest,
+            optimizer=trainer.program.optimizer,
+            schedule=trainer.program.schedule,
             seed=0,
         )
         step = jax.jit(step_fn, donate_argnums=0)
-        batch = next(trainer.train_loader.batches())
+        batch = next(trainer.train_source.loader.batches())
         state = trainer.create_state()
         state, _ = step(state, batch)
         jax.block_until_ready(state)

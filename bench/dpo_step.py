@@ -80,15 +80,15 @@ def build(size: str):
     steps = {}
     for name, trainer in trainers.items():
         fn = make_train_step(
-            graphdef=trainer.graphdef,
-            optimizer=trainer.optimizer,
-            schedule=trainer.schedule,
+            graphdef=trainer.program.graphdef,
+            optimizer=trainer.program.optimizer,
+            schedule=trainer.program.schedule,
             seed=0,
-            loss_sums_fn=trainer.compute_loss_sums,
-            normalizer_fn=trainer.loss_normalizer,
+            loss_sums_fn=trainer.program.objective.loss_sums,
+            normalizer_fn=trainer.program.objective.normalizer,
         )
         batch = {k: jnp.asarray(v)[None] for k, v in batches[name].items()}  # [A=1, ...]
-        frozen = trainer.frozen_state()
+        frozen = trainer.program.frozen_state()
         step = jax.jit(fn, donate_argnums=0)
         state = trainer.create_state()
         state, metrics = step(state, batch, frozen)  # compile

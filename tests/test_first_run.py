@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.cli import main
+from jaxtrain.data.batch_source import LoaderSource
 from jaxtrain.errors import ArgumentError, MeshError
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.observability.progress import make_progress
@@ -101,16 +102,24 @@ def test_prefetch_batches_is_how_far_the_trainer_reads_ahead(tmp_path, ahead):
     pulled = []
     lock = threading.Lock()
 
-    def host_batches():
-        for i in range(20):
-            with lock:
-                pulled.append(i)
-            yield {"input_ids": np.full((4, 8), i, np.int32)}, i
+    class Loader:  # what the train source reads of a loader
+        steps_per_epoch = 20
 
-    batches = trainer.global_batches(host_batches(), micro_axis=False)
+        def batches(self, start_step=0, with_stats=False):
+            for i in range(start_step, 20):
+                with lock:
+                    pulled.append(i)
+                yield {"input_ids": np.full((1, 4, 8), i, np.int32)}, None
+
+    source = LoaderSource(Loader(), trainer.sharding_plan.batch, prefetch_batches=ahead)
+    source.open(0)
     try:
-        (_, first), extra = next(batches)
-        assert extra == 0 and int(first["input_ids"][0, 0]) == 0
+        first = source.next(0)
+        assert int(first.batch["input_ids"][0, 0, 0]) == 0 and first.host["input_ids"].shape == (
+            1,
+            4,
+            8,
+        )
         deadline, seen = time.monotonic() + 10, -1
         while time.monotonic() < deadline:  # until the reader stops for lack of room
             time.sleep(0.2)
@@ -121,7 +130,7 @@ def test_prefetch_batches_is_how_far_the_trainer_reads_ahead(tmp_path, ahead):
             seen = now
         assert seen == 2 + ahead
     finally:
-        batches.close()
+        source.close()
 
 
 # ------------------------------------------------------------ 4: pad token fallback
@@ -137,7 +146,7 @@ def test_a_tokenizer_without_pad_pads_with_eos_and_says_so(tmp_path, caplog):
         )
     assert trainer.pad_token_id == tokenizer.eos_token_id == 1
     assert "no pad token: padding with its eos token id 1" in caplog.text
-    batch, _ = trainer.train_loader.batch_at(0)
+    batch, _ = trainer.train_source.loader.batch_at(0)
     ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
     padded = labels == -100
     assert padded.any() and (ids[padded[..., :]] == 1).all()

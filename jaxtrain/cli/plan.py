@@ -187,6 +187,7 @@ def cmd_plan(tokens: list[str]) -> int:
         "meshes": meshes,
         "layers": options["layers"],
         "attention": CPU_STAND_INS.get(attention, attention),
+        "task": str(config.get("task") or "lm"),
     }
     print(
         f"jaxtrain plan: {model_config.model_type} "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import TrainingArguments
 from jaxtrain.distributed.worker import JobContext
 
 SOURCE_KINDS = ("state", "model", "checkpoint", "new")
@@ -67,41 +67,6 @@ class _Forward:
         self.context.emit("save", step, str(checkpoint_path))
 
 
-def _starting_from(trainer_class: type, state: Any) -> type:
-    """`trainer_class` whose fresh start is `state` (a resume still wins over it)."""
-
-    class StartFromState(trainer_class):
-        def stage_state(self, *, copy: bool = True):
-            import jax
-
-            from jaxtrain.training.state import ReadyBuild
-
-            del copy  # the given state is placed, never the model's parameters
-
-            def place():
-                try:
-                    return jax.device_put(state, self.state_shardings)
-                except ValueError as err:
-                    raise ArgumentError(
-                        "the given state does not fit this run's model and optimizer "
-                        f"({err}); pass a state created with the same model, optimizer and "
-                        "TrainingArguments, or pass model= instead."
-                    ) from err
-
-            return ReadyBuild(place)
-
-        def plan_start(self):
-            import jax
-
-            plan = super().plan_start()
-            if plan.resumed_from is None:  # the state goes on from its own step
-                plan = dataclasses.replace(plan, step=int(jax.device_get(state.step)))
-            return plan
-
-    StartFromState.__name__ = StartFromState.__qualname__ = trainer_class.__name__
-    return StartFromState
-
-
 @dataclasses.dataclass
 class TrainJob:
     arguments: TrainingArguments
@@ -134,8 +99,7 @@ class TrainJob:
         from jaxtrain.training.trainer import Trainer
 
         trainer_class = self.trainer_class or Trainer
-        if self.source.kind == "state":
-            trainer_class = _starting_from(trainer_class, self.source.state)
+        initial_state = self.source.state if self.source.kind == "state" else None
         arguments = self.arguments_for(attempt)
         runtime = Runtime.from_arguments(arguments)  # the cluster the actors formed
         return trainer_class(
@@ -147,6 +111,7 @@ class TrainJob:
             data_collator=self.data_collator,
             processing_class=self.processing_class,
             callbacks=[*self.callbacks, *(callbacks or [])],
+            initial_state=initial_state,
         )
 
     def run(self, context: JobContext) -> Any:

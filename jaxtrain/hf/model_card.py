@@ -10,15 +10,16 @@ from typing import Any
 import jax
 
 
-def training_summary(trainer: Any, state: Any) -> dict[str, Any]:
-    """Facts about a Trainer's run for the card: base model, data, steps, losses, arguments."""
-    args = trainer.arguments
+def training_summary(
+    args: Any, model: Any, state: Any, dataset_train: Any = None, dataset_eval: Any = None
+) -> dict[str, Any]:
+    """Facts about a run for the card: base model, data, steps, losses, arguments."""
     summary: dict[str, Any] = {
-        "base_model": getattr(trainer.model, "name_or_path", None),
+        "base_model": getattr(model, "name_or_path", None),
         "steps": int(jax.device_get(state.step)),
         "arguments": args.to_dict(),
-        "data": describe_dataset(trainer.dataset_train),
-        "eval_data": describe_dataset(trainer.dataset_eval),
+        "data": describe_dataset(dataset_train),
+        "eval_data": describe_dataset(dataset_eval),
     }
     log = Path(args.output_dir) / "metrics.jsonl"
     summary["final_metrics"] = final_metrics(log, up_to_step=summary["steps"])

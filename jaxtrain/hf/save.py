@@ -21,7 +21,7 @@ from flax import nnx
 from jaxtrain.errors import ArgumentError
 from jaxtrain.hf.errors import HFError
 from jaxtrain.hf.load import INDEX_FILE, SINGLE_FILE
-from jaxtrain.hf.model_card import render_model_card, training_summary
+from jaxtrain.hf.model_card import render_model_card
 from jaxtrain.hf.peft import save_peft_adapter
 from jaxtrain.hf.registry import ModelFamily, family_of
 from jaxtrain.hf.safetensors_io import write_safetensors
@@ -131,34 +131,31 @@ def save_pretrained(
     return out
 
 
-def save_trainer_state(
-    trainer: Any,
+def save_program_state(
+    program: Any,
     state: Any,
     save_directory: str | Path,
     *,
     lora_format: str = "merged",
     **kwargs: Any,
 ) -> Path:
-    """`Trainer.save_pretrained`: the model of `trainer` with `state`'s parameters as a
-    Hugging Face directory (with LoRA: merged into the base weights, or a PEFT adapter
-    directory when `lora_format="peft"`). kwargs go to `save_pretrained`."""
-    model = trainer.model_from_state(state)
-    # The template the run rendered its conversations with (None: the tokenizer's own).
-    kwargs.setdefault("chat_template", getattr(trainer.arguments, "chat_template", None))
+    """A Program's trained model with `state`'s parameters as a Hugging Face directory
+    (with LoRA: merged into the base weights, or a PEFT adapter directory when
+    `lora_format="peft"`). kwargs go to `save_pretrained` (tokenizer, chat_template,
+    training_summary, ...)."""
+    model = program.model_from_state(state)
     if has_lora(model) and lora_format == "peft":
         return save_peft_adapter(
             model,
             save_directory,
-            tokenizer=kwargs.get("tokenizer", trainer.processing_class),
-            chat_template=kwargs["chat_template"],
+            tokenizer=kwargs.get("tokenizer"),
+            chat_template=kwargs.get("chat_template"),
         )
     if lora_format not in ("merged", "peft"):
         raise ArgumentError(f"lora_format={lora_format!r}: use 'merged' or 'peft'.")
-    kwargs.setdefault("tokenizer", trainer.processing_class)
-    summary = {**training_summary(trainer, state), **kwargs.pop("training_summary", {})}
     if has_lora(model):
         model = merge_lora(model)
-    return save_pretrained(model, save_directory, training_summary=summary, **kwargs)
+    return save_pretrained(model, save_directory, **kwargs)
 
 
 def _hf_tensors(

@@ -149,6 +149,27 @@ def sample_left_padded(
     )  # fmt: skip
 
 
+def sampler_for(
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int | None,
+    eos_token_ids: Sequence[int] = (),
+) -> Any:
+    """`sample_left_padded` with its settings bound, jitted: (graphdef, state, prompt, pad,
+    key) -> (tokens, steps). Lower it from abstract arrays to compile the sampler ahead of a
+    run (`jaxtrain plan --task grpo`)."""
+
+    def run(graphdef: nnx.GraphDef, state: nnx.State, prompt, pad, key):
+        return sample_left_padded(
+            graphdef, state, prompt, pad, key, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids,
+        )  # fmt: skip
+
+    return jax.jit(run, static_argnums=0)
+
+
 def _prompts(prompt_ids: Any) -> tuple[np.ndarray, np.ndarray, bool]:
     """(left-padded [B, P] int32, pad [B], single) from [P], [B, P] or a list of lists."""
     single = False

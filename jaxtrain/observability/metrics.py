@@ -8,6 +8,7 @@ count real tokens only (see flops.py), so MFU does not reward padding.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -57,6 +58,15 @@ class DataWaitClock:
                 return
             self.seconds += time.perf_counter() - start
             yield batch
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Count the time inside as waiting for data."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

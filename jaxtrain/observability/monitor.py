@@ -332,8 +332,9 @@ class RunMonitor:
             fields["mfu"] = f"{100 * logs['mfu']:.1f}%"
         return fields
 
-    # ------------------------------------------------------------ hooks
-    def on_step_end(self, trainer: Any, state: Any, metrics: Any, step: int) -> None:
+    # ------------------------------------------------------ the loop's calls
+    def after_step(self, state: Any, step: int) -> None:
+        """After every step (the loop calls it after the run's hooks): weight statistics."""
         self._step = step
         every = self.settings.weight_distribution_log_steps
         if not every:
@@ -357,7 +358,8 @@ class RunMonitor:
             step, {group: weights.histogram(values) for group, values in stats.items()}
         )
 
-    def on_train_end(self, trainer: Any, output: Any) -> None:
+    def finish(self, output: Any) -> None:
+        """When the run ends (after the run's hooks): the report."""
         if self.is_writer and self.settings.run_report:
             from jaxtrain.observability.report import ReportError, write_report
 

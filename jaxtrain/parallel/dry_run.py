@@ -70,18 +70,18 @@ def activation_bytes_estimate(
     return int(tokens * (kept * dtype_bytes + 2 * vocab / tp * 4))
 
 
-def memory_estimate(trainer: Any) -> dict[str, int | None]:
-    """Bytes per device of the run, from shapes alone: parameters, gradients, optimizer
-    state, activations (a rough estimate, None when the model's config lacks the sizes) and
-    their total (None with it), plus the parameters' bytes over all devices."""
-    args = trainer.arguments
-    abstract, shardings = trainer.abstract_state(), trainer.state_shardings
+def memory_estimate(program: Any, args: Any) -> dict[str, int | None]:
+    """Bytes per device of a Program's run (`args`: its batch, sequence, dtype and remat),
+    from shapes alone: parameters, gradients, optimizer state, activations (a rough estimate,
+    None when the model's config lacks the sizes) and their total (None with it), plus the
+    parameters' bytes over all devices."""
+    abstract, shardings = program.abstract_state(), program.state_shardings
     param_b = tree_bytes_per_device(abstract.params, shardings.params)
     opt_b = tree_bytes_per_device(abstract.opt_state, shardings.opt_state)
-    dtype_bytes = np.dtype(args.dtype or getattr(trainer.model, "dtype", np.float32)).itemsize
+    dtype_bytes = np.dtype(args.dtype or getattr(program.model, "dtype", np.float32)).itemsize
     act_b = activation_bytes_estimate(
-        trainer.model_config,
-        dict(trainer.sharding_plan.mesh.shape),
+        program.parts.config,
+        dict(program.mesh.shape),
         args.micro_batch_size,
         args.max_sequence_length,
         dtype_bytes=dtype_bytes,
@@ -100,16 +100,15 @@ def memory_estimate(trainer: Any) -> dict[str, int | None]:
     }
 
 
-def dry_run_report(trainer: Any) -> str:
-    """The text of `Trainer.dry_run()`."""
-    args = trainer.arguments
-    plan = trainer.sharding_plan
-    abstract = trainer.abstract_state()
-    shardings = trainer.state_shardings
-    memory = memory_estimate(trainer)
+def dry_run_report(program: Any, args: Any) -> str:
+    """The text of `Trainer.dry_run()`: a Program's mesh, memory and shardings."""
+    plan = program.plan
+    abstract = program.abstract_state()
+    shardings = program.state_shardings
+    memory = memory_estimate(program, args)
     lines = [
         f"jaxtrain dry run: {describe_mesh(plan.mesh)}",
-        f"parameters: {trainer.num_parameters:,} ({human_bytes(memory['all_parameters'])} in "
+        f"parameters: {program.parts.num_parameters:,} ({human_bytes(memory['all_parameters'])} in "
         "total)",
         f"global batch: {args.total_batch_size} x {args.max_sequence_length} tokens, "
         f"{args.gradient_accumulation_steps} micro-batch(es) of {args.micro_batch_size} rows, "

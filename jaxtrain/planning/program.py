@@ -1,8 +1,10 @@
-"""Compile the Trainer's own train step from shapes alone and read what XLA made of it.
+"""Compile a run's own train step from shapes alone and read what XLA made of it.
 
-Nothing is allocated: the Trainer gets a ModelFactory (its state is `eval_shape`d), the batch
-is ShapeDtypeStructs, and `Trainer.compile_train_step` lowers and compiles the step the run
-would run (same loss, optimizer, sharding rules, remat policy, accumulation loop, XLA options).
+Nothing is allocated and nothing is written: the run's Program (training/program.py) is built
+from a ModelFactory (its state is `eval_shape`d) on a runtime over the target's devices, the
+batch is ShapeDtypeStructs, and `Program.compile_train_step` lowers and compiles the step the
+run would run (same loss, optimizer, sharding rules, remat policy, accumulation loop, XLA
+options). No Trainer, output directory, loader or monitor is involved.
 The executable then reports per-device memory (`memory_analysis`), FLOPs and bytes accessed
 (`cost_analysis`) and its optimized HLO, from which hlo.py reads the collectives.
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ import numpy as np
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.planning.hlo import KINDS, collectives
 from jaxtrain.planning.hlo_costs import matmul_flops, memory_traffic
+from jaxtrain.planning.tasks import task_batch, task_model_and_objective
 
 # Compiling the whole model is the default up to this many layers.
 WHOLE_MODEL_LAYERS = 4
@@ -110,20 +112,11 @@ def model_factory(config: Any, attention: str | None = None) -> Any:
     return ModelFactory(build)
 
 
-def abstract_batch(args: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch the train step takes: (micro-batches, rows, tokens) int32 fields."""
-    keys = ["input_ids", "attention_mask", "labels"]
-    if args.packing:
-        keys += ["segment_ids", "positions"]
-    shape = (args.gradient_accumulation_steps, args.micro_batch_size, args.max_sequence_length)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in keys}
-
-
-def compiled_figures(trainer: Any, executable: Any) -> dict[str, Any]:
+def compiled_figures(program: Any, executable: Any) -> dict[str, Any]:
     """Per-device memory, FLOPs and collectives of a compiled train step."""
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
-    devices = trainer.mesh.devices.size
+    devices = program.mesh.devices.size
     text = executable.as_text()
     ops = collectives(text, devices)
     by_kind = {
@@ -151,18 +144,29 @@ def compiled_figures(trainer: Any, executable: Any) -> dict[str, Any]:
     }
 
 
-def plan_trainer(config: Any, args: Any, devices: list[Any], attention: str | None = None):
-    from jaxtrain.training.trainer import Trainer
+def plan_step_program(
+    config: Any, args: Any, devices: list[Any], attention: str | None = None, task: str = "lm"
+):
+    """The Program of a `task` run of `config` with `args` over `devices` (nothing
+    allocated): the task's model with its frozen parts and its objective (tasks.py)."""
+    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.parallel import ModelFactory
+    from jaxtrain.runtime import Runtime
+    from jaxtrain.training.program import ModelParts, Program
 
-    return Trainer(arguments=args, model=model_factory(config, attention), devices=devices)
+    build, objective = task_model_and_objective(task, model_factory(config, attention).build, args)
+    runtime = Runtime.from_arguments(args, devices)
+    parts = ModelParts.adopt(ModelFactory(build), ModelSettings.from_arguments(args))
+    schedule = max(args.max_steps, 1)
+    return Program(parts, runtime, args, schedule_length=schedule, objective=objective)
 
 
-def compile_step(trainer: Any) -> tuple[dict[str, Any], float]:
-    """(figures, compile seconds) of `trainer`'s train step, compiled from shapes."""
+def compile_step(program: Any, args: Any, task: str = "lm") -> tuple[dict[str, Any], float]:
+    """(figures, compile seconds) of a Program's train step, compiled from shapes."""
     start = time.perf_counter()
-    step = trainer.compile_train_step(trainer.abstract_state(), abstract_batch(trainer.arguments))
+    step = program.compile_train_step(program.abstract_state(), task_batch(task, args))
     seconds = time.perf_counter() - start
-    return compiled_figures(trainer, step.compiled.executable), seconds
+    return compiled_figures(program, step.compiled.executable), seconds
 
 
 def _scale(small: Any, large: Any, extra: float) -> Any:
@@ -203,6 +207,7 @@ def plan_program(
     *,
     layers: str = "auto",
     attention: str | None = None,
+    task: str = "lm",
 ) -> dict[str, Any]:
     """Everything `jaxtrain plan` reads from the compiled step for one mesh (args'
     sharding_axis_dims) over `devices`. `layers`: "all" compiles the whole model, "unit" the
@@ -210,25 +215,28 @@ def plan_program(
     WHOLE_MODEL_LAYERS layers."""
     from jaxtrain.parallel.dry_run import tree_bytes_per_device
 
-    args = dataclasses.replace(args, output_dir=tempfile.mkdtemp(prefix="jaxtrain-plan-"))
-    full = plan_trainer(config, args, devices, attention)
+    full = plan_step_program(config, args, devices, attention, task)
     abstract, shardings = full.abstract_state(), full.state_shardings
-    full_shapes = (dict(full.sharding_plan.mesh.shape), abstract.params)
+    full_shapes = (dict(full.mesh.shape), abstract.params)
     total_layers = int(config.num_hidden_layers)
     period = layer_period(config)
     whole = layers == "all" or (layers == "auto" and total_layers <= WHOLE_MODEL_LAYERS)
     whole = whole or 3 * period >= total_layers
     if whole:
-        figures, seconds = compile_step(full)
+        figures, seconds = compile_step(full, args, task)
         method = f"whole model compiled ({total_layers} layers)"
         compile_seconds = [seconds]
     else:
         del full
         small, s1 = compile_step(
-            plan_trainer(with_layers(config, 2 * period), args, devices, attention)
+            plan_step_program(with_layers(config, 2 * period), args, devices, attention, task),
+            args,
+            task,
         )
         large, s2 = compile_step(
-            plan_trainer(with_layers(config, 3 * period), args, devices, attention)
+            plan_step_program(with_layers(config, 3 * period), args, devices, attention, task),
+            args,
+            task,
         )
         extra = total_layers / period - 2
         figures = _scale(small, large, extra)
@@ -254,7 +262,41 @@ def plan_program(
         sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
     )
     figures["model_flops"] = model_flops(config, args, figures["num_parameters"])
+    if task == "grpo":  # its rollouts run the KV-cache sampler between updates
+        figures["sampler"] = sampler_figures(full, args)
     return figures
+
+
+def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
+    """Memory and compile time of GRPO's sampler (the KV-cache generator of
+    trainers/grpo_source.py) on the policy's parameters: total_batch_size completions of
+    max_completion_length tokens after left-padded prompts of max_prompt_length."""
+    from flax import nnx
+
+    from jaxtrain.models.generation import sampler_for
+
+    abstract = program.abstract_state()
+    policy = nnx.merge(program.graphdef, abstract.params, program.rest).model
+    graphdef, params = nnx.split(policy)
+    rows, prompt = args.total_batch_size, args.max_prompt_length
+    start = time.perf_counter()
+    executable = (
+        sampler_for(
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+        )
+        .lower(
+            graphdef,
+            params,
+            jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
+            jax.ShapeDtypeStruct((rows,), jnp.int32),
+            jax.eval_shape(lambda: jax.random.key(0)),
+        )
+        .compile()
+    )
+    return {"memory": memory_summary(executable), "compile_seconds": time.perf_counter() - start}
 
 
 def shape_estimate(

@@ -16,19 +16,26 @@ from typing import Any
 def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import jax
 
-    from jaxtrain.arguments import TrainingArguments
     from jaxtrain.errors import JaxtrainError
     from jaxtrain.planning.program import build_config, plan_program
+    from jaxtrain.task_arguments import task_arguments_class
 
     config = build_config(spec["model"])
-    base = TrainingArguments.from_dict(spec["arguments"], source="the plan's arguments")
+    task = spec.get("task", "lm")
+    arguments_class = task_arguments_class(task)
+    base = arguments_class.from_dict(spec["arguments"], source="the plan's arguments")
     devices = jax.devices()[: spec["devices"]]
     results = []
     for dims in spec["meshes"]:
         args = dataclasses.replace(base, sharding_axis_dims=tuple(dims))
         try:
             figures = plan_program(
-                config, args, devices, layers=spec["layers"], attention=spec.get("attention")
+                config,
+                args,
+                devices,
+                layers=spec["layers"],
+                attention=spec.get("attention"),
+                task=task,
             )
         except JaxtrainError as err:  # this mesh cannot run the model: say why, try the next
             results.append({"mesh": list(dims), "error": str(err)})

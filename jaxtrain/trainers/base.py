@@ -12,12 +12,11 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime, runtime_for
-from jaxtrain.state import TrainState
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.training.logps import pair_mask
 from jaxtrain.training.trainer import Trainer
 
-__all__ = ["PairTrainer", "TaskTrainer", "concrete_model", "task_runtime"]
+__all__ = ["PairTrainer", "TaskTrainer", "concrete_model", "pair_normalizer", "task_runtime"]
 
 
 def task_runtime(args: TrainingArguments, kwargs: dict[str, Any]) -> Runtime:
@@ -41,10 +40,8 @@ def concrete_model(model: Any, args: TrainingArguments, runtime: Runtime) -> nnx
 
 
 class TaskTrainer(Trainer):
-    """A Trainer whose `self.model` is a TaskModel: exports and samples use the trained part."""
-
-    def model_from_state(self, state: TrainState) -> nnx.Module:
-        return nnx.merge(self.graphdef, state.params, self.rest).model
+    """A Trainer whose `self.model` is a TaskModel (the trained model beside frozen ones):
+    the Program's exports and samples use the trained part."""
 
 
 class PairTrainer(TaskTrainer):
@@ -79,7 +76,12 @@ class PairTrainer(TaskTrainer):
         )
 
     def loss_normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
-        return pair_mask(batch["labels"]).sum().astype(jnp.float32)
+        return pair_normalizer(batch)
+
+
+def pair_normalizer(batch: dict[str, jax.Array]) -> jax.Array:
+    """The real pairs of a global batch (filler rows count as no pair)."""
+    return pair_mask(batch["labels"]).sum().astype(jnp.float32)
 
 
 def dataset_columns(dataset: Any) -> list[str]:

@@ -21,9 +21,15 @@ from jaxtrain.task_arguments import DistillationArguments
 from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sft import SFTTrainer
+from jaxtrain.training.program import Objective
 from jaxtrain.training.step import causal_lm_sums
 
-__all__ = ["DistillationArguments", "DistillationTrainer", "distillation_kl"]
+__all__ = [
+    "DistillationArguments",
+    "DistillationTrainer",
+    "distill_objective",
+    "distillation_kl",
+]
 
 
 def distillation_kl(
@@ -39,8 +45,6 @@ def distillation_kl(
 
 class DistillationTrainer(TaskTrainer):
     """Train `model` (the student) towards `teacher_model` on SFT rows."""
-
-    loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
 
     # SFT's rows: text, messages, or prompt + completion.
     create_featurizer = SFTTrainer.create_featurizer
@@ -69,11 +73,20 @@ class DistillationTrainer(TaskTrainer):
                 "distillation needs the same tokenizer for both"
             )
         self.distill_args = args
-        super().__init__(arguments=args, model=TaskModel(model, teacher=teacher), **kwargs)
+        super().__init__(
+            arguments=args,
+            model=TaskModel(model, teacher=teacher),
+            objective=distill_objective(args),
+            **kwargs,
+        )
 
-    def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
+
+def distill_objective(args: DistillationArguments) -> Objective:
+    """Distillation's objective on a TaskModel (the student `model`, the frozen `teacher`):
+    alpha * T^2 * KL(teacher || student at temperature T) + (1 - alpha) * cross-entropy."""
+
+    def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        args = self.distill_args
         inputs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
         student = model.model(batch["input_ids"], **inputs)
         teacher = jax.lax.stop_gradient(model.teacher(batch["input_ids"], **inputs))
@@ -88,3 +101,5 @@ class DistillationTrainer(TaskTrainer):
             "distill/kl_sum": kl,
             "distill/ce_sum": ce,
         }
+
+    return Objective(loss_sums=loss_sums, token_nll=False)

@@ -30,13 +30,22 @@ from jaxtrain.trainers.base import (
     add_columns,
     concrete_model,
     dataset_columns,
+    pair_normalizer,
     task_runtime,
 )
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.training.logps import pair_mask, sequence_logps
+from jaxtrain.training.program import Objective
 
-__all__ = ["DPOArguments", "DPOTrainer", "dpo_loss_sums", "dpo_losses", "reference_logps"]
+__all__ = [
+    "DPOArguments",
+    "DPOTrainer",
+    "dpo_loss_sums",
+    "dpo_losses",
+    "dpo_objective",
+    "reference_logps",
+]
 
 LOSS_TYPES = DPO_LOSS_TYPES
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
@@ -121,6 +130,17 @@ def dpo_loss_sums(
     }
 
 
+def dpo_objective(args: DPOArguments) -> Objective:
+    """DPO's objective on a TaskModel (`reference`: the frozen reference, or None when the
+    batch holds precomputed reference log-probs or the loss is reference-free)."""
+
+    def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
+        del rng
+        return dpo_loss_sums(model.model, model.reference, batch, args)
+
+    return Objective(loss_sums=loss_sums, normalizer=pair_normalizer, token_nll=False)
+
+
 class DPOTrainer(PairTrainer):
     """Train a policy on (prompt, chosen, rejected) pairs with the DPO family of losses.
 
@@ -178,13 +198,9 @@ class DPOTrainer(PairTrainer):
             dataset_train=dataset_train,
             dataset_eval=dataset_eval,
             processing_class=processing_class,
+            objective=dpo_objective(args),
             **kwargs,
         )
-
-    # ---------------------------------------------------------------- objective
-    def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
-        del rng
-        return dpo_loss_sums(model.model, model.reference, batch, self.dpo_args)
 
     # --------------------------------------------------------------- precompute
     def _with_reference_logps(self, reference: nnx.Module, dataset: Any, tokenizer: Any) -> Any:

@@ -1,25 +1,99 @@
-"""Which prompts each GRPO step trains on: a loader with the train loader's interface that
-hands out prompt rows only, as a pure function of the seed and the step (so a resumed run
-regenerates from the same prompts)."""
+"""Which prompts each GRPO step trains on: a pure function of the seed and the step (so a
+resumed run regenerates from the same prompts), with the position a checkpoint keeps."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.units import epoch_order
+from jaxtrain.errors import ArgumentError
 
-__all__ = ["PromptLoader"]
+__all__ = ["PromptLoader", "Prompts", "read_prompts"]
+
+logger = logging.getLogger("jaxtrain.trainers.grpo")
+PROMPT_ID_COLUMNS = ("prompt_ids", "input_ids")
+
+
+class Prompts:
+    """The tokenized prompts (left-truncated ids), what reward functions receive as
+    `prompts` (text or messages), the dataset's other columns (passed to them too), and the
+    share of prompts whose start was cut."""
+
+    def __init__(
+        self,
+        ids: list[np.ndarray],
+        values: list[Any],
+        columns: dict[str, list],
+        truncated_share: float = 0.0,
+    ):
+        self.ids, self.values, self.columns = ids, values, columns
+        self.truncated_share = truncated_share
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def read_prompts(dataset: Any, tokenizer: Any, limit: int) -> Prompts:
+    """Every prompt tokenized (left-truncated to `limit` tokens, with a warning giving the
+    share), what reward functions receive as `prompts`, and the other columns."""
+    rows = _rows(dataset)
+    if not rows:
+        raise DatasetError("dataset_train is empty; pass at least one prompt row")
+    names = list(rows[0])
+    if "prompt" in names and not isinstance(rows[0]["prompt"], (list, tuple)):
+        kind, used = "text", ["prompt"]
+    elif "prompt" in names or "messages" in names:
+        kind, used = "chat", ["prompt" if "prompt" in names else "messages"]
+    elif any(c in names for c in PROMPT_ID_COLUMNS):
+        kind, used = "ids", [next(c for c in PROMPT_ID_COLUMNS if c in names)]
+    else:
+        raise DatasetError(
+            f"dataset_train has columns {names}; GRPO prompts are a `prompt` text column, "
+            "chat `messages` (or a `prompt` list of messages), or token ids (`prompt_ids`)"
+        )
+    ids, shown, cut = [], [], 0
+    for i, row in enumerate(rows):
+        value = row[used[0]]
+        if kind == "text":
+            tokens, text = tokenizer(value, add_special_tokens=True)["input_ids"], value
+        elif kind == "chat":
+            text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            text = value  # reward functions get the messages, as TRL passes them
+        else:
+            tokens, text = list(value), tokenizer.decode(list(value))
+        if not len(tokens):
+            raise DatasetError(f"dataset_train row {i}: the prompt is empty")
+        cut += len(tokens) > limit
+        ids.append(np.asarray(tokens[-limit:], np.int32))  # the end is what is answered
+        shown.append(text)
+    if cut:
+        logger.warning(
+            "GRPO: %d of %d prompts (%.1f%%) are longer than max_prompt_length=%d; their "
+            "start is cut. Raise max_prompt_length to keep them whole.",
+            cut, len(rows), 100 * cut / len(rows), limit,
+        )  # fmt: skip
+    columns = {c: [r[c] for r in rows] for c in names if c not in used}
+    return Prompts(ids, shown, columns, truncated_share=cut / len(rows))
+
+
+def _rows(dataset: Any) -> list[dict[str, Any]]:
+    """Row dicts of a datasets.Dataset, a dict of columns or a list of rows."""
+    if isinstance(dataset, dict):
+        names = list(dataset)
+        return [dict(zip(names, values)) for values in zip(*dataset.values())]
+    if hasattr(dataset, "column_names") and isinstance(dataset.column_names, dict):
+        raise ArgumentError("pass one split (dataset['train']), not a DatasetDict")
+    return [dict(r) for r in dataset]
 
 
 class PromptLoader:
     """Which dataset rows are the prompts of each step: a shuffled epoch order (seed, epoch),
-    one round of `prompts` rows per num_iterations steps. Has the train loader interface
-    the loop and checkpoints use."""
-
-    state_is_per_process = False
+    one round of `prompts` rows per num_iterations steps."""
 
     def __init__(
         self,
@@ -40,9 +114,6 @@ class PromptLoader:
         self.seed, self.shuffle = seed, shuffle
         self.group, self.accumulation = group, accumulation
         self.rounds_per_epoch = num_rows // prompts
-        # Host batches handed out, by step: the trainer puts the generated rows in them, so
-        # the loop's throughput counts the completions (not the prompt rows) of each step.
-        self.handed_out: dict[int, dict[str, Any]] = {}
 
     @property
     def steps_per_epoch(self) -> int:
@@ -69,14 +140,3 @@ class PromptLoader:
                 f"{mine}); resume with the same dataset, seed and batch sizes"
             )
         return int(state["step"])
-
-    def batches(self, start_step: int = 0, *, with_stats: bool = False):
-        step = start_step
-        while True:  # the loop swaps this for the generated batch (GRPOTrainer.on_batch)
-            # One entry per completion, [A, M] like the train batch: it splits over the
-            # mesh's data axes whenever the generated batch does.
-            rows = np.repeat(self.rows_at(step), self.group)
-            batch = {"prompt_rows": rows.reshape(self.accumulation, -1)}
-            self.handed_out[step] = batch
-            yield (batch, None) if with_stats else batch
-            step += 1

@@ -23,11 +23,12 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.models.lora import merge_lora
 from jaxtrain.state import TrainState
-from jaxtrain.trainers.base import PairTrainer, concrete_model, task_runtime
+from jaxtrain.trainers.base import PairTrainer, concrete_model, pair_normalizer, task_runtime
 from jaxtrain.trainers.frozen import TaskModel, freeze
 from jaxtrain.training.logps import pair_mask
+from jaxtrain.training.program import Objective
 
-__all__ = ["RewardModel", "RewardTrainer"]
+__all__ = ["REWARD_OBJECTIVE", "RewardModel", "RewardTrainer", "reward_loss_sums"]
 
 
 class RewardModel(nnx.Module):
@@ -67,6 +68,33 @@ class RewardModel(nnx.Module):
         return (h_BxD.astype(jnp.float32) @ self.score[...].astype(jnp.float32))[:, 0]
 
 
+def reward_loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
+    """Bradley-Terry sums over a batch of pairs scored by `model.model` (a RewardModel)."""
+    del rng
+    n = batch["input_ids"].shape[0]
+    ids = jnp.concatenate([batch["input_ids"], batch["rejected_input_ids"]])
+    mask = jnp.concatenate([batch["attention_mask"], batch["rejected_attention_mask"]])
+    scores = model.model(ids, mask)
+    chosen, rejected = scores[:n], scores[n:]
+    margin = batch.get("margin", jnp.zeros_like(chosen))
+    losses = -jax.nn.log_sigmoid(chosen - rejected - margin)
+    real = pair_mask(batch["labels"]).astype(jnp.float32)
+    won = (chosen > rejected).astype(jnp.float32) * real
+    return {
+        "loss_sum": (losses * real).sum(),
+        "tokens": real.sum(),
+        "correct": won.sum(),
+        "rewards/chosen_sum": (jax.lax.stop_gradient(chosen) * real).sum(),
+        "rewards/rejected_sum": (jax.lax.stop_gradient(rejected) * real).sum(),
+        "rewards/margins_sum": (jax.lax.stop_gradient(chosen - rejected) * real).sum(),
+    }
+
+
+REWARD_OBJECTIVE = Objective(
+    loss_sums=reward_loss_sums, normalizer=pair_normalizer, token_nll=False
+)
+
+
 class RewardTrainer(PairTrainer):
     """Train a reward model on (prompt, chosen, rejected) pairs (Bradley-Terry).
 
@@ -82,27 +110,9 @@ class RewardTrainer(PairTrainer):
         model = concrete_model(model, args, task_runtime(args, kwargs))
         if not isinstance(model, RewardModel):
             model = RewardModel(model, seed=args.seed)
-        super().__init__(arguments=args, model=TaskModel(model), **kwargs)
-
-    def compute_loss_sums(self, model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
-        del rng
-        n = batch["input_ids"].shape[0]
-        ids = jnp.concatenate([batch["input_ids"], batch["rejected_input_ids"]])
-        mask = jnp.concatenate([batch["attention_mask"], batch["rejected_attention_mask"]])
-        scores = model.model(ids, mask)
-        chosen, rejected = scores[:n], scores[n:]
-        margin = batch.get("margin", jnp.zeros_like(chosen))
-        losses = -jax.nn.log_sigmoid(chosen - rejected - margin)
-        real = pair_mask(batch["labels"]).astype(jnp.float32)
-        won = (chosen > rejected).astype(jnp.float32) * real
-        return {
-            "loss_sum": (losses * real).sum(),
-            "tokens": real.sum(),
-            "correct": won.sum(),
-            "rewards/chosen_sum": (jax.lax.stop_gradient(chosen) * real).sum(),
-            "rewards/rejected_sum": (jax.lax.stop_gradient(rejected) * real).sum(),
-            "rewards/margins_sum": (jax.lax.stop_gradient(chosen - rejected) * real).sum(),
-        }
+        super().__init__(
+            arguments=args, model=TaskModel(model), objective=REWARD_OBJECTIVE, **kwargs
+        )
 
     def save_pretrained(
         self,

@@ -26,7 +26,7 @@ a hook run op by op outside the compiled step; reading a value (float(x), np.asa
 device_get) makes the host wait for the step in flight, so the device idles while the hook
 and the next dispatch run, and the one-step-late metrics read no longer hides the host's
 time. Arrays built on the host (numpy) must be placed first:
-`jax.device_put(x, trainer.state_shardings...)`. A batch of another shape recompiles the step
+`jax.device_put(x, trainer.program.state_shardings...)`. A batch of another shape recompiles the step
 (logged, with a warning naming the changed shapes). When no hook returns anything the loop
 does none of this: the device never waits for the host.
 

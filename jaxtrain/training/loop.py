@@ -12,18 +12,15 @@ are read, and metrics are read only at logging cadence (one step late).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
-from flax import nnx
 
 from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps
+from jaxtrain.config.sections import LoopSettings
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.progress import make_progress
 from jaxtrain.parallel.peers import note_checkpoints
@@ -69,8 +66,9 @@ class TrainingLoop:
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
-        self.args = trainer.arguments
-        self.total_steps = trainer.total_steps
+        self.args = LoopSettings.from_arguments(trainer.arguments)
+        self.program, self.source = trainer.program, trainer.train_source
+        self.total_steps = self.args.total_steps(self.source.steps_per_epoch)
         self.deadline = Deadline(time_limit_seconds(self.args.training_time_limit))
         self.last_logs: dict[str, float] = {}
         self.eval_metrics: dict[str, float] = {}
@@ -83,108 +81,99 @@ class TrainingLoop:
         self.stop = StopState()  # why the loop leaves after this step, if it does
 
     def run(self) -> TrainerOutput:
-        trainer, args = self.trainer, self.args
+        trainer, args, checkpoints = self.trainer, self.args, self.trainer.checkpoints
         # Named in the line of a lost peer process (multi-host).
-        note_checkpoints(trainer.checkpoints.root, committed_steps)
-        plan = trainer.plan_start()  # a resume that cannot happen fails here, before any work
-        self._write_run_files()
+        note_checkpoints(checkpoints.root, committed_steps)
+        plan = checkpoints.plan_start()  # a resume that cannot happen fails here, before any work
+        if trainer.runtime.is_main_process:
+            checkpoints.write_run_files()
         # Written by process 0 only; a resumed run continues its trackers' runs.
         self.log = trainer.monitor.open(args.output_dir, plan.step, plan.tracker_state)
-        batches = self._batches(plan.step)
         primary = trainer.runtime.is_main_process
         self.progress = make_progress(
             args.progress_bar if primary else "none", self.total_steps, plan.step
         )
         self.latest_state = None  # the newest live state, for the model object on a failure
         try:
-            start, batches = self._start(plan, batches)
-            state = jax.device_put(start.state, trainer.state_shardings)  # no-op when placed
+            self.source.open(plan.step, self.program)
+            start = self._start(plan)
+            state = jax.device_put(start.state, self.program.state_shardings)  # no-op if placed
             self.latest_state = state
             if start.resumed_from is not None:
                 self.checkpoint_path = str(start.resumed_from)
             self.hooks.call("on_train_start", trainer, state)
             with StopSignals() as signals:
-                state, step = self._steps(state, start.step, batches, signals, start)
+                state, step = self._steps(state, start.step, signals, start)
         except BaseException:
-            self._return_parameters(self.latest_state)
+            self.program.return_parameters(self.latest_state)
             raise
         finally:
             try:
-                trainer.checkpoints.close()  # waits for the background writes to commit
+                checkpoints.close()  # waits for the background writes to commit
             finally:
-                self.prefetcher.close()  # the train loader is endless: stop its reader
+                self.source.close()  # a train loader is endless: stop its reader
                 self.progress.close()
                 self.log.close()
         return self._finish(state, step)
 
-    def _start(self, plan: StartPlan, batches: Iterator) -> tuple[RunStart, Iterator]:
+    def _start(self, plan: StartPlan) -> RunStart:
         """The run's first state, built (or restored) while XLA compiles its train step for
-        the first batch in a second thread: the step is traced from the state's shapes and
-        shardings, so neither waits for the other. A fresh state's own compile runs beside
-        the step's trace. Returns the state and the batches, the first one included."""
-        trainer = self.trainer
+        the source's batches in a second thread: the step is traced from the state's and the
+        batch's shapes and shardings, so neither waits for the other. A fresh state's own
+        compile runs beside the step's trace."""
+        checkpoints, program = self.trainer.checkpoints, self.program
         if plan.step >= self.total_steps:  # a finished run: nothing to compile
-            start = trainer.start_state(plan)
+            start = checkpoints.start_state(plan)
             self._announce(start)
-            return start, batches
-        first = next(batches)
+            return start
+        batch = self.source.abstract_batch()
         # Everything is traced here, under the caller's JAX settings (they are per thread);
         # only XLA's compiles (which release the GIL) run in the pool.
-        fresh = trainer.stage_state(copy=False) if plan.resumed_from is None else None
+        fresh = checkpoints.fresh_state() if plan.resumed_from is None else None
         with ThreadPoolExecutor(2, thread_name_prefix="jaxtrain-compile") as pool:
             building = pool.submit(fresh.compile) if fresh is not None else None
-            step = trainer.lower_train_step(trainer.abstract_state(), first[1], self.progress)
+            step = program.lower_train_step(program.abstract_state(), batch, self.progress)
             compiling = pool.submit(step)
             if building is not None:
                 building.result()
-            start = trainer.start_state(plan, fresh=fresh)  # on a failure, compiles are waited for
+            start = checkpoints.start_state(plan, fresh=fresh)  # a failure waits for compiles
             self._announce(start)  # usually before the compile's own line
             self.train_step = compiling.result()
         # What XLA assigned per device: `jaxtrain plan` predicts this figure.
         memory = memory_summary(self.train_step.compiled.executable)
-        trainer.monitor.add_run_info("train_step_memory", memory)
-        return start, itertools.chain([first], batches)
+        self.trainer.monitor.add_run_info("train_step_memory", memory)
+        return start
 
     def _announce(self, start: RunStart) -> None:
         """The run's first lines, once its state exists (a refused resume prints only its
         error)."""
-        trainer, args = self.trainer, self.args
+        trainer, args, program = self.trainer, self.args, self.program
         per_step = (
             f"{args.total_batch_size} examples"
-            if trainer.batch_unit == "examples"
+            if program.objective.batch_unit == "examples"
             else f"{args.total_batch_size} x {args.max_sequence_length} tokens"
         )
+        mesh = program.mesh
         self.progress.write(
-            f"jaxtrain: {trainer.num_parameters / 1e6:.2f}M parameters, {self.total_steps} "
-            f"steps, {per_step} per step, "
-            f"devices: {trainer.mesh.devices.size} x {trainer.mesh.devices.flat[0].device_kind}, "
-            f"mesh {dict(trainer.mesh.shape)}"
+            f"jaxtrain: {program.parts.num_parameters / 1e6:.2f}M parameters, "
+            f"{self.total_steps} steps, {per_step} per step, "
+            f"devices: {mesh.devices.size} x {mesh.devices.flat[0].device_kind}, "
+            f"mesh {dict(mesh.shape)}"
         )
         if start.resumed_from is not None:
             self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
-        summary = startup_summary(trainer)  # all of it in run_info.json, a few lines here
+        summary = startup_summary(program, self.trainer.arguments)  # all in run_info.json
         trainer.monitor.add_run_info("startup", summary)
         if trainer.runtime.is_main_process:
             for line in summary_lines(summary):
                 self.progress.write(line)
 
-    # ----------------------------------------------------------------- setup
-    def _write_run_files(self) -> None:
-        if not self.trainer.runtime.is_main_process:
-            return
-        out_dir = Path(self.args.output_dir)
-        self.args.save(out_dir / "arguments.json")
-        tokenizer = self.trainer.processing_class
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(out_dir / "tokenizer")
-
-    def _batches(self, step: int):
-        """(host batch, global batch on the mesh) pairs from `step` on, prefetched; the wait
-        for each is timed and what collation cut or padded is counted."""
-        trainer = self.trainer
-        host_batches = trainer.train_loader.batches(start_step=step, with_stats=True)
-        self.prefetcher = trainer.global_batches(host_batches, micro_axis=True)
-        return trainer.monitor.timed(trainer.data_meter.wrap(self.prefetcher))
+    def _next_batch(self, step: int, state: TrainState):
+        """The source's batch for `step`; an offline source's time is a wait for data."""
+        if self.source.on_policy:  # sampling from `state` is part of the step's work
+            return self.source.next(step, state)
+        with self.trainer.monitor.data_wait.timing():
+            return self.source.next(step, state)
 
     # ------------------------------------------------------------------ loop
     def _run_hooks(self, step: int, start: RunStart) -> tuple[EvaluationHook, SaveHook]:
@@ -200,7 +189,7 @@ class TrainingLoop:
         )
         resumed = start.resumed_from is not None
         saving = SaveHook(
-            self.trainer,
+            self.trainer.checkpoints.save,
             self.args.save_steps,
             self.stop,
             evaluation,
@@ -208,7 +197,7 @@ class TrainingLoop:
         )
         return evaluation, saving
 
-    def _steps(self, state, step: int, batches, signals: StopSignals, start: RunStart):
+    def _steps(self, state, step: int, signals: StopSignals, start: RunStart):
         trainer, args, total_steps = self.trainer, self.args, self.total_steps
         evaluation, saving = self._run_hooks(step, start)
         run_hooks = HookSet([evaluation, saving])
@@ -219,10 +208,12 @@ class TrainingLoop:
             if trainer.should_stop:
                 self.stop_reason = "callback"
                 break
-            host_batch, batch = next(batches)
             # Hooks may hand back a state, a batch, metrics (hooks.py); None changes nothing.
             state = self.hooks.step_start(trainer, state, step)
-            batch, extra_logs = self.hooks.batch(trainer, batch, step)
+            taken = self._next_batch(step, state)
+            host_batch = taken.host
+            batch, extra_logs = self.hooks.batch(trainer, taken.batch, step)
+            extra_logs = {**taken.logs, **extra_logs}
             state, metrics = self.train_step(state, batch)
             self.latest_state = state
             step += 1
@@ -232,6 +223,7 @@ class TrainingLoop:
             # this step's hooks log anything: trackers such as W&B drop a step that goes back.
             self._emit_pending()
             state, metrics = self.hooks.step_end(trainer, state, metrics, step)
+            trainer.monitor.after_step(state, step)
             self.latest_state = state
             self.guard.push(step, metrics["nonfinite"])
             window.add(metrics, trainer.monitor.count(host_batch), extra_logs)
@@ -240,7 +232,7 @@ class TrainingLoop:
                 self.stop_reason = self.stop.reason
             last = step == total_steps or self.stop.reason is not None or trainer.should_stop
             if step % args.logging_steps == 0 or last:
-                self.pending = window.close(step, epoch=trainer.train_loader.epoch(step))
+                self.pending = window.close(step, epoch=self.source.epoch(step))
             self.progress.update(step)
             if run_hooks.any_due(step):
                 self._emit_pending()
@@ -259,7 +251,7 @@ class TrainingLoop:
 
     def _finish(self, state, step: int) -> TrainerOutput:
         trainer = self.trainer
-        self._return_parameters(state)
+        self.program.return_parameters(state)
         if self.stop_reason.startswith("signal:"):
             signal_name = self.stop_reason.split(":", 1)[1]
             raise TrainingInterrupted(signal_name, step, self.checkpoint_path)
@@ -269,26 +261,21 @@ class TrainingLoop:
                 f"step {step}; saved {self.checkpoint_path}. Run the same command again to "
                 "continue."
             )
-        truncation = trainer.data_meter.truncation_summary()
+        truncation = self.source.meter.truncation_summary()
         if truncation and trainer.runtime.is_main_process:
             logger.warning("jaxtrain: at the end of the run, %s.", truncation)
         output = TrainerOutput(
             state=state,
             metrics={**self.last_logs, **self.eval_metrics},
             checkpoint_path=self.checkpoint_path,
-            mesh=trainer.mesh,
+            mesh=self.program.mesh,
             stop_reason=self.stop_reason,
         )
         self.hooks.call("on_train_end", trainer, output)
+        trainer.monitor.finish(output)
         return output
 
     # --------------------------------------------------------------- helpers
-    def _return_parameters(self, state) -> None:
-        """The model object gets the newest parameters: a fresh start took its arrays
-        (Trainer.create_state(copy=False)), and users read the trained model from it."""
-        if state is not None and not any(x.is_deleted() for x in jax.tree.leaves(state.params)):
-            nnx.update(self.trainer.model, state.params)
-
     def _poll_stops(self, step: int, signals: StopSignals, last_save_time: float) -> None:
         """Sets `self.stop`: the reason to stop after this step (or None) and whether
         save_interval_minutes is due, agreed by every process. With several processes the
@@ -313,7 +300,7 @@ class TrainingLoop:
         if self.pending is None:
             return
         trainer, monitor = self.trainer, self.trainer.monitor
-        logs = monitor.step_logs({**self.pending.read(), **trainer.data_meter.fields()})
+        logs = monitor.step_logs({**self.pending.read(), **self.source.meter.fields()})
         self.pending = None
         if self.guard.skipped_total:
             logs["nonfinite_skipped_steps"] = self.guard.skipped_total
@@ -323,7 +310,7 @@ class TrainingLoop:
         self.last_logs = logs
 
     def _wants_eval(self) -> bool:
-        return self.trainer.dataset_eval is not None and self.args.evaluation_strategy != "no"
+        return self.trainer.eval_loader is not None and self.args.evaluation_strategy != "no"
 
     def _eval_steps(self) -> int | None:
         """Steps between evaluations: eval_steps, one epoch, or None (no evaluation)."""
@@ -331,7 +318,7 @@ class TrainingLoop:
             return None
         if self.args.evaluation_strategy == "steps":
             return self.args.eval_steps
-        return self.trainer.train_loader.steps_per_epoch  # "epoch"
+        return self.source.steps_per_epoch  # "epoch"
 
     def _evaluate(self, state, step: int) -> None:
         trainer = self.trainer

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
+from jaxtrain.config.sections import OptimizerSettings
 from jaxtrain.config.tables import OPTIMIZERS, SCHEDULERS
 
 # Muon scales each orthogonalised matrix update to this RMS, the typical RMS of an AdamW update
@@ -282,3 +283,31 @@ def build_optimizer(
     if clip_grad:
         tx = optax.chain(optax.clip_by_global_norm(clip_grad), tx)
     return tx
+
+
+def run_optimizer(
+    settings: OptimizerSettings, total_steps: int, params: Any, logical_axes: Any = None
+) -> tuple[optax.GradientTransformation, Callable[[Any], Any]]:
+    """(optax transformation, learning-rate schedule) of a run's optimizer section over
+    `total_steps` updates."""
+    schedule = build_schedule(
+        settings.scheduler,
+        learning_rate=settings.learning_rate,
+        total_steps=total_steps,
+        warmup_steps=settings.warmup_steps,
+        min_lr_ratio=settings.min_lr_ratio,
+        wsd_decay_fraction=settings.wsd_decay_fraction,
+    )
+    optimizer = build_optimizer(
+        settings.optimizer,
+        schedule,
+        params,
+        weight_decay=settings.weight_decay,
+        clip_grad=settings.clip_grad,
+        b1=settings.adam_beta1,
+        b2=settings.adam_beta2,
+        eps=settings.adam_epsilon,
+        momentum=settings.momentum,
+        logical_axes=logical_axes,
+    )
+    return optimizer, schedule

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxtrain.config.sections import PruningSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.pytrees import path_str
 
@@ -162,24 +163,24 @@ def pruning_metrics(state: Any) -> dict[str, jax.Array]:
 
 
 def with_pruning(
-    optimizer: optax.GradientTransformation, args: Any, total_steps: int
+    optimizer: optax.GradientTransformation, settings: PruningSettings, total_steps: int
 ) -> optax.GradientTransformation:
-    """The run's optimizer, wrapped by `magnitude_pruning` when pruning_target_sparsity > 0."""
-    if not args.pruning_target_sparsity:
+    """The run's optimizer, wrapped by `magnitude_pruning` when target_sparsity > 0."""
+    if not settings.target_sparsity:
         return optimizer
-    end = args.pruning_end_step if args.pruning_end_step is not None else total_steps
-    if not args.pruning_begin_step < end <= total_steps:
+    end = settings.end_step if settings.end_step is not None else total_steps
+    if not settings.begin_step < end <= total_steps:
         raise ArgumentError(
             f"TrainingArguments.pruning_end_step={end} must lie after pruning_begin_step="
-            f"{args.pruning_begin_step} and within the run's {total_steps} steps, or the "
+            f"{settings.begin_step} and within the run's {total_steps} steps, or the "
             "target sparsity is never reached. Lower pruning_begin_step/pruning_end_step."
         )
-    targets = args.pruning_targets
+    targets = settings.targets
     return magnitude_pruning(
         optimizer,
-        target_sparsity=args.pruning_target_sparsity,
-        begin_step=args.pruning_begin_step,
+        target_sparsity=settings.target_sparsity,
+        begin_step=settings.begin_step,
         end_step=end,
-        frequency=args.pruning_frequency,
+        frequency=settings.frequency,
         is_target=regex_targets(targets) if targets else default_is_target,
     )

@@ -11,6 +11,7 @@ the stop's save).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jaxtrain.training.hooks import Cadence, TrainerCallback
@@ -67,15 +68,16 @@ class SaveHook(TrainerCallback):
 
     def __init__(
         self,
-        trainer: Trainer,
+        save: Callable[..., str],
         every: int | None,
         stop: StopState,
         evaluation: EvaluationHook,
         *,
         saved_step: int = -1,
     ):
-        self.trainer, self.cadence, self.stop, self.evaluation = (
-            trainer,
+        """`save(state, evaluated=...)` starts a checkpoint and returns its directory."""
+        self.save, self.cadence, self.stop, self.evaluation = (
+            save,
             Cadence(every),
             stop,
             evaluation,
@@ -88,11 +90,11 @@ class SaveHook(TrainerCallback):
         stopping = self.stop.reason is not None
         return self.cadence.due(step) or self.stop.interval_save_due or stopping
 
-    def on_step_end(self, trainer: Trainer, state: Any, metrics: Any, step: int) -> None:
+    def on_step_end(self, trainer: Any, state: Any, metrics: Any, step: int) -> None:
         evaluated = self.evaluation.evaluated_step == step
-        self.checkpoint_path = self.trainer.save_checkpoint(state, evaluated=evaluated)
+        self.checkpoint_path = self.save(state, evaluated=evaluated)
         self.saved_step, self.last_save_time = step, time.monotonic()
 
     def finish(self, state: Any, step: int, *, finished: bool, save_final: bool) -> None:
         if (save_final or not finished) and self.saved_step != step:
-            self.on_step_end(self.trainer, state, None, step)
+            self.on_step_end(None, state, None, step)

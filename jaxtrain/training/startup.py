@@ -42,28 +42,28 @@ def versions() -> dict[str, str]:
     return found
 
 
-def jax_settings(trainer: Any) -> dict[str, Any]:
+def jax_settings(program: Any) -> dict[str, Any]:
     """The JAX and XLA settings that change what is compiled or how fast it starts."""
     return {
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
         # glibc.malloc.hugetlb=1 made CPU steps 10-20% faster (README "CPU runs")
         "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
-        "xla_compiler_options": dict(trainer.runtime.compiler_options or {}),
+        "xla_compiler_options": dict(program.runtime.compiler_options or {}),
         "jax_enable_x64": bool(jax.config.jax_enable_x64),
         "jax_compilation_cache_dir": jax.config.jax_compilation_cache_dir,
         "backend": jax.default_backend(),
     }
 
 
-def partition_rules(trainer: Any) -> dict[str, str]:
+def partition_rules(program: Any) -> dict[str, str]:
     """Parameter pattern -> 'spec <- the rule that gave it', one entry per pattern (layer
     indices folded into `*`; a pattern whose layers differ keeps one entry per layer)."""
-    rules = trainer.sharding_plan.rules
-    params = trainer.abstract_state().params
+    rules = program.plan.rules
+    params = program.abstract_state().params
     leaves = jax.tree_util.tree_leaves_with_path(
         params, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
-    shardings = jax.tree.leaves(trainer.state_shardings.params)
+    shardings = jax.tree.leaves(program.state_shardings.params)
     by_path: dict[str, str] = {}
     for (path, var), sharding in zip(leaves, shardings, strict=True):
         name = path_str(path)
@@ -84,13 +84,14 @@ def partition_rules(trainer: Any) -> dict[str, str]:
     return compact
 
 
-def startup_summary(trainer: Any) -> dict[str, Any]:
-    """Everything above, JSON-ready (run_info.json's "startup")."""
+def startup_summary(program: Any, args: Any) -> dict[str, Any]:
+    """Everything above for a Program and its run's arguments, JSON-ready (run_info.json's
+    "startup")."""
     return {
         "versions": versions(),
-        "jax_settings": jax_settings(trainer),
-        "partition_rules": partition_rules(trainer),
-        "memory_per_device_bytes": memory_estimate(trainer),
+        "jax_settings": jax_settings(program),
+        "partition_rules": partition_rules(program),
+        "memory_per_device_bytes": memory_estimate(program, args),
     }
 
 

@@ -1,14 +1,10 @@
-"""The Trainer's checkpoint side: where `train()` starts, saving, loading.
+"""A run's side of its checkpoints: where `train()` starts, saving, loading, the run's files.
 
-`TrainerCheckpoints` is mixed into `Trainer` (trainer.py); it uses the Trainer's
-`arguments`, `model`, `model_config`, `optimizer`, `train_loader`, `checkpoints`, `monitor`,
-`hooks`, `create_state()` and `abstract_state()`. The files themselves are
-`jaxtrain.checkpointing`'s, which knows nothing of the Trainer: this is where the two meet.
-
-A task trainer that holds more than the train state between steps (GRPO's generated batch,
-reused by the updates of a round) keeps it in the same checkpoint through
-`checkpoint_extra` (what to save, asked at every save) and `resume_extra` (given it back
-before the first resumed step).
+`RunCheckpointer` joins the checkpoint files (`jaxtrain.checkpointing`, which knows nothing of
+a run) with what a run saves: the Program's state, the batch source's position (and any
+arrays the source keeps between steps: GRPO's generated batch inside a round, through the
+source's `checkpoint_extra` / `resume_extra`), the arguments, the model's description and
+the trackers' state.
 """
 
 from __future__ import annotations
@@ -20,112 +16,144 @@ from typing import Any
 import jax
 
 from jaxtrain.checkpointing import (
-    CheckpointSettings,
     RunCheckpoints,
     RunStart,
     StartPlan,
     load_checked,
     restore_extra,
 )
+from jaxtrain.config.sections import CheckpointSettings
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.state import TrainState
 from jaxtrain.training.state import ReadyBuild, StagedBuild
 
+__all__ = ["RunCheckpointer"]
 
-class TrainerCheckpoints:
-    """Checkpoint methods of the Trainer (see the module docstring for what they use)."""
 
-    def save_checkpoint(self, state: TrainState, *, evaluated: bool = False) -> str:
+class RunCheckpointer:
+    """The checkpoints of one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        arguments: Any,
+        program: Any,
+        source: Any,
+        monitor: Any,
+        *,
+        on_save: Callable[[str, int], None] = lambda path, step: None,
+        tokenizer: Any = None,
+        initial_state: TrainState | None = None,
+    ):
+        self.arguments, self.program, self.source, self.monitor = (
+            arguments,
+            program,
+            source,
+            monitor,
+        )
+        self.on_save, self.tokenizer = on_save, tokenizer
+        self.initial_state = initial_state
+        self.files = RunCheckpoints(CheckpointSettings.from_arguments(arguments))
+
+    @property
+    def root(self) -> Path:
+        return self.files.root
+
+    def close(self) -> None:
+        """Wait for the background writes to commit."""
+        self.files.close()
+
+    def write_run_files(self) -> None:
+        """arguments.json and the tokenizer in output_dir (process 0 writes them)."""
+        out_dir = Path(self.arguments.output_dir)
+        self.arguments.save(out_dir / "arguments.json")
+        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+            self.tokenizer.save_pretrained(out_dir / "tokenizer")
+
+    def save(self, state: TrainState, *, evaluated: bool = False) -> str:
         """Start a background save of `state` under output_dir/checkpoints/<step>; returns
-        that step directory. `self.checkpoints.wait()` blocks until it is committed.
-        `evaluated`: the run has evaluated (and logged) this step already."""
+        that step directory. `close()` blocks until it is committed. `evaluated`: the run has
+        evaluated (and logged) this step already."""
         step = int(jax.device_get(state.step))
-        metadata = {**self._checkpoint_metadata(step), "evaluated": evaluated}
-        extra = self.checkpoint_extra(step)
+        metadata = {**self._metadata(step), "evaluated": evaluated}
+        extra = self.source.checkpoint_extra(step) if self.source is not None else None
         arrays = None
         if extra is not None:
             metadata["extra"], arrays = extra
-        path = self.checkpoints.save(state, metadata=metadata, extra=arrays)
-        self.hooks.call("on_save", self, str(path), step)
+        path = self.files.save(state, metadata=metadata, extra=arrays)
+        self.on_save(str(path), step)
         return str(path)
 
-    def checkpoint_extra(self, step: int) -> tuple[dict[str, Any], Any] | None:
-        """What a subclass keeps in the checkpoint of `step` beside the train state: (JSON
-        details, a pytree of global arrays), written in the same atomic commit (the details
-        in its metadata, the arrays as its `extra` item). None (the default): nothing."""
-        return None
-
-    def resume_extra(
-        self, details: dict[str, Any], restore: Callable[[Any], Any], step: int
-    ) -> None:
-        """Given back what `checkpoint_extra` saved in the checkpoint `train()` resumes at
-        `step`, before its first step: `details` as saved, and `restore(abstract)` reads the
-        arrays onto `abstract` (ShapeDtypeStructs with this run's shardings). Only called for
-        a checkpoint that has them; the default ignores them."""
-
-    def _checkpoint_metadata(self, step: int) -> dict[str, Any]:
+    def _metadata(self, step: int) -> dict[str, Any]:
         metadata = {
             "step": step,
             "arguments": self.arguments.to_dict(),
-            "model_config": self._model_config_dict(),
-            "model_class": type(self.model).__name__,
+            "model_config": self._model_config(),
+            "model_class": type(self.program.model).__name__,
             "trackers": self.monitor.tracker_state(),
         }
-        if self.train_loader is not None:
-            data_state = self.train_loader.data_state(step)
-            if jax.process_count() > 1 and self.train_loader.state_is_per_process:
+        if self.source is not None:
+            data_state = self.source.data_state(step)
+            if jax.process_count() > 1 and self.source.state_is_per_process:
                 # Streams and packing: each process knows only its own position.
                 data_state = {"step": step, "processes": gather_json(data_state)}
             metadata["data_state"] = data_state
         return metadata
 
-    def load_checkpoint(self, path: str | Path) -> TrainState:
-        """Restore a TrainState written by this kind of Trainer (same model and optimizer).
-
-        `path` is a step directory or a run directory (its newest committed checkpoint).
-        """
+    def load(self, path: str | Path) -> TrainState:
+        """Restore a TrainState written by this kind of run (same model and optimizer);
+        `path` is a step directory or a run directory (its newest committed checkpoint)."""
         return load_checked(
             path,
-            self.abstract_state(),
-            model_class=type(self.model).__name__,
-            model_config=self._model_config_dict(),
+            self.program.abstract_state(),
+            model_class=type(self.program.model).__name__,
+            model_config=self._model_config(),
             optimizer=self.arguments.optimizer,
         )
 
     def plan_start(self) -> StartPlan:
-        """Where `train()` starts: step 0, or the checkpoint it resumes, checked (model,
-        optimizer, data position) but not yet restored. Clears or refuses output_dir's old
-        checkpoints as `jaxtrain.checkpointing.run` describes."""
+        """Where `train()` starts: step 0 (or the given initial state's step), or the
+        checkpoint it resumes, checked (model, optimizer, data position) but not yet
+        restored. Clears or refuses output_dir's old checkpoints as
+        `jaxtrain.checkpointing.run` describes."""
         settings = CheckpointSettings.from_arguments(self.arguments)
-        if settings != self.checkpoints.settings:  # arguments changed since the Trainer was built
-            self.checkpoints = RunCheckpoints(settings)
-        loader = self.train_loader
-        return self.checkpoints.plan(
-            model_class=type(self.model).__name__,
-            model_config=self._model_config_dict(),
-            check_data_state=loader.check_data_state if loader is not None else None,
+        if settings != self.files.settings:  # arguments changed since the run was built
+            self.files = RunCheckpoints(settings)
+        source = self.source
+        plan = self.files.plan(
+            model_class=type(self.program.model).__name__,
+            model_config=self._model_config(),
+            check_data_state=source.check_data_state if source is not None else None,
         )
+        if plan.resumed_from is None and self.initial_state is not None:
+            plan.step = int(jax.device_get(self.initial_state.step))  # it goes on from there
+        return plan
+
+    def fresh_state(self) -> StagedBuild | ReadyBuild:
+        """How a fresh start builds its state: the given initial state placed on the mesh,
+        or the Program's state around the model's own arrays."""
+        if self.initial_state is not None:
+            return self.program.placed_state(self.initial_state)
+        return self.program.stage_state(copy=False)
 
     def start_state(
-        self, plan: StartPlan | None = None, *, fresh: StagedBuild | ReadyBuild | None = None
+        self, plan: StartPlan, *, fresh: StagedBuild | ReadyBuild | None = None
     ) -> RunStart:
-        """`plan` (default: `plan_start()`) with its state: a fresh state built around the
-        model's arrays (by `fresh`, a `stage_state(copy=False)`, when given), or the
-        checkpoint restored onto this Trainer's shardings (its extra arrays, if it has
-        any, handed to `resume_extra`)."""
-        start = self.checkpoints.load(
-            plan if plan is not None else self.plan_start(),
-            fresh_state=lambda: (fresh or self.stage_state(copy=False)).run(),
-            abstract_state=self.abstract_state,
-            init_optimizer=self.optimizer.init,
+        """`plan` with its state: a fresh state (built by `fresh`, a `fresh_state()`, when
+        given), or the checkpoint restored onto the Program's shardings (its extra arrays, if
+        it has any, handed to the source's `resume_extra`)."""
+        start = self.files.load(
+            plan,
+            fresh_state=lambda: (fresh or self.fresh_state()).run(),
+            abstract_state=self.program.abstract_state,
+            init_optimizer=self.program.optimizer.init,
         )
         path = start.resumed_from
-        if path is not None and start.extra is not None:
-            self.resume_extra(
+        if path is not None and start.extra is not None and self.source is not None:
+            self.source.resume_extra(
                 start.extra, lambda abstract: restore_extra(path, abstract), start.step
             )
         return start
 
-    def _model_config_dict(self) -> dict[str, Any] | None:
-        config = self.model_config
+    def _model_config(self) -> dict[str, Any] | None:
+        config = getattr(self.program.model, "config", None)
         return config.to_dict() if hasattr(config, "to_dict") else None

@@ -56,8 +56,8 @@ class ReportReads:
     def on_train_end(self, trainer, output) -> None:
         import jax
 
-        loader = trainer.train_loader
-        steps = trainer.total_steps
+        loader = trainer.train_source.loader
+        steps = int(output.state.step)  # the run went to its last step
         result = {
             "process_index": jax.process_index(),
             "process_count": jax.process_count(),

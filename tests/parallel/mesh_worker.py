@@ -62,7 +62,7 @@ def main(out_dir: str) -> None:
         if name == "fsdp8":  # a ModelFactory's model stays abstract until the state is made
             results["abstract_before_train"] = all(
                 isinstance(x, jax.ShapeDtypeStruct)
-                for x in jax.tree.leaves(trainer._initial_params)
+                for x in jax.tree.leaves(trainer.program.parts.params)
             )
         output = trainer.train()
         finals[name] = params_of(output.state)
@@ -83,27 +83,30 @@ def main(out_dir: str) -> None:
         run["opt_shards"] = sorted({str(x.sharding.spec) for x in opt_leaves})
         if name == "dp8":
             # The loop owns its compiled step; compile the same one again to read its HLO.
-            host_batch = next(trainer.train_loader.batches())
+            host_batch = next(trainer.train_source.loader.batches())
             batch = trainer.sharding_plan.batch.to_global(host_batch, micro_axis=True)
-            hlo = trainer.compile_train_step(output.state, batch).executable.as_text()
+            hlo = trainer.program.compile_train_step(output.state, batch).executable.as_text()
             run["hlo_all_gather"] = hlo.count("all-gather")
             run["hlo_all_reduce"] = hlo.count("all-reduce")
         if name == "fsdp8":
             results["dry_run"] = trainer.dry_run()
             # The jitted init: its outputs are sharded, its buffers never hold a full copy.
-            init = trainer._factory.state_and_rest_initializer(
-                trainer._new_state, trainer.state_shardings, trainer.sharding_plan, trainer.rest
+            init = trainer.program.parts.factory.state_and_rest_initializer(
+                trainer.program._new_state,
+                trainer.program.state_shardings,
+                trainer.sharding_plan,
+                trainer.program.rest,
             )
             compiled = init.lower().compile()
             outs = jax.tree.leaves(compiled.output_shardings[0])  # the state; no rest here
-            expected = jax.tree.leaves(trainer.state_shardings)
-            ndims = [x.ndim for x in jax.tree.leaves(trainer.abstract_state())]
+            expected = jax.tree.leaves(trainer.program.state_shardings)
+            ndims = [x.ndim for x in jax.tree.leaves(trainer.program.abstract_state())]
             run["init_out_shardings_match"] = all(
                 a.is_equivalent_to(b, n) for a, b, n in zip(outs, expected, ndims, strict=True)
             )
             stats = compiled.memory_analysis()
             total = sum(
-                x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_state())
+                x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.program.abstract_state())
             )
             run["init_total_state_bytes"] = int(total)
             run["init_output_bytes_per_device"] = int(stats.output_size_in_bytes)
@@ -143,7 +146,7 @@ def main(out_dir: str) -> None:
     }.items():
         try:
             args = parallel_arguments(str(out / label), **kwargs)
-            Trainer(arguments=args, model=factory(), dataset_train=dataset).state_shardings  # noqa: B018
+            Trainer(arguments=args, model=factory(), dataset_train=dataset).program.state_shardings  # noqa: B018
             errors[label] = None
         except Exception as err:  # noqa: BLE001 - the message is what the test checks
             errors[label] = f"{type(err).__name__}: {err}"

@@ -67,7 +67,7 @@ def main(port: str, process_id: str, out_dir: str) -> None:
     import jax
 
     rows.read.clear()  # validation peeks at rows; count only what training reads
-    local_shape = list(trainer.train_loader.batch_at(0)[0]["input_ids"].shape)
+    local_shape = list(trainer.train_source.loader.batch_at(0)[0]["input_ids"].shape)
     rows.read.clear()
     output = trainer.train()
     result = {
@@ -81,7 +81,8 @@ def main(port: str, process_id: str, out_dir: str) -> None:
         "local_batch_shape": local_shape,
         "checkpoint": output.checkpoint_path,
         "global_indices": [
-            trainer.train_loader.global_indices(s).tolist() for s in range(len(rows.read) // 8)
+            trainer.train_source.loader.global_indices(s).tolist()
+            for s in range(len(rows.read) // 8)
         ],
     }
     Path(out_dir, f"process_{process_id}.json").write_text(json.dumps(result))

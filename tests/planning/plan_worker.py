@@ -71,7 +71,7 @@ def main() -> None:
     )
     trainer.train()
     run_info = json.loads((Path(tmp) / "run" / "run_info.json").read_text())
-    host_batch = next(trainer.train_loader.batches())
+    host_batch = next(trainer.train_source.loader.batches())
     trainer_flops = trainer.monitor.flops.batch_flops(host_batch)
 
     tokens = ROWS * SEQ

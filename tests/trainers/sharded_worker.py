@@ -65,7 +65,7 @@ def main(out: str) -> None:
             devices=jax.devices()[: int(np.prod(dims))],
         )
         trainer.train()
-        frozen = trainer.frozen_state()
+        frozen = trainer.program.frozen_state()
         specs = {
             "/".join(map(str, p)): str(v[...].sharding.spec)
             for p, v in nnx.to_flat_state(frozen)

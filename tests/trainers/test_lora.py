@@ -65,7 +65,7 @@ def test_base_weights_stay_bit_identical(run):
     trainer, _, base, _ = run
     frozen = {
         "/".join(map(str, p)): np.asarray(v[...])
-        for p, v in nnx.to_flat_state(trainer.rest)
+        for p, v in nnx.to_flat_state(trainer.program.rest)
         if isinstance(v, Frozen)
     }
     assert frozen.keys() == base.keys()

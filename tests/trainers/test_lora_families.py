@@ -48,13 +48,13 @@ def test_vit_classifier_trains_lora_adapters_and_its_head(tmp_path):
     assert set(params) - adapters == {"classifier/kernel", "classifier/bias"}
     assert not np.array_equal(params["classifier/kernel"], base["classifier/kernel"])
     assert trainer.num_parameters == sum(v.size for v in params.values())
-    frozen = {k: v for k, v in flat(trainer.rest).items() if k in base}
+    frozen = {k: v for k, v in flat(trainer.program.rest).items() if k in base}
     assert set(frozen) == set(base) - {"classifier/kernel", "classifier/bias"}
     for key, value in frozen.items():  # the base stays bit for bit
         assert np.array_equal(value, base[key]), key
     assert all(
         isinstance(v, Frozen)
-        for p, v in nnx.to_flat_state(trainer.rest)
+        for p, v in nnx.to_flat_state(trainer.program.rest)
         if "/".join(map(str, p)) in frozen
     )
     # the merged model (what an HF export writes) computes the adapted model's logits

@@ -81,8 +81,8 @@ def test_distillation_kl_is_zero_for_a_copy_of_the_teacher(tokenizer, tmp_path):
         dataset_train=text_rows(),
         processing_class=tokenizer,
     )
-    batch = jax.tree.map(lambda x: jnp.asarray(x[0]), next(trainer.train_loader.batches()))
-    sums = trainer.compute_loss_sums(trainer.model, batch, None)
+    batch = jax.tree.map(lambda x: jnp.asarray(x[0]), next(trainer.train_source.loader.batches()))
+    sums = trainer.program.objective.loss_sums(trainer.model, batch, None)
     assert float(sums["distill/kl_sum"]) == pytest.approx(0.0, abs=1e-5)
     assert float(sums["distill/ce_sum"]) > 0
 
@@ -108,7 +108,7 @@ def test_the_student_moves_toward_the_teacher(tokenizer, tmp_path):
         processing_class=tokenizer,
         callbacks=[seen := StepMetrics()],
     )
-    batch = jax.tree.map(lambda x: jnp.asarray(x[0]), next(trainer.train_loader.batches()))
+    batch = jax.tree.map(lambda x: jnp.asarray(x[0]), next(trainer.train_source.loader.batches()))
 
     @nnx.jit
     def ce(model, batch):

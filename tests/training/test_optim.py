@@ -312,7 +312,7 @@ def test_adam_betas_and_epsilon_reach_the_trainer_s_optimizer(tmp_path):
     lr = arguments.learning_rate
     expected = updates(optax.adamw(lr, b1=0.5, b2=0.6, eps=1e-2, weight_decay=0.0))
     defaults = updates(optax.adamw(lr, weight_decay=0.0))
-    got = updates(trainer.optimizer)
+    got = updates(trainer.program.optimizer)
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
     assert any(not np.allclose(a, b, rtol=1e-3) for a, b in zip(got, defaults, strict=True))

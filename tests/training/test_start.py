@@ -56,7 +56,7 @@ def test_a_weakly_typed_optimizer_state_compiles_once(tmp_path):
         model=tiny_model(),
         dataset_train=token_dataset(),
     )
-    assert trainer.abstract_state().opt_state[1]["factor"].weak_type
+    assert trainer.program.abstract_state().opt_state[1]["factor"].weak_type
     trainer.train()
     assert [r["compile/train_step_count"] for r in train_step_compiles(tmp_path)] == [1]
 
@@ -116,10 +116,10 @@ def test_a_model_factory_with_lora_starts_from_the_built_model_s_weights(tmp_pat
     built = tiny_trainer(str(tmp_path / "built"), lora_rank=4)
     born = tiny_trainer(str(tmp_path / "born"), model=ModelFactory(tiny_model), lora_rank=4)
     built_state, born_state = built.create_state(), born.create_state()
-    assert jax.tree.leaves(born.frozen_state())  # the base kernels are frozen, not trained
+    assert jax.tree.leaves(born.program.frozen_state())  # the base kernels are frozen, not trained
     for a, b in zip(
-        jax.tree.leaves(built_state) + jax.tree.leaves(built.frozen_state()),
-        jax.tree.leaves(born_state) + jax.tree.leaves(born.frozen_state()),
+        jax.tree.leaves(built_state) + jax.tree.leaves(built.program.frozen_state()),
+        jax.tree.leaves(born_state) + jax.tree.leaves(born.program.frozen_state()),
         strict=True,
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

@@ -1,0 +1,89 @@
+"""What `jaxtrain plan --task TASK` compiles: each task's model (with its frozen parts), its
+objective and the batch its train step takes, from shapes alone, as its trainer builds them.
+
+- lm, sft: the causal LM loss on [A, M, T] token rows (segment ids and positions when packed);
+- dpo: the policy beside a frozen reference (none when reference_free), DPO's loss on pairs;
+- reward: a RewardModel around the backbone, the Bradley-Terry loss on pairs;
+- distill: the student beside a frozen teacher of the same architecture;
+- grpo: the policy beside a frozen reference when beta > 0 (with LoRA the base is the policy
+  without adapters), the clipped surrogate on generated rows of max_prompt_length +
+  max_completion_length tokens with their advantages (and old log-probs when
+  num_iterations > 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.config.tables import TASKS
+from jaxtrain.errors import ArgumentError
+
+__all__ = ["task_batch", "task_model_and_objective"]
+
+PAIR_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+def task_model_and_objective(
+    task: str, build: Callable[[], Any], args: Any
+) -> tuple[Callable[[], Any], Any]:
+    """(a zero-argument builder of the task's model, its Objective or None for the LM loss)."""
+    if task not in TASKS:
+        raise ArgumentError(f"--task {task!r}: choose one of {', '.join(TASKS)}.")
+    from jaxtrain.trainers.frozen import TaskModel
+
+    if task in ("lm", "sft"):
+        return build, None
+    if task == "dpo":
+        from jaxtrain.trainers.dpo import dpo_objective
+
+        if args.precompute_reference_logps:
+            raise ArgumentError(
+                "--task dpo with precompute_reference_logps: the step then reads the "
+                "reference log-probs from the batch; plan it with reference_free=true (the "
+                "same program: no reference model on the devices)."
+            )
+        free = args.reference_free
+        return (lambda: TaskModel(build(), reference=None if free else build())), (
+            dpo_objective(args)
+        )
+    if task == "reward":
+        from jaxtrain.trainers.reward import REWARD_OBJECTIVE, RewardModel
+
+        return (lambda: TaskModel(RewardModel(build(), seed=args.seed))), REWARD_OBJECTIVE
+    if task == "distill":
+        from jaxtrain.trainers.distill import distill_objective
+
+        return (lambda: TaskModel(build(), teacher=build())), distill_objective(args)
+    from jaxtrain.trainers.grpo import grpo_objective
+
+    with_reference = args.beta > 0 and not args.lora_rank
+    return (lambda: TaskModel(build(), reference=build() if with_reference else None)), (
+        grpo_objective(args)
+    )
+
+
+def task_batch(task: str, args: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch a task's train step takes: [A, M, ...] ShapeDtypeStructs."""
+    a, m = args.gradient_accumulation_steps, args.micro_batch_size
+    ints = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.int32)  # noqa: E731
+    floats = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.float32)  # noqa: E731
+    t = args.max_sequence_length
+    if task in ("dpo", "reward"):
+        return {
+            **{k: ints(t) for k in PAIR_KEYS},
+            **{f"rejected_{k}": ints(t) for k in PAIR_KEYS},
+        }
+    if task == "grpo":
+        t = args.max_prompt_length + args.max_completion_length
+        batch = {"input_ids": ints(t), "labels": ints(t), "advantages": floats()}
+        if args.num_iterations > 1:
+            batch["old_logps"] = floats(t - 1)
+        return batch
+    keys = ["input_ids", "attention_mask", "labels"]
+    if args.packing:
+        keys += ["segment_ids", "positions"]
+    return {k: ints(t) for k in keys}

@@ -1,0 +1,286 @@
+"""GRPO's batches: an on-policy batch source (jaxtrain.data.batch_source) of scored rollouts.
+
+Each round (num_iterations updates) takes total_batch_size / num_generations prompts
+(PromptLoader: a pure function of seed and step), samples num_generations completions of each
+from the live parameters the loop hands to `next(step, state)` (the compiled KV-cache sampler,
+on the run's mesh), scores them with the reward functions on the host, turns the rewards into
+advantages per group and lays the rows out as the train step's batch. The later updates of a
+round reuse its batch (with the log-probs of the policy that sampled it); a checkpoint inside
+a round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact.
+Every shape is fixed (prompts left-padded to max_prompt_length, completions
+max_completion_length): the sampler and the train step compile once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.data.batch_source import SourceBatch
+from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.data.meter import DataMeter
+from jaxtrain.models.generation import sample_left_padded
+from jaxtrain.parallel.batch import BatchLayout
+from jaxtrain.task_arguments import GRPOArguments
+from jaxtrain.trainers.grpo_loss import group_advantages
+from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
+from jaxtrain.trainers.grpo_round import GeneratedRound
+from jaxtrain.trainers.rewards import reward_name, score_completions
+from jaxtrain.training.logps import model_token_logps
+
+__all__ = ["RolloutSource"]
+
+logger = logging.getLogger("jaxtrain.trainers.grpo")
+
+
+class RolloutSource:
+    """See the module docstring. `reward_funcs` with their `reward_weights`; `eos_token_ids`
+    end a completion; `layout` places the batch on the mesh; prompts are left-padded with
+    `pad_source.pad_token_id` (read when sampling: the Trainer resolves it)."""
+
+    on_policy = True
+    state_is_per_process = False
+
+    def __init__(
+        self,
+        args: GRPOArguments,
+        prompts: Prompts,
+        *,
+        tokenizer: Any,
+        reward_funcs: Sequence[Callable],
+        reward_weights: np.ndarray,
+        layout: BatchLayout,
+        pad_source: Any,
+        eos_token_ids: list[int],
+    ):
+        self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
+        self.reward_funcs, self.reward_weights = list(reward_funcs), reward_weights
+        self.layout, self.pad_source, self.eos_token_ids = layout, pad_source, eos_token_ids
+        self.order = PromptLoader(
+            len(prompts),
+            args.total_batch_size // args.num_generations,
+            args.num_iterations,
+            args.seed,
+            args.shuffle_train,
+            group=args.num_generations,
+            accumulation=args.gradient_accumulation_steps,
+        )
+        self.meter = DataMeter()  # nothing is truncated or padded by a collator here
+        self.last_completions: list[str] = []  # the newest round's, for inspection
+        self._program: Any = None
+        self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
+        self._last_batch_time: float | None = None
+        self._old_logps_fn = None
+
+    @property
+    def sequence_length(self) -> int:
+        return self.args.max_prompt_length + self.args.max_completion_length
+
+    # ------------------------------------------------------------ the protocol
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.order.steps_per_epoch
+
+    def epoch(self, step: int) -> float:
+        return self.order.epoch(step)
+
+    def data_state(self, step: int) -> dict[str, Any]:
+        return self.order.data_state(step)
+
+    def check_data_state(self, state: dict[str, Any]) -> int:
+        return self.order.check_data_state(state)
+
+    def open(self, start_step: int, program: Any) -> None:
+        """Sample from `program`'s model from `start_step` on (a resumed round's batch, if
+        the checkpoint kept one, arrived through `resume_extra`)."""
+        del start_step
+        self._program, self._last_batch_time = program, None
+
+    def close(self) -> None:
+        self._last_batch_time = None
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The generated train batch's shapes, dtypes and shardings ([A, M, ...] global)."""
+        args, a = self.args, self.args.gradient_accumulation_steps
+        m, t = args.total_batch_size // a, self.sequence_length
+        shapes = {
+            "input_ids": ((a, m, t), jnp.int32),
+            "labels": ((a, m, t), jnp.int32),
+            "advantages": ((a, m), jnp.float32),
+        }
+        if args.num_iterations > 1:
+            shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
+        return {
+            k: jax.ShapeDtypeStruct(
+                shape, dtype, sharding=self.layout.sharding(len(shape), micro_axis=True)
+            )
+            for k, (shape, dtype) in shapes.items()
+        }
+
+    def next(self, step: int, state: Any) -> SourceBatch:
+        """`step`'s batch: the current round's, or a new round sampled from `state`."""
+        # The previous update may still run (async dispatch): wait for it, so its time counts
+        # as training, not as this step's generation (which needs its parameters anyway).
+        jax.block_until_ready(state.params)
+        now = time.perf_counter()
+        logs: dict[str, float] = {}
+        if self._last_batch_time is not None:  # the previous step's rest: its update
+            logs["time/training_s"] = now - self._last_batch_time
+        n = self.args.num_iterations
+        generation = step // n
+        if self._round is None and step % n:
+            # Resumed inside a round from a checkpoint that does not keep its batch (see
+            # resume_extra): said, not hidden.
+            logger.warning(
+                "GRPO resumed at step %d, inside a round of num_iterations=%d updates, from a "
+                "checkpoint that does not hold the round's generated batch (written by an "
+                "older jaxtrain, or with another num_iterations): its completions are sampled "
+                "again (same key) from the resumed parameters, and the rest of this round "
+                "differs from an uninterrupted run.",
+                step,
+                n,
+            )
+        generation_s = 0.0
+        if self._round is None or self._round.generation != generation:
+            placed, round_logs, host = self.generate_batch(state, step)
+            self._round = GeneratedRound(
+                generation, placed, round_logs, self.last_completions, host
+            )
+            generation_s = round_logs["time/generation_s"]
+        self._last_batch_time = time.perf_counter()
+        current = self._round
+        # The host rows are the completions: the loop counts their tokens for throughput.
+        return SourceBatch(
+            host=dict(current.host),
+            batch=current.batch,
+            logs={**current.logs, **logs, "time/generation_s": generation_s},
+        )
+
+    def checkpoint_extra(self, step: int) -> tuple[dict[str, Any], Any] | None:
+        """Inside a round (step `step` reuses the batch of the steps before it): the round's
+        batch and logs, so a resume finishes the round exactly. At a boundary: nothing."""
+        n, current = self.args.num_iterations, self._round
+        if current is None or step % n == 0 or current.generation != step // n:
+            return None
+        return current.checkpoint(n)
+
+    def resume_extra(
+        self, details: dict[str, Any], restore: Callable[[Any], Any], step: int
+    ) -> None:
+        """The round a checkpoint kept becomes the current one (the next steps reuse it);
+        one that does not continue at `step` (num_iterations changed) is left unread."""
+        if GeneratedRound.fits(details, step, self.args.num_iterations):
+            self._round = GeneratedRound.restored(details, restore, self.abstract_batch())
+            self.last_completions = self._round.completions
+
+    # ------------------------------------------------------------ rollouts
+    def sampling_key(self, step: int) -> jax.Array:
+        """The key of the completions of `step`'s round: a function of the seed and the
+        round only, so a resumed run samples what the uninterrupted one did."""
+        return jax.random.fold_in(jax.random.key(self.args.seed), step // self.args.num_iterations)
+
+    def generate_batch(
+        self, state: Any, step: int
+    ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray]]:
+        """The scored completions of `step`'s prompts as a global train batch, its logs, and
+        its input_ids and labels on the host."""
+        args, g = self.args, self.args.num_generations
+        start = time.perf_counter()
+        rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
+        n, plen, clen = len(rows), args.max_prompt_length, args.max_completion_length
+        prompt = np.full((n, plen), self.pad_source.pad_token_id, np.int32)
+        pad = np.zeros(n, np.int32)
+        for i, r in enumerate(rows):
+            p = self.prompts.ids[r]
+            prompt[i, plen - len(p) :], pad[i] = p, plen - len(p)
+        tokens = self.sample(state, prompt, pad, step)
+        generation_s = time.perf_counter() - start
+        is_eos = np.isin(tokens, self.eos_token_ids)
+        ended = is_eos.any(1)
+        length = np.where(ended, is_eos.argmax(1) + 1, clen)
+        scored = ~(~ended & args.mask_truncated_completions)
+        texts = self.tokenizer.batch_decode(
+            [tokens[i, : length[i]].tolist() for i in range(n)], skip_special_tokens=True
+        )
+        per_func = score_completions(
+            self.reward_funcs,
+            [self.prompts.values[r] for r in rows],
+            texts,
+            {k: [v[r] for r in rows] for k, v in self.prompts.columns.items()},
+        )
+        unscored = np.isnan(per_func).all(1)
+        rewards = np.nansum(per_func * self.reward_weights, axis=1)
+        rewards[unscored] = np.nan
+        advantages, equal = group_advantages(rewards, g, args.scale_rewards)
+        host = self._train_rows(rows, tokens, length, scored, advantages)
+        placed = self.layout.to_global(host, micro_axis=True)
+        if args.num_iterations > 1:  # later updates compare with the sampling policy
+            placed["old_logps"] = self._old_logps(state, placed)
+        logs = {
+            "reward": float(np.nanmean(rewards)),
+            "reward_std": float(np.nanstd(rewards, ddof=1)) if n > 1 else 0.0,
+            "frac_reward_zero_std": float(equal.reshape(-1, g)[:, 0].mean()),
+            "completions/mean_length": float(length.mean()),
+            "completions/min_length": float(length.min()),
+            "completions/max_length": float(length.max()),
+            "completions/clipped_ratio": float((~ended).mean()),
+            "time/generation_s": generation_s,
+        }
+        for j, fn in enumerate(self.reward_funcs):
+            column = per_func[:, j]
+            if not np.isnan(column).all():
+                logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
+        self.last_completions = texts  # for inspection (tests, callbacks)
+        return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+
+    def sample(self, state: Any, prompt: np.ndarray, pad: np.ndarray, step: int) -> np.ndarray:
+        """Completions [N, max_completion_length] of left-padded prompts [N, P] (`pad`: each
+        row's padding) from the live parameters, on the run's mesh."""
+        args = self.args
+        graphdef, params = nnx.split(self._program.model_from_state(state))
+        tokens, _ = sample_left_padded(
+            graphdef, params, jnp.asarray(prompt), jnp.asarray(pad), self.sampling_key(step),
+            max_new_tokens=args.max_completion_length, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
+        return np.asarray(tokens)  # only completions cross to the host
+
+    def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
+        """[A, M, T] rows: prompt then completion, right-padded (causal attention never
+        lets a real token see the padding); labels are the scored completion tokens."""
+        n = len(rows)
+        ids = np.full((n, self.sequence_length), self.pad_source.pad_token_id, np.int32)
+        labels = np.full((n, self.sequence_length), IGNORE_INDEX, np.int32)
+        for i, r in enumerate(rows):
+            p, c = self.prompts.ids[r], tokens[i, : length[i]]
+            ids[i, : len(p)], ids[i, len(p) : len(p) + len(c)] = p, c
+            if scored[i]:
+                labels[i, len(p) : len(p) + len(c)] = c
+        a = self.args.gradient_accumulation_steps
+        host = {"input_ids": ids, "labels": labels, "advantages": advantages}
+        return {k: v.reshape(a, n // a, *v.shape[1:]) for k, v in host.items()}
+
+    def _old_logps(self, state: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        program = self._program
+        if self._old_logps_fn is None:
+            graphdef = program.graphdef
+
+            @jax.jit
+            def old_logps(params, rest, ids, labels):
+                model = nnx.merge(graphdef, params, rest).model
+                flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+                logps, _ = model_token_logps(model, flat(ids), flat(labels))
+                return logps.reshape(*ids.shape[:2], -1)
+
+            self._old_logps_fn = old_logps
+        out = self._old_logps_fn(
+            state.params, program.frozen_state(), batch["input_ids"], batch["labels"]
+        )
+        return jax.device_put(out, self.layout.sharding(3, micro_axis=True))

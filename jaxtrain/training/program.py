@@ -1,0 +1,355 @@
+"""A Program: what it takes to compile and run one step, and nothing else.
+
+The model split into its trained parameters and its frozen rest (a DPO reference, a teacher,
+LoRA's base weights), the optimizer, the shardings of the state on the runtime's mesh, the
+abstract state, the objective and the compiled train and eval steps. It needs no output
+directory, loader, monitor or checkpoint: `jaxtrain plan` compiles a Program's step from
+shapes, the Trainer composes one with batch sources, checkpoints, a monitor and hooks, and
+export and evaluation take one.
+
+    parts = ModelParts.adopt(model, ModelSettings.from_arguments(args), runtime.plan)
+    program = Program(parts, runtime, args, schedule_length=1000)
+    step = program.compile_train_step(program.abstract_state(), abstract_batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.config.sections import ModelSettings, OptimizerSettings, PruningSettings
+from jaxtrain.errors import ArgumentError
+from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
+from jaxtrain.models.sharding import with_activation_sharding
+from jaxtrain.observability.compiles import TrackedJit
+from jaxtrain.parallel import ModelFactory
+from jaxtrain.parallel.init import cast_floating
+from jaxtrain.runtime import Runtime
+from jaxtrain.state import TrainState
+from jaxtrain.training.evaluation import Evaluator
+from jaxtrain.training.optim import run_optimizer
+from jaxtrain.training.pruning import pruning_metrics, with_pruning
+from jaxtrain.training.state import (
+    ReadyBuild,
+    StagedBuild,
+    abstract_arrays,
+    count_parameters,
+    param_logical_axes,
+    stage_state_build,
+)
+from jaxtrain.training.step import (
+    StepWithFrozen,
+    causal_lm_loss_sums,
+    count_target_tokens,
+    make_train_step,
+)
+
+__all__ = ["ModelParts", "Objective", "Program"]
+
+# jit(fn, name, progress=..., **jit_kwargs) -> TrackedJit: RunMonitor.jit reports compiles.
+JitFactory = Callable[..., TrackedJit]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a step minimises: `loss_sums(model, batch, rng)` -> sums over a micro-batch
+    (jaxtrain/objective.py), divided by `normalizer(global batch)`; `token_nll`: the loss is
+    a per-token NLL (perplexity is logged); `batch_unit`: "tokens" or "examples"."""
+
+    loss_sums: Callable[..., Any] = causal_lm_loss_sums
+    normalizer: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens
+    token_nll: bool = True
+    batch_unit: str = "tokens"
+
+
+@dataclasses.dataclass
+class ModelParts:
+    """A model configured for a run (compute dtype, remat policy, LoRA adapters) and split
+    into its graph, its trained parameters (in param_dtype) and the frozen rest.
+
+    `model` is the user's object (changed in place: it receives the run's dtype, remat
+    policy and adapters), or a ModelFactory's abstract model (nothing allocated); `factory`
+    is then the factory that creates it sharded."""
+
+    model: nnx.Module
+    factory: ModelFactory | None
+    graphdef: Any
+    params: Any  # the initial parameters, or their shapes once a run took the arrays
+    rest: Any
+    config: Any
+    num_parameters: int
+
+    @classmethod
+    def adopt(cls, model: nnx.Module | ModelFactory, settings: ModelSettings) -> ModelParts:
+        factory = model if isinstance(model, ModelFactory) else None
+        if factory is not None and settings.lora_rank:
+            build = factory.build
+            factory = ModelFactory(lambda: add_lora(build(), settings))
+        if factory is not None:
+            model = factory.abstract()  # shapes only; the Program creates it, sharded
+        configure_model(model, settings)
+        if settings.lora_rank and factory is None:
+            add_lora(model, settings)  # in place: the user's model gains the adapters
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = cast_floating(params, settings.param_dtype)
+        return cls(
+            model=model,
+            factory=factory,
+            graphdef=graphdef,
+            params=params,
+            rest=rest,
+            config=getattr(model, "config", None),
+            num_parameters=count_parameters(params),
+        )
+
+
+def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
+    """The run's remat policy and compute dtype on `model`, in place."""
+    if hasattr(model, "remat_policy"):
+        model.remat_policy = settings.remat_policy
+    elif settings.remat_policy != "none":
+        raise ArgumentError(
+            f"TrainingArguments.gradient_checkpointing={settings.remat_policy!r} needs a model "
+            f"with a `remat_policy` attribute; {type(model).__name__} has none. Use "
+            "gradient_checkpointing='none' or add remat support to the model."
+        )
+    if settings.dtype is not None:
+        compute_dtype = jnp.dtype(settings.dtype)
+        for _, module in nnx.iter_modules(model):
+            if hasattr(module, "dtype"):
+                module.dtype = compute_dtype
+
+
+def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
+    """Adapters on the targeted projections, every other weight frozen (models/lora.py)."""
+    apply_lora(  # frozen parts (a reference, a teacher) have no Param kernel to adapt
+        model,
+        rank=settings.lora_rank,
+        alpha=settings.lora_alpha,
+        dropout=settings.lora_dropout,
+        targets=list(settings.lora_targets),
+        seed=settings.seed,
+    )
+    return model
+
+
+class Program:
+    """One run's step, compiled on the runtime's mesh (see the module docstring).
+
+    `arguments` is read for its optimizer, pruning and model sections (any object with those
+    fields: TrainingArguments or a task's arguments). `schedule_length` is the number of
+    updates the learning-rate schedule spans. `optimizer`: (optax transformation, schedule)
+    in place of the arguments' own (pruning still wraps it when asked for).
+    """
+
+    def __init__(
+        self,
+        parts: ModelParts,
+        runtime: Runtime,
+        arguments: Any,
+        *,
+        schedule_length: int,
+        objective: Objective | None = None,
+        optimizer: tuple[Any, Callable[[Any], Any]] | None = None,
+        jit: JitFactory | None = None,
+    ):
+        self.parts, self.runtime = parts, runtime
+        self.plan, self.mesh = runtime.plan, runtime.mesh
+        self.settings = ModelSettings.from_arguments(arguments)
+        self.objective = objective or Objective()
+        self._jit = jit
+        self.plan.check_expert_axis(parts.params)  # ep > 1 needs experts
+        self.optimizer, self.schedule = optimizer or run_optimizer(
+            OptimizerSettings.from_arguments(arguments),
+            schedule_length,
+            parts.params,
+            logical_axes=param_logical_axes(parts.params),
+        )
+        # Masks live in the optimizer state, for any optimizer (pruning.py says why).
+        self.optimizer = with_pruning(
+            self.optimizer, PruningSettings.from_arguments(arguments), schedule_length
+        )
+        self.seed = self.settings.seed
+        self._state_shardings = self._state_shape_cache = None
+        self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
+
+    # ---------------------------------------------------------------- the model
+    @property
+    def model(self) -> nnx.Module:
+        return self.parts.model
+
+    @property
+    def graphdef(self) -> Any:
+        return self.parts.graphdef
+
+    @property
+    def rest(self) -> Any:
+        return self.parts.rest
+
+    def model_from_state(self, state: TrainState) -> nnx.Module:
+        """The trained model carrying `state`'s parameters (a task model's trained part)."""
+        merged = nnx.merge(self.graphdef, state.params, self.rest)
+        return merged.model if hasattr(merged, "frozen_names") else merged
+
+    def return_parameters(self, state: TrainState | None) -> None:
+        """The model object gets `state`'s parameters (a fresh start took its arrays)."""
+        if state is not None and not any(x.is_deleted() for x in jax.tree.leaves(state.params)):
+            nnx.update(self.model, state.params)
+
+    # ---------------------------------------------------------------- the state
+    def _new_state(self, params: Any) -> TrainState:
+        return TrainState.create(params, self.optimizer)
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """Shardings of the TrainState on the mesh (params by the rules, optimizer alike)."""
+        if self._state_shardings is None:
+            self._state_shardings = self.plan.state_shardings(self._state_shapes())
+        return self._state_shardings
+
+    def _state_shapes(self) -> TrainState:
+        """The state's shapes and dtypes (traced once: the optimizer's init is not free)."""
+        if self._state_shape_cache is None:
+            self._state_shape_cache = jax.eval_shape(self._new_state, self.parts.params)
+        return self._state_shape_cache
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and placement of the state, without allocating it."""
+        # Weak types kept: they change dtype promotion, so a step traced from this state is
+        # the one the real state would trace.
+        return abstract_arrays(self._state_shapes(), self.state_shardings)
+
+    def create_state(self, *, copy: bool = True) -> TrainState:
+        """A fresh state on the mesh from the model's parameters.
+
+        `copy=True` gives the state its own arrays, so it outlives a train() (whose steps
+        donate their input state). A training run passes `copy=False` for its fresh start:
+        the state is built around the model's own arrays, and `return_parameters` gives the
+        model the newest ones back."""
+        return self.stage_state(copy=copy).run()
+
+    def stage_state(self, *, copy: bool = True) -> StagedBuild | ReadyBuild:
+        """`create_state` traced now; its compile (`compile()`, any thread) and its `run()`
+        come later, so a run compiles it beside the train step's trace."""
+        shardings, options = self.state_shardings, self.runtime.compiler_options
+        parts = self.parts
+        if parts.factory is not None:  # sharded from birth: one jit, no full copy anywhere
+            init = parts.factory.state_and_rest_initializer(
+                self._new_state,
+                shardings,
+                self.plan,
+                parts.rest,
+                like=parts.params,  # already in param_dtype
+                compiler_options=options,
+            )
+
+            def keep_rest(outputs: tuple[TrainState, Any]) -> TrainState:
+                state, parts.rest = outputs
+                self._placed_rest = None
+                return state
+
+            return StagedBuild(init, then=keep_rest)
+        # The model object's current parameters: its initial ones, or those a run gave back.
+        params = cast_floating(nnx.split(self.model, nnx.Param, ...)[1], self.settings.param_dtype)
+        params = jax.device_put(params, shardings.params)  # no copy when already placed
+        if not copy:  # these arrays are donated: later reads need only their shapes
+            parts.params = abstract_arrays(parts.params)
+        return stage_state_build(
+            self._new_state,
+            params,
+            shardings,
+            take=not copy,
+            keep=parts.rest,
+            compiler_options=options,
+        )
+
+    def placed_state(self, state: TrainState) -> ReadyBuild:
+        """A build that places a given state on this Program's shardings (a run that starts
+        from a state handed to it, e.g. by Ray's driver), with a clear error when it does not
+        fit the model and optimizer."""
+
+        def place() -> TrainState:
+            try:
+                return jax.device_put(state, self.state_shardings)
+            except (ValueError, TypeError) as err:
+                raise ArgumentError(
+                    "the given state does not fit this run's model and optimizer "
+                    f"({err}); pass a state created with the same model, optimizer and "
+                    "param_dtype."
+                ) from None
+
+        return ReadyBuild(place)
+
+    def frozen_state(self) -> Any:
+        """The model's non-Param state (frozen weights, buffers) placed on the mesh by the
+        sharding rules, as the jitted steps take it: an argument, never a baked constant."""
+        if self._placed_rest is None:
+            shardings = self.plan.param_shardings(self.rest)
+            self._placed_rest = (jax.device_put(self.rest, shardings), shardings)
+        return self._placed_rest[0]
+
+    # ---------------------------------------------------------------- the steps
+    def jit(self, fn: Callable[..., Any], name: str, *, progress: Any = None, **kw: Any):
+        """A TrackedJit of `fn` with the runtime's compiler options (the run's monitor
+        reports its compiles when the Program was given its `jit`)."""
+        if self._jit is not None:
+            return self._jit(fn, name, progress=progress, **kw)
+        return TrackedJit(fn, name, compiler_options=self.runtime.compiler_options, **kw)
+
+    def _train_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
+        """The objective inside the train step: LoRA dropout draws from the step's key."""
+        if self.settings.lora_rank and self.settings.lora_dropout > 0:
+            set_lora_dropout_key(model, jax.random.fold_in(rng, 0x10AA))
+        return self.objective.loss_sums(model, batch, rng)
+
+    def lower_train_step(
+        self, state: TrainState, batch: dict[str, jax.Array], progress: Any = None
+    ) -> Callable[[], StepWithFrozen]:
+        """The train step for `state` and a global `batch` like the ones to come, traced and
+        lowered now in the caller's thread (under its JAX settings); the returned function
+        runs XLA's compile, in any thread, and returns the step (`state, metrics =
+        step(state, batch)`). Both may be abstract (`abstract_state()`, ShapeDtypeStructs)."""
+        step_fn = make_train_step(
+            graphdef=self.graphdef,
+            optimizer=self.optimizer,
+            schedule=self.schedule,
+            seed=self.seed,
+            loss_sums_fn=with_activation_sharding(self._train_loss_sums, self.plan.rules),
+            normalizer_fn=self.objective.normalizer,
+            state_metrics=pruning_metrics,
+        )
+        # Compiled ahead of time; a batch of another shape recompiles with a warning naming
+        # the changed shapes, and every compile is logged (compiles.py).
+        options = self.plan.train_step_jit_options(self.state_shardings, batch)
+        rest = self.rest  # a ModelFactory's is abstract until the state exists: shapes suffice
+        rest_shardings = self.plan.param_shardings(rest)
+        options["in_shardings"] = (*options["in_shardings"], rest_shardings)
+        tracked = self.jit(step_fn, "train_step", progress=progress, **options)
+        finish = tracked.lower_for(state, batch, abstract_arrays(rest, rest_shardings))
+
+        def compiled_step() -> StepWithFrozen:
+            finish()
+            return StepWithFrozen(tracked, self.frozen_state)
+
+        return compiled_step
+
+    def compile_train_step(
+        self, state: TrainState, batch: dict[str, jax.Array], progress: Any = None
+    ) -> StepWithFrozen:
+        """`lower_train_step` and its compile, now."""
+        return self.lower_train_step(state, batch, progress)()
+
+    def evaluator(self) -> Evaluator:
+        """An Evaluator of the objective over eval batches (compiled at its first batch)."""
+        return Evaluator(
+            graphdef=self.graphdef,
+            rest=self.frozen_state(),
+            loss_sums_fn=with_activation_sharding(self.objective.loss_sums, self.plan.rules),
+            jit=self.jit,
+            perplexity=self.objective.token_nll,
+        )

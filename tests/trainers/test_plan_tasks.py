@@ -1,0 +1,99 @@
+"""`jaxtrain plan --task`: a task's plan is built from a Program alone (no Trainer, nothing
+written) and its memory is the peak of the step the task's real run compiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+from conftest import addition_pairs, tiny_arguments, tiny_config, tiny_model
+
+from jaxtrain.planning.program import plan_program
+from jaxtrain.trainers import DPOArguments, DPOTrainer, GRPOArguments, GRPOTrainer
+
+
+def run_peak(out: Path) -> float:
+    return json.loads((out / "run" / "run_info.json").read_text())["train_step_memory"]["peak"]
+
+
+def plan_peak(task: str, args, tmp_path: Path) -> float:
+    """The plan of `args`' run, with its output_dir pointing somewhere that must stay empty."""
+    import dataclasses
+
+    nowhere = tmp_path / "never-written"
+    args = dataclasses.replace(args, output_dir=str(nowhere))
+    figures = plan_program(tiny_config(), args, jax.devices()[:1], task=task)
+    assert not nowhere.exists()  # a plan writes nothing: no Trainer, no output directory
+    return figures["peak_bytes"]
+
+
+def test_a_dpo_plan_is_the_dpo_run_s_compiled_step(tokenizer, tmp_path):
+    args = tiny_arguments(DPOArguments, tmp_path, max_steps=1, beta=0.1)
+    DPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        dataset_train=addition_pairs(),
+        processing_class=tokenizer,
+        devices=jax.devices()[:1],
+    ).train()
+    measured = run_peak(tmp_path)
+    assert plan_peak("dpo", args, tmp_path) == pytest.approx(measured, rel=1e-6)
+    # The reference is part of the program: without it the step is another one.
+    free = tiny_arguments(DPOArguments, tmp_path, max_steps=1, reference_free=True)
+    assert plan_peak("dpo", free, tmp_path) != pytest.approx(measured, rel=1e-6)
+
+
+def test_a_grpo_plan_is_the_grpo_run_s_compiled_step(tokenizer, tmp_path):
+    args = tiny_arguments(
+        GRPOArguments,
+        tmp_path,
+        max_steps=1,
+        total_batch_size=8,
+        num_generations=4,
+        max_prompt_length=8,
+        max_completion_length=3,
+        num_iterations=2,
+        beta=0.04,
+    )
+    prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
+    GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[lambda prompts, completions, **_: [1.0] * len(completions)],
+        dataset_train=prompts,
+        processing_class=tokenizer,
+        devices=jax.devices()[:1],
+    ).train()
+    assert plan_peak("grpo", args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
+
+
+def test_a_grpo_plan_compiles_its_sampler_too(tmp_path):
+    from jaxtrain.models.generation import sampler_for
+
+    args = GRPOArguments(
+        output_dir=str(tmp_path / "never-written"),
+        max_steps=1,
+        total_batch_size=8,
+        num_generations=4,
+        max_prompt_length=8,
+        max_completion_length=3,
+        beta=0.04,
+    )
+    figures = plan_program(tiny_config(), args, jax.devices()[:1], task="grpo")
+    sampler = figures["sampler"]["memory"]
+    assert sampler["peak"] > 0 and not (tmp_path / "never-written").exists()
+    # The sampler's program is the one GRPO runs: the same compile from real arrays.
+    from flax import nnx
+
+    graphdef, params = nnx.split(tiny_model())
+    real = sampler_for(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=None)
+    executable = real.lower(
+        graphdef,
+        params,
+        jax.numpy.zeros((8, 8), jax.numpy.int32),
+        jax.numpy.zeros((8,), jax.numpy.int32),
+        jax.random.key(0),
+    ).compile()
+    assert executable.memory_analysis().temp_size_in_bytes == sampler["temporaries"]
