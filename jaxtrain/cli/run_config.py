@@ -233,7 +233,47 @@ def split_config(
     model = typed_model_section(config.get("model") or {}, sources)
     data = typed_section(config.get("data") or {}, DATA_KEYS, "data", sources)
     sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample", sources)
+    check_data_section(data)
+    check_sample_section(sample)
     return args, model, data, sample
+
+
+# The embedded corpus's byte-level BPE holds the 256 byte tokens and its 2 special tokens.
+SMALLEST_CORPUS_VOCAB = 258
+
+
+def check_data_section(data: dict[str, Any]) -> None:
+    """Values of the data section that would fail only once the data is read."""
+    if data.get("source", "default") != "default":
+        return
+    vocab = data.get("vocab_size")
+    if vocab is not None and vocab < SMALLEST_CORPUS_VOCAB:
+        raise ArgumentError(
+            f"data.vocab_size={vocab} is too small for the embedded corpus's byte-level BPE "
+            f"(256 byte tokens + 2 special tokens): use --data.vocab_size "
+            f"{SMALLEST_CORPUS_VOCAB} or more (default 4096)."
+        )
+    budget = data.get("max_train_bytes")
+    if budget is not None and budget <= 0:
+        raise ArgumentError(
+            f"data.max_train_bytes={budget} must be > 0, e.g. --data.max_train_bytes 200000."
+        )
+
+
+def check_sample_section(sample: dict[str, Any]) -> None:
+    """The end-of-run sample's values, checked before training rather than after it."""
+    checks = [
+        ("max_new_tokens", lambda v: v >= 0, ">= 0 (0 = no sample)", "64"),
+        ("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)", "0.7"),
+        ("top_k", lambda v: v >= 1, ">= 1", "40"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]", "0.9"),
+    ]
+    for key, ok, rule, example in checks:
+        value = sample.get(key)
+        if value is not None and not ok(value):
+            raise ArgumentError(
+                f"sample.{key}={value} must be {rule}, e.g. --sample.{key} {example}."
+            )
 
 
 def _unknown_keys(unknown: list[str], known: list[str], name: str) -> ArgumentError:
