@@ -163,7 +163,9 @@ class TrainingArguments:
     lora_dropout: float = 0.0
     # What gets adapters (PEFT's target_modules): "attention", "mlp", projection names
     # (o_proj, c_attn, mlp.c_proj, fc1) or parts of fused kernels (q_proj, v_proj, up_proj).
-    lora_targets: list[str] = dataclasses.field(default_factory=lambda: ["attention", "mlp"])
+    # None: the groups attention and mlp the model has (a mixture-of-experts model's experts
+    # take no adapter: attention, plus a shared expert's or dense layers' MLP).
+    lora_targets: list[str] | None = None
 
     # Gradual magnitude pruning (jaxtrain/training/pruning.py): the fraction of each targeted
     # matrix pruned by pruning_end_step (0 = off), on Zhu and Gupta's cubic schedule from

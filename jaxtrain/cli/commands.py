@@ -25,15 +25,16 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     dry_run = "--dry_run" in tokens
     path, rest = split_positional([t for t in tokens if t != "--dry_run"])
     config, sources = resolve_config_with_sources(path, parse_overrides(rest))
+    from jaxtrain.cli.task import check_task_data, task_trainer
+
+    task = str(config.get("task") or "lm")
     try:
+        check_task_data(task, config)
         args, model_section, data, sample = split_config(
             config, path or "the command line", sources
         )
     except ArgumentError as err:
         raise explain_source(err, sources) from None
-    from jaxtrain.cli.task import task_trainer
-
-    task = str(config.get("task") or "lm")
 
     from jaxtrain.parallel import ModelFactory
     from jaxtrain.runtime import Runtime

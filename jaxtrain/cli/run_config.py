@@ -229,12 +229,14 @@ def split_config(
     task = str(config.get("task") or "lm")
     arguments_class = task_arguments_class(task)
     check_task_fields(list(fields), task, source)
-    args = arguments_class.from_dict(fields, source="config", sources=sources)
-    model = typed_model_section(config.get("model") or {}, sources)
+    # The light sections first: their errors come before the arguments' and the model's
+    # checks import JAX.
     data = typed_section(config.get("data") or {}, DATA_KEYS, "data", sources)
     sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample", sources)
     check_data_section(data)
     check_sample_section(sample)
+    args = arguments_class.from_dict(fields, source="config", sources=sources)
+    model = typed_model_section(config.get("model") or {}, sources)
     return args, model, data, sample
 
 
