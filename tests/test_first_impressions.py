@@ -217,3 +217,20 @@ def test_lora_mlp_on_experts_names_a_target_that_works():
     assert "expert weights of a mixture-of-experts model take no adapter" in message
     hint = message.split("targets that do:", 1)[1]
     assert "'mlp'" not in hint and "--lora_targets attention" in hint
+
+
+# ------------------------------------------------ a reward module beside the data
+def test_a_reward_module_in_the_current_directory_loads_from_the_console_script(
+    tmp_path, monkeypatch
+):
+    from jaxtrain.trainers.rewards import load_reward
+
+    (tmp_path / "issue41_rewards.py").write_text(
+        "def one(prompts, completions, **_):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    # The `jaxtrain` console script's sys.path: no "" and not the current directory.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    reward = load_reward("issue41_rewards:one")
+    assert reward(prompts=["a"], completions=["b", "c"]) == [1.0, 1.0]
+    assert str(tmp_path) not in sys.path  # borrowed for the import only
