@@ -139,7 +139,7 @@ def test_the_pages_have_their_examples_and_the_nav_every_page():
     kinds = [b.kind for b in blocks]
     assert kinds.count("python") >= 15 and kinds.count("bash") >= 8, kinds
     assert any("ViTForImageClassification" in b.code for b in blocks if b.kind == "python")
-    assert {"config.yaml", "dpo.yaml", "my_rewards.py"} <= {b.target for b in blocks}
+    assert {"config.yaml", "pairs.yaml", "my_rewards.py"} <= {b.target for b in blocks}
     # Every page of docs/ is in the nav (none unreachable), every nav entry exists.
     listed = {p.resolve() for p in pages()[1:]}
     assert all(p.is_file() for p in listed)

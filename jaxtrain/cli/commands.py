@@ -29,9 +29,11 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
 
     task = str(config.get("task") or "lm")
     try:
-        check_task_data(task, config)
         args, model_section, data, sample = split_config(
-            config, path or "the command line", sources
+            config,
+            path or "the command line",
+            sources,
+            task_check=lambda resolved: check_task_data(task, resolved),
         )
     except ArgumentError as err:
         raise explain_source(err, sources) from None

@@ -219,9 +219,14 @@ def _merge(config: dict[str, Any], update: dict[str, Any]) -> None:
 
 
 def split_config(
-    config: dict[str, Any], source: str = "the config", sources: dict[str, str] | None = None
+    config: dict[str, Any],
+    source: str = "the config",
+    sources: dict[str, str] | None = None,
+    task_check: Any = None,
 ) -> tuple[TrainingArguments, dict, dict, dict]:
-    """-> (TrainingArguments, model section, data section, sample section), all validated."""
+    """-> (TrainingArguments, model section, data section, sample section), all validated.
+    `task_check(config)`, when given, runs once the keys are known to belong to the task and
+    before the arguments are built (`jaxtrain train`: what the task needs from the data)."""
     from jaxtrain.task_arguments import check_task_fields, task_arguments_class
 
     fields = {k: v for k, v in config.items() if k not in SECTIONS and k != "task"}
@@ -229,6 +234,8 @@ def split_config(
     task = str(config.get("task") or "lm")
     arguments_class = task_arguments_class(task)
     check_task_fields(list(fields), task, source)
+    if task_check is not None:
+        task_check(config)
     # The light sections first: their errors come before the arguments' and the model's
     # checks import JAX.
     data = typed_section(config.get("data") or {}, DATA_KEYS, "data", sources)
