@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gguf lint format bench clean
+.PHONY: demo test test-gguf lint format bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,8 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 # Train the demo model on the embedded corpus (CPU, about 2 minutes on 2 cores); its
-# runs/demo/report.png is the README's docs/report.png. glibc's hugetlb tunable backs XLA:CPU's
-# per-step temporaries with huge pages: the demo trains 1.3x faster (README "What the step
+# runs/demo/report.png is docs/report.png (Observability page). glibc's hugetlb tunable backs XLA:CPU's
+# per-step temporaries with huge pages: the demo trains 1.3x faster (docs/training.md "What the step
 # computes"); a GLIBC_TUNABLES of your own is kept.
 demo: $(VENV)/.installed
 	GLIBC_TUNABLES=$${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1} \
@@ -40,6 +40,15 @@ format: $(VENV)/.installed-test
 test: lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $@
+
+# The documentation site (docs/, mkdocs.yml) into site/; every warning is an error (--strict).
+# tests/test_docs.py (in make test) runs the blocks of its pages.
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # The real-model GGUF parity test alone (make test runs it too).
 test-gguf: $(VENV)/.installed-test
 	$(BIN)/pytest -q -m gguf_model tests/hf/test_gguf.py
@@ -48,4 +57,4 @@ bench: $(VENV)/.installed
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache

@@ -46,7 +46,7 @@ def unknown_fields_error(unknown: list[str], known: list[str], source: str) -> A
 
 
 # A smoke test of a whole script: JAXTRAIN_MAX_STEPS=N caps every run of the process at N
-# updates and every evaluation at N batches (tests/test_readme.py runs the README this way).
+# updates and every evaluation at N batches (tests/test_docs.py runs the README and docs/ this way).
 STEP_CAP_VARIABLE = "JAXTRAIN_MAX_STEPS"
 logger = logging.getLogger("jaxtrain")
 
@@ -163,7 +163,9 @@ class TrainingArguments:
     lora_dropout: float = 0.0
     # What gets adapters (PEFT's target_modules): "attention", "mlp", projection names
     # (o_proj, c_attn, mlp.c_proj, fc1) or parts of fused kernels (q_proj, v_proj, up_proj).
-    lora_targets: list[str] = dataclasses.field(default_factory=lambda: ["attention", "mlp"])
+    # None: the groups attention and mlp the model has (a mixture-of-experts model's experts
+    # take no adapter: attention, plus a shared expert's or dense layers' MLP).
+    lora_targets: list[str] | None = None
 
     # Gradual magnitude pruning (jaxtrain/training/pruning.py): the fraction of each targeted
     # matrix pruned by pruning_end_step (0 = off), on Zhu and Gupta's cubic schedule from
@@ -208,7 +210,7 @@ class TrainingArguments:
     max_nan_skips: int = 10
     progress_bar: str = "rich"
 
-    # Observability (see README "Observability"). Trackers besides metrics.jsonl (always
+    # Observability (see docs/observability.md). Trackers besides metrics.jsonl (always
     # written): any of "tensorboard", "wandb", "mlflow"; on the CLI a comma-separated list.
     report_to: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
     # W&B project / MLflow experiment, and the run's name (default: run-<date>-<time>).
@@ -229,7 +231,7 @@ class TrainingArguments:
     # defaults (on CPU, xla_backend_optimization_level=1: faster compiles, same step time;
     # jaxtrain/runtime/compiler.py); {} = XLA's own. CLI: '{xla_cpu_enable_fast_math: true}'.
     xla_compiler_options: dict | None = None
-    # Parallelism (README: "Multi-device and multi-host training"). Mesh sizes
+    # Parallelism (docs/parallelism.md). Mesh sizes
     # (dp, fsdp, ep, tp, sp); one entry may be -1 (the remaining devices). CLI: 1,-1,1,1,1.
     sharding_axis_dims: tuple[int, ...] = (1, -1, 1, 1, 1)
     # Logical axis name -> mesh axis, list of axes or None; overrides the default table.

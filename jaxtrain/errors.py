@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import signal
 
-# Exit codes of `jaxtrain`, one per way a run can end (documented in the README).
+# Exit codes of `jaxtrain`, one per way a run can end (documented in docs/checkpoints.md, "Exit codes").
 EXIT_OK = 0
 EXIT_CRASH = 1
 EXIT_BAD_INPUT = 2

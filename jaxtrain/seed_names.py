@@ -1,7 +1,7 @@
 """EasyDeL argument names a newcomer may bring, each with what jaxtrain calls it.
 
 One table, read by TrainingArguments (Python keyword arguments, YAML/JSON config files and
-`--flag value` on the command line all pass through it) and listed in the README's "Coming
+`--flag value` on the command line all pass through it) and listed in the docs' "Coming
 from EasyDeL" section (tests/test_seed_names.py keeps the two in step). No imports.
 """
 

@@ -121,7 +121,7 @@ class GRPOArguments(TrainingArguments):
     epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets e.g. 0.28)
     # Updates per generated batch (the later ones are off-policy, with the old log-probs).
     num_iterations: int = 1
-    # How the token losses are averaged: see README "GRPO" (grpo, bnpo, dr_grpo, dapo).
+    # How the token losses are averaged: see docs/tasks.md "GRPO" (grpo, bnpo, dr_grpo, dapo).
     loss_type: str = "dapo"
     # Advantages: reward minus the group mean, divided by the group's std ("group"), the
     # batch's ("batch") or not at all ("none", Dr. GRPO).

@@ -78,7 +78,7 @@ def test_cli_overrides_win_over_file_and_reach_sections(tmp_path):
     args, model, data, sample = split_config(config)
     assert args.learning_rate == 1e-3
     assert model["hidden_size"] == 32 and model["num_hidden_layers"] == 3
-    # A config file starts from the defaults, not the demo (README: "Which settings apply").
+    # A config file starts from the defaults, not the demo (docs/command-line.md: "Which settings apply").
     assert data == {"source": "default"} and sample == {} and args.weight_decay == 0.0
     with pytest.raises(ArgumentError, match="section"):
         resolve_config(None, {"optim.lr": "1"})

@@ -28,6 +28,9 @@ print(code, heavy)
         ["train", "--use_wandb", "true"],
         ["train", "--task", "dpo", "--beta", "-1"],
         ["train", "--task", "reward", "--beta", "0.1"],
+        ["train", "--data.vocab_size", "256"],  # issue 41: was a traceback after JAX started
+        ["train", "--sample.top_p", "2"],  # was a traceback after training
+        ["train", "--task", "grpo"],  # was "pass dataset_eval=None" after loading the data
     ],
 )
 def test_argument_errors_arrive_without_importing_jax(tmp_path, argv):

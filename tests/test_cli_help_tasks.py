@@ -10,7 +10,7 @@ from jaxtrain.cli.launch_options import RAY_OPTIONS, SLURM_OPTIONS, TUNE_OPTIONS
 from jaxtrain.distributed.cluster import ClusterConfig
 from jaxtrain.distributed.slurm import SbatchOptions
 
-README = Path(__file__).parents[1] / "README.md"
+DOCS = Path(__file__).parents[1] / "docs"
 
 
 def help_of(capsys, *argv: str) -> str:
@@ -36,12 +36,11 @@ def test_train_task_help_lists_that_task_s_class_and_fields(capsys):
     assert "is not a task" in capsys.readouterr().err
 
 
-def section(title: str) -> str:
-    text = README.read_text()
-    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+def page(name: str) -> str:
+    return (DOCS / name).read_text()
 
 
-def test_launch_and_tune_help_give_type_default_and_every_readme_option(capsys):
+def test_launch_and_tune_help_give_type_default_and_every_documented_option(capsys):
     launch = help_of(capsys, "launch", "--help")
     tune = help_of(capsys, "tune", "--help")
     for backend in ("--ray", "--slurm"):  # help after the backend flag is the same help
@@ -50,7 +49,7 @@ def test_launch_and_tune_help_give_type_default_and_every_readme_option(capsys):
     assert "--time STR  (default: None)" in launch and "--submit" in launch
     assert "--scheduler STR  (default: 'asha')" in tune
     assert "--search STR" in tune and "--grace_period INT  (default: 1)" in tune
-    named = set(re.findall(r"jaxtrain (?:launch|tune)[^\n`]*", section("Ray and clusters")))
+    named = set(re.findall(r"jaxtrain (?:launch|tune)[^\n`]*", page("clusters.md")))
     flags = {f for line in named for f in re.findall(r"--(\w+)", line)}
     documented = {*RAY_OPTIONS, *SLURM_OPTIONS, *TUNE_OPTIONS, "ray", "slurm", "submit", "search"}
     trial_flags = flags - documented  # passed on to each trial's `jaxtrain train`

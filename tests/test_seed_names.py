@@ -11,7 +11,7 @@ from jaxtrain.cli import main
 from jaxtrain.seed_names import SEED_ARGUMENT_NAMES
 from jaxtrain.task_arguments import DPOArguments
 
-README = Path(__file__).parents[1] / "README.md"
+EASYDEL_PAGE = Path(__file__).parents[1] / "docs" / "easydel.md"
 
 
 @pytest.mark.parametrize(
@@ -49,9 +49,8 @@ def test_python_keyword_arguments_answer_a_seed_name_with_an_argument_error():
         TrainingArguments(learnin_rate=1e-3)
 
 
-def test_every_seed_name_of_the_table_is_in_the_readme_section():
-    text = README.read_text()
-    section = text.split("## Coming from EasyDeL", 1)[1].split("\n## ", 1)[0]
+def test_every_seed_name_of_the_table_is_in_the_docs_page():
+    section = EASYDEL_PAGE.read_text()
     listed = set(re.findall(r"^\| `(\w+)`", section, flags=re.M))
     assert set(SEED_ARGUMENT_NAMES) <= listed, set(SEED_ARGUMENT_NAMES) - listed
 
@@ -61,7 +60,7 @@ def test_a_dpo_config_given_to_the_reward_task_names_which_keys_belong_to_which_
 ):
     config = tmp_path / "dpo.yaml"
     config.write_text("beta: 0.2\nloss_type: ipo\nmax_steps: 3\n")
-    # The README's form: the config file after the flags.
+    # The docs' form: the config file after the flags.
     assert main(["train", "--task", "reward", str(config)]) == 2
     err = capsys.readouterr().err
     assert str(config) in err and "--task reward" in err

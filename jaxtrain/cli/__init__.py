@@ -55,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from jaxtrain import interrupts
 
-    if entry and command in ("train", "eval", "sample", "export", "report"):  # launch/tune: Ray's
+    if entry and command in (
+        "train",
+        "eval",
+        "sample",
+        "export",
+        "report",
+        "plan",
+    ):  # launch/tune: Ray's
         interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
     return _dispatch(command, rest, entry=entry)
 

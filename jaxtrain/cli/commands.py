@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from jaxtrain.cli.usage import USAGE, split_positional
@@ -24,15 +25,18 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     dry_run = "--dry_run" in tokens
     path, rest = split_positional([t for t in tokens if t != "--dry_run"])
     config, sources = resolve_config_with_sources(path, parse_overrides(rest))
+    from jaxtrain.cli.task import check_task_data, task_trainer
+
+    task = str(config.get("task") or "lm")
     try:
         args, model_section, data, sample = split_config(
-            config, path or "the command line", sources
+            config,
+            path or "the command line",
+            sources,
+            task_check=lambda resolved: check_task_data(task, resolved),
         )
     except ArgumentError as err:
         raise explain_source(err, sources) from None
-    from jaxtrain.cli.task import task_trainer
-
-    task = str(config.get("task") or "lm")
 
     from jaxtrain.parallel import ModelFactory
     from jaxtrain.runtime import Runtime
@@ -81,20 +85,52 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     summary = ", ".join(
         f"{k}={output.metrics[k]:.4f}" for k in ("loss", "eval/loss") if k in output.metrics
     )
-    print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
+    speaks = runtime.is_main_process  # the other processes of a cluster stay quiet
+    if speaks:
+        print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
     if output.stop_reason == "time_limit":
         return EXIT_TIME_LIMIT
     if tokenizer is not None and sample.get("max_new_tokens", 64) > 0 and task != "reward":
         # The trained causal LM (a task trainer's policy or student), not the task's container.
         model = trainer.model_from_state(output.state)
-        print_sample(model, tokenizer, sample, evaluation or train, args)
+        try:
+            print_sample(model, tokenizer, sample, evaluation or train, args, quiet=not speaks)
+        except Exception as err:  # noqa: BLE001 - the run is done; its sample is a courtesy
+            # Training and the final checkpoint succeeded: a sample that fails says why in one
+            # line and leaves the exit code of the finished run alone.
+            if speaks:
+                print(
+                    f"jaxtrain train: the end-of-run sample failed ({type(err).__name__}: "
+                    f"{err}); the run itself finished. Try `jaxtrain sample "
+                    f"{args.output_dir}` with other --sample options.",
+                    file=sys.stderr,
+                )
     return EXIT_OK
 
 
+def sample_top_k(model: Any, tokenizer: Any, top_k: int | None) -> tuple[int | None, str | None]:
+    """(top_k clamped to the model's vocabulary, a note saying so when it was clamped)."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None) or len(tokenizer)
+    if top_k is None or top_k < vocab:
+        return top_k, None
+    return vocab, (
+        f"sample: top_k {top_k} is not below the vocabulary's {vocab} tokens: sampling from "
+        f"all {vocab} (set --sample.top_k below {vocab} to restrict the draw)"
+    )
+
+
 def print_sample(
-    model: Any, tokenizer: Any, sample: dict[str, Any], dataset: Any = None, args: Any = None
+    model: Any,
+    tokenizer: Any,
+    sample: dict[str, Any],
+    dataset: Any = None,
+    args: Any = None,
+    *,
+    quiet: bool = False,
 ) -> None:
-    """A sample from `sample.prompt`, else a prompt in the run's own data format."""
+    """A sample from `sample.prompt`, else a prompt in the run's own data format. `quiet`:
+    generate (every process of a cluster takes part) but print nothing."""
     from jaxtrain.data.prompts import sample_prompt
     from jaxtrain.models import generate
 
@@ -106,15 +142,21 @@ def print_sample(
         text_column=getattr(args, "text_column", "text"),
         chat_template=getattr(args, "chat_template", None),
     )
+    top_k, note = sample_top_k(model, tokenizer, sample.get("top_k"))
+    temperature = sample.get("temperature", 0.0)
     new = generate(
         model,
         ids,
         max_new_tokens=sample.get("max_new_tokens", 64),
-        temperature=sample.get("temperature", 0.0),
-        top_k=sample.get("top_k"),
+        temperature=temperature,
+        top_k=top_k,
         top_p=sample.get("top_p", 1.0),
         eos_token_id=tokenizer.eos_token_id,
     )
+    if quiet:
+        return
+    if note is not None and temperature > 0:  # greedy decoding reads no top_k
+        print(note)
     print("--- sample " + "-" * 50)
     print(prompt + tokenizer.decode(list(new), skip_special_tokens=True))
     print("-" * 61)

@@ -159,7 +159,7 @@ def inherited_docs(cls: type) -> dict[str, str]:
 def task_fields_help(task: str | None) -> str:
     """The fields a task adds to TrainingArguments: of `task`, or of every task."""
     from jaxtrain.arguments import TrainingArguments
-    from jaxtrain.task_arguments import DPO_LOSS_TYPES, TASK_ARGUMENTS
+    from jaxtrain.task_arguments import TASK_ARGUMENTS
 
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     blocks = []
@@ -168,9 +168,27 @@ def task_fields_help(task: str | None) -> str:
         if extra and task in (None, name):
             blocks.append(
                 f"--task {name} ({cls.__name__}: top level of CONFIG or --field value):\n"
-                + dataclass_help(cls, choices={"loss_type": DPO_LOSS_TYPES}, only=extra)
+                + dataclass_help(cls, choices=task_choices(name), only=extra)
             )
     return "\n\n".join(blocks)
+
+
+def task_choices(task: str) -> dict[str, tuple]:
+    """The allowed values of a task's own fields (DPO's and GRPO's loss_type differ)."""
+    from jaxtrain.task_arguments import DPO_LOSS_TYPES, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS
+
+    return {
+        "dpo": {"loss_type": DPO_LOSS_TYPES},
+        "grpo": {"loss_type": GRPO_LOSS_TYPES, "scale_rewards": GRPO_SCALE_REWARDS},
+    }.get(task, {})
+
+
+def task_names() -> str:
+    """ "lm, sft, ... or grpo": every task `--task` takes."""
+    from jaxtrain.task_arguments import TASK_ARGUMENTS
+
+    names = list(TASK_ARGUMENTS)
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def schema_help(schema: dict[str, type], docs: dict[str, str], prefix: str, defaults: dict) -> str:
@@ -189,7 +207,7 @@ def train_help(task: str | None = None) -> str:
     from jaxtrain.config import tables as checks
     from jaxtrain.config.tables import OPTIMIZERS, REMAT_POLICIES, SCHEDULERS, TRUNCATION_MODES
     from jaxtrain.models import LlamaConfig
-    from jaxtrain.task_arguments import DPO_LOSS_TYPES, task_arguments_class
+    from jaxtrain.task_arguments import TASK_ARGUMENTS, task_arguments_class
 
     arguments_class = TrainingArguments if task is None else task_arguments_class(task)
 
@@ -204,7 +222,6 @@ def train_help(task: str | None = None) -> str:
         "truncation_mode": TRUNCATION_MODES,
         "on_nan": checks.ON_NAN,
         "report_to": checks.REPORT_TO,
-        "loss_type": DPO_LOSS_TYPES,
     }
     demo = run_config.DEFAULT_CONFIG
     which = "" if task is None else f" --task {task}"
@@ -217,7 +234,7 @@ def train_help(task: str | None = None) -> str:
     )
     return f"""usage: jaxtrain train{which} [CONFIG.yaml|json] [--field value ...] [--model.field value]
                       [--data.field value] [--sample.field value] [--dry_run]
-                      [--task lm|sft|dpo|reward|distill]
+                      [--task {"|".join(TASK_ARGUMENTS)}]
 
 Train a model. With no CONFIG and no --model.pretrained the demo's settings are the base
 (a small Llama on the embedded corpus: `jaxtrain train` alone runs the demo); with a CONFIG
@@ -230,7 +247,7 @@ override the file. Values are written `--field value` or `--field=value`; lists 
       Show this message.
 
   --task STR  (default: 'lm')
-      The trainer: lm, sft, dpo, reward or distill (distill: --teacher.pretrained DIR).
+      The trainer: {task_names()} (distill: --teacher.pretrained DIR; grpo: --reward FN).
 
 {arguments_class.__name__} (--field value, or `field: value` at the top of CONFIG):
 {dataclass_help(arguments_class, choices=choices, only=base_fields(arguments_class))}
@@ -287,7 +304,8 @@ roofline estimate of the step time and MFU on the accelerator. Every `jaxtrain t
   --layers STR         all: compile every layer; unit: the repeating unit of layers, twice
                        and three times, scaled to the depth; auto (default): unit above 4
                        layers
-  --output PATH        where plan.json goes (default: plan.json)
+  --output PATH        where plan.json goes (default: OUTPUT_DIR/plan.json when the command
+                       sets --output_dir, else ./plan.json); the path is printed
 """
 
 

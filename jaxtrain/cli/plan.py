@@ -11,12 +11,16 @@ that many CPU devices (jaxtrain/planning/worker.py); nothing is allocated, nothi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,7 @@ PLAN_OPTIONS = {
     "accelerator": "h100",
     "processes": None,
     "layers": "auto",
-    "output": "plan.json",
+    "output": None,  # default: <output_dir>/plan.json when the command names one, else ./
 }
 PLAN_FLAGS = ("sweep",)
 # Attention kernels XLA:CPU cannot lower, and what the plan compiles in their place.
@@ -118,6 +122,18 @@ def sweep_meshes(devices: int, per_node: int, micro_batch: int, config: Any) -> 
     return meshes
 
 
+def plan_path(options: dict[str, Any], args: Any, sources: dict[str, str]) -> Path:
+    """Where plan.json goes: --output, else the output_dir the command names (a flag or the
+    config file; the demo's runs/demo is not named), else the current directory."""
+    from jaxtrain.cli.run_config import DEMO
+
+    if options["output"] is not None:
+        return Path(options["output"])
+    if sources.get("output_dir") not in (None, DEMO, "default"):
+        return Path(args.output_dir) / "plan.json"
+    return Path("plan.json")
+
+
 def run_worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The worker's results, computed in a child process with spec["devices"] CPU devices."""
     with tempfile.TemporaryDirectory(prefix="jaxtrain-plan-") as tmp:
@@ -128,14 +144,46 @@ def run_worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
         flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
         flags.append(f"--xla_force_host_platform_device_count={spec['devices']}")
         env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-        done = subprocess.run(
+        # A session of its own: the terminal's Ctrl-C reaches only this process, which ends
+        # the child itself (_ends_with), so the child never prints a traceback of its own.
+        child = subprocess.Popen(
             [sys.executable, "-m", "jaxtrain.planning.worker", str(spec_path), str(out_path)],
             env=env,
-            check=False,
+            start_new_session=True,
         )
-        if done.returncode != 0:
-            raise RuntimeError(f"jaxtrain plan's compile process failed (exit {done.returncode}).")
+        try:
+            with _ends_with(child):
+                code = child.wait()
+        finally:
+            if child.poll() is None:  # this process is failing: the compile must not outlive it
+                child.kill()
+                child.wait()
+        if code != 0:
+            raise RuntimeError(f"jaxtrain plan's compile process failed (exit {code}).")
         return json.loads(out_path.read_text())
+
+
+@contextlib.contextmanager
+def _ends_with(child: subprocess.Popen) -> Iterator[None]:
+    """Ctrl-C while the child compiles: the child is killed, then one line and exit 130.
+    Only where the command line installed its interrupt handling (the process's own entry)."""
+    from jaxtrain import interrupts
+
+    if not interrupts.installed() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(number: int, frame: Any) -> None:
+        # os.kill, not child.kill() + wait(): the interrupted wait holds Popen's lock.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+        interrupts.abort("jaxtrain plan", "interrupted by SIGINT; nothing was written")
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_plan(tokens: list[str]) -> int:
@@ -214,7 +262,7 @@ def cmd_plan(tokens: list[str]) -> int:
     best = next((e for e in entries if "estimate" in e), None)
     if best is not None:
         print("\n".join(details(best, accel.name)))
-    out = Path(options["output"])
+    out = plan_path(options, args, sources)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "model": model,
@@ -228,5 +276,5 @@ def cmd_plan(tokens: list[str]) -> int:
     for entry in report["meshes"]:
         entry.get("figures", {}).pop("collective_ops", None)  # per-op detail: large, internal
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {out.resolve()}")
     return 0 if best is not None else 2

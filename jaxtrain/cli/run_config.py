@@ -219,9 +219,14 @@ def _merge(config: dict[str, Any], update: dict[str, Any]) -> None:
 
 
 def split_config(
-    config: dict[str, Any], source: str = "the config", sources: dict[str, str] | None = None
+    config: dict[str, Any],
+    source: str = "the config",
+    sources: dict[str, str] | None = None,
+    task_check: Any = None,
 ) -> tuple[TrainingArguments, dict, dict, dict]:
-    """-> (TrainingArguments, model section, data section, sample section), all validated."""
+    """-> (TrainingArguments, model section, data section, sample section), all validated.
+    `task_check(config)`, when given, runs once the keys are known to belong to the task and
+    before the arguments are built (`jaxtrain train`: what the task needs from the data)."""
     from jaxtrain.task_arguments import check_task_fields, task_arguments_class
 
     fields = {k: v for k, v in config.items() if k not in SECTIONS and k != "task"}
@@ -229,11 +234,55 @@ def split_config(
     task = str(config.get("task") or "lm")
     arguments_class = task_arguments_class(task)
     check_task_fields(list(fields), task, source)
-    args = arguments_class.from_dict(fields, source="config", sources=sources)
-    model = typed_model_section(config.get("model") or {}, sources)
+    if task_check is not None:
+        task_check(config)
+    # The light sections first: their errors come before the arguments' and the model's
+    # checks import JAX.
     data = typed_section(config.get("data") or {}, DATA_KEYS, "data", sources)
     sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample", sources)
+    check_data_section(data)
+    check_sample_section(sample)
+    args = arguments_class.from_dict(fields, source="config", sources=sources)
+    model = typed_model_section(config.get("model") or {}, sources)
     return args, model, data, sample
+
+
+# The embedded corpus's byte-level BPE holds the 256 byte tokens and its 2 special tokens.
+SMALLEST_CORPUS_VOCAB = 258
+
+
+def check_data_section(data: dict[str, Any]) -> None:
+    """Values of the data section that would fail only once the data is read."""
+    if data.get("source", "default") != "default":
+        return
+    vocab = data.get("vocab_size")
+    if vocab is not None and vocab < SMALLEST_CORPUS_VOCAB:
+        raise ArgumentError(
+            f"data.vocab_size={vocab} is too small for the embedded corpus's byte-level BPE "
+            f"(256 byte tokens + 2 special tokens): use --data.vocab_size "
+            f"{SMALLEST_CORPUS_VOCAB} or more (default 4096)."
+        )
+    budget = data.get("max_train_bytes")
+    if budget is not None and budget <= 0:
+        raise ArgumentError(
+            f"data.max_train_bytes={budget} must be > 0, e.g. --data.max_train_bytes 200000."
+        )
+
+
+def check_sample_section(sample: dict[str, Any]) -> None:
+    """The end-of-run sample's values, checked before training rather than after it."""
+    checks = [
+        ("max_new_tokens", lambda v: v >= 0, ">= 0 (0 = no sample)", "64"),
+        ("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)", "0.7"),
+        ("top_k", lambda v: v >= 1, ">= 1", "40"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]", "0.9"),
+    ]
+    for key, ok, rule, example in checks:
+        value = sample.get(key)
+        if value is not None and not ok(value):
+            raise ArgumentError(
+                f"sample.{key}={value} must be {rule}, e.g. --sample.{key} {example}."
+            )
 
 
 def _unknown_keys(unknown: list[str], known: list[str], name: str) -> ArgumentError:

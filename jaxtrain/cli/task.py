@@ -10,6 +10,36 @@ from jaxtrain.errors import ArgumentError
 PAIR_TASKS = ("dpo", "reward")
 
 
+def check_task_data(task: str, config: dict[str, Any]) -> None:
+    """What a task needs from the data section and the flags of the resolved (raw) config,
+    said in flags, before the arguments are built (their checks import JAX)."""
+    data = config.get("data") or {}
+    files = data.get("source", "default") == "files"
+    if task in PAIR_TASKS and not files:
+        raise ArgumentError(
+            f"--task {task} trains on preference rows (prompt, chosen, rejected): set "
+            "--data.source files --data.train_files PAIRS.jsonl (and --data.tokenizer DIR)."
+        )
+    if task != "grpo":
+        return
+    if not files:
+        raise ArgumentError(
+            "--task grpo samples completions of prompts and scores them with reward functions: "
+            "set --data.source files --data.train_files PROMPTS.jsonl (rows with a `prompt`, "
+            "plus the columns your rewards read, e.g. `answer`) and --reward "
+            "last_number_matches (or module:function)."
+        )
+    if data.get("eval_files"):
+        raise ArgumentError(
+            "--task grpo does not evaluate during training yet: drop --data.eval_files."
+        )
+    if not config.get("reward"):
+        raise ArgumentError(
+            "--task grpo needs reward functions: --reward last_number_matches, format_regex "
+            "(with --format_pattern REGEX) or module:function, comma-separated."
+        )
+
+
 def task_trainer(
     task: str,
     config: dict[str, Any],
@@ -23,11 +53,7 @@ def task_trainer(
     from jaxtrain.trainers.tasks import task_classes
 
     _, trainer_class = task_classes(task)
-    if task in PAIR_TASKS and data.get("source", "default") != "files":
-        raise ArgumentError(
-            f"--task {task} trains on preference rows (prompt, chosen, rejected): set "
-            "--data.source files --data.train_files PAIRS.jsonl (and --data.tokenizer DIR)."
-        )
+    check_task_data(task, {**config, "data": data})
     kwargs: dict[str, Any] = {}
     recorded: dict[str, Any] = {"task": task}
     if task == "distill":

@@ -7,7 +7,7 @@ EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB]
 USAGE = f"""usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
                  [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
-                 [--task lm|sft|dpo|reward|distill]  (the trainer; distill: --teacher.pretrained DIR)
+                 [--task lm|sft|dpo|reward|distill|grpo]  (the trainer; distill: --teacher.pretrained DIR)
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   {EXPORT_USAGE}

@@ -252,8 +252,10 @@ def check_model(args: Any) -> None:
         raise ArgumentError(
             f"TrainingArguments.lora_dropout must be in [0, 1), got {args.lora_dropout!r}."
         )
+    if args.lora_targets is None:  # the model's own default (models.lora.default_targets)
+        return
     try:
-        resolve_lora_targets(list(args.lora_targets or []))
+        resolve_lora_targets(list(args.lora_targets))
     except ValueError as err:
         raise ArgumentError(f"TrainingArguments.{err}") from None
 

@@ -79,7 +79,7 @@ class ModelSettings:
     lora_rank: int
     lora_alpha: float
     lora_dropout: float
-    lora_targets: tuple[str, ...]
+    lora_targets: tuple[str, ...] | None  # None: every group the model has
     seed: int
 
     @classmethod
@@ -93,7 +93,7 @@ class ModelSettings:
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,
-            lora_targets=tuple(args.lora_targets or ()),
+            lora_targets=None if args.lora_targets is None else tuple(args.lora_targets),
             seed=args.seed,
         )
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxtrain.cache import cache_root
+from jaxtrain.errors import ArgumentError
 
 # datasets and transformers cost ~1 s to import; only users of the corpus pay for them.
 if TYPE_CHECKING:
@@ -209,13 +210,14 @@ def load_default_corpus(
         ``~/.cache/jaxtrain``. The key includes the vocab size, the Python version, the cap
         and a fingerprint of the selected text.
     """
+    # ArgumentError is a ValueError: callers that caught the built-in keep working.
     if vocab_size < 258:
-        raise ValueError(
+        raise ArgumentError(
             f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte tokens "
             "plus 2 special tokens; use vocab_size >= 258 (default 4096)"
         )
     if max_train_bytes <= 0:
-        raise ValueError(f"max_train_bytes must be > 0, got {max_train_bytes}")
+        raise ArgumentError(f"max_train_bytes must be > 0, got {max_train_bytes}")
     root = Path(sysconfig.get_paths()["stdlib"])
     train_files, eval_files = _select_files(root, max_train_bytes)
     train_docs, eval_docs = _documents(train_files), _documents(eval_files)

@@ -31,7 +31,9 @@ def _pick(logits, i, key, temperature, top_p, *, sample: bool, top_k: int | None
     if not sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
-    if top_k is not None:
+    # top_k at or above the vocabulary keeps every token: the same as no top_k (jax.lax.top_k
+    # refuses a k larger than the axis).
+    if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     # Nucleus: keep the most likely tokens whose mass before them is < top_p (the first
@@ -218,8 +220,9 @@ def generate(
       lengths (left-padded internally) -> [B, n] where n is the longest row; a row that ended
       earlier is filled with eos.
     - temperature 0 is greedy argmax; otherwise sample from softmax(logits / temperature),
-      restricted to the ``top_k`` most likely tokens and/or the smallest set whose
-      probability reaches ``top_p``. ``seed`` fixes the draws.
+      restricted to the ``top_k`` most likely tokens (a ``top_k`` at or above the vocabulary
+      keeps them all) and/or the smallest set whose probability reaches ``top_p``. ``seed``
+      fixes the draws.
     - eos_token_id (int or list): generation stops once every row produced one; the eos
       token is kept, what would follow it is dropped. None never stops early.
     - use_cache: decode with a KV cache when the model supports it (the Llama family and its

@@ -19,6 +19,7 @@ Targets (`lora_targets`) name what to adapt:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,8 @@ from jaxtrain.errors import ArgumentError
 from jaxtrain.models.frozen import Frozen, freeze, unfreeze
 from jaxtrain.models.layers import Projection
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "FUSED_PARTS",
     "LORA_GROUPS",
@@ -43,6 +46,8 @@ __all__ = [
     "FusedLoRA",
     "LoRA",
     "apply_lora",
+    "default_targets",
+    "has_experts",
     "has_lora",
     "lora_projections",
     "merge_lora",
@@ -234,19 +239,58 @@ def _plan(model: nnx.Module, names: Sequence[str]) -> tuple[list, set[str]]:
     return plan, used
 
 
+def has_experts(model: nnx.Module) -> bool:
+    """Whether `model` holds mixture-of-experts weights (a Param with the `expert` axis)."""
+    return any(
+        "expert" in (getattr(v, "logical_axes", None) or ())
+        for _, v in nnx.iter_graph(model)
+        if isinstance(v, nnx.Param)
+    )
+
+
+def default_targets(model: nnx.Module) -> list[str]:
+    """What `lora_targets=None` adapts: the groups "attention" and "mlp" that the model has.
+
+    A mixture-of-experts model's experts take no adapter (their weights are stacked
+    [experts, ...] arrays run by the grouped matmul, not projections), so its "mlp" is only
+    the MLPs outside the experts (a shared expert, dense layers) and is left out when it
+    has none: the default of such a model is "attention"."""
+    names = resolve_targets(list(LORA_GROUPS))
+    _, used = _plan(model, names)
+    return [group for group, members in LORA_GROUPS.items() if set(members) & used]
+
+
+def _available(model: nnx.Module) -> list[str]:
+    """Every target that names something of `model`: its groups, projections and parts."""
+    present = set(default_targets(model))
+    for p, m in nnx.iter_modules(model):
+        if isinstance(m, Projection) and p and str(p[-1]) in LORA_TARGETS:
+            present.add(str(p[-1]))
+            present.update(FUSED_PARTS.get(str(p[-1]), ("", ()))[1])
+    return sorted(present)
+
+
 def apply_lora(
     model: nnx.Module,
     *,
     rank: int,
     alpha: float,
     dropout: float = 0.0,
-    targets: Sequence[str] = ("attention", "mlp"),
+    targets: Sequence[str] | None = None,
     seed: int = 0,
 ) -> nnx.Module:
     """Add adapters to the targeted projections of `model` and freeze everything else,
-    in place; returns `model`. Modules listing attribute names in `lora_keep` (a reward
-    model's score head, a classifier) keep those trainable. ArgumentError when a target
-    names nothing of this model."""
+    in place; returns `model`. `targets` None: `default_targets(model)`. Modules listing
+    attribute names in `lora_keep` (a reward model's score head, a classifier) keep those
+    trainable. ArgumentError when a target names nothing of this model."""
+    if targets is None:
+        targets = default_targets(model)
+        if has_experts(model):
+            logger.warning(
+                "jaxtrain: LoRA on a mixture-of-experts model: expert weights take no adapter; "
+                "adapting %s (lora_targets).",
+                targets,
+            )
     try:
         names = resolve_targets(targets)
     except ValueError as err:
@@ -255,15 +299,16 @@ def apply_lora(
     groups = {t: LORA_GROUPS[t] for t in targets if t in LORA_GROUPS}
     missing = [t for t in targets if not (set(groups[t]) & used if t in groups else t in used)]
     if missing or not plan:
-        present = set()
-        for p, m in nnx.iter_modules(model):
-            if isinstance(m, Projection) and p and str(p[-1]) in LORA_TARGETS:
-                present.add(str(p[-1]))
-                present.update(FUSED_PARTS.get(str(p[-1]), ("", ()))[1])
+        experts = (
+            " (expert weights of a mixture-of-experts model take no adapter)"
+            if has_experts(model)
+            else ""
+        )
         raise ArgumentError(
             f"TrainingArguments.lora_targets {list(targets)!r}: {missing or list(targets)!r} "
-            f"match no trainable projection of {type(model).__name__}; its projections and "
-            f"parts: {sorted(present)} (or the groups 'attention', 'mlp')."
+            f"match no trainable projection of {type(model).__name__}{experts}; targets "
+            f"that do: {_available(model)}, e.g. --lora_targets "
+            f"{','.join(default_targets(model)) or 'o_proj'}."
         )
     keep = {}
     for _, m in nnx.iter_modules(model):

@@ -33,6 +33,13 @@ class NoProgress:
     def close(self) -> None: ...
 
 
+class SilentProgress(NoProgress):
+    """What every process but process 0 of a cluster shows: nothing, not even the messages
+    (start, resume, compile, eval lines); process 0 speaks for the run."""
+
+    def write(self, message: str) -> None: ...
+
+
 class LineProgress(NoProgress):
     """Plain log lines, one per logged step: what rich/tqdm become outside a terminal (a log
     file, a pipe, a batch job), where a redrawn bar would squeeze into one unreadable line."""
@@ -139,8 +146,13 @@ PROGRESS_CLASSES = {"rich": RichProgress, "tqdm": TqdmProgress, "json": JsonProg
 INTERACTIVE = ("rich", "tqdm")  # redraw in place: only in a terminal
 
 
-def make_progress(kind: str, total: int, initial: int = 0, stream: TextIO | None = None):
-    """The display for `progress_bar`; rich/tqdm fall back to plain lines outside a TTY."""
+def make_progress(
+    kind: str, total: int, initial: int = 0, stream: TextIO | None = None, *, primary: bool = True
+):
+    """The display for `progress_bar`; rich/tqdm fall back to plain lines outside a TTY.
+    Not `primary` (a cluster's process > 0): silent, whatever the kind."""
+    if not primary:
+        return SilentProgress(total, initial, stream)
     stream = stream or (sys.stdout if kind == "json" else sys.stderr)
     if kind in INTERACTIVE and not _is_terminal(stream):
         return LineProgress(total, initial, stream)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
 from typing import Any
 
@@ -46,6 +48,9 @@ def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
+    # `jaxtrain plan` starts this process in a session of its own and kills it on Ctrl-C; a
+    # SIGINT sent here directly ends it quietly too (the parent reports the exit code).
+    signal.signal(signal.SIGINT, lambda number, frame: os._exit(128 + number))
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)

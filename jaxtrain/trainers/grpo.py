@@ -51,7 +51,7 @@ def adapters_off(model: nnx.Module):
 
 
 class GRPOTrainer(Trainer):
-    """Online RL from reward functions: see the module docstring and README "GRPO".
+    """Online RL from reward functions: see the module docstring and docs/tasks.md "GRPO".
 
     `reward_funcs`: callables `fn(prompts, completions, **columns) -> list[float | None]`
     (default: `arguments.reward`, paths or built-ins). `reference_model`: the KL reference

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +80,20 @@ def format_regex(pattern: str) -> RewardFunc:
 BUILTINS = ("last_number_matches", "format_regex")
 
 
+def _import_from_here(module_name: str) -> Any:
+    """Import `module_name`, finding it in the current directory too: the `jaxtrain` console
+    script (unlike `python -m`) does not put it on sys.path, and a reward module beside the
+    data is the common case."""
+    here = os.getcwd()
+    if here in sys.path or "" in sys.path:
+        return importlib.import_module(module_name)
+    sys.path.append(here)  # after everything installed: a local file never shadows a package
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path.remove(here)
+
+
 def load_reward(spec: str, *, format_pattern: str | None = None) -> RewardFunc:
     """A reward function from `module:function` (or `module.function`), or a built-in name."""
     if spec == "last_number_matches":
@@ -97,7 +113,7 @@ def load_reward(spec: str, *, format_pattern: str | None = None) -> RewardFunc:
             f"built-in ({', '.join(BUILTINS)})."
         )
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        fn = getattr(_import_from_here(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ArgumentError(f"reward {spec!r} cannot be loaded: {exc}") from exc
     if not callable(fn):

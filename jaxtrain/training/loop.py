@@ -91,7 +91,7 @@ class TrainingLoop:
         self.log = trainer.monitor.open(args.output_dir, plan.step, plan.tracker_state)
         primary = trainer.runtime.is_main_process
         self.progress = make_progress(
-            args.progress_bar if primary else "none", self.total_steps, plan.step
+            args.progress_bar, self.total_steps, plan.step, primary=primary
         )
         self.latest_state = None  # the newest live state, for the model object on a failure
         try:

@@ -132,7 +132,7 @@ def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
         rank=settings.lora_rank,
         alpha=settings.lora_alpha,
         dropout=settings.lora_dropout,
-        targets=list(settings.lora_targets),
+        targets=None if settings.lora_targets is None else list(settings.lora_targets),
         seed=settings.seed,
     )
     return model

@@ -151,8 +151,10 @@ def magnitude_pruning(
 def sparsity(opt_state: Any) -> jax.Array:
     """The fraction of targeted weights pruned, from a `PruningState`."""
     masks = [m for m in jax.tree.leaves(opt_state.masks) if m.ndim]
-    kept = sum(m.sum(dtype=jnp.float32) for m in masks)
-    return 1.0 - kept / sum(m.size for m in masks)
+    # Count the pruned weights, exactly (an int32 per matrix): 1 - kept / total in float32
+    # rounds to -1.5e-08 and the like before the first mask update, where it must be 0.
+    pruned = sum(jnp.sum(m == 0, dtype=jnp.int32).astype(jnp.float32) for m in masks)
+    return pruned / sum(m.size for m in masks)
 
 
 def pruning_metrics(state: Any) -> dict[str, jax.Array]:

@@ -46,7 +46,7 @@ def jax_settings(program: Any) -> dict[str, Any]:
     """The JAX and XLA settings that change what is compiled or how fast it starts."""
     return {
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-        # glibc.malloc.hugetlb=1 made CPU steps 10-20% faster (README "CPU runs")
+        # glibc.malloc.hugetlb=1 made CPU steps 10-20% faster (docs/training.md, "What the step computes")
         "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
         "xla_compiler_options": dict(program.runtime.compiler_options or {}),
         "jax_enable_x64": bool(jax.config.jax_enable_x64),

@@ -21,6 +21,16 @@ from jaxtrain.arguments import ArgumentError
 from jaxtrain.parallel import MeshError, detect_cluster, resolve_axis_dims
 
 HERE = Path(__file__).parent
+# `jaxtrain train` at a tiny size: 2 steps, an eval and a short sample.
+TINY_CLI = [
+    "--max_steps", "2", "--warmup_steps", "0", "--total_batch_size", "4",
+    "--max_sequence_length", "32", "--logging_steps", "1", "--eval_steps", "2",
+    "--max_eval_batches", "1", "--data.max_train_bytes", "200000", "--data.vocab_size", "384",
+    "--model.hidden_size", "32", "--model.intermediate_size", "64",
+    "--model.num_hidden_layers", "1", "--model.num_attention_heads", "2",
+    "--model.num_key_value_heads", "1", "--sample.max_new_tokens", "4",
+    "--distributed_timeout_s", "120",
+]  # fmt: skip
 TOL = 1e-6  # float32: reductions in another order differ by a few ulps
 
 
@@ -185,6 +195,32 @@ def test_two_processes_resume_packed_data_from_each_process_position(tmp_path):
         assert len(r["straight"]) == 4 and len(r["resumed"]) == 2
         # Steps 3 and 4 after the resume see exactly the rows of the uninterrupted run.
         np.testing.assert_allclose(r["resumed"], r["straight"][2:], rtol=TOL)
+
+
+def test_only_process_0_speaks_in_a_two_process_command_line_run(tmp_path):
+    # Issue 41: under --progress_bar json process 1 printed its start, compile, eval and done
+    # lines in plain text; as under Ray, only process 0 speaks for the run.
+    command = [sys.executable, "-m", "jaxtrain.cli", "train", "--output_dir", str(tmp_path)]
+    command += [*TINY_CLI, "--progress_bar", "json", "--num_processes", "2"]
+    command += ["--coordinator_address", f"127.0.0.1:{_free_port()}"]
+    env = {**worker_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [
+        subprocess.Popen(
+            [*command, "--process_id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    (out0, err0), (out1, err1) = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
+    spoken = ("jaxtrain:", "compiled", "eval loss", "done (completed)", "--- sample")
+    assert all(line in out0 + err0 for line in spoken), out0 + err0
+    # Gloo (JAX's CPU collectives, C++) announces its connection on stdout itself.
+    assert [line for line in out1.splitlines() if not line.startswith("[Gloo]")] == [], out1
+    assert not [line for line in spoken if line in err1], err1
 
 
 def test_missing_peer_fails_with_a_clear_error_and_exit_code_2():

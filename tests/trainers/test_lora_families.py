@@ -87,7 +87,7 @@ def test_cli_refuses_lora_targets_the_model_lacks(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "lora_targets" in result.stderr and "'c_attn'" in result.stderr
-    assert "q_proj" in result.stderr.split("parts:")[1]  # what the model does have
+    assert "q_proj" in result.stderr.split("targets that do:")[1]  # what the model does have
     result = run("--lora_targets", "embeddings")  # no model has it: the field check says so
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "lora_targets" in result.stderr and "embeddings" in result.stderr

@@ -1,0 +1,192 @@
+"""Every Python block and every shell command of the README and of the documentation site
+runs as written, and the figure the ViT block claims is what it reaches.
+
+The pages are the README, then every page of mkdocs.yml's nav in its order. Their blocks run
+in that order in one working directory: the ```python blocks in one interpreter (one
+namespace, each pasted after the blocks before it, so a page builds on the pages before it),
+the ```bash blocks with `bash -e` (a command reads what the blocks before it wrote). A block
+whose fence has a title (```yaml title="config.yaml") is a file the page shows: it is
+written there before the page's other blocks run, and not run itself. A block after `<!-- not run: REASON -->` is left out, with its reason
+said on the page. The repository's configs/ is linked into the working directory.
+
+Everything runs shortened by one environment variable, JAXTRAIN_MAX_STEPS=1 (every run
+stops after 1 update and evaluates at most 1 batch; the long-context examples still train a
+32k-token row), on 8 simulated CPU devices (the mesh examples need them); the ViT block also
+runs as written, unshortened, for its accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+FENCE = re.compile(
+    r"^(?:<!-- not run: (?P<reason>[^\n]+?) -->\n)?"
+    r"```(?P<lang>\w+)(?P<attrs>[^\n]*)\n(?P<code>.*?)^```$",
+    re.M | re.S,
+)
+RUN = ("python", "bash")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str  # relative to the repository root
+    line: int  # of the block's first code line
+    kind: str  # python, bash, file (a titled block) or skip (a `not run` block)
+    code: str
+    target: str = ""  # the file of a titled block; the reason of a skipped one
+
+
+def pages() -> list[Path]:
+    """The README, then the site's pages in the order of mkdocs.yml's nav."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().split("\nhooks:", 1)[0])
+
+    def walk(entries) -> list[str]:
+        found = []
+        for entry in entries:
+            for value in entry.values() if isinstance(entry, dict) else [entry]:
+                found += walk(value) if isinstance(value, list) else [value]
+        return found
+
+    return [README] + [DOCS / name for name in walk(config["nav"])]
+
+
+def page_blocks(path: Path) -> list[Block]:
+    text, name = path.read_text(), str(path.relative_to(ROOT))
+    blocks = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start("code")) + 1
+        title = re.search(r'title="([^"]+)"', match.group("attrs"))
+        code = match.group("code")
+        if match.group("reason"):
+            blocks.append(Block(name, line, "skip", code, match.group("reason")))
+        elif title:
+            blocks.append(Block(name, line, "file", code, title.group(1)))
+        elif match.group("lang") in RUN:
+            blocks.append(Block(name, line, match.group("lang"), code))
+    return blocks
+
+
+def all_blocks() -> list[Block]:
+    """Every page's blocks; a page's files first (a command may read a file shown below it)."""
+    return [
+        block
+        for path in pages()
+        for block in sorted(page_blocks(path), key=lambda b: b.kind != "file")
+    ]
+
+
+RUNNER = """
+import json, os, subprocess, sys
+blocks = json.load(open(sys.argv[1]))
+namespace = {"__name__": "__main__"}
+for page, line, kind, code, target in blocks:
+    print(f"--- {page}:{line} ({kind})", flush=True)
+    if kind == "python":
+        exec(compile(code, f"{page}:{line}", "exec"), namespace)
+    elif kind == "bash":
+        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code])
+        if done.returncode != 0:
+            sys.exit(f"{page}:{line}: the shell block exited {done.returncode}")
+    elif kind == "file":
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        open(target, "w").write(code)
+if "docs_result" in sys.argv[2:]:
+    json.dump({k: namespace[k] for k in sys.argv[3:]}, open("docs_result.json", "w"))
+"""
+
+
+def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...] = ()) -> dict:
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    (tmp_path / "runner.py").write_text(RUNNER)
+    if not (tmp_path / "configs").exists():
+        (tmp_path / "configs").symlink_to(ROOT / "configs")
+    args = [sys.executable, "runner.py", "blocks.json"]
+    if keep:
+        args += ["docs_result", *keep]
+    # The commands find this interpreter's `jaxtrain` and `python` first.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    done = subprocess.run(
+        args,
+        cwd=tmp_path,
+        env={**os.environ, "PATH": path, **env},
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    return json.loads((tmp_path / "docs_result.json").read_text()) if keep else {}
+
+
+def as_rows(blocks: list[Block]) -> list[tuple]:
+    return [(b.page, b.line, b.kind, b.code, b.target) for b in blocks]
+
+
+def test_the_pages_have_their_examples_and_the_nav_every_page():
+    # The scanner finds the blocks this file is about (a changed fence would skip them all).
+    blocks = all_blocks()
+    kinds = [b.kind for b in blocks]
+    assert kinds.count("python") >= 15 and kinds.count("bash") >= 8, kinds
+    assert any("ViTForImageClassification" in b.code for b in blocks if b.kind == "python")
+    assert {"config.yaml", "pairs.yaml", "my_rewards.py"} <= {b.target for b in blocks}
+    # Every page of docs/ is in the nav (none unreachable), every nav entry exists.
+    listed = {p.resolve() for p in pages()[1:]}
+    assert all(p.is_file() for p in listed)
+    assert {p.resolve() for p in DOCS.rglob("*.md")} == listed
+    # What is not run says why, and stays the exception.
+    skipped = [b for b in blocks if b.kind == "skip"]
+    assert all(len(b.target) > 20 for b in skipped) and len(skipped) <= 6, skipped
+
+
+def test_the_readme_is_what_a_newcomer_needs():
+    lines = README.read_text().splitlines()
+    assert len(lines) < 250, len(lines)  # issue 41: the rest lives on the site's pages
+    for page in re.findall(r"\]\((docs/[^)#]+)", README.read_text()):
+        assert (ROOT / page).is_file(), page
+
+
+def test_every_python_block_and_shell_command_of_the_docs_runs_in_order(tmp_path):
+    env = {
+        "JAXTRAIN_MAX_STEPS": "1",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "HF_HUB_OFFLINE": "1",
+        "RAY_AUTH_MODE": "disabled",
+    }
+    run_blocks(tmp_path, as_rows(all_blocks()), env)
+
+
+def test_the_vit_block_reaches_the_accuracy_it_claims(tmp_path):
+    blocks = [b for b in all_blocks() if b.kind == "python"]
+    (vit,) = [b for b in blocks if "ViTForImageClassification" in b.code]
+    claimed = re.search(r'\["eval/accuracy"\]\)\s*#\s*([0-9.]+)', vit.code)
+    assert claimed, "the ViT block states the accuracy it reaches"
+    imports = (
+        "",
+        0,
+        "python",
+        "from flax import nnx\nfrom jaxtrain import TrainingArguments\n",
+        "",
+    )
+    result_line = (
+        "",
+        0,
+        "python",
+        'vit_accuracy = vit_trainer.evaluate(vit_out.state)["eval/accuracy"]',
+        "",
+    )
+    result = run_blocks(
+        tmp_path, [imports, *as_rows([vit]), result_line], {}, keep=("vit_accuracy",)
+    )
+    assert result["vit_accuracy"] >= 0.9
+    assert abs(result["vit_accuracy"] - float(claimed.group(1))) <= 0.02, result
