@@ -225,6 +225,7 @@ LAYERS = (
     ("jaxtrain.data",),
     ("jaxtrain.hf",),
     ("jaxtrain.observability", "jaxtrain.checkpointing"),
+    ("jaxtrain.serving",),
     ("jaxtrain.training",),
     ("jaxtrain.trainers",),
     ("jaxtrain.planning",),

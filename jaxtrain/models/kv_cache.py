@@ -28,7 +28,14 @@ from jaxtrain.models.gpt2 import GPT2LMHeadModel
 from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
 from jaxtrain.models.llama import LlamaForCausalLM
 
-__all__ = ["Cache", "Slots", "cached_forward", "empty_cache", "supports_kv_cache"]
+__all__ = [
+    "Cache",
+    "Slots",
+    "cached_forward",
+    "decode_with_slots",
+    "empty_cache",
+    "supports_kv_cache",
+]
 
 Array = jax.Array
 Cache = list[tuple[Array, Array]]  # per layer: (keys, values) [B, L, K, H]
@@ -67,6 +74,11 @@ class Slots:
             update(values, v.astype(values.dtype), self.start, axis=1),
         )
 
+    def read(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        """Each row's keys and values [B, L, K, H] as attention reads them: this cache's
+        rows are contiguous already (a paged cache, jaxtrain/serving, gathers its pages)."""
+        return keys, values
+
 
 # (model, ids, slots, cache) -> (logits [B, V] of the last token, new cache)
 Decoder = Callable[[Any, Array, Slots, Cache], tuple[Array, Cache]]
@@ -83,7 +95,7 @@ def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache):
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         keys, values = slots.write(layer_cache, k, v)
-        x = x + attn.o_proj(cache_attention(q, keys, values, mask))
+        x = x + attn.o_proj(cache_attention(q, *slots.read(keys, values), mask))
         y = layer.mlp(layer.post_attention_layernorm(x))
         x = x + (y[0] if isinstance(y, tuple) else y)  # a sparse MoE block adds router stats
         new_cache.append((keys, values))
@@ -103,7 +115,9 @@ def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache):
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         keys, values = slots.write(layer_cache, k, v)
         mask = slots.mask(attn.window)
-        out = cache_attention(q, keys, values, mask, scale=attn.scale, logit_cap=attn.cap)
+        out = cache_attention(
+            q, *slots.read(keys, values), mask, scale=attn.scale, logit_cap=attn.cap
+        )
         x = x + layer.post_attention_layernorm(attn.o_proj(out))
         h = layer.mlp(layer.pre_feedforward_layernorm(x))
         x = x + layer.post_feedforward_layernorm(h)
@@ -119,7 +133,7 @@ def _gpt2(model: GPT2LMHeadModel, ids: Array, slots: Slots, cache: Cache):
     for block, layer_cache in zip(m.h, cache):
         q, k, v = block.attn.project(block.ln_1(x))
         keys, values = slots.write(layer_cache, k, v)
-        x = x + block.attn.c_proj(cache_attention(q, keys, values, mask))
+        x = x + block.attn.c_proj(cache_attention(q, *slots.read(keys, values), mask))
         x = x + block.mlp(block.ln_2(x))
         new_cache.append((keys, values))
     return m.wte.attend(m.ln_f(x[:, -1:]))[:, -1], new_cache
@@ -138,6 +152,13 @@ def _decoder(model: Any) -> Decoder | None:
         GPT2LMHeadModel: _gpt2,
     }
     return decoders.get(type(model))
+
+
+def decode_with_slots(model: Any, ids: Array, slots: Any, cache: Cache) -> tuple[Array, Cache]:
+    """The family's cached forward of `ids` with a `slots` object of its own (Slots' interface:
+    positions, mask(window), write, read): logits [B, V] of the last token and the new cache.
+    The serving engine's paged cache goes through here."""
+    return _decoder(model)(model, ids, slots, cache)
 
 
 def supports_kv_cache(model: Any) -> bool:

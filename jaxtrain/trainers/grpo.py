@@ -163,16 +163,19 @@ def grpo_objective(args: GRPOArguments) -> Objective:
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        ids, labels = batch["input_ids"], batch["labels"]
-        # The entropy comes out of the same (chunked) logits as the log-probs.
-        logps, mask, entropy = model_token_logps(model.model, ids, labels, entropy=True)
+        ids, labels, t = batch["input_ids"], batch["labels"], args.temperature
+        # Log-probs of softmax(logits / temperature): the distribution the completions were
+        # sampled from (TRL's too). The entropy comes out of the same (chunked) logits.
+        logps, mask, entropy = model_token_logps(
+            model.model, ids, labels, entropy=True, temperature=t
+        )
         ref = None
         if args.beta > 0:
             if model.reference is not None:
-                ref, _ = model_token_logps(model.reference, ids, labels)
+                ref, _ = model_token_logps(model.reference, ids, labels, temperature=t)
             else:  # LoRA: the base model is the policy without its adapters
                 with adapters_off(model.model) as base:
-                    ref, _ = model_token_logps(base, ids, labels)
+                    ref, _ = model_token_logps(base, ids, labels, temperature=t)
             ref = jax.lax.stop_gradient(ref)
         sums = grpo_loss_sums(
             logps, batch.get("old_logps"), ref, batch["advantages"], mask,
@@ -181,16 +184,18 @@ def grpo_objective(args: GRPOArguments) -> Objective:
             kl_ratio_weight=args.kl_ratio_weight,
         )  # fmt: skip
         mask = mask.astype(jnp.float32)
-        units = loss_units(args.loss_type, mask)
-        row_entropy = entropy.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
+        tokens = sums["completion_tokens"]
         return {
             "loss_sum": sums["loss_sum"],
-            "tokens": units.sum(),
-            # KL, clip ratio and entropy: token means, weighted per unit like the loss (per
-            # completion for grpo/dr_grpo, per micro-batch for bnpo, per token for dapo).
-            "kl_sum": (units * sums["row_kl"]).sum(),
-            "clip_ratio_sum": (units * sums["row_clipped"]).sum(),
-            "entropy_sum": (units * row_entropy).sum(),
+            "tokens": loss_units(args.loss_type, mask).sum(),
+            # KL, clip ratio and entropy: means over every completion token of the window, as
+            # TRL logs them (whatever unit the loss is averaged over).
+            "kl_sum": sums["token_kl_sum"],
+            "kl_count": tokens,
+            "clip_ratio_sum": sums["token_clipped_sum"],
+            "clip_ratio_count": tokens,
+            "entropy_sum": (jax.lax.stop_gradient(entropy) * mask).sum(),
+            "entropy_count": tokens,
         }
 
     def normalizer(batch: dict[str, jax.Array]) -> jax.Array:

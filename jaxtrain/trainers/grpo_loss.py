@@ -156,8 +156,8 @@ def grpo_loss_sums(
     max_completion_length: int,
     kl_ratio_weight: bool = True,
 ) -> dict[str, jax.Array]:
-    """The loss sum of one micro-batch (its normalizer: `grpo_normalizer`), the token sums
-    of KL and clip ratio, and their per-completion means [B] ("tokens" is the caller's)."""
+    """The loss sum of one micro-batch (its normalizer: `grpo_normalizer`), its completion
+    tokens and their sums of KL and clip ratio ("tokens" is the caller's)."""
     terms = grpo_token_terms(
         logps, old_logps, ref_logps, advantages,
         beta=beta, epsilon=epsilon, epsilon_high=epsilon_high, kl_ratio_weight=kl_ratio_weight,
@@ -176,14 +176,11 @@ def grpo_loss_sums(
         raise ValueError(f"unknown GRPO loss_type {loss_type!r}")
     kl = jax.lax.stop_gradient(terms["kl"]) * mask
     clipped = terms["clipped"] * mask
-    row_tokens = jnp.maximum(mask.sum(-1), 1.0)
     return {
         "loss_sum": loss_sum,
         "completion_tokens": mask.sum(),
         "token_kl_sum": kl.sum(),
         "token_clipped_sum": clipped.sum(),
-        "row_kl": kl.sum(-1) / row_tokens,  # [B]: each completion's mean over its tokens
-        "row_clipped": clipped.sum(-1) / row_tokens,
     }
 
 

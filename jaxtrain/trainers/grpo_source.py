@@ -26,8 +26,8 @@ from flax import nnx
 from jaxtrain.data.batch_source import SourceBatch
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.meter import DataMeter
-from jaxtrain.models.generation import sample_left_padded
 from jaxtrain.parallel.batch import BatchLayout
+from jaxtrain.serving import Engine, SamplingParams
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
@@ -78,6 +78,7 @@ class RolloutSource:
         self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
         self._last_batch_time: float | None = None
         self._old_logps_fn = None
+        self.engine: Engine | None = None  # made at the first round, from the policy
 
     @property
     def sequence_length(self) -> int:
@@ -194,13 +195,8 @@ class RolloutSource:
         args, g = self.args, self.args.num_generations
         start = time.perf_counter()
         rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
-        n, plen, clen = len(rows), args.max_prompt_length, args.max_completion_length
-        prompt = np.full((n, plen), self.pad_source.pad_token_id, np.int32)
-        pad = np.zeros(n, np.int32)
-        for i, r in enumerate(rows):
-            p = self.prompts.ids[r]
-            prompt[i, plen - len(p) :], pad[i] = p, plen - len(p)
-        tokens = self.sample(state, prompt, pad, step)
+        n, clen = len(rows), args.max_completion_length
+        tokens = self.sample(state, rows, step)
         generation_s = time.perf_counter() - start
         is_eos = np.isin(tokens, self.eos_token_ids)
         ended = is_eos.any(1)
@@ -240,17 +236,45 @@ class RolloutSource:
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
 
-    def sample(self, state: Any, prompt: np.ndarray, pad: np.ndarray, step: int) -> np.ndarray:
-        """Completions [N, max_completion_length] of left-padded prompts [N, P] (`pad`: each
-        row's padding) from the live parameters, on the run's mesh."""
-        args = self.args
-        graphdef, params = nnx.split(self._program.model_from_state(state))
-        tokens, _ = sample_left_padded(
-            graphdef, params, jnp.asarray(prompt), jnp.asarray(pad), self.sampling_key(step),
-            max_new_tokens=args.max_completion_length, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, eos_token_ids=self.eos_token_ids,
-        )  # fmt: skip
-        return np.asarray(tokens)  # only completions cross to the host
+    def sample(self, state: Any, rows: np.ndarray, step: int) -> np.ndarray:
+        """Completions [N, max_completion_length] of the prompts of `rows` (each group of
+        num_generations together) from the live parameters, on the engine (serving/): one
+        prefill per prompt, its pages shared by the group. A completion that ended is filled
+        with its end-of-sequence id."""
+        args, g = self.args, self.args.num_generations
+        policy = self._program.model_from_state(state)
+        if self.engine is None:
+            self.engine = Engine(
+                policy,
+                max_slots=len(rows),
+                page_size=16,
+                max_length=self.sequence_length,
+                eos_token_ids=self.eos_token_ids,
+            )
+        self.engine.update_state(nnx.split(policy)[1])
+        round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
+        prompts = [self.prompts.ids[r] for r in rows[::g]]
+        settings = [
+            SamplingParams(
+                max_tokens=args.max_completion_length,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k or 0,
+                seed=round_seed + i,
+            )  # fmt: skip
+            for i in range(len(prompts))
+        ]
+        ids = [self.engine.submit(p, s, n=g) for p, s in zip(prompts, settings)]
+        done: dict[int, list] = {i: [] for i in ids}
+        while any(len(done[i]) < g for i in ids):
+            for completion in self.engine.step():
+                done[completion.request_id].append(completion)
+        fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
+        tokens = np.full((len(rows), args.max_completion_length), fill, np.int32)
+        for p, i in enumerate(ids):
+            for c in sorted(done[i], key=lambda c: c.index):
+                tokens[p * g + c.index, : len(c.token_ids)] = c.token_ids
+        return tokens
 
     def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
         """[A, M, T] rows: prompt then completion, right-padded (causal attention never
@@ -268,7 +292,7 @@ class RolloutSource:
         return {k: v.reshape(a, n // a, *v.shape[1:]) for k, v in host.items()}
 
     def _old_logps(self, state: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        program = self._program
+        program, t = self._program, self.args.temperature
         if self._old_logps_fn is None:
             graphdef = program.graphdef
 
@@ -276,7 +300,7 @@ class RolloutSource:
             def old_logps(params, rest, ids, labels):
                 model = nnx.merge(graphdef, params, rest).model
                 flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
-                logps, _ = model_token_logps(model, flat(ids), flat(labels))
+                logps, _ = model_token_logps(model, flat(ids), flat(labels), temperature=t)
                 return logps.reshape(*ids.shape[:2], -1)
 
             self._old_logps_fn = old_logps

@@ -107,18 +107,33 @@ def chunk_tokens_for(vocab: int) -> int:
 
 
 def model_token_logps(
-    model: Any, input_ids: jax.Array, labels: jax.Array, *, entropy: bool = False
+    model: Any,
+    input_ids: jax.Array,
+    labels: jax.Array,
+    *,
+    entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, ...]:
     """``token_logps`` of a causal LM on ``input_ids`` (right-padded rows: causal attention
     never lets a real token see the padding), chunked when ``chunks_logits(model)``; with
-    ``entropy`` the per-position entropies too, from the same logits."""
+    ``entropy`` the per-position entropies too, from the same logits. `temperature`: of
+    softmax(logits / temperature), the distribution a sampler at that temperature draws from
+    (GRPO's policy, old and reference log-probs, as TRL computes them)."""
     if chunks_logits(model, input_ids.size):
         hidden = model.hidden_states(input_ids)
         chunk = chunk_tokens_for(model.config.vocab_size)
-        return chunked_token_logps(
-            hidden, model.output_projection(), labels, chunk_tokens=chunk, entropy=entropy
-        )
-    return token_logps(model(input_ids), labels, entropy=entropy)
+        project = model.output_projection()
+        if temperature != 1.0:
+            unscaled = project
+
+            def project(h: jax.Array) -> jax.Array:
+                return unscaled(h) / temperature
+
+        return chunked_token_logps(hidden, project, labels, chunk_tokens=chunk, entropy=entropy)
+    logits = model(input_ids)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logps(logits, labels, entropy=entropy)
 
 
 def sequence_logps(model: Any, input_ids: jax.Array, labels: jax.Array):

@@ -173,3 +173,113 @@ def test_group_advantages_equal_trl_nan_statistics():
         got, equal = group_advantages(rewards, G, scale)
         np.testing.assert_allclose(got, torch.nan_to_num(want, nan=0.0).numpy(), rtol=1e-5)
     assert equal.tolist() == [False] * 8 + [True] * 4
+
+
+@pytest.fixture(scope="module")
+def reference_checkpoint(checkpoint, tmp_path_factory):
+    """Another tiny Llama (other weights): the frozen KL reference."""
+    config = transformers.LlamaConfig.from_pretrained(checkpoint)
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    path = tmp_path_factory.mktemp("grpo_trl_ref") / "hf"
+    hf.save_pretrained(path)
+    return path
+
+
+def torch_logps(path, prompt, completion, temperature):
+    """log softmax(logits / temperature) of the completion tokens, as TRL computes them."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    ids = torch.as_tensor(np.concatenate([prompt, completion], 1))
+    with torch.no_grad():
+        logits = model(ids).logits[:, P - 1 : -1] / temperature
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.as_tensor(completion)[..., None])[
+        ..., 0
+    ]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_the_objective_at_temperature_07_equals_trl(
+    checkpoint, reference_checkpoint, batch, tmp_path, tokenizer, loss_type
+):
+    """jaxtrain's GRPO objective (policy and reference log-probs from its own models at the
+    sampling temperature) against TRL's `_compute_loss` at temperature 0.7: the loss, its
+    gradient's global norm, and the logged KL, clip ratio and entropy (token means)."""
+    import jax
+
+    from jaxtrain.task_arguments import GRPOArguments
+    from jaxtrain.trainers.frozen import TaskModel
+    from jaxtrain.trainers.grpo import grpo_objective
+
+    temperature, beta = 0.7, 0.04
+    prompt, completion, mask, advantages = batch
+    ref = torch_logps(reference_checkpoint, prompt, completion, temperature)
+    as_t = lambda x: torch.as_tensor(np.asarray(x))  # noqa: E731
+    inputs = {
+        "prompt_ids": as_t(prompt),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": as_t(completion),
+        "completion_mask": as_t(mask),
+        "advantages": as_t(advantages),
+        "num_items_in_batch": as_t(mask.sum()),
+        "ref_per_token_logps": ref,
+    }
+    config = trl.GRPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=B, num_generations=G,
+        max_completion_length=C, loss_type=loss_type, beta=beta, epsilon=0.2,
+        epsilon_high=0.28, temperature=temperature, use_cpu=True, report_to=[], bf16=False,
+    )  # fmt: skip
+    policy = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, attn_implementation="eager"
+    )
+    trainer = trl.GRPOTrainer(
+        model=policy,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=config,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "1 + 2"}] * B),
+        processing_class=tokenizer,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    want_grad = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in policy.parameters()))
+    metrics = trainer._metrics["train"]
+
+    args = GRPOArguments(
+        output_dir=str(tmp_path / "jt"), loss_type=loss_type, beta=beta, epsilon=0.2,
+        epsilon_high=0.28, temperature=temperature, total_batch_size=B, num_generations=G,
+        max_completion_length=C, max_prompt_length=P,
+    )  # fmt: skip
+    objective = grpo_objective(args)
+    task = TaskModel(
+        AutoModelForCausalLM.from_pretrained(checkpoint),
+        reference=AutoModelForCausalLM.from_pretrained(reference_checkpoint),
+    )
+    labels = np.concatenate([np.full_like(prompt, IGNORE_INDEX), completion], 1)
+    labels[:, P:][mask == 0] = IGNORE_INDEX
+    micro = {
+        "input_ids": jnp.asarray(np.concatenate([prompt, completion], 1)),
+        "labels": jnp.asarray(labels),
+        "advantages": jnp.asarray(advantages),
+    }
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(task, nnx.Param, ...)
+
+    def loss_of(params):
+        sums = objective.loss_sums(nnx.merge(graphdef, params, rest), micro, None)
+        return sums["loss_sum"] / objective.normalizer(jax.tree.map(lambda x: x[None], micro)), sums
+
+    (got, sums), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+    got_grad = float(
+        jnp.sqrt(sum((g.astype(jnp.float32) ** 2).sum() for g in jax.tree.leaves(grads)))
+    )
+    np.testing.assert_allclose(float(got), float(loss.detach()), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got_grad, float(want_grad), rtol=1e-5)
+    for key, trl_key in (
+        ("kl", "kl"),
+        ("clip_ratio", "clip_ratio/region_mean"),
+        ("entropy", "entropy"),
+    ):
+        value = float(sums[f"{key}_sum"]) / float(sums[f"{key}_count"])
+        np.testing.assert_allclose(value, metrics[trl_key][-1], rtol=1e-5, atol=1e-8)

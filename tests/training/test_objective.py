@@ -111,3 +111,14 @@ def test_a_broken_objective_fails_before_the_first_step(tmp_path):
     with pytest.raises(ObjectiveError, match="tokens"):
         _run(NoTokens, tmp_path)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_sum_with_its_own_count_is_averaged_over_that_count():
+    """GRPO logs token means (KL over completion tokens) beside a per-completion loss."""
+    totals = {"loss_sum": 6.0, "tokens": 3.0, "kl_sum": 2.0, "kl_count": 8.0, "z_sum": 9.0}
+    logs = summarize_sums(totals, perplexity=False)
+    assert logs == {"loss": 2.0, "kl": 0.25, "z": 3.0}  # the count itself is not logged
+    with pytest.raises(ObjectiveError, match="'kl_count' without 'kl_sum'"):
+        check_loss_sums(
+            {"loss_sum": jnp.zeros(()), "tokens": jnp.ones(()), "kl_count": jnp.ones(())}
+        )

@@ -1,0 +1,189 @@
+"""The paged KV cache: fixed-size pages in one pool per layer, a page table per sequence.
+
+Device side (`PagedSlots`, used inside the compiled steps): every layer's keys and values live
+in a pool [num_pages, page_size, K, H]; a sequence's token at logical position p sits in page
+`table[p // page_size]` at offset `p % page_size`. `PagedSlots` has the interface of
+models/kv_cache.py's `Slots` (positions, mask, write, read), so every family's cached decoder
+runs on pages unchanged: `write` scatters the new tokens into their pages, `read` gathers each
+row's pages into the [B, L, K, H] view attention reads. Page 0 is never handed out: writes of
+padding and of idle rows land there, and no sequence reads it as a visible key.
+
+Host side (`PageAllocator`): free pages, reference counts (a prompt's full pages are shared by
+every sequence that starts with it), and the index of cached prompt prefixes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.errors import JaxtrainError
+
+__all__ = ["CacheFull", "PageAllocator", "PagedSlots", "empty_pool"]
+
+Array = jax.Array
+GARBAGE_PAGE = 0
+
+
+class CacheFull(JaxtrainError):
+    """No free page for a sequence that needs one (the scheduler waits or says so)."""
+
+
+def empty_pool(model: Any, num_pages: int, page_size: int) -> list[tuple[Array, Array]]:
+    """Every layer's (keys, values) pool [num_pages, page_size, K, H] in the model's dtype."""
+    c = model.config
+    shape = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
+    return [
+        (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+        for _ in range(c.num_hidden_layers)
+    ]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedSlots:
+    """Where T new tokens of B rows go in a paged cache, and what each row sees.
+
+    `logical` [B, T]: each new token's position in its sequence, -1 for the left padding of
+    a prefill (written to the garbage page; it sees only key 0, so its softmax stays finite);
+    `table` [B, max_pages]: each row's physical pages in order."""
+
+    logical: Array
+    table: Array
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def of(
+        cls, start: Array, tokens: int, table: Array, page_size: int, pad: Array | None = None
+    ) -> PagedSlots:
+        """`tokens` new tokens per row: `pad` [B] padding tokens first (default none), then
+        the real ones from logical position `start` [B] on."""
+        pad = jnp.zeros_like(start) if pad is None else pad
+        index = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+        logical = jnp.where(index < pad[:, None], -1, start[:, None] + index - pad[:, None])
+        return cls(logical, table, page_size)
+
+    @property
+    def positions(self) -> Array:
+        """[B, T] rotary / learned positions (padding clamped to 0; its output is unused)."""
+        return jnp.maximum(self.logical, 0)
+
+    @property
+    def length(self) -> int:
+        return self.table.shape[1] * self.page_size
+
+    def mask(self, window: int | None = None) -> Array:
+        """[B, 1, T, L]: key j is visible to a query at position p when 0 <= j <= p (and,
+        with a sliding `window`, p - j < window)."""
+        p = self.logical[:, :, None]
+        j = jnp.arange(self.length, dtype=jnp.int32)[None, None, :]
+        visible = (j <= p) & (p >= 0)
+        if window is not None:
+            visible &= p - j < window
+        return (visible | ((p < 0) & (j == 0)))[:, None]
+
+    def write(self, pool: tuple[Array, Array], k: Array, v: Array) -> tuple[Array, Array]:
+        """The layer's pool with the new tokens' keys and values [B, T, K, H] scattered into
+        their pages (padding and positions past a row's table into the garbage page)."""
+        keys, values = pool
+        p = self.logical
+        index = jnp.clip(p // self.page_size, 0, self.table.shape[1] - 1)
+        page = jnp.take_along_axis(self.table, index, axis=1)
+        page = jnp.where(p >= 0, page, GARBAGE_PAGE)
+        offset = jnp.where(p >= 0, p % self.page_size, 0)
+        return (
+            keys.at[page, offset].set(k.astype(keys.dtype)),
+            values.at[page, offset].set(v.astype(values.dtype)),
+        )
+
+    def read(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        """Each row's pages gathered in order: [B, max_pages * page_size, K, H]."""
+        b = self.table.shape[0]
+
+        def view(pool: Array) -> Array:
+            return pool[self.table].reshape(b, self.length, *pool.shape[2:])
+
+        return view(keys), view(values)
+
+
+def prefix_keys(tokens: np.ndarray, page_size: int) -> list[str]:
+    """A key per full page of `tokens`: a hash of every token up to that page's end, so a
+    key names the whole prefix, not the page alone."""
+    digest = hashlib.blake2b(digest_size=16)
+    keys = []
+    for end in range(page_size, len(tokens) + 1, page_size):
+        digest.update(np.asarray(tokens[end - page_size : end], np.int32).tobytes())
+        keys.append(digest.copy().hexdigest())
+    return keys
+
+
+class PageAllocator:
+    """Free pages, reference counts and cached prompt prefixes (see the module docstring).
+
+    A cached prefix holds one reference to its pages; a sequence using them holds one more
+    each. When the pool runs short, cached prefixes that no sequence uses are evicted, oldest
+    first."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.free = list(range(num_pages - 1, GARBAGE_PAGE, -1))  # pop() hands out low ids
+        self.refs = np.zeros(num_pages, np.int32)
+        self.prefixes: dict[str, int] = {}  # prefix key -> page (insertion order = age)
+
+    @property
+    def available(self) -> int:
+        evictable = sum(1 for page in self.prefixes.values() if self.refs[page] == 1)
+        return len(self.free) + evictable
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.available:
+            raise CacheFull(
+                f"the KV cache needs {count} more pages of {self.page_size} tokens and has "
+                f"{self.available} free: raise num_pages or lower max_slots / max_tokens"
+            )
+        while len(self.free) < count:
+            self._evict_one()
+        pages = [self.free.pop() for _ in range(count)]
+        self.refs[pages] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        self.refs[pages] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free.append(page)
+
+    def cached_prefix(self, keys: list[str]) -> list[int]:
+        """The pages of the longest cached prefix among `keys` (one per full page)."""
+        pages = []
+        for key in keys:
+            page = self.prefixes.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def remember(self, keys: list[str], pages: list[int]) -> None:
+        """Keep these full pages as a cached prefix (one reference of their own)."""
+        for key, page in zip(keys, pages):
+            if key not in self.prefixes:
+                self.prefixes[key] = page
+                self.refs[page] += 1
+
+    def _evict_one(self) -> None:
+        for key, page in self.prefixes.items():
+            if self.refs[page] == 1:  # only the cache holds it
+                del self.prefixes[key]
+                self.release([page])
+                return
+        raise CacheFull("no free page and no unused cached prefix to evict")

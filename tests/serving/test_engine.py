@@ -1,0 +1,183 @@
+"""The engine's mechanics: continuous batching, pages freed and shared, prefix reuse, stop
+conditions, seeded sampling independent of the batch, and a fixed set of compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections import Counter
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain.errors import ArgumentError
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
+from jaxtrain.serving import Engine, SamplingParams
+
+VOCAB = 61
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,  # peaked distributions: greedy tokens are not near-ties
+    )
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, n).tolist()
+
+
+def test_requests_join_while_others_decode_and_free_their_pages(model):
+    engine = Engine(model, max_slots=2, page_size=4, max_length=48, eos_token_ids=[])
+    short = SamplingParams(max_tokens=2, temperature=0.0)
+    long = SamplingParams(max_tokens=9, temperature=0.0)
+    a = engine.submit(prompt(5, 1), long)
+    b = engine.submit(prompt(7, 2), short)
+    c = engine.submit(prompt(3, 3), long)  # waits for b's slot
+    seen = []
+    while not engine.idle:
+        finished = engine.step()
+        seen += [(f.request_id, len(engine.active)) for f in finished]
+        assert len(engine.active) <= 2
+    assert [r for r, _ in seen] == [b, a, c]
+    assert engine.pages.available == engine.pages.num_pages - 1  # every page back
+    # c started as soon as b's slot was free, while a still decoded: the same tokens as alone.
+    alone = Engine(model, max_slots=1, page_size=4, max_length=48, eos_token_ids=[])
+    want = generate(model, prompt(3, 3), max_new_tokens=9).tolist()
+    assert alone.generate([prompt(3, 3)], long)[0][0].token_ids == want
+
+
+def test_a_group_shares_its_prompt_pages_and_a_later_request_reuses_the_prefix(model):
+    engine = Engine(model, max_slots=4, page_size=4, max_length=40, eos_token_ids=[])
+    system = prompt(13, 5)  # three full pages and one token
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=4)
+    prefills = []
+    original = engine.steps.prefill
+    engine.steps.prefill = lambda *a: prefills.append(int((a[2] != 0).sum())) or original(*a)
+    engine.submit(system, params, n=4)
+    engine.step()
+    # One prefill of 13 tokens; 4 samples x 4 pages (16 tokens) would be 16 pages without
+    # sharing: the 3 full prompt pages are shared, each sample has 1 page of its own.
+    assert prefills == [13]
+    used = engine.pages.num_pages - 1 - len(engine.pages.free)
+    assert used == 3 + 1 + 3 * 1
+    while not engine.idle:
+        engine.step()
+    engine.generate([system + prompt(2, 6)], SamplingParams(max_tokens=2, temperature=0.0))
+    assert prefills == [13, 15 - 12]  # the cached 3 pages (12 tokens) are not prefilled again
+
+
+def test_stop_ids_stop_strings_and_max_tokens(model):
+    class Digits:  # a tokenizer for the stop strings: token t is the text "t,"
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f"{t}," for t in ids)
+
+    greedy = generate(model, prompt(6, 9), max_new_tokens=10).tolist()
+    engine = Engine(model, tokenizer=Digits(), max_slots=2, page_size=4, eos_token_ids=[])
+    by_id = engine.generate(
+        [prompt(6, 9)], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[greedy[3]])
+    )[0][0]
+    assert by_id.token_ids == greedy[: greedy.index(greedy[3]) + 1]
+    assert by_id.finish_reason == "stop"
+    text = f"{greedy[2]},{greedy[3]},"
+    by_text = engine.generate(
+        [prompt(6, 9)], SamplingParams(max_tokens=10, temperature=0.0, stop=[text])
+    )[0][0]
+    assert by_text.finish_reason == "stop" and text not in by_text.text
+    assert by_text.text == "".join(f"{t}," for t in greedy)[: by_text.text.__len__()]
+    capped = engine.generate([prompt(6, 9)], SamplingParams(max_tokens=4, temperature=0.0))[0][0]
+    assert capped.token_ids == greedy[:4] and capped.finish_reason == "length"
+
+
+def test_seeded_sampling_depends_on_the_request_alone(model):
+    params = SamplingParams(max_tokens=8, temperature=1.3, top_k=20, top_p=0.9, seed=11)
+    alone = Engine(model, max_slots=1, page_size=4).generate([prompt(5, 1)], params)[0][0]
+    crowded = Engine(model, max_slots=4, page_size=4)
+    others = SamplingParams(max_tokens=12, temperature=0.7, seed=2)
+    crowded.submit(prompt(9, 2), others)
+    mine = crowded.submit(prompt(5, 1), params)
+    crowded.submit(prompt(3, 3), others)
+    done = []
+    while not crowded.idle:
+        done += crowded.step()
+    (again,) = [c for c in done if c.request_id == mine]
+    assert again.token_ids == alone.token_ids
+    other_seed = Engine(model, max_slots=1, page_size=4).generate(
+        [prompt(5, 1)], dataclasses.replace(params, seed=12)
+    )[0][0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_the_steps_compile_once_per_bucket_over_many_requests(model):
+    engine = Engine(model, max_slots=4, page_size=4, max_length=48)
+    compiled: Counter[str] = Counter()
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            found = re.match(r"Compiling (?:jit\()?([\w.<>]+)", record.getMessage())
+            if found:
+                compiled[found.group(1)] += 1
+
+    handler = Record(level=logging.DEBUG)
+    logging.getLogger("jax").addHandler(handler)
+    jax.clear_caches()
+    try:
+        with jax.log_compiles(True):
+            for round_ in range(3):
+                batch = [prompt(n, round_ * 10 + n) for n in (2, 5, 9, 14, 7, 3)]
+                params = SamplingParams(max_tokens=5 + round_, temperature=0.8, seed=round_)
+                engine.generate(batch, params)
+            after_warm = sum(compiled.values())
+            engine.generate(
+                [prompt(n, 99 + n) for n in (4, 11, 6, 1, 8, 2)], SamplingParams(max_tokens=7)
+            )
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    shapes = engine.steps.compiles
+    assert compiled["_prefill_fn"] == len(shapes["prefill"]) <= 2  # buckets 16 and 32
+    assert compiled["_decode_fn"] == len(shapes["decode"]) <= 3  # 1, 2 and 4 rows
+    assert sum(compiled.values()) == after_warm  # a fourth round compiles nothing new
+
+
+def test_a_mixture_of_experts_model_decodes_like_generate():
+    config = MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, max_position_embeddings=64, initializer_range=0.3,
+    )  # fmt: skip
+    moe = MoeForCausalLM(config, rngs=nnx.Rngs(1))
+    batch = [prompt(n, n) for n in (4, 9, 2)]
+    engine = Engine(moe, max_slots=2, page_size=4, eos_token_ids=[])
+    got = engine.generate(batch, SamplingParams(max_tokens=6, temperature=0.0))
+    assert [c[0].token_ids for c in got] == [
+        generate(moe, p, max_new_tokens=6).tolist() for p in batch
+    ]
+
+
+def test_bad_requests_are_refused_with_the_reason(model):
+    engine = Engine(model, max_slots=2, page_size=4, max_length=16)
+    with pytest.raises(ArgumentError, match="exceeds the engine's max_length 16"):
+        engine.submit(prompt(10), SamplingParams(max_tokens=8))
+    with pytest.raises(ArgumentError, match="n=3"):
+        engine.submit(prompt(3), SamplingParams(max_tokens=4), n=3)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-1.0)
+    small = Engine(model, max_slots=2, page_size=4, max_length=16, num_pages=3)
+    small.submit(prompt(8), SamplingParams(max_tokens=8))  # needs 4 pages of the 2 there are
+    with pytest.raises(ArgumentError, match="does not fit the KV cache even alone"):
+        small.step()
