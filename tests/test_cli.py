@@ -72,6 +72,17 @@ def test_train_then_eval_and_sample_from_the_run_directory(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--- sample" in result.stdout and "import " in result.stdout
 
+    # `jaxtrain serve` loads the run directory: its newest checkpoint and its tokenizer.
+    from jaxtrain.models import generate
+    from jaxtrain.serving import Engine, SamplingParams
+    from jaxtrain.serving.loading import load_served_model
+
+    model, tokenizer, name = load_served_model(run)
+    ids = tokenizer("import ")["input_ids"]
+    engine = Engine(model, tokenizer=tokenizer, max_slots=1, eos_token_ids=[])
+    served = engine.generate([ids], SamplingParams(max_tokens=5, temperature=0.0))[0][0]
+    assert name == "run" and served.token_ids == generate(model, ids, max_new_tokens=5).tolist()
+
 
 def test_bad_flags_exit_2_with_a_message_naming_the_field(tmp_path):
     result = jaxtrain("train", "--output_dir", str(tmp_path), "--learning_rate", "-1")

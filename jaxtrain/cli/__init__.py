@@ -25,7 +25,7 @@ from jaxtrain.cli.usage import USAGE
 
 __all__ = ["COMMANDS", "USAGE", "main"]
 
-COMMANDS = ("train", "eval", "sample", "export", "report", "plan")
+COMMANDS = ("train", "eval", "sample", "export", "report", "plan", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "export",
         "report",
         "plan",
+        "serve",
     ):  # launch/tune: Ray's
         interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
     return _dispatch(command, rest, entry=entry)
@@ -72,6 +73,7 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     from jaxtrain.cli.export import cmd_export
     from jaxtrain.cli.launch import cmd_launch, cmd_tune
     from jaxtrain.cli.plan import cmd_plan
+    from jaxtrain.cli.serve import cmd_serve
     from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
 
     commands = {
@@ -81,6 +83,7 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
         "export": cmd_export,
         "report": cmd_report,
         "plan": cmd_plan,
+        "serve": cmd_serve,
         "launch": lambda tokens: cmd_launch(tokens, entry=main),  # workers run this CLI
         "tune": cmd_tune,
     }

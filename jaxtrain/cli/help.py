@@ -348,5 +348,29 @@ Write a run's checkpoint as a Hugging Face directory (safetensors, config, token
 Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.
 """,
         "plan": PLAN_HELP,
+        "serve": SERVE_HELP,
     }
     return texts[command]
+
+
+SERVE_HELP = """usage: jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--max_slots 8]
+                      [--page_size 16] [--max_length N] [--num_pages N] [--model_name NAME]
+
+Serve a model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
+/v1/chat/completions; streaming, n > 1, usage): a run directory (its newest checkpoint), a
+Hugging Face directory or .gguf file, or a LoRA export (merged onto its local base). Needs the
+serve extra (fastapi, uvicorn).
+
+  --host STR  (default: '127.0.0.1')
+  --port INT  (default: 8000)
+  --max_slots INT  (default: 8)
+      Sequences decoded at once; more requests wait in the queue.
+  --page_size INT  (default: 16)
+      Tokens per page of the KV cache.
+  --max_length INT
+      Prompt + new tokens of one sequence (default: the model's context).
+  --num_pages INT
+      Pages of the KV cache (default: every slot at max_length).
+  --model_name NAME
+      The model's id in requests (default: the directory's name).
+"""

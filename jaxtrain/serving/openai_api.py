@@ -1,0 +1,190 @@
+"""OpenAI's request and response shapes: parsing a completion or chat request into the
+engine's terms, and the JSON (or server-sent event chunks) the `openai` client reads back.
+
+Pure functions of dicts: the HTTP server (server.py) calls them. A request that cannot be
+served raises `RequestError` with the status code and OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from jaxtrain.serving.sampling import SamplingParams
+
+__all__ = ["ParsedRequest", "RequestError", "chunk", "error_body", "parse_request", "response"]
+
+
+class RequestError(Exception):
+    """A request the server refuses: `status` and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or ("model_not_found" if status == 404 else "invalid_request")
+
+
+def error_body(err: RequestError) -> dict[str, Any]:
+    kind = "not_found_error" if err.status == 404 else "invalid_request_error"
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    chat: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(400, f"'{name}' must be a number, got {value!r}", name)
+    if kind is int and int(value) != value:
+        raise RequestError(400, f"'{name}' must be an integer, got {value!r}", name)
+    if low is not None and value < low:
+        raise RequestError(400, f"'{name}' must be >= {low}, got {value!r}", name)
+    return kind(value)
+
+
+def parse_request(
+    body: Any, *, chat: bool, model_name: str, tokenizer: Any, max_length: int
+) -> ParsedRequest:
+    """The engine's request for an OpenAI completion (`chat` False) or chat body."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model != model_name:
+        raise RequestError(
+            404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model"
+        )
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "'messages' must be a non-empty list of messages", "messages")
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as err:  # a malformed message or a tokenizer without a template
+            raise RequestError(400, f"the messages cannot be rendered: {err}", "messages") from None
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError(
+                400, "'prompt' must be a string or a list of token ids (one prompt)", "prompt"
+            )
+    if not ids:
+        raise RequestError(400, "the prompt is empty", "prompt")
+    limit = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    default_max = max(1, min(16 if not chat else 256, max_length - len(ids)))
+    max_tokens = _number(body, limit, default_max, int, 1)
+    if len(ids) + max_tokens > max_length:
+        raise RequestError(
+            400,
+            f"the prompt ({len(ids)} tokens) plus {limit} ({max_tokens}) exceeds this model's "
+            f"context of {max_length} tokens; shorten the prompt or lower {limit}",
+            limit,
+            "context_length_exceeded",
+        )
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, "'stop' must be a string or a list of strings", "stop")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, float, 0.0),
+        top_p=_number(body, "top_p", 1.0, float, 0.0) or 1.0,
+        top_k=_number(body, "top_k", 0, int, 0),
+        seed=_number(body, "seed", 0, int),
+        stop=tuple(stop),
+    )
+    stream_options = body.get("stream_options") or {}
+    return ParsedRequest(
+        chat=chat,
+        prompt_ids=ids,
+        params=params,
+        n=_number(body, "n", 1, int, 1),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+    )
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response(
+    request: ParsedRequest, model: str, texts: list[str], reasons: list[str], tokens: list[int]
+) -> dict[str, Any]:
+    """The whole (non-streaming) answer: one choice per sample."""
+    if request.chat:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
+            for i, (text, reason) in enumerate(zip(texts, reasons))
+        ]
+    else:
+        choices = [
+            {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            for i, (text, reason) in enumerate(zip(texts, reasons))
+        ]
+    return {
+        "id": new_id(request.chat),
+        "object": "chat.completion" if request.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(request.prompt_ids), sum(tokens)),
+    }
+
+
+def chunk(
+    request: ParsedRequest,
+    model: str,
+    stream_id: str,
+    index: int,
+    text: str | None,
+    reason: str | None,
+    *,
+    first: bool = False,
+) -> dict[str, Any]:
+    """One server-sent event of a stream: sample `index`'s new text, or its end."""
+    if request.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+    return {
+        "id": stream_id,
+        "object": "chat.completion.chunk" if request.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }

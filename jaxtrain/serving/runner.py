@@ -1,0 +1,137 @@
+"""The engine on a thread of its own, fed by other threads (the HTTP server's event loop).
+
+The engine is single-threaded: every call to it happens on this thread. Other threads send
+commands through a queue (`submit`, `cancel`); each request's events (its tokens, its end,
+an error) go to a sink the caller gives, called on this thread (the server hands them to its
+event loop with `call_soon_threadsafe`). The thread steps the engine while it has work and
+sleeps on the queue when it has none.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxtrain.errors import JaxtrainError
+from jaxtrain.serving.engine import Completion, Engine
+from jaxtrain.serving.sampling import SamplingParams
+
+__all__ = ["EngineRunner", "Event"]
+
+logger = logging.getLogger("jaxtrain.serving")
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request's sink receives: a token of sample `index`, a finished sample
+    (`completion`), or the error that ended the request."""
+
+    kind: str  # "token", "done" or "error"
+    index: int = 0
+    token: int | None = None
+    completion: Completion | None = None
+    error: BaseException | None = None
+
+
+Sink = Callable[[Event], None]
+
+
+class EngineRunner:
+    """See the module docstring."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[int, Sink] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="jaxtrain-engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, n: int, sink: Sink
+    ) -> concurrent.futures.Future:
+        """Queue a request; the future gives its id (or the engine's refusal)."""
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("submit", (list(prompt), params, n, sink), reply))
+        return reply
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a request (a client that went away): its slots and pages are freed."""
+        self._commands.put(("cancel", request_id, None))
+
+    def close(self) -> None:
+        self._stopped = True
+        self._commands.put(("stop", None, None))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stopped:
+            block = self.engine.idle
+            try:
+                while True:
+                    command = self._commands.get(block=block)
+                    block = False
+                    self._handle(*command)
+            except queue.Empty:
+                pass
+            if self._stopped or self.engine.idle:
+                continue
+            try:
+                finished = self.engine.step()
+            except JaxtrainError as err:  # the next request cannot run: end it, keep serving
+                self._fail_waiting(err)
+                continue
+            except Exception as err:  # a bug: every request ends with it, the server stays up
+                logger.exception("the engine failed; ending every request")
+                self._fail_all(err)
+                continue
+            for completion in finished:
+                sink = self._sinks.get(completion.request_id)
+                if sink is not None:
+                    sink(Event("done", completion.index, completion=completion))
+
+    def _handle(self, kind: str, payload: Any, reply: Any) -> None:
+        if kind == "submit":
+            prompt, params, n, sink = payload
+            try:
+                request_id = self.engine.submit(prompt, params, n=n, on_token=self._on_token)
+            except Exception as err:  # refused (too long, bad n): the caller answers 400
+                reply.set_exception(err)
+                return
+            self._sinks[request_id] = sink
+            reply.set_result(request_id)
+        elif kind == "cancel":
+            self.engine.cancel(payload)
+            self._sinks.pop(payload, None)
+
+    def _on_token(self, request_id: int, index: int, token: int) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            sink(Event("token", index, token=token))
+
+    def _fail_waiting(self, err: Exception) -> None:
+        """The engine refused its next waiting request (it cannot fit even alone)."""
+        request = self.engine.waiting.popleft()
+        logger.warning("request %d failed: %s", request.request_id, err)
+        sink = self._sinks.pop(request.request_id, None)
+        if sink is not None:
+            sink(Event("error", error=err))
+
+    def _fail_all(self, err: Exception) -> None:
+        for request_id in {s.request_id for s in self.engine.active} | {
+            r.request_id for r in self.engine.waiting
+        }:
+            self.engine.cancel(request_id)
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(Event("error", error=err))
+
+    def forget(self, request_id: int) -> None:
+        """The request's sink is no longer needed (all its samples are done)."""
+        self._commands.put(("cancel", request_id, None))

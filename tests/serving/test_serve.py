@@ -1,0 +1,268 @@
+"""`jaxtrain serve` as a real process, called with the official `openai` client: completions,
+chat, streaming, n=2, usage, 8 concurrent clients, and every bad request answered with a 4xx in
+OpenAI's shape while the server keeps serving. A client that disconnects mid-stream frees its
+slot (checked in-process, where the engine can be looked at)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+
+openai = pytest.importorskip("openai")
+
+from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
+from jaxtrain.models import generate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+PROMPTS = ["def add(a, b):", "the quick brown", "import os", "print(", "return a", "fox", "x", "o"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from tokenizers import ByteLevelBPETokenizer
+
+    out = tmp_path_factory.mktemp("served")
+    bpe = ByteLevelBPETokenizer()
+    text = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps\n", "import os\n"]
+    bpe.train_from_iterator(text * 20, vocab_size=200, min_frequency=1,
+                            special_tokens=["<s>", "</s>", "<pad>"])  # fmt: skip
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+        initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """Greedy text of a prompt's ids from jaxtrain's own `generate` (stops at eos)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+
+    def greedy(ids: list[int], max_tokens: int) -> tuple[str, int]:
+        new = generate(model, ids, max_new_tokens=max_tokens, eos_token_id=1).tolist()
+        return tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+    return tokenizer, greedy
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain.cli", "serve", str(model_dir), "--port", str(port),
+         "--max_slots", "4", "--model_name", "tiny"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            pytest.fail(f"jaxtrain serve exited: {process.stdout.read()}")
+        time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("jaxtrain serve did not answer within 180 s")
+    yield base
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key="unused", max_retries=0)
+
+
+def test_models_and_greedy_completions(client, expected):
+    tokenizer, greedy = expected
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    text, count = greedy(ids, 12)
+    assert out.choices[0].text == text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == count
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_applies_the_template(client, expected):
+    tokenizer, greedy = expected
+    messages = [{"role": "user", "content": "def add"}]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0
+    )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == greedy(ids, 10)[0]
+    assert out.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_gives_the_same_text_in_pieces(client):
+    whole = client.completions.create(model="tiny", prompt="import", max_tokens=14, temperature=0)
+    pieces = list(
+        client.completions.create(
+            model="tiny", prompt="import", max_tokens=14, temperature=0, stream=True
+        )
+    )
+    assert "".join(p.choices[0].text for p in pieces) == whole.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    chat = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "fox"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+    )
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].usage.completion_tokens >= 1 and chat[-1].choices == []
+
+
+def test_n_samples_with_a_seed(client):
+    kw = dict(model="tiny", prompt="the quick", max_tokens=10, temperature=1.5, n=2, seed=7)
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage.completion_tokens == again.usage.completion_tokens >= 2
+
+
+def test_eight_concurrent_clients(client, expected):
+    tokenizer, greedy = expected
+
+    def ask(prompt: str) -> str:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+        return out.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, PROMPTS))
+    assert got == [greedy(tokenizer(p)["input_ids"], 16)[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    "body,status,code",
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model_not_found"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 500}, 400, "context_length_exceeded"),
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "invalid_request"),
+        ({"model": "tiny", "prompt": "x", "n": 0}, 400, "invalid_request"),
+        ({"model": "tiny", "prompt": "x", "n": 9}, 400, "invalid_request"),
+        ({"model": "tiny", "messages": "hello"}, 400, "invalid_request"),
+        ("{not json", 400, "invalid_request"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    server, client, body, status, code
+):
+    chat = isinstance(body, dict) and "messages" in body
+    url = f"{server}/{'chat/completions' if chat else 'completions'}"
+    data = body if isinstance(body, str) else json.dumps(body)
+    answer = httpx.post(url, content=data, headers={"content-type": "application/json"})
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert error["code"] == code and error["message"] and "type" in error
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(model_dir):
+    import uvicorn
+
+    from jaxtrain.serving import Engine
+    from jaxtrain.serving.loading import load_served_model
+    from jaxtrain.serving.server import create_app
+
+    model, tokenizer, _ = load_served_model(model_dir)
+    engine = Engine(model, tokenizer=tokenizer, max_slots=2, eos_token_ids=[])
+    cut_at = []  # tokens each cancelled sequence had when it was cancelled
+    cancel = engine.cancel
+
+    def spy(request_id):
+        cut_at.extend(len(s.generated) for s in engine.active if s.request_id == request_id)
+        cancel(request_id)
+
+    engine.cancel = spy
+    app = create_app(engine, model_name="tiny", tokenizer=tokenizer)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": "def", "max_tokens": 90, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # it is decoding
+        # The connection is closed: the request is cancelled mid-decode, its slot and pages
+        # freed at once.
+        deadline = time.monotonic() + 20
+        while (engine.active or not cut_at) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cut_at and 1 <= cut_at[0] < 90, cut_at
+        assert not engine.active
+        assert engine.pages.available == engine.pages.num_pages - 1
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+def test_a_lora_export_is_served_merged_onto_its_local_base(model_dir, tmp_path):
+    """A PEFT adapter directory (jaxtrain's own export) loads as its base with B @ A * alpha
+    / r added to each adapted weight: the logits of jaxtrain's merged model."""
+    import jax
+    import numpy as np
+
+    from jaxtrain.hf.peft import save_peft_adapter
+    from jaxtrain.models.lora import apply_lora, lora_projections, merge_lora
+    from jaxtrain.serving.loading import load_served_model
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    apply_lora(model, rank=4, alpha=8.0, targets=["attention", "mlp"], seed=3)
+    for i, (_, projection) in enumerate(lora_projections(model)):  # B starts at 0: move it
+        b = projection.lora.b
+        b[...] = jax.random.normal(jax.random.key(i), b[...].shape) * 0.1
+    save_peft_adapter(model, tmp_path / "adapter", base_model=str(model_dir))
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "adapter")
+    served, tokenizer, name = load_served_model(tmp_path / "adapter")
+    ids = np.asarray([tokenizer("def add(a, b):")["input_ids"]])
+    np.testing.assert_allclose(
+        np.asarray(served(ids)), np.asarray(merge_lora(model)(ids)), rtol=1e-5, atol=1e-5
+    )
+    assert name == "adapter"
