@@ -135,6 +135,11 @@ class GRPOArguments(TrainingArguments):
     reward: list[str] | None = None
     # The pattern of the built-in format_regex reward (fullmatch of the completion).
     format_pattern: str | None = None
+    # Evaluation (dataset_eval: prompts, every eval_steps): k completions per prompt, their
+    # rewards logged, and pass@k: the share of prompts with at least one completion whose
+    # weighted reward reaches eval_pass_threshold.
+    eval_num_generations: int = 4
+    eval_pass_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         if self.epsilon_high is None:
@@ -173,6 +178,11 @@ class GRPOArguments(TrainingArguments):
             (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
             (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
             (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+            (
+                1 <= self.eval_num_generations <= self.total_batch_size,
+                f"eval_num_generations={self.eval_num_generations} must lie in [1, "
+                f"total_batch_size={self.total_batch_size}] (the engine's slots)",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -27,7 +27,7 @@ from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
 from jaxtrain.trainers.grpo_source import RolloutSource
-from jaxtrain.trainers.rewards import load_reward
+from jaxtrain.trainers.rewards import load_reward, reward_name, score_completions
 from jaxtrain.training.logps import model_token_logps
 from jaxtrain.training.program import Objective
 from jaxtrain.training.trainer import Trainer
@@ -74,8 +74,6 @@ class GRPOTrainer(Trainer):
         args = arguments if arguments is not None else GRPOArguments()
         if not isinstance(args, GRPOArguments):
             raise ArgumentError("GRPOTrainer needs GRPOArguments (num_generations, beta, ...).")
-        if kwargs.get("dataset_eval") is not None:
-            raise ArgumentError("GRPOTrainer has no evaluation yet: pass dataset_eval=None.")
         if processing_class is None:
             raise ArgumentError(
                 "GRPOTrainer needs processing_class=tokenizer (prompts are tokenized and "
@@ -93,6 +91,10 @@ class GRPOTrainer(Trainer):
             raise ArgumentError("GRPOTrainer needs dataset_train (the prompts).")
         prompts = read_prompts(dataset_train, processing_class, args.max_prompt_length)
         self.prompt_truncated_share = prompts.truncated_share
+        dataset_eval = kwargs.pop("dataset_eval", None)
+        eval_prompts = None
+        if dataset_eval is not None:  # prompts whose completions are scored, not trained on
+            eval_prompts = read_prompts(dataset_eval, processing_class, args.max_prompt_length)
         runtime = task_runtime(args, kwargs)
         if runtime.process_count > 1:
             raise ArgumentError("GRPOTrainer runs on one process (one host) for now.")
@@ -136,10 +138,56 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
 
+        self.eval_loader = eval_prompts  # what the loop evaluates (every eval_steps)
+
     @property
     def last_completions(self) -> list[str]:
         """The decoded completions of the newest round."""
         return self.train_source.last_completions
+
+    def eval(self, state: Any):
+        """Yields `evaluate(state)`: GRPO's evaluation is one pass over the eval prompts."""
+        yield self.evaluate(state)
+
+    def evaluate(self, state: Any) -> dict[str, float]:
+        """eval_num_generations completions of every eval prompt, sampled like the rollouts
+        (a seed of their own, the same at every evaluation), scored by the reward functions:
+        the mean weighted reward, each function's mean, the mean completion length, and
+        pass@k (the share of prompts with a completion reaching eval_pass_threshold)."""
+        args, prompts = self.grpo_args, self.eval_loader
+        if prompts is None:
+            raise ArgumentError("GRPOTrainer.evaluate needs dataset_eval (prompts).")
+        k = args.eval_num_generations
+        groups = self.train_source.complete(state, prompts.ids, k, seed=args.seed + 0x5EED)
+        eos = set(self.train_source.eos_token_ids)
+        texts, lengths = [], []
+        for group in groups:
+            for tokens in group:
+                texts.append(
+                    self.processing_class.decode(
+                        [t for t in tokens if t not in eos], skip_special_tokens=True
+                    )
+                )
+                lengths.append(len(tokens))
+        index = [i for i in range(len(prompts)) for _ in range(k)]
+        per_func = score_completions(
+            self.reward_funcs,
+            [prompts.values[i] for i in index],
+            texts,
+            {name: [column[i] for i in index] for name, column in prompts.columns.items()},
+        )
+        weights = self.train_source.reward_weights
+        rewards = np.nansum(per_func * weights, axis=1)
+        passed = (rewards >= args.eval_pass_threshold).reshape(len(prompts), k).any(1)
+        logs = {
+            "eval/reward": float(np.mean(rewards)),
+            f"eval/pass@{k}": float(passed.mean()),
+            "eval/completions/mean_length": float(np.mean(lengths)),
+        }
+        for j, fn in enumerate(self.reward_funcs):
+            if not np.isnan(per_func[:, j]).all():
+                logs[f"eval/rewards/{reward_name(fn)}"] = float(np.nanmean(per_func[:, j]))
+        return logs
 
     @staticmethod
     def _reward_funcs(funcs: Any, args: GRPOArguments) -> list[Callable]:

@@ -242,39 +242,47 @@ class RolloutSource:
         prefill per prompt, its pages shared by the group. A completion that ended is filled
         with its end-of-sequence id."""
         args, g = self.args, self.args.num_generations
+        round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
+        groups = self.complete(state, [self.prompts.ids[r] for r in rows[::g]], g, round_seed)
+        fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
+        tokens = np.full((len(rows), args.max_completion_length), fill, np.int32)
+        for p, group in enumerate(groups):
+            for i, completion in enumerate(group):
+                tokens[p * g + i, : len(completion)] = completion
+        return tokens
+
+    def complete(
+        self, state: Any, prompts: list[np.ndarray], n: int, seed: int
+    ) -> list[list[list[int]]]:
+        """`n` completions of each prompt (token ids, ending at their EOS or at
+        max_completion_length) from `state`'s policy; prompt i draws with seed `seed + i`."""
+        args = self.args
         policy = self._program.model_from_state(state)
         if self.engine is None:
             self.engine = Engine(
                 policy,
-                max_slots=len(rows),
+                max_slots=args.total_batch_size,
                 page_size=16,
                 max_length=self.sequence_length,
                 eos_token_ids=self.eos_token_ids,
             )
         self.engine.update_state(nnx.split(policy)[1])
-        round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
-        prompts = [self.prompts.ids[r] for r in rows[::g]]
         settings = [
             SamplingParams(
                 max_tokens=args.max_completion_length,
                 temperature=args.temperature,
                 top_p=args.top_p,
                 top_k=args.top_k or 0,
-                seed=round_seed + i,
+                seed=seed + i,
             )  # fmt: skip
             for i in range(len(prompts))
         ]
-        ids = [self.engine.submit(p, s, n=g) for p, s in zip(prompts, settings)]
+        ids = [self.engine.submit(p, s, n=n) for p, s in zip(prompts, settings)]
         done: dict[int, list] = {i: [] for i in ids}
-        while any(len(done[i]) < g for i in ids):
+        while any(len(done[i]) < n for i in ids):
             for completion in self.engine.step():
                 done[completion.request_id].append(completion)
-        fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
-        tokens = np.full((len(rows), args.max_completion_length), fill, np.int32)
-        for p, i in enumerate(ids):
-            for c in sorted(done[i], key=lambda c: c.index):
-                tokens[p * g + c.index, : len(c.token_ids)] = c.token_ids
-        return tokens
+        return [[c.token_ids for c in sorted(done[i], key=lambda c: c.index)] for i in ids]
 
     def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
         """[A, M, T] rows: prompt then completion, right-padded (causal attention never

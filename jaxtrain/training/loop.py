@@ -326,10 +326,17 @@ class TrainingLoop:
         metrics = trainer.evaluate(state)
         self.log.write(step, metrics)
         self.hooks.call("on_evaluate", trainer, metrics, step)
-        line = f"step {step}: eval loss {metrics['eval/loss']:.4f}"
-        if "eval/perplexity" in metrics:  # only token NLL losses have one
-            line += f", ppl {metrics['eval/perplexity']:.2f}"
-        if "eval/accuracy" in metrics:  # only objectives that count `correct` have one
-            line += f", acc {metrics['eval/accuracy']:.3f}"
-        self.progress.write(line)
+        # ppl for token NLLs only, acc when the objective counts `correct`, GRPO's rewards.
+        shown = [
+            f"{label} {metrics[key]:{spec}}"
+            for key, label, spec in (
+                ("eval/loss", "loss", ".4f"),
+                ("eval/perplexity", "ppl", ".2f"),
+                ("eval/accuracy", "acc", ".3f"),
+                ("eval/reward", "reward", ".4f"),
+            )  # fmt: skip
+            if key in metrics
+        ]
+        shown += [f"{key[5:]} {value:.3f}" for key, value in metrics.items() if "pass@" in key]
+        self.progress.write(f"step {step}: eval " + ", ".join(shown))
         self.eval_metrics = metrics

