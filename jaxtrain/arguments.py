@@ -167,6 +167,15 @@ class TrainingArguments:
     # take no adapter: attention, plus a shared expert's or dense layers' MLP).
     lora_targets: list[str] | None = None
 
+    # QLoRA: the frozen base stored quantized ("nf4": 4-bit NormalFloat with a float32 scale
+    # per block of quantization_block_size input rows; "int8": one scale per output channel),
+    # dequantized inside the step; needs lora_rank > 0 (only the adapters train).
+    quantization: str | None = None
+    quantization_block_size: int = 64
+    # The block scales themselves stored as int8 with a scale per 256 (QLoRA's double
+    # quantization): 0.52 instead of 0.56 bytes per weight.
+    quantization_double: bool = False
+
     # Gradual magnitude pruning (jaxtrain/training/pruning.py): the fraction of each targeted
     # matrix pruned by pruning_end_step (0 = off), on Zhu and Gupta's cubic schedule from
     # pruning_begin_step, masks updated every pruning_frequency steps.

@@ -73,9 +73,9 @@ def test_train_then_eval_and_sample_from_the_run_directory(tmp_path):
     assert "--- sample" in result.stdout and "import " in result.stdout
 
     # `jaxtrain serve` loads the run directory: its newest checkpoint and its tokenizer.
+    from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.models import generate
     from jaxtrain.serving import Engine, SamplingParams
-    from jaxtrain.serving.loading import load_served_model
 
     model, tokenizer, name = load_served_model(run)
     ids = tokenizer("import ")["input_ids"]

@@ -219,7 +219,7 @@ LAYERS = (
         "jaxtrain.task_arguments",
         "jaxtrain.seed_names",
     ),
-    ("jaxtrain.models",),
+    ("jaxtrain.models", "jaxtrain.quantization"),
     ("jaxtrain.parallel",),
     ("jaxtrain.runtime",),
     ("jaxtrain.data",),

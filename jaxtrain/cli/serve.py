@@ -56,8 +56,8 @@ def cmd_serve(tokens: list[str]) -> int:
         raise ArgumentError(
             "jaxtrain serve needs the serve extra: pip install 'jaxtrain[serve]'."
         ) from None
+    from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.serving import Engine
-    from jaxtrain.serving.loading import load_served_model
     from jaxtrain.serving.server import create_app
 
     model, tokenizer, name = load_served_model(path)

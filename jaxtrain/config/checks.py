@@ -22,6 +22,7 @@ from jaxtrain.config.tables import (
     ON_NAN,
     OPTIMIZERS,
     PROGRESS_BARS,
+    QUANTIZATIONS,
     REMAT_POLICIES,
     REPORT_TO,
     SCHEDULERS,
@@ -252,12 +253,32 @@ def check_model(args: Any) -> None:
         raise ArgumentError(
             f"TrainingArguments.lora_dropout must be in [0, 1), got {args.lora_dropout!r}."
         )
+    check_quantization(args)
     if args.lora_targets is None:  # the model's own default (models.lora.default_targets)
         return
     try:
         resolve_lora_targets(list(args.lora_targets))
     except ValueError as err:
         raise ArgumentError(f"TrainingArguments.{err}") from None
+
+
+def check_quantization(args: Any) -> None:
+    """A quantized base needs LoRA (only adapters train on it) and an even block size."""
+    quantization = args.quantization
+    if quantization is not None:
+        check_choice(args, "quantization", QUANTIZATIONS)
+        if not args.lora_rank:
+            raise ArgumentError(
+                f"TrainingArguments.quantization={quantization!r} stores the base frozen and "
+                "quantized, so only LoRA adapters can train: set --lora_rank (e.g. 16), or drop "
+                "--quantization to fine-tune the float model."
+            )
+    block = args.quantization_block_size
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
+        raise ArgumentError(
+            f"TrainingArguments.quantization_block_size must be an even integer >= 2 (NF4 "
+            f"packs two codes a byte), got {block!r}; 64 is QLoRA's."
+        )
 
 
 def check_data(args: Any) -> None:

@@ -81,6 +81,9 @@ class ModelSettings:
     lora_dropout: float
     lora_targets: tuple[str, ...] | None  # None: every group the model has
     seed: int
+    quantization: str | None  # the frozen base stored as "nf4" or "int8" (QLoRA)
+    quantization_block_size: int
+    quantization_double: bool
 
     @classmethod
     def from_arguments(cls, args: Any) -> ModelSettings:
@@ -95,6 +98,9 @@ class ModelSettings:
             lora_dropout=args.lora_dropout,
             lora_targets=None if args.lora_targets is None else tuple(args.lora_targets),
             seed=args.seed,
+            quantization=args.quantization,
+            quantization_block_size=args.quantization_block_size,
+            quantization_double=args.quantization_double,
         )
 
 

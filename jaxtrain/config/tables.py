@@ -25,6 +25,9 @@ SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
 # models/llama.py maps each to a jax.checkpoint policy of a decoder layer.
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
 
+# jaxtrain/quantization: how a frozen base may be stored.
+QUANTIZATIONS = ("nf4", "int8")
+
 # data/collate.py: which end of an over-long row survives.
 TRUNCATION_MODES = ("keep_start", "keep_end")
 

@@ -28,6 +28,7 @@ from jaxtrain.hf.safetensors_io import write_safetensors
 from jaxtrain.hf.tokenizer_files import save_tokenizer
 from jaxtrain.models.lora import has_lora, merge_lora
 from jaxtrain.pytrees import path_str
+from jaxtrain.quantization import dequantize_base
 
 _UNITS = {
     "": 1,
@@ -154,7 +155,8 @@ def save_program_state(
     if lora_format not in ("merged", "peft"):
         raise ArgumentError(f"lora_format={lora_format!r}: use 'merged' or 'peft'.")
     if has_lora(model):
-        model = merge_lora(model)
+        # A quantized base (QLoRA) is written in float: dequantized, then the adapters merged.
+        model = merge_lora(dequantize_base(model))
     return save_pretrained(model, save_directory, **kwargs)
 
 

@@ -77,7 +77,7 @@ def _length_is_sharded(length: int) -> bool:
 
 
 @functools.cache
-def _dense_in_ndim(equation: str) -> int | None:
+def dense_in_ndim(equation: str) -> int | None:
     """How many dims a token-wise einsum contracts ("btd,dkh->btkh": 1), or None when the
     equation is not of the form lead+in, in+out -> lead+out."""
     inputs, out = equation.replace(" ", "").split("->")
@@ -125,7 +125,7 @@ class Projection(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
-        in_ndim = _dense_in_ndim(self.equation)
+        in_ndim = dense_in_ndim(self.equation)
         y = jnp.einsum(self.equation, x, kernel) if in_ndim is None else dense(x, kernel, in_ndim)
         lora = getattr(self, "lora", None)  # a LoRA adapter (jaxtrain.models.lora)
         if lora is not None:

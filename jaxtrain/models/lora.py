@@ -19,6 +19,7 @@ Targets (`lora_targets`) name what to adapt:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,7 @@ __all__ = [
     "LORA_TARGETS",
     "FusedLoRA",
     "LoRA",
+    "adapters_off",
     "apply_lora",
     "default_targets",
     "has_experts",
@@ -351,3 +353,16 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         projection.kernel = Frozen(new, **projection.kernel.get_metadata())
         projection.lora = None
     return unfreeze(merged)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nnx.Module):
+    """`model` without its LoRA adapters while inside (traced: the base weights alone)."""
+    saved = [(m, m.lora) for _, m in lora_projections(model)]
+    for m, _ in saved:
+        m.lora = None
+    try:
+        yield model
+    finally:
+        for m, lora in saved:
+            m.lora = lora

@@ -46,7 +46,8 @@ def task_model_and_objective(
                 "reference log-probs from the batch; plan it with reference_free=true (the "
                 "same program: no reference model on the devices)."
             )
-        free = args.reference_free
+        # With LoRA the reference is the policy's base without adapters: no second copy.
+        free = args.reference_free or args.lora_rank
         return (lambda: TaskModel(build(), reference=None if free else build())), (
             dpo_objective(args)
         )

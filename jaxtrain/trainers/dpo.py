@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.errors import DatasetError
+from jaxtrain.models.lora import adapters_off
 from jaxtrain.task_arguments import DPO_LOSS_TYPES, DPOArguments
 from jaxtrain.trainers.base import (
     PairTrainer,
@@ -89,7 +90,11 @@ def pair_logps(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]
 
 
 def dpo_loss_sums(
-    policy: Any, reference: Any, batch: dict[str, jax.Array], args: DPOArguments
+    policy: Any,
+    reference: Any,
+    batch: dict[str, jax.Array],
+    args: DPOArguments,
+    reference_logps: tuple[jax.Array, jax.Array] | None = None,
 ) -> dict[str, jax.Array]:
     """The objective's sums over a batch of pairs (per pair: loss, rewards, log-probs).
 
@@ -97,7 +102,9 @@ def dpo_loss_sums(
     ``reference``'s (no gradient), else 0 (reference-free).
     """
     chosen, rejected, chosen_n, rejected_n = pair_logps(policy, batch)
-    if "reference_chosen_logps" in batch:
+    if reference_logps is not None:  # computed by the caller (LoRA: the base without adapters)
+        ref_chosen, ref_rejected = (jax.lax.stop_gradient(x) for x in reference_logps)
+    elif "reference_chosen_logps" in batch:
         ref_chosen = batch["reference_chosen_logps"]
         ref_rejected = batch["reference_rejected_logps"]
     elif reference is not None:
@@ -136,7 +143,17 @@ def dpo_objective(args: DPOArguments) -> Objective:
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        return dpo_loss_sums(model.model, model.reference, batch, args)
+        ref = None
+        base_is_reference = (
+            model.reference is None
+            and args.lora_rank
+            and not args.reference_free
+            and "reference_chosen_logps" not in batch
+        )
+        if base_is_reference:  # LoRA: the reference is the policy without its adapters
+            with adapters_off(model.model) as base:
+                ref = pair_logps(base, batch)[:2]
+        return dpo_loss_sums(model.model, model.reference, batch, args, ref)
 
     return Objective(loss_sums=loss_sums, normalizer=pair_normalizer, token_nll=False)
 
@@ -167,16 +184,19 @@ class DPOTrainer(PairTrainer):
         model = concrete_model(model, args, task_runtime(args, kwargs))
         self.dpo_args = args
         reference = None
+        # With LoRA and no reference given, the reference is the policy's own base without
+        # its adapters (no second copy of the weights: with --quantization, the one quantized
+        # base serves both).
+        base_is_reference = bool(args.lora_rank) and reference_model is None
         if not args.reference_free:
-            reference = (
-                concrete_model(reference_model, args, kwargs["runtime"])
-                if (reference_model is not None)
-                else nnx.clone(model)
-            )
-            if args.precompute_reference_logps:
+            if reference_model is not None:
+                reference = concrete_model(reference_model, args, kwargs["runtime"])
+            elif not base_is_reference:
+                reference = nnx.clone(model)
+            if args.precompute_reference_logps:  # before LoRA: `model` is the base itself
                 self.processing_class = processing_class
                 dataset_train, dataset_eval = (
-                    self._with_reference_logps(reference, d, processing_class)
+                    self._with_reference_logps(reference or model, d, processing_class)
                     for d in (dataset_train, dataset_eval)
                 )
             # With the log-probs stored in every dataset the reference is not needed.

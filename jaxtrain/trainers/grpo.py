@@ -9,7 +9,6 @@ logging are the base Trainer's, unchanged.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.models.kv_cache import supports_kv_cache
+from jaxtrain.models.lora import adapters_off
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.base import concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
@@ -33,21 +33,6 @@ from jaxtrain.training.program import Objective
 from jaxtrain.training.trainer import Trainer
 
 __all__ = ["GRPOArguments", "GRPOTrainer", "PromptLoader", "grpo_objective"]
-
-
-@contextlib.contextmanager
-def adapters_off(model: nnx.Module):
-    """`model` without its LoRA adapters while inside (traced: the base weights alone)."""
-    from jaxtrain.models.lora import lora_projections
-
-    saved = [(m, m.lora) for _, m in lora_projections(model)]
-    for m, _ in saved:
-        m.lora = None
-    try:
-        yield model
-    finally:
-        for m, lora in saved:
-            m.lora = lora
 
 
 class GRPOTrainer(Trainer):

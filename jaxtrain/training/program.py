@@ -89,12 +89,13 @@ class ModelParts:
         factory = model if isinstance(model, ModelFactory) else None
         if factory is not None and settings.lora_rank:
             build = factory.build
-            factory = ModelFactory(lambda: add_lora(build(), settings))
+            factory = ModelFactory(lambda: quantize(add_lora(build(), settings), settings))
         if factory is not None:
             model = factory.abstract()  # shapes only; the Program creates it, sharded
         configure_model(model, settings)
         if settings.lora_rank and factory is None:
-            add_lora(model, settings)  # in place: the user's model gains the adapters
+            # In place: the user's model gains the adapters (its base is quantized if asked).
+            quantize(add_lora(model, settings), settings)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = cast_floating(params, settings.param_dtype)
         return cls(
@@ -123,6 +124,20 @@ def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
         for _, module in nnx.iter_modules(model):
             if hasattr(module, "dtype"):
                 module.dtype = compute_dtype
+
+
+def quantize(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
+    """The frozen base of a LoRA model stored quantized (QLoRA), when the settings ask."""
+    if settings.quantization is None:
+        return model
+    from jaxtrain.quantization import quantize_base
+
+    return quantize_base(
+        model,
+        settings.quantization,
+        settings.quantization_block_size,
+        double=settings.quantization_double,
+    )
 
 
 def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:

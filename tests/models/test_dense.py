@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.models.layers import _dense_in_ndim, dense
+from jaxtrain.models.layers import dense, dense_in_ndim
 
 
 @pytest.mark.parametrize(
@@ -22,7 +22,7 @@ from jaxtrain.models.layers import _dense_in_ndim, dense
     ],
 )
 def test_dense_equals_the_einsum_forward_and_backward(equation, in_ndim, x_shape, kernel_shape):
-    assert _dense_in_ndim(equation) == in_ndim
+    assert dense_in_ndim(equation) == in_ndim
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
     kernel = jnp.asarray(rng.normal(size=kernel_shape), jnp.float32)
@@ -41,9 +41,9 @@ def test_dense_equals_the_einsum_forward_and_backward(equation, in_ndim, x_shape
 
 
 def test_equations_that_are_not_token_wise_matmuls_stay_einsums():
-    assert _dense_in_ndim("btd,vd->btv") is None  # kernel contracted on its last dim
-    assert _dense_in_ndim("nd,edcf->necf") is None  # an expert dim between
-    assert _dense_in_ndim("btd,df->bft") is None  # output dims reordered
+    assert dense_in_ndim("btd,vd->btv") is None  # kernel contracted on its last dim
+    assert dense_in_ndim("nd,edcf->necf") is None  # an expert dim between
+    assert dense_in_ndim("btd,df->bft") is None  # output dims reordered
 
 
 def _activation_transposes(hlo: str, activation_elements: int) -> list[str]:

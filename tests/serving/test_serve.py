@@ -204,8 +204,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(model_dir):
     import uvicorn
 
+    from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.serving import Engine
-    from jaxtrain.serving.loading import load_served_model
     from jaxtrain.serving.server import create_app
 
     model, tokenizer, _ = load_served_model(model_dir)
@@ -249,9 +249,9 @@ def test_a_lora_export_is_served_merged_onto_its_local_base(model_dir, tmp_path)
     import jax
     import numpy as np
 
+    from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.hf.peft import save_peft_adapter
     from jaxtrain.models.lora import apply_lora, lora_projections, merge_lora
-    from jaxtrain.serving.loading import load_served_model
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     apply_lora(model, rank=4, alpha=8.0, targets=["attention", "mlp"], seed=3)

@@ -97,3 +97,21 @@ def test_a_grpo_plan_compiles_its_sampler_too(tmp_path):
         jax.random.key(0),
     ).compile()
     assert executable.memory_analysis().temp_size_in_bytes == sampler["temporaries"]
+
+
+def test_a_qlora_plan_counts_the_quantized_base_as_the_run_does(tmp_path):
+    """The plan of a LoRA run on an NF4 base is the run's compiled step: its codes and scales
+    are frozen state of the Program, as in the run."""
+    from conftest import tiny_model
+
+    from jaxtrain import Trainer, TrainingArguments
+
+    args = tiny_arguments(
+        TrainingArguments, tmp_path, max_steps=1, lora_rank=4, quantization="nf4",
+        quantization_block_size=32,
+    )  # fmt: skip
+    rows = [{"input_ids": [(7 * i + j) % 60 + 3 for j in range(16)]} for i in range(16)]
+    Trainer(
+        arguments=args, model=tiny_model(), dataset_train=rows, devices=jax.devices()[:1]
+    ).train()
+    assert plan_peak("lm", args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
