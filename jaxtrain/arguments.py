@@ -258,6 +258,11 @@ class TrainingArguments:
     # other process then prints one line and exits with code 5 (parallel/peers.py). JAX's
     # own heartbeat timeout becomes 2 * this + 10 s.
     peer_timeout_s: float = 30.0
+    # Multi-host progress watch: a process that is alive but whose training loop has not
+    # moved past a step for this long (a collective that never returns on one rank, a data
+    # loader deadlocked on one host) is stuck; every process prints one line naming it and
+    # its last step and exits with code 5. Evaluations and saves do not count. None: off.
+    step_timeout_s: float | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
         # Unknown keyword arguments get the same answer as unknown config keys (an EasyDeL

@@ -381,6 +381,11 @@ def check_parallel(args: Any) -> None:
         raise ArgumentError(
             f"TrainingArguments.peer_timeout_s must be >= 1 (seconds), got {args.peer_timeout_s}."
         )
+    if args.step_timeout_s is not None and not args.step_timeout_s >= 1:
+        raise ArgumentError(
+            f"TrainingArguments.step_timeout_s must be >= 1 (seconds) or None (no progress "
+            f"watch), got {args.step_timeout_s}; set it above your slowest step."
+        )
     if args.num_processes is not None and args.num_processes <= 0:
         raise ArgumentError(
             f"TrainingArguments.num_processes must be > 0, got {args.num_processes}."

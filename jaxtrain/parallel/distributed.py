@@ -14,7 +14,8 @@ The call is bounded: it runs in a helper thread and a peer that never arrives wi
 It must happen before anything touches a JAX device.
 
 Once formed, the cluster is watched (parallel/peers.py): a process that dies or hangs for
-`peer_timeout_s` ends every other one with one line and exit code 5. For that, process 0
+`peer_timeout_s` ends every other one with one line and exit code 5, and so does one whose
+training loop stands still for `step_timeout_s` (when set). For that, process 0
 runs the coordination service in a process of its own (parallel/coordinator.py) when the
 cluster's address is known, and JAX's own heartbeat timeout is set well above
 `peer_timeout_s`, so that the watch, not JAX's C++ abort, ends the survivors. What JAX
@@ -193,7 +194,7 @@ def initialize_distributed(args: Any, *, watch_peers: bool = True) -> ClusterSpe
             "distinct process_id, before anything else touches JAX devices."
         ) from err
     if watch_peers:
-        _watch(spec, peer_timeout)
+        _watch(spec, peer_timeout, getattr(args, "step_timeout_s", None))
     return spec
 
 
@@ -232,7 +233,7 @@ def _stop_service() -> None:
         _service = None
 
 
-def _watch(spec: ClusterSpec, peer_timeout: float) -> None:
+def _watch(spec: ClusterSpec, peer_timeout: float, step_timeout: float | None) -> None:
     from jax._src import distributed as jax_distributed
 
     from jaxtrain.parallel.peers import start_watch
@@ -249,6 +250,7 @@ def _watch(spec: ClusterSpec, peer_timeout: float) -> None:
         state.num_processes,
         peer_timeout,
         service=f"the coordination service ({address})",
+        step_timeout_s=step_timeout,
         on_clean_exit=_tell_service_clean,
     )
 

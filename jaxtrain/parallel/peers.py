@@ -12,7 +12,13 @@ of its own in the coordination service's key-value store and watches the others'
   still waiting gives up on it `peer_timeout_s` later;
 - a peer that ended normally (its exit hooks ran without an error) is never lost: the
   process that finishes first does not take down one still writing its report;
-- when the service itself stops answering for `peer_timeout_s`, the cluster is lost.
+- when the service itself stops answering for `peer_timeout_s`, the cluster is lost;
+- with a progress watch (`step_timeout_s`), a process that is alive (it beats) but whose
+  training loop has not moved past a step for that long is stuck (parallel/progress.py).
+
+A process whose own collective fails (Gloo: "Connection reset by peer" when a peer died
+mid-transfer) waits for the watch's verdict on its peers (`fail`) instead of reporting the
+collective's error: the dead peer is the cause, and the line names it.
 
 On a loss the watchdog prints one line (who was lost and why, and the newest committed
 checkpoint a restart resumes from) and ends the process with EXIT_PEER_LOST. It calls
@@ -41,9 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.errors import EXIT_CRASH, EXIT_PEER_LOST, TrainingInterrupted
+from jaxtrain.parallel.progress import Position, ProgressBoard
 
 _PREFIX = "jaxtrain/peers/"
 _BEAT, _INFO, _LEFT = "beat", "info", "left"  # keys: jaxtrain/peers/<kind>/<process>
+# A beat's value is "<count> <position>": the count changes every beat, the position is the
+# training loop's (progress.Position, from note_progress).
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -67,11 +76,13 @@ class PeerWatch:
         timeout_s: float,
         *,
         service: str = "the coordination service",
+        step_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         end: Callable[[str], None] | None = None,
     ):
         self.client, self.process_id, self.num_processes = client, process_id, num_processes
         self.timeout_s, self.service, self.clock = float(timeout_s), service, clock
+        self.step_timeout_s = step_timeout_s
         self._end = end or end_process  # given the line; tests record it instead
         self.interval = beat_interval(self.timeout_s)
         # A beat is seen up to an interval late and judged up to an interval later: this
@@ -86,6 +97,11 @@ class PeerWatch:
         self._last_answer = now  # the service's last answer to this process
         # Per peer: (last beat value seen, when it was first seen); the start counts as one.
         self._beats: dict[int, tuple[str | None, float]] = {p: (None, now) for p in self._peers()}
+        # Per peer: a time its last beat value was certainly published after (module
+        # docstring of `fail`); None until two reads have seen it change.
+        self._published_after: dict[int, float | None] = {p: None for p in self._peers()}
+        self._read_started: float | None = None  # when the last read of the store began
+        self.progress = ProgressBoard(num_processes, step_timeout_s, now)  # this one's too
         self._errors: dict[int, float] = {}  # peer -> when its error was first seen
         self._hosts: dict[int, str] = {}
         self._left: dict[int, str] = {}
@@ -137,19 +153,26 @@ class PeerWatch:
         now = self.clock()
         self._last_answer = now
         self._beats = {p: (value, now) for p, (value, _) in self._beats.items()}
+        self.progress.restart(now)
         self._errors = {p: now for p in self._errors}
 
+    def note_progress(self, step: int, phase: str = "step") -> None:
+        """This process's training loop reached its next event (progress.py): `step` steps
+        done, in `phase`. Published with the next beat."""
+        self.progress.advance(self.process_id, step, phase, self.clock())
+
     def beat(self) -> None:
-        """One heartbeat: publish this process's count, read everyone's state."""
+        """One heartbeat: publish this process's count and loop position, read everyone's."""
         self._count += 1
         key = f"{_PREFIX}{_BEAT}/{self.process_id}"
-        answered, _ = self._call(
-            self.client.key_value_set, key, str(self._count), allow_overwrite=True
-        )
+        position, _ = self.progress.positions[self.process_id]
+        value = f"{self._count} {position.encode()}"
+        answered, _ = self._call(self.client.key_value_set, key, value, allow_overwrite=True)
         if answered:
+            started = self.clock()
             answered, entries = self._call(self.client.key_value_dir_get, _PREFIX)
             if answered:
-                self.observe(entries)
+                self.observe(entries, read_started=started)
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         """(True, `method(...)`), or (False, None) when the service did not answer."""
@@ -160,8 +183,9 @@ class PeerWatch:
         self._last_answer = self.clock()
         return True, result
 
-    def observe(self, entries: list[tuple[str, str]]) -> None:
-        """Take in the key-value store's `jaxtrain/peers/` entries."""
+    def observe(self, entries: list[tuple[str, str]], read_started: float | None = None) -> None:
+        """Take in the key-value store's `jaxtrain/peers/` entries, read by a request sent at
+        `read_started` (this process's clock)."""
         now = self.clock()
         for key, value in entries:
             kind, _, index = key.removeprefix(_PREFIX).partition("/")
@@ -170,12 +194,19 @@ class PeerWatch:
                 continue
             if kind == _BEAT and self._beats[peer][0] != value:
                 self._beats[peer] = (value, now)
+                # The previous read still saw the old value: this one was published after
+                # that read was answered, hence after it was sent.
+                self._published_after[peer] = self._read_started
+                position = Position.decode(value.partition(" ")[2])
+                if position is not None:
+                    self.progress.see(peer, position, now)
             elif kind == _INFO:
                 self._hosts[peer] = value
             elif kind == _LEFT:
                 self._left[peer] = value
                 if value != "clean":
                     self._errors.setdefault(peer, now)
+        self._read_started = read_started
 
     # ------------------------------------------------------------------ decisions
     def check(self) -> str | None:
@@ -196,12 +227,33 @@ class PeerWatch:
                 lost.append(self._lost(peer, "it ended on an error (see its output)"))
             elif peer not in self._errors and now - seen >= self.silence_s:
                 lost.append(self._lost(peer, f"no heartbeat for {now - seen:.1f}s"))
-        return "; ".join(lost) if lost else None
+        if lost:
+            return "; ".join(lost)
+        stuck = self.progress.stuck(now)
+        if not stuck:
+            return None
+        furthest = self.progress.furthest_step()
+        return "; ".join(
+            f"{self._who(s.process)} is stuck: its training loop has not moved past step "
+            f"{s.position.step} for {s.still_s:.1f}s (step_timeout_s={self.step_timeout_s:g}"
+            + (
+                f"; the furthest process is at step {furthest}"
+                if furthest > s.position.step
+                else ""
+            )
+            + ")"
+            for s in stuck
+        )
+
+    def _who(self, process: int) -> str:
+        host = self._hosts.get(process)
+        if process == self.process_id:
+            host = f"host {socket.gethostname()}, pid {os.getpid()}, this process"
+        where = f" ({host})" if host else ""
+        return f"process {process} of {self.num_processes}{where}"
 
     def _lost(self, peer: int, why: str) -> str:
-        host = self._hosts.get(peer)
-        where = f" ({host})" if host else ""
-        return f"lost process {peer} of {self.num_processes}{where}: {why}"
+        return f"lost {self._who(peer)}: {why}"
 
     def lose(self, why: str) -> None:
         """End the process with the one line about the loss `why`."""
@@ -226,7 +278,11 @@ class PeerWatch:
         the line about the peer is the one to print:
 
         1. wait for a fresh beat of every peer still expected: alive peers beat within an
-           interval; a silent one makes the judge thread end the process (its line);
+           interval; a silent one makes the judge thread end the process (its line). Fresh
+           means published after this call: a beat sent just before a peer died can be read
+           only after its death broke the collective here. A value that a read sent after
+           this call did not see yet was published later (`_published_after`), so up to two
+           beat intervals are waited for;
         2. take a number from the service's counter of failed processes: the first one
            reports its own error, a later one ends with the line naming the first (whose
            output holds the error). The counter orders the failures across hosts, which
@@ -236,14 +292,8 @@ class PeerWatch:
             return
         self.exit_code = exit_code
         asked = self.clock()
-        deadline = asked + self.timeout_s + 2 * self.interval
-        while self.clock() < deadline:
-            if not [
-                p
-                for p, (_, seen) in self._beats.items()
-                if seen <= asked and self._left.get(p) is None
-            ]:
-                break
+        deadline = asked + self.timeout_s + 3 * self.interval
+        while self.clock() < deadline and self.unconfirmed(asked):
             time.sleep(self.interval / 2)
         _, number = self._call(self.client.key_value_increment, f"{_PREFIX}failures", 1)
         if number == 1:
@@ -258,6 +308,15 @@ class PeerWatch:
                 self.leave(error=True)
                 self.lose(self._lost(int(first), "it ended on an error first (see its output)"))
         self.leave(error=True)
+
+    def unconfirmed(self, since: float) -> list[int]:
+        """The peers still expected that have published no beat after `since` (as far as
+        this process can tell: see `fail`)."""
+        return [
+            p
+            for p, after in self._published_after.items()
+            if (after is None or after < since) and self._left.get(p) is None
+        ]
 
     def leave(self, *, error: bool) -> None:
         """This process is ending, normally or on an error; said once (an error wins)."""
@@ -307,6 +366,7 @@ def start_watch(
     timeout_s: float,
     *,
     service: str = "the coordination service",
+    step_timeout_s: float | None = None,
     on_clean_exit: Callable[[], None] | None = None,
 ) -> PeerWatch:
     """Start this process's watch (once) and the hooks that say how it ends: an uncaught
@@ -315,7 +375,14 @@ def start_watch(
     global _watch
     if _watch is not None:
         return _watch
-    _watch = PeerWatch(client, process_id, num_processes, timeout_s, service=service).start()
+    _watch = PeerWatch(
+        client,
+        process_id,
+        num_processes,
+        timeout_s,
+        service=service,
+        step_timeout_s=step_timeout_s,
+    ).start()
     previous = sys.excepthook
 
     def excepthook(kind: Any, value: Any, traceback: Any) -> None:
@@ -355,6 +422,14 @@ def note_checkpoints(root: str | Path, committed_steps: Callable[[Path], list[in
     lost peer names the newest."""
     if _watch is not None:
         _watch.checkpoints, _watch.committed_steps = Path(root), committed_steps
+
+
+def note_progress(step: int, phase: str = "step") -> None:
+    """The training loop reached its next event: `step` steps done, in `phase` ("step",
+    "hook" for an evaluation or a save, "end"); what the progress watch (step_timeout_s)
+    reads. Nothing happens without a watch."""
+    if _watch is not None:
+        _watch.note_progress(step, phase)
 
 
 def report_error(exit_code: int = EXIT_CRASH) -> None:

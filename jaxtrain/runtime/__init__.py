@@ -41,6 +41,7 @@ RUNTIME_FIELDS = (
     "process_id",
     "distributed_timeout_s",
     "peer_timeout_s",
+    "step_timeout_s",
     "compilation_cache_dir",
     "sharding_axis_dims",
     "sharding_rules",

@@ -23,7 +23,7 @@ from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps
 from jaxtrain.config.sections import LoopSettings
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.progress import make_progress
-from jaxtrain.parallel.peers import note_checkpoints
+from jaxtrain.parallel.peers import note_checkpoints, note_progress
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet
 from jaxtrain.training.run_hooks import EvaluationHook, SaveHook, StopState
@@ -94,6 +94,7 @@ class TrainingLoop:
             args.progress_bar, self.total_steps, plan.step, primary=primary
         )
         self.latest_state = None  # the newest live state, for the model object on a failure
+        self.step = plan.step  # steps done: what the progress watch of a multi-host run reads
         try:
             self.source.open(plan.step, self.program)
             start = self._start(plan)
@@ -108,6 +109,7 @@ class TrainingLoop:
             self.program.return_parameters(self.latest_state)
             raise
         finally:
+            note_progress(self.step, "end")  # the final save and report are no steps
             try:
                 checkpoints.close()  # waits for the background writes to commit
             finally:
@@ -204,6 +206,9 @@ class TrainingLoop:
         window = trainer.monitor.window()
         window.restart_clock()  # the first batch's wait was before the compile
         first_step = step + 1
+        # The progress watch of a multi-host run (step_timeout_s) counts from here.
+        note_progress(step)
+        self.step = step
         while step < total_steps:
             if trainer.should_stop:
                 self.stop_reason = "callback"
@@ -217,6 +222,8 @@ class TrainingLoop:
             state, metrics = self.train_step(state, batch)
             self.latest_state = state
             step += 1
+            self.step = step
+            note_progress(step)
             if step == first_step:
                 trainer.monitor.first_step_done(state)
             # The previous window's logs go out now that this step is dispatched, and before
@@ -235,12 +242,16 @@ class TrainingLoop:
                 self.pending = window.close(step, epoch=self.source.epoch(step))
             self.progress.update(step)
             if run_hooks.any_due(step):
+                # An evaluation or a save is no step: the progress watch waits meanwhile.
+                note_progress(step, "hook")
                 self._emit_pending()
                 self.guard.flush()  # never evaluate or save past an unseen NaN
                 run_hooks.call("on_step_end", trainer, state, metrics, step)
                 window.restart_clock()
+                note_progress(step)
             if self.stop.reason is not None:
                 break
+        note_progress(step, "hook")  # the last evaluation and save
         self._emit_pending()
         self.guard.flush()
         finished = self.stop_reason in ("completed", "callback")

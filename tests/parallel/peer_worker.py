@@ -7,7 +7,8 @@ prints `start <step>` when training starts and `step <n>` after each step's log,
 can kill or stop it at a chosen step. At the end process 0 writes RUN_DIR/final.npz: every
 parameter, gathered from both processes, then waits LINGER_S seconds (environment, default
 0). Process 0 also writes RUN_DIR/service.pid, the pid of the coordination service process
-it started.
+it started. PAUSE (environment) makes one process sleep inside a step (Announce), and
+STEP_TIMEOUT_S sets the progress watch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ class Announce:
     def on_log(self, trainer, logs, step) -> None:
         print(f"step {step}", flush=True)
 
+    def on_step_start(self, trainer, state, step) -> None:
+        # PAUSE="<process> <step> <seconds>": that process sleeps inside step <step> + 1,
+        # after its peers dispatched it: they wait in its collectives meanwhile.
+        rank, at, seconds = (os.environ.get("PAUSE") or "-1 0 0").split()
+        if int(rank) == trainer.runtime.process_index and step == int(at):
+            print(f"pausing in step {step + 1}", flush=True)
+            time.sleep(float(seconds))
+
 
 def main(port: str, process_id: str, run_dir: str, steps: str, peer_timeout_s: str) -> None:
     import jax
@@ -54,6 +63,9 @@ def main(port: str, process_id: str, run_dir: str, steps: str, peer_timeout_s: s
         max_steps=int(steps),
         save_steps=1,
         save_final=True,
+        step_timeout_s=float(os.environ["STEP_TIMEOUT_S"])
+        if "STEP_TIMEOUT_S" in os.environ
+        else None,
     )
     trainer = Trainer(arguments=args, model=factory(), dataset_train=rows, callbacks=[Announce()])
     if jax.process_index() == 0:

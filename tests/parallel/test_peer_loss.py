@@ -1,10 +1,12 @@
-"""A process of a two-process jax.distributed run (no Ray) dies or hangs mid-training.
+"""A process of a two-process jax.distributed run (no Ray) dies, hangs or gets stuck.
 
 Real processes, real Orbax checkpoints (one every step): `peer_worker.py` runs as processes
 0 and 1 of a cluster; the test SIGKILLs or SIGSTOPs one at a seeded step and checks that the
 other ends within peer_timeout_s with exit code 5 and one line naming the lost process and
 the newest committed checkpoint, and that both restarted finish with the parameters of an
-uninterrupted run, bit for bit.
+uninterrupted run, bit for bit. `collective_worker.py` loses a peer in the middle of a large
+all-reduce, whose error then races the watch; with a progress watch, a process sleeping
+inside a step is named by both.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ def _free_port() -> int:
 class Cluster:
     """Processes 0 and 1 of one cluster training in `run_dir`, their output in log files."""
 
-    def __init__(self, run_dir: Path, name: str, linger_s: float = 0.0):
+    def __init__(self, run_dir: Path, name: str, linger_s: float = 0.0, **env_extra: str):
         self.logs = [run_dir.parent / f"{name}_{i}.log" for i in range(2)]
         command = [sys.executable, str(HERE / "peer_worker.py"), str(_free_port())]
-        env = {**worker_env(), "LINGER_S": str(linger_s)}
+        env = {**worker_env(), "LINGER_S": str(linger_s), **env_extra}
         self.procs = []
         for i, log in enumerate(self.logs):
             with log.open("w") as out:
@@ -172,3 +174,79 @@ def _alive(pid: int) -> bool:
     # A zombie (not reaped by its parent yet) has ended too.
     status = Path(f"/proc/{pid}/stat")  # "pid (name) state ..."
     return not (status.exists() and status.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_process_killed_at_a_collective_is_named_not_the_collectives_error(tmp_path, victim):
+    """The survivor's all-reduce fails at once (Gloo: connection reset by peer). Its error
+    must wait for the watch's verdict: one line naming the killed process, exit code 5. The
+    victim's last heartbeat, published just before it died, can reach the survivor only
+    after that error: taken for a sign of life, the survivor reported the Gloo traceback and
+    exited 1 (issue 40)."""
+    port, timeout_s = str(_free_port()), "3"
+    markers = [tmp_path / f"error_{i}.txt" for i in range(2)]
+    logs = [tmp_path / f"collective_{i}.log" for i in range(2)]
+    procs = []
+    for i in range(2):
+        with logs[i].open("w") as out:
+            args = [str(HERE / "collective_worker.py"), port, str(i), timeout_s, str(markers[i])]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=worker_env()
+                )
+            )
+    survivor = 1 - victim
+    try:
+        deadline = time.monotonic() + 120
+        while "iter 10\n" not in logs[victim].read_text():
+            assert procs[victim].poll() is None, logs[victim].read_text()[-3000:]
+            assert time.monotonic() < deadline, "the all-reduces never ran"
+            time.sleep(0.05)
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        sent = time.monotonic()
+        code = procs[survivor].wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = logs[survivor].read_text()
+    # The collective did fail, and its exception reached the interpreter.
+    assert "Gloo" in markers[survivor].read_text(), out[-3000:]
+    assert code == EXIT_PEER_LOST, out[-3000:]
+    assert took <= float(timeout_s) + SLACK_S, (took, out[-2000:])
+    lines = [line for line in out.splitlines() if line.startswith("jaxtrain:")]
+    assert len(lines) == 1 and lines[0].startswith(f"jaxtrain: lost process {victim} of 2 (host ")
+    assert "Traceback" not in out and "Gloo all-reduce failed" not in out
+
+
+def test_a_process_stuck_inside_a_step_is_named_with_its_last_step(tmp_path):
+    """Process 1 sleeps inside step 4 (its heartbeat goes on); process 0 waits for it in the
+    step's collectives. With step_timeout_s both end with one line naming process 1 and the
+    step its loop stands at, exit code 5."""
+    step_timeout_s = 3.0
+    run_dir = tmp_path / "run"
+    cluster = Cluster(run_dir, "stuck", PAUSE="1 3 60", STEP_TIMEOUT_S=str(step_timeout_s))
+    try:
+        deadline = time.monotonic() + 120
+        while "pausing in step 4" not in cluster.output(1):
+            assert cluster.procs[1].poll() is None, cluster.output(1)[-3000:]
+            assert time.monotonic() < deadline, "process 1 never reached step 4"
+            time.sleep(0.05)
+        paused = time.monotonic()
+        codes = [p.wait(timeout=60) for p in cluster.procs]
+        took = time.monotonic() - paused
+    finally:
+        cluster.kill_all()
+    outputs = [cluster.output(i) for i in range(2)]
+    assert codes == [EXIT_PEER_LOST] * 2, "\n".join(o[-2000:] for o in outputs)
+    assert took <= step_timeout_s + SLACK_S, took
+    for i, out in enumerate(outputs):
+        lines = [line for line in out.splitlines() if "Exiting with code" in line]
+        assert len(lines) == 1, out[-3000:]
+        this = ", this process" if i == 1 else ""
+        assert lines[0].startswith(f"jaxtrain: process 1 of 2 (host {socket.gethostname()}, ")
+        assert f"{this}) is stuck: its training loop has not moved past step 3 for " in lines[0]
+        assert f"(step_timeout_s={step_timeout_s:g}" in lines[0]
+        assert "Exiting with code 5" in lines[0] and "Traceback" not in out

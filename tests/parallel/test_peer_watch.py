@@ -8,6 +8,7 @@ test_peer_loss.py.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from jaxtrain.checkpointing import committed_steps
 from jaxtrain.errors import ArgumentError
 from jaxtrain.parallel.coordinator import start_coordinator
 from jaxtrain.parallel.peers import PeerWatch
+from jaxtrain.parallel.progress import Position, ProgressBoard, Stuck
 
 
 def _free_port() -> int:
@@ -130,6 +132,84 @@ def test_a_peer_that_failed_first_is_named_and_the_first_reports_its_own_error(c
             w.stop()
 
 
+def test_a_beat_sent_before_a_peer_died_is_no_sign_of_life_after_it(clients):
+    """Process 0's collective fails at t=1 (process 1 died). Process 1's beat published at
+    0.5 s is read only at 1.2 s: it was sent before the failure and proves nothing; the
+    next changed beat, unseen by a read sent after the failure, does (issue 40: process 0
+    took the stale one for life and reported the collective's error, exit 1)."""
+    clock = Clock()
+    watches = [PeerWatch(c, i, 3, 10.0, clock=clock) for i, c in enumerate(clients)]
+    watches[0].beat()  # t=0: no beat of the others yet
+    clock.now = 0.5
+    watches[1].beat()
+    watches[2].beat()
+    asked = clock.now = 1.0  # process 0 fails here
+    clock.now = 1.2
+    watches[0].beat()  # sees both beats of 0.5 s for the first time
+    assert watches[0].unconfirmed(asked) == [1, 2]
+    clock.now = 2.0
+    watches[2].beat()  # process 2 is alive; process 1 died at 0.9 s
+    watches[0].beat()
+    assert watches[0].unconfirmed(asked) == [1]
+    watches[1].leave(error=False)  # an ended peer is not waited for
+    watches[0].beat()
+    assert watches[0].unconfirmed(asked) == []
+
+
+def test_the_progress_watch_names_the_process_behind_and_its_last_step(clients):
+    clock, ended = Clock(), []
+    watches = [
+        PeerWatch(c, i, 3, 30.0, step_timeout_s=10.0, clock=clock, end=ended.append)
+        for i, c in enumerate(clients)
+    ]
+    clock.now = 1.0
+    for w, reached in zip(watches, (5, 3, 4)):  # process 1 stands after step 3
+        for step in range(reached + 1):
+            w.note_progress(step)
+    for w in (*watches, *watches):  # everyone reads everyone's position
+        w.beat()
+    clock.now = 10.9
+    for w in watches:
+        w.beat()
+    assert watches[0].check() is None
+    clock.now = 11.0
+    expected = (
+        "is stuck: its training loop has not moved past step 3 for 10.0s (step_timeout_s=10; "
+        "the furthest process is at step 5)"
+    )
+    assert watches[0].check() == f"process 1 of 3 {expected}"
+    # Process 1 sees itself stand still too (its loop sleeps; its watch does not).
+    host = f"host {socket.gethostname()}, pid {os.getpid()}, this process"
+    assert watches[1].check() == f"process 1 of 3 ({host}) {expected}"
+    watches[0].lose(watches[0].check())
+    assert ended[0].startswith("jaxtrain: process 1 of 3 is stuck:")
+    assert ended[0].endswith(
+        "Exiting with code 5; start every process again with the same command to resume."
+    )
+
+
+def test_only_a_process_behind_while_stepping_is_stuck():
+    board = ProgressBoard(2, 5.0, now=0.0)
+    board.advance(0, 0, "step", now=0.0)
+    assert board.stuck(100.0) == []  # process 1 is still starting up (compiling)
+    board.see(1, Position(1, 0, "step"), now=1.0)
+    board.advance(0, 1, "step", now=2.0)  # process 0 dispatched step 1 and waits for 1
+    assert board.stuck(5.9) == []
+    assert board.stuck(6.0) == [Stuck(1, Position(1, 0, "step"), 5.0)]
+    # Both evaluate (a hook) for as long as it takes; the watch waits.
+    board.see(1, Position(3, 1, "hook"), now=7.0)
+    board.advance(0, 1, "hook", now=7.0)
+    assert board.stuck(60.0) == []
+    # Process 0 is saving and waits for process 1, which stands before its save.
+    board.see(1, Position(2, 1, "step"), now=61.0)
+    assert board.stuck(66.0) == [Stuck(1, Position(2, 1, "step"), 5.0)]
+    board.see(1, Position(5, 1, "end"), now=67.0)  # a process that ended is not waited for
+    assert board.stuck(80.0) == []
+    assert Position.decode(Position(7, 3, "hook").encode()) == Position(7, 3, "hook")
+    assert Position.decode("garbage") is None
+    assert ProgressBoard(2, None, now=0.0).stuck(1e9) == []  # no step_timeout_s: off
+
+
 class Unreachable:
     """A client whose service does not answer (its host is gone)."""
 
@@ -172,7 +252,10 @@ def test_the_coordination_service_process_ends_with_process_0():
     assert time.monotonic() - started >= 1.5
 
 
-def test_peer_timeout_is_checked():
+def test_peer_and_step_timeouts_are_checked():
     assert TrainingArguments().peer_timeout_s == 30.0
     with pytest.raises(ArgumentError, match="peer_timeout_s must be >= 1"):
         TrainingArguments(peer_timeout_s=0.5)
+    assert TrainingArguments().step_timeout_s is None  # the progress watch is off
+    with pytest.raises(ArgumentError, match="step_timeout_s must be >= 1 .* or None"):
+        TrainingArguments(step_timeout_s=0)
