@@ -258,6 +258,10 @@ class TrainingArguments:
     # other process then prints one line and exits with code 5 (parallel/peers.py). JAX's
     # own heartbeat timeout becomes 2 * this + 10 s.
     peer_timeout_s: float = 30.0
+    # A jax.profiler trace of these steps, [first, last] (CLI --profile_steps 10-12), per
+    # process under output_dir/profile/process_<i>: xprof / TensorBoard and Perfetto files
+    # (observability/profiling.py). None: no trace.
+    profile_steps: str | list[int] | None = None
     # Multi-host progress watch: a process that is alive but whose training loop has not
     # moved past a step for this long (a collective that never returns on one rank, a data
     # loader deadlocked on one host) is stuck; every process prints one line naming it and

@@ -20,6 +20,7 @@ EXIT_BAD_INPUT = 2
 EXIT_TIME_LIMIT = 3  # stopped at training_time_limit after saving: rerun to continue
 EXIT_NONFINITE = 4  # the loss became NaN/Inf (on_nan="stop" or too many skips)
 EXIT_PEER_LOST = 5  # multi-host: another process died or hung (parallel/peers.py): restart all
+EXIT_OUT_OF_MEMORY = 6  # a step ran out of device memory: change a setting (the line names some)
 # A signal ends the run with 128 + its number, as shells report it: 130 SIGINT, 143 SIGTERM.
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "EXIT_CRASH",
     "EXIT_NONFINITE",
     "EXIT_OK",
+    "EXIT_OUT_OF_MEMORY",
     "EXIT_PEER_LOST",
     "EXIT_TIME_LIMIT",
     "ArgumentError",
@@ -38,6 +40,7 @@ __all__ = [
     "MeshError",
     "NonFiniteLossError",
     "ObjectiveError",
+    "OutOfMemoryError",
     "ReportError",
     "ShardingRuleError",
     "TrackerError",
@@ -109,6 +112,69 @@ class NonFiniteLossError(JaxtrainError, RuntimeError):
     """The loss or the gradients became NaN/Inf; the offending update was not applied."""
 
     exit_code = EXIT_NONFINITE
+
+
+class OutOfMemoryError(JaxtrainError, RuntimeError):
+    """A step (or its compile) ran out of device memory. The message gives what the
+    compiled step needs, what was free, the settings found to fit (`fits`, when searched)
+    and the device-memory profile written at the failure."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+
+    def __init__(
+        self,
+        step: int,
+        cause: str,
+        *,
+        needed_bytes: float | None = None,
+        temporaries_bytes: float | None = None,
+        free_bytes: float | None = None,
+        profile: str | None = None,
+        fits: list[str] | None = None,
+    ):
+        self.step, self.cause, self.profile = step, cause, profile
+        self.needed_bytes, self.free_bytes, self.fits = needed_bytes, free_bytes, fits
+        self.temporaries_bytes = temporaries_bytes  # of the step, within needed_bytes
+        super().__init__(self._message())
+
+    def with_fits(self, fits: list[str]) -> OutOfMemoryError:
+        """The same error, naming the settings found to fit."""
+        return OutOfMemoryError(
+            self.step,
+            self.cause,
+            needed_bytes=self.needed_bytes,
+            temporaries_bytes=self.temporaries_bytes,
+            free_bytes=self.free_bytes,
+            profile=self.profile,
+            fits=fits,
+        )
+
+    def _message(self) -> str:
+        # `step`: the last step whose results were read; with asynchronous dispatch a
+        # later one may be the one that failed.
+        line = f"the train step ran out of device memory after step {self.step} ({self.cause})"
+        if self.needed_bytes is not None:
+            line += (
+                f": it needs {_mib(self.needed_bytes)} per device (XLA's memory analysis, the "
+                "figure `jaxtrain plan` predicts)"
+            )
+            if self.free_bytes is not None:
+                line += f" and about {_mib(self.free_bytes)} were free for it"
+        if self.fits:
+            line += "; one change each, compiled: " + "; ".join(self.fits)
+        else:
+            line += (
+                "; lower the memory per device with gradient_checkpointing, more fsdp in "
+                "sharding_axis_dims or more gradient_accumulation_steps (`jaxtrain plan "
+                "--sweep` compares meshes)"
+            )
+        if self.profile:
+            line += f"; device memory profile: {self.profile} (pprof)"
+        return line + "."
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
 
 
 class ReportError(JaxtrainError, RuntimeError):

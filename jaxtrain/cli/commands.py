@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from jaxtrain.cli.usage import USAGE, split_positional
-from jaxtrain.errors import EXIT_OK, EXIT_TIME_LIMIT, ArgumentError
+from jaxtrain.errors import EXIT_OK, EXIT_TIME_LIMIT, ArgumentError, OutOfMemoryError
 
 
 def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
@@ -81,7 +81,10 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     if dry_run:
         trainer.dry_run()
         return EXIT_OK
-    output = trainer.train()
+    try:
+        output = trainer.train()
+    except OutOfMemoryError as err:
+        raise _with_fits(err, trainer, task, model_section) from None
     summary = ", ".join(
         f"{k}={output.metrics[k]:.4f}" for k in ("loss", "eval/loss") if k in output.metrics
     )
@@ -117,6 +120,30 @@ def sample_top_k(model: Any, tokenizer: Any, top_k: int | None) -> tuple[int | N
     return vocab, (
         f"sample: top_k {top_k} is not below the vocabulary's {vocab} tokens: sampling from "
         f"all {vocab} (set --sample.top_k below {vocab} to restrict the draw)"
+    )
+
+
+def _with_fits(err: OutOfMemoryError, trainer: Any, task: str, model: dict) -> OutOfMemoryError:
+    """The out-of-memory line with settings that would fit, found by compiling the run's
+    step with one change each (planning/fit.py). Only for what plan compiles: a language
+    model's own objective, without LoRA, in one process (every process would compile)."""
+    args = trainer.arguments
+    if task != "lm" or args.lora_rank or trainer.runtime.process_count > 1:
+        return err
+    from jaxtrain.planning.fit import search_fits
+
+    print(
+        f"jaxtrain: step {err.step} ran out of device memory; compiling it with other "
+        "settings to find some that fit",
+        flush=True,
+    )
+    return search_fits(
+        err,
+        trainer.model_config,
+        args,
+        list(trainer.mesh.devices.flat),
+        dict(trainer.mesh.shape),
+        attention=model.get("attention_implementation"),
     )
 
 

@@ -11,16 +11,8 @@ that many CPU devices (jaxtrain/planning/worker.py); nothing is allocated, nothi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,54 +128,9 @@ def plan_path(options: dict[str, Any], args: Any, sources: dict[str, str]) -> Pa
 
 def run_worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The worker's results, computed in a child process with spec["devices"] CPU devices."""
-    with tempfile.TemporaryDirectory(prefix="jaxtrain-plan-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ)
-        flags = env.get("XLA_FLAGS", "").split()
-        flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
-        flags.append(f"--xla_force_host_platform_device_count={spec['devices']}")
-        env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-        # A session of its own: the terminal's Ctrl-C reaches only this process, which ends
-        # the child itself (_ends_with), so the child never prints a traceback of its own.
-        child = subprocess.Popen(
-            [sys.executable, "-m", "jaxtrain.planning.worker", str(spec_path), str(out_path)],
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            with _ends_with(child):
-                code = child.wait()
-        finally:
-            if child.poll() is None:  # this process is failing: the compile must not outlive it
-                child.kill()
-                child.wait()
-        if code != 0:
-            raise RuntimeError(f"jaxtrain plan's compile process failed (exit {code}).")
-        return json.loads(out_path.read_text())
+    from jaxtrain.planning.child import run_child
 
-
-@contextlib.contextmanager
-def _ends_with(child: subprocess.Popen) -> Iterator[None]:
-    """Ctrl-C while the child compiles: the child is killed, then one line and exit 130.
-    Only where the command line installed its interrupt handling (the process's own entry)."""
-    from jaxtrain import interrupts
-
-    if not interrupts.installed() or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handle(number: int, frame: Any) -> None:
-        # os.kill, not child.kill() + wait(): the interrupted wait holds Popen's lock.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGKILL)
-        interrupts.abort("jaxtrain plan", "interrupted by SIGINT; nothing was written")
-
-    previous = signal.signal(signal.SIGINT, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    return run_child("jaxtrain.planning.worker", spec, spec["devices"], label="jaxtrain plan")
 
 
 def cmd_plan(tokens: list[str]) -> int:

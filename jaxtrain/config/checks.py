@@ -30,6 +30,7 @@ from jaxtrain.config.tables import (
     check_divisible,
     parse_axis_dims,
     parse_duration,
+    parse_profile_steps,
     resolve_lora_targets,
 )
 from jaxtrain.errors import ArgumentError
@@ -101,6 +102,7 @@ def normalized_fields(args: Any) -> dict[str, Any]:
         "sharding_axis_dims": parse_axis_dims(args.sharding_axis_dims),
         "sharding_rules": _yaml(args.sharding_rules, "sharding_rules"),
         "sharding_regex_rules": regex,
+        "profile_steps": parse_profile_steps(args.profile_steps),
     }
 
 

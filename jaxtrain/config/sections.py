@@ -237,6 +237,7 @@ class LoopSettings:
     on_nan: str
     max_nan_skips: int
     progress_bar: str
+    profile_steps: list[int] | None  # [first, last] traced with jax.profiler (profiling.py)
 
     @classmethod
     def from_arguments(cls, args: Any) -> LoopSettings:

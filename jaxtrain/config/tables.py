@@ -114,6 +114,33 @@ def parse_axis_dims(value: object) -> tuple[int, ...]:
     return dims
 
 
+_STEP_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def parse_profile_steps(value: object) -> list[int] | None:
+    """profile_steps as [first, last]: from "10-12", "10", [10, 12] or [10]; None stays."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = _STEP_RANGE.match(value)
+        if match is None:
+            raise _bad_profile_steps(value)
+        value = [int(match.group(1)), int(match.group(2) or match.group(1))]
+    if not isinstance(value, Sequence) or len(value) not in (1, 2):
+        raise _bad_profile_steps(value)
+    if not all(_is_int(v) for v in value) or not 1 <= int(value[0]) <= int(value[-1]):
+        raise _bad_profile_steps(value)
+    return [int(value[0]), int(value[-1])]
+
+
+def _bad_profile_steps(value: object) -> ArgumentError:
+    return ArgumentError(
+        f"TrainingArguments.profile_steps={value!r} must be [first, last] with "
+        "1 <= first <= last (the step numbers the log shows), e.g. [10, 12] or on the command "
+        "line --profile_steps 10-12."
+    )
+
+
 def _is_int(value: object) -> bool:
     """An integer that is not a bool (numpy integers too, without importing numpy)."""
     if isinstance(value, bool):

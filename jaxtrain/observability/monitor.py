@@ -213,8 +213,11 @@ class RunMonitor:
         (out_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def add_run_info(self, key: str, value: Any) -> None:
-        """A JSON-ready section of run_info.json, written with the rest of it."""
+        """A JSON-ready section of run_info.json, written with the rest of it (now, when
+        the file is already written)."""
         self.run_info_extra[key] = value
+        if self.is_writer and self._run_info_dir is None and self._out_dir is not None:
+            self._write_run_info(self._out_dir)
 
     @property
     def peak(self) -> tuple[str, float | None]:

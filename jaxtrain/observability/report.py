@@ -112,6 +112,10 @@ def summarise(records: list[dict[str, Any]], info: dict[str, Any], series: Serie
         rows.append(("peak device memory", f"{max(series['memory/device_peak_gib'][1]):.2f} GiB"))
     if "memory/host_rss_gib" in series:
         rows.append(("peak host RSS", f"{max(series['memory/host_rss_gib'][1]):.2f} GiB"))
+    profile = info.get("profile")
+    if isinstance(profile, dict) and profile.get("steps"):
+        first, last = profile["steps"]
+        rows.append((f"profile (steps {first}-{last or '?'})", str(profile.get("directory"))))
     return rows
 
 

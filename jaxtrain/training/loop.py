@@ -22,10 +22,12 @@ import jax
 from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps
 from jaxtrain.config.sections import LoopSettings
 from jaxtrain.observability.compiles import memory_summary
+from jaxtrain.observability.profiling import StepProfiler, profile_line
 from jaxtrain.observability.progress import make_progress
 from jaxtrain.parallel.peers import note_checkpoints, note_progress
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet
+from jaxtrain.training.out_of_memory import is_out_of_memory, out_of_memory_error
 from jaxtrain.training.run_hooks import EvaluationHook, SaveHook, StopState
 from jaxtrain.training.startup import startup_summary, summary_lines
 from jaxtrain.training.stopping import (
@@ -79,12 +81,21 @@ class TrainingLoop:
         self.hooks = trainer.hooks  # who hears about the run, fixed for its duration
         self.train_step = None  # compiled while the state is built; this run owns it
         self.stop = StopState()  # why the loop leaves after this step, if it does
+        self.step_memory = None  # the compiled step's memory_summary, once compiled
+        self.read_step = 0  # the last step whose results were read (it ran)
 
     def run(self) -> TrainerOutput:
         trainer, args, checkpoints = self.trainer, self.args, self.trainer.checkpoints
         # Named in the line of a lost peer process (multi-host).
         note_checkpoints(checkpoints.root, committed_steps)
         plan = checkpoints.plan_start()  # a resume that cannot happen fails here, before any work
+        self.profiler = StepProfiler(
+            args.profile_steps,
+            args.output_dir,
+            trainer.runtime.process_index,
+            announce=self._profile_written,
+        )
+        self.profiler.check_steps(plan.step, self.total_steps)
         if trainer.runtime.is_main_process:
             checkpoints.write_run_files()
         # Written by process 0 only; a resumed run continues its trackers' runs.
@@ -95,6 +106,7 @@ class TrainingLoop:
         )
         self.latest_state = None  # the newest live state, for the model object on a failure
         self.step = plan.step  # steps done: what the progress watch of a multi-host run reads
+        self.read_step = plan.step
         try:
             self.source.open(plan.step, self.program)
             start = self._start(plan)
@@ -105,11 +117,20 @@ class TrainingLoop:
             self.hooks.call("on_train_start", trainer, state)
             with StopSignals() as signals:
                 state, step = self._steps(state, start.step, signals, start)
-        except BaseException:
+        except BaseException as err:
             self.program.return_parameters(self.latest_state)
+            if is_out_of_memory(err):  # one line with the figures, not XLA's traceback
+                raise out_of_memory_error(
+                    err,
+                    self.read_step,
+                    self.step_memory,
+                    args.output_dir,
+                    trainer.runtime.process_index,
+                ) from err
             raise
         finally:
             note_progress(self.step, "end")  # the final save and report are no steps
+            self.profiler.close()  # a window the run left early keeps what it traced
             try:
                 checkpoints.close()  # waits for the background writes to commit
             finally:
@@ -143,6 +164,7 @@ class TrainingLoop:
             self.train_step = compiling.result()
         # What XLA assigned per device: `jaxtrain plan` predicts this figure.
         memory = memory_summary(self.train_step.compiled.executable)
+        self.step_memory = memory
         self.trainer.monitor.add_run_info("train_step_memory", memory)
         return start
 
@@ -213,19 +235,23 @@ class TrainingLoop:
             if trainer.should_stop:
                 self.stop_reason = "callback"
                 break
+            self.profiler.before(step + 1, state)  # profile_steps: the trace starts here
             # Hooks may hand back a state, a batch, metrics (hooks.py); None changes nothing.
             state = self.hooks.step_start(trainer, state, step)
             taken = self._next_batch(step, state)
             host_batch = taken.host
             batch, extra_logs = self.hooks.batch(trainer, taken.batch, step)
             extra_logs = {**taken.logs, **extra_logs}
-            state, metrics = self.train_step(state, batch)
+            with self.profiler.annotate(step + 1):
+                state, metrics = self.train_step(state, batch)
             self.latest_state = state
             step += 1
             self.step = step
             note_progress(step)
+            self.profiler.after(step, state)
             if step == first_step:
                 trainer.monitor.first_step_done(state)
+                self.read_step = step
             # The previous window's logs go out now that this step is dispatched, and before
             # this step's hooks log anything: trackers such as W&B drop a step that goes back.
             self._emit_pending()
@@ -313,12 +339,19 @@ class TrainingLoop:
         trainer, monitor = self.trainer, self.trainer.monitor
         logs = monitor.step_logs({**self.pending.read(), **self.source.meter.fields()})
         self.pending = None
+        self.read_step = int(logs["step"])
         if self.guard.skipped_total:
             logs["nonfinite_skipped_steps"] = self.guard.skipped_total
         self.log.write(logs["step"], logs)
         self.hooks.call("on_log", trainer, logs, logs["step"])
         self.progress.update(logs["step"], monitor.progress_fields(logs))
         self.last_logs = logs
+
+    def _profile_written(self, record: dict) -> None:
+        """The profile_steps trace is on disk: say where, in the log and run_info.json."""
+        self.trainer.monitor.add_run_info("profile", record)
+        if self.trainer.runtime.is_main_process:
+            self.progress.write(profile_line(record))
 
     def _wants_eval(self) -> bool:
         return self.trainer.eval_loader is not None and self.args.evaluation_strategy != "no"
