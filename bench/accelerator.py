@@ -307,6 +307,9 @@ def plan_command(size: str, attention: str, remat: str, out: Path) -> list[str]:
         "--max_sequence_length", str(run["seq"]),
         "--dtype", "bfloat16", "--gradient_checkpointing", remat,
         "--optimizer", "adamw",
+        # XLA:CPU beside the GPU stages: the GPU compiler's own plan (planning/targets.py)
+        # would open the GPU the training stages are measuring.
+        "--compiler", "cpu",
     ] + ([] if attention == "auto" else ["--model.attention_implementation", attention])  # fmt: skip
 
 
@@ -315,6 +318,8 @@ def read_plan(path: Path) -> dict:
     entry = plan["meshes"][0]
     figures, est = entry.get("figures", {}), entry.get("estimate", {})
     return {
+        # XLA:GPU where the plan's child found the CUDA plugin and the GPU, else XLA:CPU.
+        "compiler": (entry.get("compiler") or {}).get("compiler", "XLA:CPU"),
         "peak_bytes": figures.get("peak_bytes"),
         "shape_estimate_bytes": figures.get("shape_estimate_bytes"),
         "estimate": {k: v for k, v in est.items() if not isinstance(v, list)},
@@ -427,7 +432,8 @@ def markdown(report: dict) -> list[str]:
     if "estimate" in plan:
         est = plan["estimate"]
         rows.append(
-            f"jaxtrain plan (XLA:CPU compile): peak {gib(plan['peak_bytes'])} GiB, by shapes "
+            f"jaxtrain plan ({plan.get('compiler', 'XLA:CPU')} compile): peak "
+            f"{gib(plan['peak_bytes'])} GiB, by shapes "
             f"{gib(plan['shape_estimate_bytes'])} GiB; compute {est.get('compute_s', 0):.3f} s, "
             f"memory {est.get('memory_s', 0):.3f} s per step"
         )

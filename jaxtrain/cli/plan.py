@@ -3,10 +3,14 @@
     jaxtrain plan [CONFIG.yaml] [--hf_config config.json] --devices 256 --accelerator h100
                   [--processes 32] [--sweep] [--layers auto|all|unit] [--output plan.json]
                   [--field value ...]
+    jaxtrain plan ... --accelerator v5e|v5p|v6e --topology 2x4   (a TPU slice's chips)
 
 The run's own arguments (mesh, batch, sequence, dtype, remat, optimizer, accumulation) come
-from the config and flags as for `jaxtrain train`. The compile runs in a child process with
-that many CPU devices (jaxtrain/planning/worker.py); nothing is allocated, nothing trained.
+from the config and flags as for `jaxtrain train`. The compile runs in a child process
+(jaxtrain/planning/worker.py) by the target's own compiler where this machine has one
+(XLA:TPU with the `tpu` extra, XLA:GPU with the CUDA plugin and a GPU), else by XLA:CPU
+for that many virtual devices (planning/targets.py; `--compiler cpu` asks for it); the
+plan says which. Nothing is allocated, nothing trained.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.errors import ArgumentError
+from jaxtrain.planning.targets import CPU_BOUND_NOTE, STAND_INS
 
 PLAN_OPTIONS = {
     "hf_config": None,
@@ -25,10 +30,12 @@ PLAN_OPTIONS = {
     "processes": None,
     "layers": "auto",
     "output": None,  # default: <output_dir>/plan.json when the command names one, else ./
+    "topology": None,
+    "compiler": "auto",
 }
 PLAN_FLAGS = ("sweep",)
 # Attention kernels XLA:CPU cannot lower, and what the plan compiles in their place.
-CPU_STAND_INS = {"cudnn": "blockwise"}
+CPU_STAND_INS = STAND_INS
 
 
 def split_plan_options(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -133,6 +140,35 @@ def run_worker(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return run_child("jaxtrain.planning.worker", spec, spec["devices"], label="jaxtrain plan")
 
 
+def compiled_attention(compiler: dict[str, Any] | None, attention: str | None) -> str | None:
+    """The attention the step was compiled with: the run's, unless only XLA:GPU has it."""
+    if compiler is not None and compiler["compiler"] == "XLA:GPU":
+        return attention
+    return STAND_INS.get(attention, attention)
+
+
+def compiler_line(compiler: dict[str, Any], accel_name: str, attention: str | None) -> str:
+    """Which compiler the figures come from, and so what "per device" and "fits" mean."""
+    if compiler["compiler"] != "XLA:CPU":
+        line = (
+            f"compiled by {compiler['compiler']} for {compiler['description']}, deviceless: "
+            f"'per device' and the verdict are that compiler's own buffer assignment"
+        )
+    else:
+        line = (
+            f"compiled by XLA:CPU on {compiler['description']} ({compiler['fallback_reason']}): "
+            f"'per device' and the verdict use its figure; {CPU_BOUND_NOTE}"
+        )
+    stand_in = compiled_attention(compiler, attention)
+    if stand_in != attention:
+        line += (
+            f"; attention {attention!r} has no {compiler['compiler']} kernel: compiled with "
+            f"{stand_in!r} (no T x T array either; on one H100 the 1B campaign measured its "
+            "peak 18% above cudnn's, bench/RESULTS.md)"
+        )
+    return line
+
+
 def cmd_plan(tokens: list[str]) -> int:
     from jaxtrain.cli.run_config import (
         explain_source,
@@ -141,13 +177,36 @@ def cmd_plan(tokens: list[str]) -> int:
         split_config,
     )
     from jaxtrain.cli.usage import split_positional
-    from jaxtrain.planning.accelerators import accelerator
+    from jaxtrain.planning.accelerators import accelerator, accelerator_key
     from jaxtrain.planning.program import build_config
     from jaxtrain.planning.report import details, ranked, table
     from jaxtrain.planning.roofline import estimate
+    from jaxtrain.planning.targets import TPU_GENERATIONS, topology_chips
 
     options, rest = split_plan_options(tokens)
     accel = accelerator(options["accelerator"])
+    key = accelerator_key(options["accelerator"])
+    if options["compiler"] not in ("auto", "cpu"):
+        raise ArgumentError(f"--compiler must be auto or cpu, got {options['compiler']!r}.")
+    chips = None
+    if key in TPU_GENERATIONS:
+        if options["topology"] is None:
+            raise ArgumentError(
+                f"--accelerator {key} plans a TPU slice: give its chips with --topology "
+                f"(e.g. --topology {'2x2x2' if key == 'v5p' else '2x4'} for 8 chips)."
+            )
+        chips = topology_chips(key, options["topology"])
+        if options["devices"] is not None and _positive_int(options, "devices") != chips:
+            raise ArgumentError(
+                f"--devices {options['devices']} disagrees with --topology "
+                f"{options['topology']} ({chips} chips): drop --devices."
+            )
+        options["devices"] = str(chips)
+    elif options["topology"] is not None:
+        raise ArgumentError(
+            f"--topology describes a TPU slice (v5e, v5p, v6e); --accelerator {key} takes "
+            "--devices."
+        )
     path, rest = split_positional(rest)
     config, sources = resolve_config_with_sources(path, parse_overrides(rest))
     try:
@@ -181,23 +240,24 @@ def cmd_plan(tokens: list[str]) -> int:
         "devices": devices,
         "meshes": meshes,
         "layers": options["layers"],
-        "attention": CPU_STAND_INS.get(attention, attention),
+        "attention": attention,
         "task": str(config.get("task") or "lm"),
+        "accelerator": key,
+        "topology": options["topology"],
+        "compiler": options["compiler"],
+        "per_node": per_node,
     }
+    where = f"{options['topology']} slice of " if chips else ""
     print(
         f"jaxtrain plan: {model_config.model_type} "
-        f"({model_config.num_hidden_layers} layers) on {devices} x {accel.name} "
+        f"({model_config.num_hidden_layers} layers) on {where}{devices} x {accel.name} "
         f"({processes} node(s) of {per_node}); {len(meshes)} mesh(es) to compile",
         flush=True,
     )
-    if attention in CPU_STAND_INS:
-        print(
-            f"attention {attention!r} has no XLA:CPU kernel: the step is compiled with "
-            f"{CPU_STAND_INS[attention]!r} attention (no T x T array either; on one H100 the "
-            "1B campaign measured its peak 18% above cudnn's, bench/RESULTS.md)",
-            flush=True,
-        )
     entries = run_worker(spec)
+    compiler = next((e["compiler"] for e in entries if "compiler" in e), None)
+    if compiler is not None:
+        print(compiler_line(compiler, accel.name, attention), flush=True)
     for entry in entries:
         if "figures" in entry:
             entry["figures"]["devices"] = devices
@@ -217,7 +277,8 @@ def cmd_plan(tokens: list[str]) -> int:
         "devices": devices,
         "processes": processes,
         "arguments": arguments,
-        "attention": {"run": attention, "compiled": spec["attention"]},
+        "attention": {"run": attention, "compiled": compiled_attention(compiler, attention)},
+        "compiler": compiler,
         "meshes": [{k: v for k, v in e.items()} for e in entries],
     }
     for entry in report["meshes"]:

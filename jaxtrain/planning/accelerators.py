@@ -99,11 +99,30 @@ ACCELERATORS = {
         8960,
         "Google Cloud TPU v5p documentation (inter-pod bandwidth assumed)",
     ),
+    # Google Cloud TPU v6e (Trillium) documentation: 918 TFLOPs bf16, 32 GB HBM at 1,638
+    # GB/s, ICI 800 GB/s per chip in both directions, 8 chips per host, 256 per pod. Between
+    # pods: as v5e, this table's guess.
+    "v6e": Accelerator(
+        "Google TPU v6e",
+        918e12,
+        918e12,
+        32 * GB,
+        1.638 * TB,
+        400 * GB,
+        6.25 * GB,
+        256,
+        "Google Cloud TPU v6e documentation (inter-pod bandwidth assumed)",
+    ),
 }
 
 
-def accelerator(name: str) -> Accelerator:
+def accelerator_key(name: str) -> str:
+    """The table's key for a spelling such as "H100", "nvidia-h100", "tpu-v5e"."""
     key = name.lower().replace("-", "").replace("nvidia", "").replace("tpu", "").strip()
     if key not in ACCELERATORS:
         raise ArgumentError(f"--accelerator {name!r}: choose one of {', '.join(ACCELERATORS)}.")
-    return ACCELERATORS[key]
+    return key
+
+
+def accelerator(name: str) -> Accelerator:
+    return ACCELERATORS[accelerator_key(name)]

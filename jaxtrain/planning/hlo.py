@@ -45,7 +45,7 @@ _DTYPE_BYTES = {
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
 _CALLED = re.compile(
     r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
 )
@@ -153,7 +153,21 @@ def _operands(call: str) -> list[str]:
         if depth == 0:
             end = i
             break
-    return re.findall(r"%([\w.\-]+)", call[start:end])
+    inside = call[start + 1 : end]
+    named = re.findall(r"%([\w.\-]+)", inside)
+    if named or not inside.strip():
+        return named
+    # Names without "%" (the text of a module before optimization): the last word of each
+    # operand, split at the commas outside brackets.
+    parts, depth, last = [], 0, 0
+    for i, ch in enumerate(inside):
+        depth += ch in "[{("
+        depth -= ch in "]})"
+        if ch == "," and depth == 0:
+            parts.append(inside[last:i])
+            last = i + 1
+    parts.append(inside[last:])
+    return [part.split()[-1] for part in parts if part.split()]
 
 
 def parse(text: str) -> Program:
@@ -204,13 +218,47 @@ def executions_per_computation(program: Program) -> dict[str, int]:
             trips = 1
             if instruction.opcode == "while":
                 found = _TRIP_COUNT.search(instruction.text)
-                trips = int(found.group(1)) if found else 1
+                trips = int(found.group(1)) if found else _counted_trips(program, instruction)
             for role, callee in called(instruction):
                 times = counts[computation] * (trips if role in ("body", "condition") else 1)
                 if counts.get(callee, 0) < times:
                     counts[callee] = times
                     order.append(callee)
     return counts
+
+
+def _counted_trips(program: Program, loop: Instruction) -> int:
+    """Trips of a while loop without XLA's known_trip_count (XLA:TPU writes none): its
+    condition compares a counter of the loop's tuple with a constant (`i < n`), and the
+    counter starts from the tuple's constant (0 where that is not visible). 1 when the
+    condition is anything else."""
+    condition = dict(called(loop)).get("condition", "")
+    names = program.computations.get(condition, [])
+    root = next((n for n in names if " ROOT " in f" {program.instructions[n].text.strip()}"), None)
+    if root is None:
+        return 1
+    compare = program.instructions[root]
+    direction = re.search(r"direction=(LT|LE|GT|GE)", compare.text)
+    if compare.opcode != "compare" or direction is None or len(compare.operands) != 2:
+        return 1
+    counter, bound = (program.instructions.get(o) for o in compare.operands)
+    if counter is None or bound is None or direction.group(1) not in ("LT", "LE"):
+        return 1
+    limit = _constant(bound)
+    index = re.search(r"index=(\d+)", counter.text)
+    if counter.opcode != "get-tuple-element" or limit is None or index is None:
+        return 1
+    start = 0
+    init = program.instructions.get(loop.operands[0]) if loop.operands else None
+    if init is not None and init.opcode == "tuple" and int(index.group(1)) < len(init.operands):
+        first = program.instructions.get(init.operands[int(index.group(1))])
+        start = (_constant(first) if first is not None else None) or 0
+    return max(1, limit - start + (1 if direction.group(1) == "LE" else 0))
+
+
+def _constant(instruction: Instruction) -> int | None:
+    found = re.search(r"constant\((-?\d+)\)", instruction.text)
+    return int(found.group(1)) if instruction.opcode == "constant" and found else None
 
 
 def _parse_groups(text: str, devices: int) -> list[list[int]]:
@@ -384,10 +432,22 @@ def collectives(text: str, devices: int) -> list[Collective]:
         if executions == 0:
             continue
         if kind == "collective-permute":
+            # What each device sends: its operand. (XLA:TPU's asynchronous start returns a
+            # tuple of the operand, the result and two counters: its shape counts it twice.)
+            sent = sum(
+                shape_bytes(program.instructions[o].shape)
+                for o in instruction.operands
+                if o in program.instructions
+            )
             pairs = _pairs(instruction.text)
             found.append(
                 Collective(
-                    kind, shape_bytes(instruction.shape), 2, pairs, executions, instruction.name
+                    kind,
+                    sent or shape_bytes(instruction.shape),
+                    2,
+                    pairs,
+                    executions,
+                    instruction.name,
                 )
             )
             continue
@@ -396,6 +456,13 @@ def collectives(text: str, devices: int) -> list[Collective]:
         if kind != "all-reduce":
             if kind == "all-gather":
                 size = shape_bytes(instruction.shape)
+                if instruction.opcode.endswith("-start") and instruction.shape.startswith("("):
+                    # An asynchronous start's tuple holds the operands, then the results.
+                    size -= sum(
+                        shape_bytes(program.instructions[o].shape)
+                        for o in instruction.operands
+                        if o in program.instructions
+                    )
             else:  # reduce-scatter, all-to-all: the operands' bytes
                 size = sum(
                     shape_bytes(program.instructions[o].shape)

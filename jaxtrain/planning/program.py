@@ -116,6 +116,7 @@ def compiled_figures(program: Any, executable: Any) -> dict[str, Any]:
     """Per-device memory, FLOPs and collectives of a compiled train step."""
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
+    cost = cost or {}  # a deviceless XLA:GPU executable has no cost analysis (None)
     devices = program.mesh.devices.size
     text = executable.as_text()
     ops = collectives(text, devices)
@@ -128,7 +129,7 @@ def compiled_figures(program: Any, executable: Any) -> dict[str, Any]:
         for kind in KINDS
     }
     return {
-        "memory": memory_summary(executable),
+        "memory": memory_summary(executable, program.mesh.devices.flat[0].platform),
         # Per device. XLA's count of all ops, a loop body counted once; the dots' with loops.
         "xla_flops": float(cost.get("flops", 0.0)),
         "matmul_flops": matmul_flops(text),
@@ -296,7 +297,11 @@ def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
         )
         .compile()
     )
-    return {"memory": memory_summary(executable), "compile_seconds": time.perf_counter() - start}
+    platform = program.mesh.devices.flat[0].platform
+    return {
+        "memory": memory_summary(executable, platform),
+        "compile_seconds": time.perf_counter() - start,
+    }
 
 
 def shape_estimate(

@@ -34,8 +34,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
 
 
+def figure_of(entries: list[dict[str, Any]]) -> str:
+    """The compiler whose memory figure the verdicts and the ranking use."""
+    compiler = next((e["compiler"]["compiler"] for e in entries if e.get("compiler")), None)
+    return compiler or "XLA:CPU"
+
+
 def table(entries: list[dict[str, Any]]) -> list[str]:
     lines = [
+        f"  ranked: meshes that fit first, by step time; 'fits' and 'per device' are "
+        f"{figure_of(entries)}'s figures",
         f"  {'mesh':<24} {'fits':<5} {'per device':>11} {'by shapes':>11} {'step (serial)':>14} "
         f"{'(overlapped)':>13} {'MFU':>11} bound",
     ]
@@ -73,7 +81,8 @@ def details(entry: dict[str, Any], accel_name: str) -> list[str]:
         "workspace)",
         f"    inputs + outputs  {human_bytes(mem['arguments'] + mem['outputs'] - mem['aliased']):>12}"
         "  (state donated: outputs written over inputs)",
-        f"    peak              {human_bytes(fig['peak_bytes']):>12}  (XLA:CPU's schedule)",
+        f"    peak              {human_bytes(fig['peak_bytes']):>12}  "
+        f"({figure_of([entry])}'s buffer assignment)",
         f"    by shapes         {human_bytes(fig['shape_estimate_bytes']):>12}  (state, gradients, "
         f"activations, two layers gathered: {'fits' if est['fits_by_shapes'] else 'does not fit'})",
         f"  FLOPs per step: model {fig['model_flops']:.3e} (causal, as the Trainer logs them); "

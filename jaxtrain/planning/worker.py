@@ -1,8 +1,10 @@
 """The child process of `jaxtrain plan`: `python -m jaxtrain.planning.worker SPEC OUT`.
 
 It is started with XLA_FLAGS=--xla_force_host_platform_device_count=N (the target's device
-count, as CPU devices), compiles the train step for each mesh of SPEC and writes their
-figures (or the reason a mesh cannot run) to OUT as JSON.
+count, as CPU devices), takes the target's own compiler where there is one (targets.py:
+XLA:TPU for a TPU topology, XLA:GPU with the CUDA plugin and a GPU), else those CPU
+devices, compiles the train step for each mesh of SPEC and writes their figures (or the
+reason a mesh cannot run), each naming its compiler, to OUT as JSON.
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ from typing import Any
 
 
 def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    import jax
-
     from jaxtrain.errors import JaxtrainError
     from jaxtrain.planning.program import build_config, plan_program
+    from jaxtrain.planning.targets import STAND_INS, compile_target
     from jaxtrain.task_arguments import task_arguments_class
 
     config = build_config(spec["model"])
     task = spec.get("task", "lm")
     arguments_class = task_arguments_class(task)
     base = arguments_class.from_dict(spec["arguments"], source="the plan's arguments")
-    devices = jax.devices()[: spec["devices"]]
+    target, devices = compile_target(spec)
+    attention = spec.get("attention")
+    if target.compiler != "XLA:GPU":
+        attention = STAND_INS.get(attention, attention)
     results = []
     for dims in spec["meshes"]:
         args = dataclasses.replace(base, sharding_axis_dims=tuple(dims))
@@ -36,13 +40,26 @@ def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 args,
                 devices,
                 layers=spec["layers"],
-                attention=spec.get("attention"),
+                attention=attention,
                 task=task,
             )
         except JaxtrainError as err:  # this mesh cannot run the model: say why, try the next
-            results.append({"mesh": list(dims), "error": str(err)})
+            results.append({"mesh": list(dims), "error": str(err), "compiler": target.to_json()})
             continue
-        results.append({"mesh": list(dims), "figures": figures})
+        except Exception as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            # XLA:TPU refuses a program whose buffers exceed the chip's memory: it does not fit.
+            reason = " ".join(str(err).split())[:300]
+            results.append(
+                {
+                    "mesh": list(dims),
+                    "error": f"does not fit: {reason}",
+                    "compiler": target.to_json(),
+                }
+            )
+            continue
+        results.append({"mesh": list(dims), "figures": figures, "compiler": target.to_json()})
         print(f"planned mesh {dims}: {figures['method']}", file=sys.stderr, flush=True)
     return results
 

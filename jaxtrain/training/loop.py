@@ -163,7 +163,8 @@ class TrainingLoop:
             self._announce(start)  # usually before the compile's own line
             self.train_step = compiling.result()
         # What XLA assigned per device: `jaxtrain plan` predicts this figure.
-        memory = memory_summary(self.train_step.compiled.executable)
+        platform = program.mesh.devices.flat[0].platform
+        memory = memory_summary(self.train_step.compiled.executable, platform)
         self.step_memory = memory
         self.trainer.monitor.add_run_info("train_step_memory", memory)
         return start
