@@ -287,18 +287,24 @@ def task_of(tokens: list[str]) -> str | None:
 
 
 PLAN_HELP = """usage: jaxtrain plan [CONFIG.yaml] [--hf_config config.json] [--devices N]
-                     [--accelerator h100|h200|a100|v5e|v5p] [--processes P] [--sweep]
+                     [--accelerator h100|h200|a100|v5e|v5p|v6e] [--topology AxB[xC]]
+                     [--compiler auto|cpu] [--processes P] [--sweep]
                      [--layers auto|all|unit] [--output plan.json] [--field value ...]
 
-Compile the run's train step for N devices (as CPU devices, from shapes alone: nothing is
-allocated) and read per-device memory, FLOPs and collectives from the compiled program; add a
-roofline estimate of the step time and MFU on the accelerator. Every `jaxtrain train` field
-(mesh, batch, sequence, dtype, remat, optimizer, accumulation) is read as for a run.
+Compile the run's train step for N devices (from shapes alone: nothing is allocated) and read
+per-device memory, FLOPs and collectives from the compiled program; add a roofline estimate
+of the step time and MFU on the accelerator. Every `jaxtrain train` field (mesh, batch,
+sequence, dtype, remat, optimizer, accumulation) is read as for a run. The compiler is the
+target's own where this machine has it (XLA:TPU with the `tpu` extra; XLA:GPU with the CUDA
+plugin and a GPU), else XLA:CPU on N virtual devices; the plan says which, and why.
 
   --hf_config PATH     a Hugging Face config.json (configs/ ships Llama-3 8B/70B, Mixtral,
                        Gemma-2-27B); default: the config's model section
   --devices INT        target device count (default: one node of the accelerator)
   --accelerator STR    spec table in jaxtrain/planning/accelerators.py (default: h100)
+  --topology STR       a TPU slice's chips (v5e, v6e: 2x4, 16x16; v5p: 2x2x2, 4x8x8): the
+                       TPU compiler compiles for it with no TPU attached
+  --compiler STR       auto (default): the target's compiler when there is one; cpu: XLA:CPU
   --processes INT      hosts (default: devices / devices per node); sets the link classes
   --sweep              plan every (dp, fsdp, ep, tp) mesh that divides the devices, ranked
   --layers STR         all: compile every layer; unit: the repeating unit of layers, twice
