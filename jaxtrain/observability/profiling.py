@@ -6,6 +6,8 @@ in flight (its device work would otherwise run inside the trace), and after step
 waits for that step to finish before the trace stops. Each step is a
 `jax.profiler.StepTraceAnnotation("train", step_num=n)`, the span xprof's step view and
 Perfetto show per step. Outside the window the loop pays two integer comparisons a step.
+Starting and stopping the trace (writing it takes a second or more) is left out of the
+throughput the run logs; the waits at the window's edges are the steps' own time.
 
 Each process writes `<output_dir>/profile/process_<i>/plugins/profile/<time>/`: the
 `<host>.xplane.pb` that xprof and TensorBoard's profile plugin read (`--logdir` the
@@ -20,6 +22,7 @@ run's length is known (`check_steps`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,18 +61,22 @@ class StepProfiler:
             )
         del start_step  # a resumed run traces what is left of the window (before)
 
-    def before(self, step: int, state: Any) -> None:
+    def before(self, step: int, state: Any) -> float:
         """Step `step` is about to run: start the trace at the window's first step (or the
-        first step of a run resumed inside the window)."""
+        first step of a run resumed inside the window). Returns the seconds the profiler
+        itself took (not step time: the loop leaves them out of its throughput)."""
         if self.started_at is not None or self.record is not None:
-            return
-        if self.first <= step <= self.last:
-            import jax
+            return 0.0
+        if not self.first <= step <= self.last:
+            return 0.0
+        import jax
 
-            jax.block_until_ready(state)  # the step in flight stays out of the trace
-            self.directory.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-            self.started_at = step
+        jax.block_until_ready(state)  # the step in flight stays out of the trace
+        began = time.perf_counter()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        self.started_at = step
+        return time.perf_counter() - began
 
     def annotate(self, step: int) -> contextlib.AbstractContextManager:
         if self.started_at is None:
@@ -78,13 +85,17 @@ class StepProfiler:
 
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
-    def after(self, step: int, state: Any) -> None:
-        """Step `step` is dispatched: at the window's last, wait for it and stop."""
-        if self.started_at is not None and step >= self.last:
-            import jax
+    def after(self, step: int, state: Any) -> float:
+        """Step `step` is dispatched (and its logging window closed): at the window's last,
+        wait for it and stop. Returns the seconds the stop took (writing the trace)."""
+        if self.started_at is None or step < self.last:
+            return 0.0
+        import jax
 
-            jax.block_until_ready(state)
-            self._stop(step)
+        jax.block_until_ready(state)  # step time: the step's own work
+        began = time.perf_counter()
+        self._stop(step)
+        return time.perf_counter() - began
 
     def close(self) -> None:
         """The loop ends (early stop, an error) inside the window: keep what was traced."""

@@ -236,7 +236,8 @@ class TrainingLoop:
             if trainer.should_stop:
                 self.stop_reason = "callback"
                 break
-            self.profiler.before(step + 1, state)  # profile_steps: the trace starts here
+            # profile_steps: the trace starts here; starting it is not step time.
+            window.exclude(self.profiler.before(step + 1, state))
             # Hooks may hand back a state, a batch, metrics (hooks.py); None changes nothing.
             state = self.hooks.step_start(trainer, state, step)
             taken = self._next_batch(step, state)
@@ -249,7 +250,6 @@ class TrainingLoop:
             step += 1
             self.step = step
             note_progress(step)
-            self.profiler.after(step, state)
             if step == first_step:
                 trainer.monitor.first_step_done(state)
                 self.read_step = step
@@ -267,6 +267,9 @@ class TrainingLoop:
             last = step == total_steps or self.stop.reason is not None or trainer.should_stop
             if step % args.logging_steps == 0 or last:
                 self.pending = window.close(step, epoch=self.source.epoch(step))
+            # The trace stops once this step is done and its window closed: the window is
+            # read (one step late) with the step's time in it, the writing of the trace not.
+            window.exclude(self.profiler.after(step, state))
             self.progress.update(step)
             if run_hooks.any_due(step):
                 # An evaluation or a save is no step: the progress watch waits meanwhile.
