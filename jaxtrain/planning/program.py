@@ -132,6 +132,9 @@ def compiled_figures(program: Any, executable: Any) -> dict[str, Any]:
         "memory": memory_summary(executable, program.mesh.devices.flat[0].platform),
         # Per device. XLA's count of all ops, a loop body counted once; the dots' with loops.
         "xla_flops": float(cost.get("flops", 0.0)),
+        # XLA:TPU's own estimate of the step's time (its cost model; a loop body counted once,
+        # like its flops). None from the other compilers.
+        "xla_optimal_seconds": cost.get("optimal_seconds"),
         "matmul_flops": matmul_flops(text),
         "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "bytes_accessed": memory_traffic(text),
