@@ -5,8 +5,9 @@ never returns on one rank (jax-ml/jax 38503), a data loader deadlocked on one ho
 others then wait for it inside the next step's collectives, so every loop stands still,
 and the one to name is the one furthest behind.
 
-Each process counts the events of its training loop (`Position.count`): the loop starts
-stepping, a step is dispatched, a hook (evaluation, save) starts and ends, the loop ends.
+Each process counts the events of its training loop (`Position.count`): a step is
+dispatched (the first one counts once it has run: its first execution is start-up), a hook
+(evaluation, save) starts and ends, the loop ends.
 The loop runs the same events in the same order on every process (same steps, same
 cadences, agreed stops), so counts compare across processes where clocks do not. The
 process with the lowest count is the one the others wait for. It is stuck when it is

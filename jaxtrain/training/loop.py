@@ -229,8 +229,6 @@ class TrainingLoop:
         window = trainer.monitor.window()
         window.restart_clock()  # the first batch's wait was before the compile
         first_step = step + 1
-        # The progress watch of a multi-host run (step_timeout_s) counts from here.
-        note_progress(step)
         self.step = step
         while step < total_steps:
             if trainer.should_stop:
@@ -249,10 +247,12 @@ class TrainingLoop:
             self.latest_state = state
             step += 1
             self.step = step
-            note_progress(step)
             if step == first_step:
                 trainer.monitor.first_step_done(state)
                 self.read_step = step
+            # The progress watch of a multi-host run (step_timeout_s) counts from the end of
+            # the first step: its first execution (allocations, autotuning) is start-up.
+            note_progress(step)
             # The previous window's logs go out now that this step is dispatched, and before
             # this step's hooks log anything: trackers such as W&B drop a step that goes back.
             self._emit_pending()

@@ -225,7 +225,7 @@ def test_a_process_stuck_inside_a_step_is_named_with_its_last_step(tmp_path):
     """Process 1 sleeps inside step 4 (its heartbeat goes on); process 0 waits for it in the
     step's collectives. With step_timeout_s both end with one line naming process 1 and the
     step its loop stands at, exit code 5."""
-    step_timeout_s = 3.0
+    step_timeout_s = 4.0
     run_dir = tmp_path / "run"
     cluster = Cluster(run_dir, "stuck", PAUSE="1 3 60", STEP_TIMEOUT_S=str(step_timeout_s))
     try:
