@@ -29,7 +29,7 @@ SMALL = [
     "--total_batch_size", "8",
     "--gradient_accumulation_steps", "2",
     "--max_sequence_length", "64",
-    "--model.num_hidden_layers", "2",
+    "--model.num_hidden_layers", "1",
     # Multiples of 128: XLA:TPU pads a smaller dimension to its (8, 128) tiles.
     "--model.hidden_size", "128",
     "--model.intermediate_size", "384",
