@@ -32,7 +32,7 @@ from jaxtrain.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from jaxtrain.models.llama import ACT_BTD, ACT_BTV, LlamaForCausalLM, checkpoint_policy
+from jaxtrain.models.llama import ACT_BTD, ACT_BTV, LlamaForCausalLM, remat_layer
 from jaxtrain.models.sharding import constrain
 
 Array = jax.Array
@@ -250,8 +250,7 @@ class GemmaModel(nnx.Module):
         x = constrain(self.embed(input_ids), ACT_BTD)
         run = _run_layer
         if remat_policy != "none":
-            # static_argnums: the implementation string is not an array.
-            run = nnx.remat(_run_layer, policy=checkpoint_policy(remat_policy), static_argnums=5)
+            run = remat_layer(_run_layer, remat_policy)
         for layer in self.layers:
             cos, sin = tables[layer.sliding]
             x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)

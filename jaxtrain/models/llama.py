@@ -78,6 +78,24 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def remat_layer(fn: Callable[..., Any], policy_name: str) -> Callable[..., Any]:
+    """`fn(layer, x, cos, sin, segment_ids, implementation)` rematerialised by the
+    `policy_name` policy. The layer's state is an explicit argument of a jax.checkpoint'ed
+    pure function: nnx.remat under jax.grad refuses to write back a layer's non-Param
+    variables (LoRA's frozen base, a quantized base, a frozen reference; Flax 0.12)."""
+    policy = checkpoint_policy(policy_name)
+
+    def run(layer, x, cos, sin, segment_ids, implementation):
+        graphdef, state = nnx.split(layer)
+
+        def pure(state, x, cos, sin, segment_ids):
+            return fn(nnx.merge(graphdef, state), x, cos, sin, segment_ids, implementation)
+
+        return jax.checkpoint(pure, policy=policy)(state, x, cos, sin, segment_ids)
+
+    return run
+
+
 def _run_layer(
     layer: DecoderLayer,
     x: Array,
@@ -128,8 +146,7 @@ class LlamaModel(nnx.Module):
         x = constrain(self.embed_tokens(input_ids), ACT_BTD)
         run = _run_layer
         if remat_policy != "none":
-            # static_argnums: the implementation string is not an array.
-            run = nnx.remat(_run_layer, policy=checkpoint_policy(remat_policy), static_argnums=5)
+            run = remat_layer(_run_layer, remat_policy)
         # A plain loop (not scan): simple compiles, per-layer params stay separate arrays.
         for layer in self.layers:
             x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)

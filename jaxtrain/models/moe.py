@@ -43,7 +43,7 @@ from jaxtrain.models.llama import (
     DecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
-    checkpoint_policy,
+    remat_layer,
 )
 from jaxtrain.models.moe_dispatch import IMPLEMENTATIONS, expert_mlp, route, router_losses
 from jaxtrain.models.sharding import constrain, current_rules
@@ -332,7 +332,7 @@ class MoeModel(LlamaModel):
         x = constrain(self.embed_tokens(input_ids), ACT_BTD)
         run = _run_layer
         if remat_policy != "none":
-            run = nnx.remat(_run_layer, policy=checkpoint_policy(remat_policy), static_argnums=5)
+            run = remat_layer(_run_layer, remat_policy)
         stats = []
         for layer in self.layers:
             x, layer_stats = run(layer, x, cos, sin, segment_ids, implementation)

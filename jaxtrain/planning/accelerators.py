@@ -72,6 +72,20 @@ ACCELERATORS = {
         8,
         "NVIDIA A100 datasheet; DGX A100 (8 GPUs, 200 Gb/s InfiniBand per GPU)",
     ),
+    # NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS and TF32 120 TFLOPS with sparsity
+    # (121 / 60 dense), 24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 (64 GB/s) and no NVLink: the
+    # one-24-GB-card QLoRA target.
+    "l4": Accelerator(
+        "NVIDIA L4 24GB",
+        121e12,
+        60e12,
+        24 * GB,
+        0.3 * TB,
+        32 * GB,
+        12.5 * GB,
+        8,
+        "NVIDIA L4 datasheet (PCIe; a server of 8, 100 Gb/s Ethernet between servers)",
+    ),
     # Google Cloud TPU v5e documentation: 197 TFLOPS bf16, 16 GB HBM2 at 819 GB/s, ICI
     # 1,600 Gbps per chip, 256 chips per pod. Data-center network between pods: not in the
     # spec sheet; 6.25 GB/s per chip (a 200 Gbps NIC per 4-chip host) is this table's guess.

@@ -62,14 +62,14 @@ class QuantizedKernel(nnx.Module):
         self.value_dtype = jnp.dtype(kernel.dtype).name
 
     @property
-    def value(self) -> jax.Array:
+    def dequantized(self) -> jax.Array:
         """The kernel in float (its original dtype), dequantized from codes and scales."""
         scale2 = None if self.scales_scale is None else self.scales_scale[...]
         q = QuantizedMatrix(self.codes[...], self.scales[...], scale2, self.kind, self.block)
         return dequantize(q, jnp.dtype(self.value_dtype)).reshape(self.shape)
 
     def __getitem__(self, key: Any) -> jax.Array:
-        return self.value[key]
+        return self.dequantized[key]
 
     def get_metadata(self) -> dict[str, Any]:
         return {"logical_axes": self.logical_axes}
@@ -110,7 +110,7 @@ def dequantize_base(model: nnx.Module) -> nnx.Module:
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Projection) and isinstance(module.kernel, QuantizedKernel):
             quantized = module.kernel
-            module.kernel = Frozen(quantized.value, logical_axes=quantized.logical_axes)
+            module.kernel = Frozen(quantized.dequantized, logical_axes=quantized.logical_axes)
     return model
 
 

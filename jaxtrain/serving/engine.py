@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
-from jaxtrain.serving.sampling import SamplingParams
+from jaxtrain.serving.sampling import Draw, SamplingParams
 from jaxtrain.serving.steps import Steps, bucket
 
 __all__ = ["Completion", "Engine"]
@@ -222,10 +222,12 @@ class Engine:
             for i in range(request.n)
         ]
         seeds = [_seed(params.seed, i) for i in range(request.n)]
+        rows = bucket(request.n, 1, self.max_slots)
         firsts = self.steps.draw(
-            jnp.repeat(logits, bucket(request.n, 1, self.max_slots), axis=0),
-            *_sampling_arrays([params] * request.n, seeds, bucket(request.n, 1, self.max_slots)),
-            jnp.full((bucket(request.n, 1, self.max_slots),), len(prompt), jnp.int32),
+            jnp.repeat(logits, rows, axis=0),
+            *_sampling_arrays([params] * request.n, seeds, rows),
+            jnp.full((rows,), len(prompt), jnp.int32),
+            Draw.of([params]),
         )
         for seq, token in zip(samples, np.asarray(firsts)):
             self.active.append(seq)
@@ -263,6 +265,7 @@ class Engine:
             jnp.asarray(start),
             jnp.asarray(self._tables([s.pages for s in seqs], rows)),
             *_sampling_arrays([s.params for s in seqs], seeds, rows),
+            Draw.of([s.params for s in seqs]),
         )
         for seq, token in zip(list(seqs), np.asarray(tokens)):
             self._append(seq, int(token))

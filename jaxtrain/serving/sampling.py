@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SamplingParams", "sample_rows"]
+__all__ = ["Draw", "SamplingParams", "sample_rows"]
 
 Array = jax.Array
 
@@ -51,6 +51,26 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
 
 
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """What a step's rows need, as static flags (a compiled step per combination): any row
+    sampling at all, any with top-k, any with top-p < 1. A step of greedy rows only is an
+    argmax; sorting the vocabulary of every row is paid only when a row filters."""
+
+    sample: bool = True
+    top_k: bool = True
+    top_p: bool = True
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> Draw:
+        sampled = [p for p in params if p.temperature > 0]
+        return cls(
+            sample=bool(sampled),
+            top_k=any(p.top_k > 0 for p in sampled),
+            top_p=any(p.top_p < 1 for p in sampled),
+        )
+
+
 def sample_rows(
     logits: Array,  # [B, V]
     temperature: Array,  # [B] float32; 0 = greedy
@@ -58,23 +78,30 @@ def sample_rows(
     top_p: Array,  # [B] float32
     seeds: Array,  # [B] uint32
     positions: Array,  # [B] int32: the position of the token being drawn
+    draw: Draw = Draw(),
 ) -> Array:
-    """Each row's next token [B] under its own settings (see the module docstring)."""
+    """Each row's next token [B] under its own settings (see the module docstring); `draw`
+    says which filters any row uses (the others' settings leave them unused anyway)."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not draw.sample:
+        return greedy
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = logits.shape[-1]
-    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
-    # Nucleus: keep the most likely tokens whose mass before them is < top_p (the first
-    # token is always kept); top_p = 1 keeps everything.
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where(before < top_p[:, None], ordered, jnp.inf).min(axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < kept, -jnp.inf, scaled)
+    if draw.top_k or draw.top_p:
+        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    if draw.top_k:
+        vocab = logits.shape[-1]
+        k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+    if draw.top_p:
+        # Nucleus: keep the most likely tokens whose mass before them is < top_p (the first
+        # token is always kept); top_p = 1 keeps everything.
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.where(before < top_p[:, None], ordered, jnp.inf).min(axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < kept, -jnp.inf, scaled)
 
     def draw(row_logits: Array, seed: Array, position: Array) -> Array:
         key = jax.random.fold_in(jax.random.key(seed), position)

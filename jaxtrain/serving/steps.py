@@ -37,8 +37,8 @@ class Steps:
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
         self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set(), "draw": set()}
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=1)
-        self._draw = jax.jit(sample_rows)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnums=9)
+        self._draw = jax.jit(sample_rows, static_argnums=6)
         self._copy = jax.jit(
             lambda pool, source, target: self._placed(_copy_page(pool, source, target)),
             donate_argnums=0,
@@ -57,9 +57,9 @@ class Steps:
         logits, pool = self._forward(state, pool, ids, start, table, pad)
         return logits.astype(jnp.float32), pool
 
-    def _decode_fn(self, state, pool, ids, start, table, temperature, top_k, top_p, seeds):
+    def _decode_fn(self, state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw):
         logits, pool = self._forward(state, pool, ids, start, table)
-        tokens = sample_rows(logits, temperature, top_k, top_p, seeds, start + 1)
+        tokens = sample_rows(logits, temperature, top_k, top_p, seeds, start + 1, draw)
         return tokens, pool
 
     # ------------------------------------------------------------- calls
@@ -69,15 +69,15 @@ class Steps:
         self.compiles["prefill"].add(ids.shape)
         return self._prefill(state, pool, ids, start, table, pad)
 
-    def decode(self, state, pool, ids, start, table, temperature, top_k, top_p, seeds):
+    def decode(self, state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw):
         """Each row's next token [B] from its last token [B, 1] at position `start` [B]."""
-        self.compiles["decode"].add(ids.shape)
-        return self._decode(state, pool, ids, start, table, temperature, top_k, top_p, seeds)
+        self.compiles["decode"].add((ids.shape, draw))
+        return self._decode(state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw)
 
-    def draw(self, logits, temperature, top_k, top_p, seeds, positions) -> Array:
+    def draw(self, logits, temperature, top_k, top_p, seeds, positions, draw) -> Array:
         """First tokens [n] of n sequences sharing one prompt's logits [n, V]."""
-        self.compiles["draw"].add(logits.shape)
-        return self._draw(logits, temperature, top_k, top_p, seeds, positions)
+        self.compiles["draw"].add((logits.shape, draw))
+        return self._draw(logits, temperature, top_k, top_p, seeds, positions, draw)
 
     def copy_page(self, pool: Any, source: int, target: int) -> Any:
         """`pool` with page `target` a copy of page `source` in every layer."""
