@@ -123,6 +123,8 @@ def main() -> int:
     print(f"greedy round: identical tokens {same}; tokens/s engine "
           f"{greedy['engine']['tokens_per_s'][0]:,.0f}, generate "
           f"{greedy['generate']['tokens_per_s'][0]:,.0f}")  # fmt: skip
+    if opts.repeats < 1:
+        return 0 if same else 1
     results: dict[str, list[dict]] = {"engine": [], "generate": []}
     for repeat in range(opts.repeats):
         order = ("engine", "generate") if repeat % 2 == 0 else ("generate", "engine")

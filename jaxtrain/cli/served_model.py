@@ -47,7 +47,11 @@ def load_served_model(path: str | Path) -> tuple[Any, Any, str]:
             model = AutoModelForCausalLM.from_pretrained(merged)
         return model, _tokenizer(source, base), source.name
     model = AutoModelForCausalLM.from_pretrained(source)
-    return model, _tokenizer(source if source.is_dir() else source.parent), source.stem
+    if source.suffix == ".gguf":  # its tokenizer is in its metadata
+        from jaxtrain.hf import load_tokenizer
+
+        return model, load_tokenizer(source), source.stem
+    return model, _tokenizer(source), source.stem
 
 
 def _tokenizer(*directories: Path) -> Any:

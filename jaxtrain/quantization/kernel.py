@@ -120,6 +120,10 @@ def quantized_bytes(model: nnx.Module) -> tuple[int, int]:
     for _, module in nnx.iter_modules(model):
         if isinstance(module, QuantizedKernel):
             parts = [module.codes, module.scales, module.scales_scale]
-            stored += sum(p.get_value().nbytes for p in parts if p is not None)
+            stored += sum(
+                math.prod(p.get_value().shape) * jnp.dtype(p.get_value().dtype).itemsize
+                for p in parts
+                if p is not None
+            )  # shapes suffice: an abstract model (a ModelFactory's) counts too
             bf16 += 2 * math.prod(module.shape)
     return stored, bf16
