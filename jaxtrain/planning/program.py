@@ -221,6 +221,8 @@ def plan_program(
 
     full = plan_step_program(config, args, devices, attention, task)
     abstract, shardings = full.abstract_state(), full.state_shardings
+    # Frozen weights (a reference, a teacher, a LoRA base, quantized or not): state too.
+    frozen = float(tree_bytes_per_device(full.rest, full.plan.param_shardings(full.rest)))
     full_shapes = (dict(full.mesh.shape), abstract.params)
     total_layers = int(config.num_hidden_layers)
     period = layer_period(config)
@@ -257,6 +259,7 @@ def plan_program(
         "parameters": float(params),
         "optimizer_state": float(tree_bytes_per_device(abstract.opt_state, shardings.opt_state)),
         "gradients": float(params),  # one per parameter, inside XLA's temporaries
+        "frozen": frozen,
     }
     figures["peak_bytes"] = figures["memory"]["peak"]
     figures["shape_estimate_bytes"] = shape_estimate(full_shapes, config, args, figures["state"])
@@ -327,8 +330,11 @@ def shape_estimate(
         remat=args.gradient_checkpointing,
     )
     total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    if hasattr(config, "num_parameters"):  # a frozen (LoRA, quantized) base is gathered too
+        total_params = max(total_params, config.num_parameters())
     layer = 4.0 * total_params / int(config.num_hidden_layers) / mesh_shape.get("tp", 1)
     fixed = state["parameters"] + state["optimizer_state"] + state["gradients"]
+    fixed += state.get("frozen", 0.0)
     return fixed + float(activations or 0) + 2 * 2 * layer
 
 

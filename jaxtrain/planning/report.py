@@ -77,6 +77,13 @@ def details(entry: dict[str, Any], accel_name: str) -> list[str]:
         f"    parameters        {human_bytes(state['parameters']):>12}",
         f"    optimizer state   {human_bytes(state['optimizer_state']):>12}",
         f"    gradients         {human_bytes(state['gradients']):>12}  (inside the temporaries)",
+        *(
+            [
+                f"    frozen weights    {human_bytes(state['frozen']):>12}  (reference, teacher, base)"
+            ]
+            if state.get("frozen")
+            else []
+        ),
         f"    XLA temporaries   {human_bytes(mem['temporaries']):>12}  (gradients, activations, "
         "workspace)",
         f"    inputs + outputs  {human_bytes(mem['arguments'] + mem['outputs'] - mem['aliased']):>12}"

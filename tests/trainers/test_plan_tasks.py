@@ -3,6 +3,7 @@ written) and its memory is the peak of the step the task's real run compiles."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,8 +21,6 @@ def run_peak(out: Path) -> float:
 
 def plan_peak(task: str, args, tmp_path: Path) -> float:
     """The plan of `args`' run, with its output_dir pointing somewhere that must stay empty."""
-    import dataclasses
-
     nowhere = tmp_path / "never-written"
     args = dataclasses.replace(args, output_dir=str(nowhere))
     figures = plan_program(tiny_config(), args, jax.devices()[:1], task=task)
@@ -115,3 +114,19 @@ def test_a_qlora_plan_counts_the_quantized_base_as_the_run_does(tmp_path):
         arguments=args, model=tiny_model(), dataset_train=rows, devices=jax.devices()[:1]
     ).train()
     assert plan_peak("lm", args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
+
+    # The frozen base is in the plan's state: its float kernels replaced by codes and scales.
+    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.quantization.kernel import quantized_bytes
+    from jaxtrain.training.program import add_lora, quantize
+
+    def frozen(**kw) -> float:
+        run = dataclasses.replace(args, output_dir=str(tmp_path / "never-written"), **kw)
+        figures = plan_program(tiny_config(), run, jax.devices()[:1], task="lm")
+        assert figures["shape_estimate_bytes"] > figures["state"]["frozen"]
+        return figures["state"]["frozen"]
+
+    settings = ModelSettings.from_arguments(args)
+    stored, bf16 = quantized_bytes(quantize(add_lora(tiny_model(), settings), settings))
+    float_kernels = bf16 // 2 * 4  # the tiny model's parameters are float32
+    assert frozen(quantization=None) - frozen() == float_kernels - stored
