@@ -171,6 +171,7 @@ class TrainingArguments:
     # per block of quantization_block_size input rows; "int8": one scale per output channel),
     # dequantized inside the step; needs lora_rank > 0 (only the adapters train).
     quantization: str | None = None
+    # NF4: how many input rows share one scale (an even number dividing each kernel's rows).
     quantization_block_size: int = 64
     # The block scales themselves stored as int8 with a scale per 256 (QLoRA's double
     # quantization): 0.52 instead of 0.56 bytes per weight.
