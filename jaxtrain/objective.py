@@ -10,10 +10,12 @@ gradient accumulation, data parallelism and logging windows all weight every uni
                        count the same units (it does for the default causal LM loss)
   correct    optional  units predicted right; logged as `accuracy`
   any other  optional  another sum over the same units (a z-loss, a DPO margin, a KL term)
+  X_count    optional  beside X_sum: what X_sum is averaged over instead of `tokens` (GRPO's KL
+                       and clip ratio are token means while its loss unit is the completion)
 
 The one rule for logs: every value is summed over the logging window (or the whole eval
-set) and divided by the summed `tokens`, so each is a per-unit mean weighted exactly like
-the loss. It is logged under its own name with a trailing `_sum` dropped (`z_loss_sum` ->
+set) and divided by the summed `tokens` (or by its own summed `X_count`), so each is a
+per-unit mean weighted exactly like the loss. It is logged under its own name with a trailing `_sum` dropped (`z_loss_sum` ->
 `z_loss`, `rewards/margins` -> `rewards/margins`), `correct` as `accuracy`, and under
 `eval/` in evaluation. Nothing an objective returns is dropped. `perplexity` = exp(loss) is
 logged beside the loss only when the loss is a mean negative log-likelihood per token
@@ -41,6 +43,7 @@ KNOWN_KEYS = (*REQUIRED_KEYS, "correct")
 STATE_KEYS = ("sparsity",)
 STEP_KEYS = ("grad_norm", "learning_rate", "nonfinite", *STATE_KEYS)
 SUM_SUFFIX = "_sum"
+COUNT_SUFFIX = "_count"
 # Names the logs already use for something else: an extra sum may not be logged as one.
 RESERVED_LOG_NAMES = frozenset(
     {"step", "epoch", "loss", "perplexity", "accuracy", "batches", *STEP_KEYS}
@@ -80,8 +83,17 @@ def check_loss_sums(sums: Any, where: str = "compute_loss_sums") -> dict[str, ja
         raise ObjectiveError(
             f"{where} returned {clashes}: the train step sets these itself; rename the key(s)."
         )
+    for key in sums:
+        base = key[: -len(COUNT_SUFFIX)] if key.endswith(COUNT_SUFFIX) else None
+        if base is not None and base + SUM_SUFFIX not in sums:
+            raise ObjectiveError(
+                f"{where} returned {key!r} without {base + SUM_SUFFIX!r}: a count is what that "
+                "sum is averaged over; return both, or neither."
+            )
     for key, value in sums.items():
-        if key not in KNOWN_KEYS and log_name(key) in RESERVED_LOG_NAMES | {"tokens"}:
+        if key.endswith(COUNT_SUFFIX):
+            pass
+        elif key not in KNOWN_KEYS and log_name(key) in RESERVED_LOG_NAMES | {"tokens"}:
             raise ObjectiveError(
                 f"{where} returned {key!r}, which would be logged as {log_name(key)!r}, a "
                 "name the logs already use; rename the key."
@@ -116,7 +128,11 @@ def summarize_sums(
     if perplexity:
         logs[f"{prefix}perplexity"] = math.exp(min(loss, 80.0))
     for key, value in totals.items():
-        if key in REQUIRED_KEYS or key in STEP_KEYS:
+        if key in REQUIRED_KEYS or key in STEP_KEYS or key.endswith(COUNT_SUFFIX):
             continue
-        logs[prefix + log_name(key)] = float(value) / per_unit  # per unit, like the loss
+        count = key[: -len(SUM_SUFFIX)] + COUNT_SUFFIX if key.endswith(SUM_SUFFIX) else None
+        if count in totals:  # averaged over its own count
+            logs[prefix + log_name(key)] = float(value) / max(float(totals[count]), 1.0)
+        else:
+            logs[prefix + log_name(key)] = float(value) / per_unit  # per unit, like the loss
     return logs

@@ -4,6 +4,9 @@ objective and the batch its train step takes, from shapes alone, as its trainer 
 - lm, sft: the causal LM loss on [A, M, T] token rows (segment ids and positions when packed);
 - dpo: the policy beside a frozen reference (none when reference_free), DPO's loss on pairs;
 - reward: a RewardModel around the backbone, the Bradley-Terry loss on pairs;
+- kto: the policy beside a frozen reference, KTO's loss on examples with their mismatched KL
+  sequences (none for apo_zero_unpaired);
+- orpo, cpo: the policy alone (no reference), their losses on pairs;
 - distill: the student beside a frozen teacher of the same architecture;
 - grpo: the policy beside a frozen reference when beta > 0 (with LoRA the base is the policy
   without adapters), the clipped surrogate on generated rows of max_prompt_length +
@@ -50,6 +53,18 @@ def task_model_and_objective(
         return (lambda: TaskModel(build(), reference=None if free else build())), (
             dpo_objective(args)
         )
+    if task == "kto":
+        from jaxtrain.trainers.kto import kto_objective
+
+        return (lambda: TaskModel(build(), reference=build())), kto_objective(args)
+    if task == "orpo":
+        from jaxtrain.trainers.orpo import orpo_objective
+
+        return (lambda: TaskModel(build())), orpo_objective(args)
+    if task == "cpo":
+        from jaxtrain.trainers.cpo import cpo_objective
+
+        return (lambda: TaskModel(build())), cpo_objective(args)
     if task == "reward":
         from jaxtrain.trainers.reward import REWARD_OBJECTIVE, RewardModel
 
@@ -72,11 +87,14 @@ def task_batch(task: str, args: Any) -> dict[str, jax.ShapeDtypeStruct]:
     ints = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.int32)  # noqa: E731
     floats = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.float32)  # noqa: E731
     t = args.max_sequence_length
-    if task in ("dpo", "reward"):
+    if task in ("dpo", "reward", "orpo", "cpo"):
         return {
             **{k: ints(t) for k in PAIR_KEYS},
             **{f"rejected_{k}": ints(t) for k in PAIR_KEYS},
         }
+    if task == "kto":
+        kl = {f"KL_{k}": ints(t) for k in PAIR_KEYS} if args.loss_type == "kto" else {}
+        return {**{k: ints(t) for k in PAIR_KEYS}, **kl, "label": floats()}
     if task == "grpo":
         t = args.max_prompt_length + args.max_completion_length
         batch = {"input_ids": ints(t), "labels": ints(t), "advantages": floats()}

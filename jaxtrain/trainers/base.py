@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -13,7 +12,7 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
-from jaxtrain.training.logps import pair_mask
+from jaxtrain.trainers.sequences import real_units
 from jaxtrain.training.trainer import Trainer
 
 __all__ = ["PairTrainer", "TaskTrainer", "concrete_model", "pair_normalizer", "task_runtime"]
@@ -80,8 +79,9 @@ class PairTrainer(TaskTrainer):
 
 
 def pair_normalizer(batch: dict[str, jax.Array]) -> jax.Array:
-    """The real pairs of a global batch (filler rows count as no pair)."""
-    return pair_mask(batch["labels"]).sum().astype(jnp.float32)
+    """The real pairs (KTO: examples) of a global batch, padded or packed (filler rows and
+    empty pair slots count as none)."""
+    return real_units(batch).sum()
 
 
 def dataset_columns(dataset: Any) -> list[str]:
