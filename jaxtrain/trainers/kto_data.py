@@ -23,10 +23,10 @@ from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.trainers.data import (
-    _check_value,
-    _Encoder,
-    _is_messages,
-    _shared_prefix,
+    Encoder,
+    check_value,
+    is_messages,
+    shared_prefix,
     truncate_keep_response,
 )
 
@@ -40,7 +40,7 @@ def _unpair_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if "prompt" in row:
             prompt = row["prompt"]
         else:  # implicit prompt: the messages both conversations start with
-            n = _shared_prefix(list(chosen), list(rejected))
+            n = shared_prefix(list(chosen), list(rejected))
             prompt, chosen, rejected = list(chosen[:n]), list(chosen[n:]), list(rejected[n:])
         out.append({"prompt": prompt, "completion": chosen, "label": True})
         out.append({"prompt": prompt, "completion": rejected, "label": False})
@@ -93,8 +93,8 @@ class KTOFeaturizer(Featurizer):
                 "'completion', 'label' (True: desirable) or preference pairs 'prompt', "
                 f"'chosen', 'rejected'; available columns: {available}"
             )
-        self.conversational = _is_messages(first["completion"])
-        self.encoder = _Encoder(self.tokenizer, self.chat_template, self.name)
+        self.conversational = is_messages(first["completion"])
+        self.encoder = Encoder(self.tokenizer, self.chat_template, self.name)
         self.mode = "kto"
         return self.mode
 
@@ -107,7 +107,7 @@ class KTOFeaturizer(Featurizer):
         for column in ("prompt", "completion", "label"):
             if column not in row:
                 raise DatasetError(f"{self.name} row {where} has no column {column!r}")
-        _check_value(self.name, where, "completion", row["completion"], self.conversational)
+        check_value(self.name, where, "completion", row["completion"], self.conversational)
         label = row["label"]
         if not isinstance(label, (bool, np.bool_, int, np.integer)) or int(label) not in (0, 1):
             raise DatasetError(

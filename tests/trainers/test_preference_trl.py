@@ -102,7 +102,9 @@ def jax_loss_and_grads(objective, task_model: TaskModel, batch: dict[str, np.nda
 
     grads, sums = jax.grad(loss, has_aux=True)(params)
     logs = summarize_sums({k: float(v) for k, v in sums.items()}, perplexity=False)
-    norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads))))
+    norm = float(
+        np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+    )
     embedding = np.asarray(grads["model"]["model"]["embed_tokens"]["embedding"][...])
     return logs, norm, embedding
 
@@ -197,7 +199,9 @@ def test_orpo_equals_trl(checkpoints, pair_batch, tokenizer, tmp_path):
     ours = TaskModel(AutoModelForCausalLM.from_pretrained(checkpoints[0]))
     logs, our_norm, our_embedding = jax_loss_and_grads(objective, ours, batch)
     assert_same(logs, {"loss": loss}, ("loss",), "loss")
-    assert_same(logs, metrics, (*PAIR_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"), "orpo")
+    assert_same(
+        logs, metrics, (*PAIR_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"), "orpo"
+    )
     assert_grads(our_norm, norm, our_embedding, embedding)
 
 
@@ -215,7 +219,12 @@ def test_cpo_and_simpo_equal_trl(checkpoints, pair_batch, tokenizer, tmp_path, c
     rows, batch = pair_batch
     kwargs = {"beta": 0.5, **CPO_CASES[case]}
     loss, metrics, norm, embedding = trl_pair_loss(
-        CPOTrainer, trl_config(CPOConfig, tmp_path, **kwargs), checkpoints[0], rows, tokenizer, batch
+        CPOTrainer,
+        trl_config(CPOConfig, tmp_path, **kwargs),
+        checkpoints[0],
+        rows,
+        tokenizer,
+        batch,
     )
     objective = cpo_objective(CPOArguments(max_sequence_length=T, **kwargs))
     ours = TaskModel(AutoModelForCausalLM.from_pretrained(checkpoints[0]))
@@ -342,6 +351,10 @@ def test_preference_pairs_unpair_into_kto_rows():
     pairs = uneven_pairs(3)
     rows = unpair_preferences(pairs)
     assert [r["label"] for r in rows] == [True, False] * 3
-    assert rows[2] == {"prompt": pairs[1]["prompt"], "completion": pairs[1]["chosen"], "label": True}
+    assert rows[2] == {
+        "prompt": pairs[1]["prompt"],
+        "completion": pairs[1]["chosen"],
+        "label": True,
+    }
     mapped = unpair_preferences(datasets.Dataset.from_list(pairs))
     assert mapped.column_names == ["prompt", "completion", "label"] and mapped.to_list() == rows
