@@ -30,6 +30,7 @@ from jaxtrain.arguments import ArgumentError
 from jaxtrain.task_arguments import KTO_LOSS_TYPES, KTOArguments
 from jaxtrain.trainers.base import (
     TaskTrainer,
+    add_packed_source,
     concrete_model,
     dataset_columns,
     pair_normalizer,
@@ -37,6 +38,7 @@ from jaxtrain.trainers.base import (
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.kto_data import KTOCollator, KTOFeaturizer, is_paired, unpair_preferences
+from jaxtrain.trainers.packed import KTOLayout
 from jaxtrain.trainers.sequences import KL_SIDES, real_units, sequence_logps, unit_count
 from jaxtrain.training.program import Objective
 
@@ -152,8 +154,6 @@ class KTOTrainer(TaskTrainer):
                 "KTOTrainer needs KTOArguments (TrainingArguments plus beta, loss_type, "
                 "desirable_weight, undesirable_weight)."
             )
-        if args.packing:
-            raise ArgumentError("KTOTrainer: packing is not supported yet; set packing=False.")
         runtime = task_runtime(args, kwargs)
         model = concrete_model(model, args, runtime)
         reference = (
@@ -165,11 +165,23 @@ class KTOTrainer(TaskTrainer):
             unpair_preferences(d) if d is not None and is_paired(dataset_columns(d)) else d
             for d in (dataset_train, dataset_eval)
         )
+        kl = args.loss_type == "kto"  # apo_zero_unpaired needs no mismatched sequences
         if kwargs.get("data_collator") is None:
             # The KL rows rotate within each micro-batch's rows on this process.
             group = args.micro_batch_size // runtime.process_count
             kwargs["data_collator"] = KTOCollator(
-                args.max_sequence_length, self, group=group, kl=args.loss_type == "kto"
+                args.max_sequence_length, self, group=group, kl=kl
+            )
+        if args.packing:
+            featurizer = KTOFeaturizer(
+                name="dataset_train",
+                tokenizer=processing_class,
+                max_length=args.max_sequence_length,
+                chat_template=args.chat_template,
+            )
+            layout = KTOLayout(args.max_sequence_length, kl)
+            add_packed_source(
+                self, kwargs, args, dataset_train, featurizer, lambda _: layout, "examples"
             )
         super().__init__(
             arguments=args,

@@ -138,7 +138,7 @@ def rotated(n: int, group: int) -> np.ndarray:
     return source
 
 
-def _sequence(prompt: np.ndarray, completion: np.ndarray, t: int) -> tuple[np.ndarray, ...]:
+def kto_sequence(prompt: np.ndarray, completion: np.ndarray, t: int) -> tuple[np.ndarray, ...]:
     """(ids, labels) of prompt + completion cut to t tokens by the pair trainers' rule."""
     p, c = truncate_keep_response(prompt, completion, t)
     return np.asarray(p + c, np.int64), np.asarray([IGNORE_INDEX] * len(p) + c, np.int64)
@@ -156,11 +156,11 @@ class KTOCollator:
     def sequences(self, examples: list[dict[str, Any]]) -> dict[str, list[tuple[np.ndarray, ...]]]:
         """(ids, labels) of each example's sequence and, with `kl`, of its KL sequence."""
         t = self.seq_len
-        out = {"": [_sequence(e["prompt_ids"], e["completion_ids"], t) for e in examples]}
+        out = {"": [kto_sequence(e["prompt_ids"], e["completion_ids"], t) for e in examples]}
         if self.kl:
             source = rotated(len(examples), self.group)
             out["KL_"] = [
-                _sequence(e["prompt_ids"], examples[j]["completion_ids"], t)
+                kto_sequence(e["prompt_ids"], examples[j]["completion_ids"], t)
                 for e, j in zip(examples, source)
             ]
         return out

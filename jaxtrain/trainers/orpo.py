@@ -56,9 +56,14 @@ def orpo_loss_sums(
     n = unit_count(batch)
     s = sequence_logps(policy, batch, full=True)
     c_n, r_n = (jnp.maximum(s.side("tokens", k, n), 1.0) for k in (0, 1))
-    chosen, rejected = s.side("logps", 0, n) / c_n, s.side("logps", 1, n) / r_n
-    ratio, log_odds = odds_ratio_terms(chosen, rejected)
     real = real_units(batch)
+    # An empty slot (a filler row, a packed batch's unused unit) has log-prob 0, whose odds
+    # are infinite: give it a finite stand-in so no NaN reaches the sums or the gradient.
+    chosen, rejected = (
+        jnp.where(real > 0, s.side("logps", k, n) / count, -1.0)
+        for k, count in ((0, c_n), (1, r_n))
+    )
+    ratio, log_odds = odds_ratio_terms(chosen, rejected)
     nll_sum = -(s.side("full_logps", 0, n) * real).sum()
     nll_tokens = (s.side("full_tokens", 0, n) * real).sum()
     scale = batch[NLL_SCALE] if NLL_SCALE in batch else real.sum() / jnp.maximum(nll_tokens, 1.0)
