@@ -8,6 +8,7 @@ objective and the batch its train step takes, from shapes alone, as its trainer 
   sequences (none for apo_zero_unpaired);
 - orpo, cpo: the policy alone (no reference), their losses on pairs;
 - distill: the student beside a frozen teacher of the same architecture;
+- with packing=True, the preference tasks' rows of packed sequences and their per-unit slots;
 - grpo: the policy beside a frozen reference when beta > 0 (with LoRA the base is the policy
   without adapters), the clipped surrogate on generated rows of max_prompt_length +
   max_completion_length tokens with their advantages (and old log-probs when
@@ -28,6 +29,7 @@ from jaxtrain.errors import ArgumentError
 __all__ = ["task_batch", "task_model_and_objective"]
 
 PAIR_KEYS = ("input_ids", "labels", "attention_mask")
+PACKED_UNIT_TASKS = ("dpo", "reward", "kto", "orpo", "cpo")
 
 
 def task_model_and_objective(
@@ -87,6 +89,16 @@ def task_batch(task: str, args: Any) -> dict[str, jax.ShapeDtypeStruct]:
     ints = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.int32)  # noqa: E731
     floats = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.float32)  # noqa: E731
     t = args.max_sequence_length
+    if task in PACKED_UNIT_TASKS and args.packing:  # rows of packed units (trainers/packed.py)
+        from jaxtrain.trainers.packed import units_per_micro_batch
+
+        units = units_per_micro_batch(m, t)
+        keys = ("input_ids", "labels", "attention_mask", "segment_ids", "positions")
+        batch = {k: ints(t) for k in (*keys, "sequence_index")}
+        batch["pair_mask"] = jax.ShapeDtypeStruct((a, units), jnp.float32)
+        if task == "kto":
+            batch["label"] = jax.ShapeDtypeStruct((a, units), jnp.float32)
+        return batch
     if task in ("dpo", "reward", "orpo", "cpo"):
         return {
             **{k: ints(t) for k in PAIR_KEYS},

@@ -283,3 +283,23 @@ def test_a_packed_kto_run_trains(tokenizer, tmp_path):
     assert first["tokens"] == 8
     assert first["kl_sum"] == pytest.approx(0.0, abs=1e-6)  # the reference is the start
     assert first["loss_sum"] == pytest.approx(0.5 * first["tokens"], abs=1e-5)
+
+
+def test_orpo_kto_and_packed_dpo_on_a_mesh_train_like_one_device(tmp_path):
+    """dp2 x fsdp2 x tp2 on 8 CPU devices: the losses of one device (ORPO's global token
+    count, KTO's KL estimate, packed pairs split over devices)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("preference_mesh_worker.py")
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for run, losses in json.loads(out.read_text()).items():
+        np.testing.assert_allclose(
+            losses["dp2_fsdp2_tp2"], losses["single"], rtol=2e-4, err_msg=run
+        )
