@@ -173,6 +173,7 @@ class Program:
             schedule_length,
             parts.params,
             logical_axes=param_logical_axes(parts.params),
+            mesh=runtime.mesh,
         )
         # Masks live in the optimizer state, for any optimizer (pruning.py says why).
         self.optimizer = with_pruning(
