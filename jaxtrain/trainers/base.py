@@ -12,7 +12,6 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
-from jaxtrain.trainers.kto_data import KTOCollator
 from jaxtrain.trainers.packed import PairLayout, packed_source
 from jaxtrain.trainers.sequences import real_units
 from jaxtrain.training.trainer import Trainer
@@ -58,7 +57,8 @@ class PairTrainer(TaskTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         arguments = kwargs.get("arguments")
-        if kwargs.get("data_collator") is None:
+        user_collator = kwargs.get("data_collator") is not None
+        if not user_collator:
             kwargs["data_collator"] = PairCollator(
                 arguments.max_sequence_length if arguments else 0, self
             )
@@ -71,7 +71,16 @@ class PairTrainer(TaskTrainer):
             )
             layout_of = lambda f: PairLayout(f.float_columns)  # noqa: E731
             dataset = kwargs.get("dataset_train")
-            add_packed_source(self, kwargs, arguments, dataset, featurizer, layout_of, "pairs")
+            add_packed_source(
+                self,
+                kwargs,
+                arguments,
+                dataset,
+                featurizer,
+                layout_of,
+                "pairs",
+                user_collator=user_collator,
+            )
         super().__init__(*args, **kwargs)
 
     def create_featurizer(self, name: str) -> PairFeaturizer:
@@ -94,13 +103,15 @@ def add_packed_source(
     featurizer: Any,
     layout_of: Any,
     what: str,
+    *,
+    user_collator: bool,
 ) -> None:
     """`kwargs` (a task trainer's, for the base Trainer) get the packed train source of
     `dataset` (trainers/packed.py); a data_collator of the user's is an error: packing
     builds its own rows."""
     if kwargs.get("train_source") is not None or dataset is None:
         return
-    if not isinstance(kwargs["data_collator"], (PairCollator, KTOCollator)):
+    if user_collator:
         raise ArgumentError(
             f"packing=True packs the {what} itself; it cannot be combined with a "
             "data_collator. Drop one of them."

@@ -166,7 +166,8 @@ class KTOTrainer(TaskTrainer):
             for d in (dataset_train, dataset_eval)
         )
         kl = args.loss_type == "kto"  # apo_zero_unpaired needs no mismatched sequences
-        if kwargs.get("data_collator") is None:
+        user_collator = kwargs.get("data_collator") is not None
+        if not user_collator:
             # The KL rows rotate within each micro-batch's rows on this process.
             group = args.micro_batch_size // runtime.process_count
             kwargs["data_collator"] = KTOCollator(
@@ -181,7 +182,14 @@ class KTOTrainer(TaskTrainer):
             )
             layout = KTOLayout(args.max_sequence_length, kl)
             add_packed_source(
-                self, kwargs, args, dataset_train, featurizer, lambda _: layout, "examples"
+                self,
+                kwargs,
+                args,
+                dataset_train,
+                featurizer,
+                lambda _: layout,
+                "examples",
+                user_collator=user_collator,
             )
         super().__init__(
             arguments=args,
