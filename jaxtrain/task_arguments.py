@@ -13,13 +13,18 @@ from jaxtrain.arguments import TrainingArguments
 from jaxtrain.errors import ArgumentError
 
 __all__ = [
+    "CPO_LOSS_TYPES",
     "DPO_LOSS_TYPES",
+    "KTO_LOSS_TYPES",
     "TASK_ARGUMENTS",
+    "CPOArguments",
     "DPOArguments",
     "DistillationArguments",
     "GRPOArguments",
     "GRPO_LOSS_TYPES",
     "GRPO_SCALE_REWARDS",
+    "KTOArguments",
+    "ORPOArguments",
     "SFTArguments",
     "check_task_fields",
     "task_arguments_class",
@@ -29,6 +34,15 @@ __all__ = [
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+def _check(cls: str, checks: list[tuple[bool, str]]) -> None:
+    """ArgumentError for the first failed (ok, message) of `checks`, named `cls.field...`."""
+    for ok, message in checks:
+        if not ok:
+            raise ArgumentError(f"{cls}.{message}.")
 
 
 @dataclasses.dataclass
@@ -194,6 +208,92 @@ class GRPOArguments(TrainingArguments):
         super().__post_init__()
 
 
+@dataclasses.dataclass
+class KTOArguments(TrainingArguments):
+    """KTO (Ethayarajh et al. 2024) on unpaired rows: `prompt`, `completion`, `label`
+    (True: desirable). Preference pairs are unpaired (chosen: desirable, rejected: not)."""
+
+    # Strength of the pull towards the reference (as DPO's beta).
+    beta: float = 0.1
+    # "kto", or "apo_zero_unpaired" (APO-zero, D'Oosterlinck et al. 2024: no KL estimate).
+    loss_type: str = "kto"
+    # Weights of the desirable and undesirable losses: with unequal counts, the paper's
+    # advice is desirable_weight * n_desirable ~= undesirable_weight * n_undesirable (to 4:3).
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(
+            "KTOArguments",
+            [
+                (
+                    self.loss_type in KTO_LOSS_TYPES,
+                    f"loss_type={self.loss_type!r} is not one of {KTO_LOSS_TYPES}",
+                ),
+                (self.beta > 0, f"beta must be > 0, got {self.beta!r}"),
+                (
+                    self.desirable_weight > 0 and self.undesirable_weight > 0,
+                    "desirable_weight and undesirable_weight must be > 0, got "
+                    f"{self.desirable_weight!r} and {self.undesirable_weight!r}",
+                ),
+            ],
+        )
+        super().__post_init__()
+
+
+@dataclasses.dataclass
+class ORPOArguments(TrainingArguments):
+    """ORPO (Hong et al. 2024): NLL of the chosen response + beta * odds-ratio loss; no
+    reference model."""
+
+    # Weight of the odds-ratio term (the paper's lambda; TRL's `beta`).
+    beta: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check("ORPOArguments", [(self.beta > 0, f"beta must be > 0, got {self.beta!r}")])
+        super().__post_init__()
+
+
+@dataclasses.dataclass
+class CPOArguments(TrainingArguments):
+    """CPO (Xu et al. 2024): DPO without a reference + cpo_alpha * NLL of the chosen response;
+    `loss_type="simpo"` with `cpo_alpha=0` is SimPO (Meng et al. 2024)."""
+
+    # Temperature of the preference loss.
+    beta: float = 0.1
+    # "sigmoid" (CPO), "hinge", "ipo", or "simpo" (length-normalised log-probs and a margin).
+    loss_type: str = "sigmoid"
+    # sigmoid and simpo: probability that a preference label is flipped.
+    label_smoothing: float = 0.0
+    # Weight of the behaviour-cloning term (NLL of the chosen responses); 0 for pure SimPO.
+    cpo_alpha: float = 1.0
+    # simpo: the target reward margin gamma (the loss is -log sigmoid(beta * h - gamma)).
+    simpo_gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check(
+            "CPOArguments",
+            [
+                (
+                    self.loss_type in CPO_LOSS_TYPES,
+                    f"loss_type={self.loss_type!r} is not one of {CPO_LOSS_TYPES}",
+                ),
+                (self.beta > 0, f"beta must be > 0, got {self.beta!r}"),
+                (
+                    0 <= self.label_smoothing < 0.5,
+                    f"label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}",
+                ),
+                (
+                    not self.label_smoothing or self.loss_type in ("sigmoid", "simpo"),
+                    "label_smoothing applies to loss_type 'sigmoid' and 'simpo' only",
+                ),
+                (self.cpo_alpha >= 0, f"cpo_alpha must be >= 0, got {self.cpo_alpha!r}"),
+                (self.simpo_gamma >= 0, f"simpo_gamma must be >= 0, got {self.simpo_gamma!r}"),
+            ],
+        )
+        super().__post_init__()
+
+
 # `--task` -> its arguments class (the trainer classes: jaxtrain.trainers.tasks.TASKS).
 TASK_ARGUMENTS: dict[str, type[TrainingArguments]] = {
     "lm": TrainingArguments,
@@ -202,6 +302,9 @@ TASK_ARGUMENTS: dict[str, type[TrainingArguments]] = {
     "reward": TrainingArguments,
     "distill": DistillationArguments,
     "grpo": GRPOArguments,
+    "kto": KTOArguments,
+    "orpo": ORPOArguments,
+    "cpo": CPOArguments,
 }
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxtrain.errors import ArgumentError
 
-PAIR_TASKS = ("dpo", "reward")
+PAIR_TASKS = ("dpo", "reward", "kto", "orpo", "cpo")
 
 
 def check_task_data(task: str, config: dict[str, Any]) -> None:
@@ -17,7 +17,8 @@ def check_task_data(task: str, config: dict[str, Any]) -> None:
     files = data.get("source", "default") == "files"
     if task in PAIR_TASKS and not files:
         raise ArgumentError(
-            f"--task {task} trains on preference rows (prompt, chosen, rejected): set "
+            f"--task {task} trains on preference rows (prompt, chosen, rejected"
+            f"{'; or prompt, completion, label' if task == 'kto' else ''}): set "
             "--data.source files --data.train_files PAIRS.jsonl (and --data.tokenizer DIR)."
         )
     if task != "grpo":

@@ -44,6 +44,9 @@ TASKS: dict[str, tuple[str, str, str]] = {
     "reward": ("RewardTrainer", "TrainingArguments", "no"),
     "distill": ("DistillationTrainer", "DistillationArguments", "a teacher"),
     "grpo": ("GRPOTrainer", "GRPOArguments", "when beta > 0 (the base without LoRA)"),
+    "kto": ("KTOTrainer", "KTOArguments", "yes (a frozen copy)"),
+    "orpo": ("ORPOTrainer", "ORPOArguments", "no"),
+    "cpo": ("CPOTrainer", "CPOArguments", "no (SimPO: loss_type simpo)"),
 }
 
 # models/lora.py: the groups of `lora_targets` and the projection names of every family

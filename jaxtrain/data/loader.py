@@ -19,7 +19,7 @@ only its own rows (map-style) or its own part of the stream.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -255,6 +255,7 @@ class _Peek:
 
     def __init__(self, units: Iterator[tuple[Position, dict[str, Any]]]) -> None:
         self._units, self._next = units, None
+        self.last: Position | None = None  # the position of the example taken last
 
     def position(self) -> Position:
         if self._next is None:
@@ -264,11 +265,24 @@ class _Peek:
     def take(self) -> tuple[Position, dict[str, Any]]:
         self.position()
         item, self._next = self._next, None
+        self.last = item[0]
         return item
+
+    def peek(self) -> dict[str, Any]:
+        """The next example, left in the stream."""
+        self.position()
+        return self._next[1]
+
+
+# A micro-batch of multi-sequence units packed from a peekable example stream (peek(),
+# take()): (arrays, collate stats). data/unit_packing.py's pack_units, bound to a layout.
+UnitPacker = Callable[[Any], tuple[dict[str, np.ndarray], CollateStats]]
 
 
 class UnitLoader:
-    """Endless, resumable batches from a unit stream: packed rows or one document per row.
+    """Endless, resumable batches from a unit stream: packed rows, one document per row, or
+    (``unit_packer``) micro-batches of multi-sequence units packed into rows (preference
+    pairs: data/unit_packing.py).
 
     The position after every step is remembered (the last 256 steps, enough for prefetch),
     so ``data_state(step)`` can be read after the loop has moved on. ``steps_per_epoch`` is
@@ -289,6 +303,7 @@ class UnitLoader:
         packing: bool,
         packing_window: int = 1024,
         split_long_documents: bool = True,
+        unit_packer: UnitPacker | None = None,
     ) -> None:
         micro = _check_batch(global_batch_size, accumulation_steps)
         check_processes(units.process_index, units.process_count, micro, "micro-batch size")
@@ -300,6 +315,7 @@ class UnitLoader:
         if packing and packing_window < 1:
             raise ValueError(f"packing_window must be >= 1, got {packing_window}")
         self.units, self.collation, self.packing = units, collation, packing
+        self.unit_packer = unit_packer
         self.packing_window, self.split_long_documents = packing_window, split_long_documents
         self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
         self.micro_batch_size, self.seq_len = micro, collation.seq_len
@@ -325,6 +341,8 @@ class UnitLoader:
             "window": getattr(u, "window", None),
             "num_rows": len(u.source) if isinstance(u, MapUnits) else None,
         }
+        if self.unit_packer is not None:
+            out["packing"] = "units"
         if self.packing:  # how rows are built is part of where a resume stands
             c = self.collation
             out["packing_window"] = self.packing_window
@@ -406,6 +424,18 @@ class UnitLoader:
     def _step(self, stream: _Peek, packer: Packer | None, fresh: bool):
         a = self.accumulation_steps
         n = self.rows_per_step
+        if self.unit_packer is not None:
+            start_epoch = stream.position()[0]
+            micro = [self.unit_packer(stream) for _ in range(a)]
+            batch = {k: np.stack([m[0][k] for m in micro]) for k in micro[0][0]}
+            stats = sum((m[1] for m in micro), CollateStats())
+            after = (*stream.position(), 0)  # the first unit no micro-batch took
+            if fresh and stream.last[0] > start_epoch:
+                raise DatasetError(
+                    f"{self.name} has fewer rows (per process) than one step of packed units "
+                    f"takes; add data or lower total_batch_size"
+                )
+            return batch, stats, after
         if packer is not None:
             start_epoch = packer.position()[0]
             rows, stats = [], CollateStats()

@@ -4,7 +4,11 @@ objective and the batch its train step takes, from shapes alone, as its trainer 
 - lm, sft: the causal LM loss on [A, M, T] token rows (segment ids and positions when packed);
 - dpo: the policy beside a frozen reference (none when reference_free), DPO's loss on pairs;
 - reward: a RewardModel around the backbone, the Bradley-Terry loss on pairs;
+- kto: the policy beside a frozen reference, KTO's loss on examples with their mismatched KL
+  sequences (none for apo_zero_unpaired);
+- orpo, cpo: the policy alone (no reference), their losses on pairs;
 - distill: the student beside a frozen teacher of the same architecture;
+- with packing=True, the preference tasks' rows of packed sequences and their per-unit slots;
 - grpo: the policy beside a frozen reference when beta > 0 (with LoRA the base is the policy
   without adapters), the clipped surrogate on generated rows of max_prompt_length +
   max_completion_length tokens with their advantages (and old log-probs when
@@ -25,6 +29,7 @@ from jaxtrain.errors import ArgumentError
 __all__ = ["task_batch", "task_model_and_objective"]
 
 PAIR_KEYS = ("input_ids", "labels", "attention_mask")
+PACKED_UNIT_TASKS = ("dpo", "reward", "kto", "orpo", "cpo")
 
 
 def task_model_and_objective(
@@ -51,6 +56,18 @@ def task_model_and_objective(
         return (lambda: TaskModel(build(), reference=None if free else build())), (
             dpo_objective(args)
         )
+    if task == "kto":
+        from jaxtrain.trainers.kto import kto_objective
+
+        return (lambda: TaskModel(build(), reference=build())), kto_objective(args)
+    if task == "orpo":
+        from jaxtrain.trainers.orpo import orpo_objective
+
+        return (lambda: TaskModel(build())), orpo_objective(args)
+    if task == "cpo":
+        from jaxtrain.trainers.cpo import cpo_objective
+
+        return (lambda: TaskModel(build())), cpo_objective(args)
     if task == "reward":
         from jaxtrain.trainers.reward import REWARD_OBJECTIVE, RewardModel
 
@@ -73,11 +90,24 @@ def task_batch(task: str, args: Any) -> dict[str, jax.ShapeDtypeStruct]:
     ints = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.int32)  # noqa: E731
     floats = lambda *shape: jax.ShapeDtypeStruct((a, m, *shape), jnp.float32)  # noqa: E731
     t = args.max_sequence_length
-    if task in ("dpo", "reward"):
+    if task in PACKED_UNIT_TASKS and args.packing:  # rows of packed units (trainers/packed.py)
+        from jaxtrain.trainers.packed import units_per_micro_batch
+
+        units = units_per_micro_batch(m, t)
+        keys = ("input_ids", "labels", "attention_mask", "segment_ids", "positions")
+        batch = {k: ints(t) for k in (*keys, "sequence_index")}
+        batch["pair_mask"] = jax.ShapeDtypeStruct((a, units), jnp.float32)
+        if task == "kto":
+            batch["label"] = jax.ShapeDtypeStruct((a, units), jnp.float32)
+        return batch
+    if task in ("dpo", "reward", "orpo", "cpo"):
         return {
             **{k: ints(t) for k in PAIR_KEYS},
             **{f"rejected_{k}": ints(t) for k in PAIR_KEYS},
         }
+    if task == "kto":
+        kl = {f"KL_{k}": ints(t) for k in PAIR_KEYS} if args.loss_type == "kto" else {}
+        return {**{k: ints(t) for k in PAIR_KEYS}, **kl, "label": floats()}
     if task == "grpo":
         t = args.max_prompt_length + args.max_completion_length
         batch = {"input_ids": ints(t), "labels": ints(t), "advantages": floats()}

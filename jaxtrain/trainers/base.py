@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -13,7 +12,8 @@ from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
-from jaxtrain.training.logps import pair_mask
+from jaxtrain.trainers.packed import PairLayout, packed_source
+from jaxtrain.trainers.sequences import real_units
 from jaxtrain.training.trainer import Trainer
 
 __all__ = ["PairTrainer", "TaskTrainer", "concrete_model", "pair_normalizer", "task_runtime"]
@@ -50,20 +50,36 @@ class PairTrainer(TaskTrainer):
     The loss of an update is the sum of per-pair losses over every micro-batch divided by the
     number of real pairs of the whole global batch (filler rows count as no pair). "tokens"
     of the step's sums therefore counts pairs, so the logged loss is the mean per pair.
+    `packing=True` packs the pairs' sequences into rows (trainers/packed.py).
     """
 
     loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
 
     def __init__(self, *args: Any, **kwargs: Any):
         arguments = kwargs.get("arguments")
-        if arguments is not None and arguments.packing:
-            raise ArgumentError(
-                f"{type(self).__name__} trains on (chosen, rejected) pairs, which cannot be "
-                "packed; set packing=False."
-            )
-        if kwargs.get("data_collator") is None:
+        user_collator = kwargs.get("data_collator") is not None
+        if not user_collator:
             kwargs["data_collator"] = PairCollator(
                 arguments.max_sequence_length if arguments else 0, self
+            )
+        if arguments is not None and arguments.packing:
+            featurizer = PairFeaturizer(
+                name="dataset_train",
+                tokenizer=kwargs.get("processing_class"),
+                max_length=arguments.max_sequence_length,
+                chat_template=arguments.chat_template,
+            )
+            layout_of = lambda f: PairLayout(f.float_columns)  # noqa: E731
+            dataset = kwargs.get("dataset_train")
+            add_packed_source(
+                self,
+                kwargs,
+                arguments,
+                dataset,
+                featurizer,
+                layout_of,
+                "pairs",
+                user_collator=user_collator,
             )
         super().__init__(*args, **kwargs)
 
@@ -79,9 +95,41 @@ class PairTrainer(TaskTrainer):
         return pair_normalizer(batch)
 
 
+def add_packed_source(
+    trainer: Any,
+    kwargs: dict[str, Any],
+    args: TrainingArguments,
+    dataset: Any,
+    featurizer: Any,
+    layout_of: Any,
+    what: str,
+    *,
+    user_collator: bool,
+) -> None:
+    """`kwargs` (a task trainer's, for the base Trainer) get the packed train source of
+    `dataset` (trainers/packed.py); a data_collator of the user's is an error: packing
+    builds its own rows."""
+    if kwargs.get("train_source") is not None or dataset is None:
+        return
+    if user_collator:
+        raise ArgumentError(
+            f"packing=True packs the {what} itself; it cannot be combined with a "
+            "data_collator. Drop one of them."
+        )
+    kwargs["train_source"] = packed_source(
+        args,
+        task_runtime(args, kwargs),
+        dataset,
+        featurizer,
+        layout_of,
+        pad_source=trainer,
+    )
+
+
 def pair_normalizer(batch: dict[str, jax.Array]) -> jax.Array:
-    """The real pairs of a global batch (filler rows count as no pair)."""
-    return pair_mask(batch["labels"]).sum().astype(jnp.float32)
+    """The real pairs (KTO: examples) of a global batch, padded or packed (filler rows and
+    empty pair slots count as none)."""
+    return real_units(batch).sum()
 
 
 def dataset_columns(dataset: Any) -> list[str]:

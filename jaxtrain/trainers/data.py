@@ -47,11 +47,11 @@ def truncate_keep_response(
     return prompt[len(prompt) - keep :] if len(prompt) > keep else prompt, response
 
 
-def _is_messages(value: Any) -> bool:
+def is_messages(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(m, Mapping) for m in value)
 
 
-class _Encoder:
+class Encoder:
     """Tokenizes (prompt, completion) pairs of strings or message lists."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None, name: str):
@@ -74,7 +74,7 @@ class _Encoder:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def encode(self, prompt: Any, completion: Any) -> tuple[list[int], list[int]]:
-        if _is_messages(completion):
+        if is_messages(completion):
             prompt_msgs = list(prompt or [])
             prompt_text = self._render(prompt_msgs, True) if prompt_msgs else ""
             full = self._render(prompt_msgs + list(completion), False)
@@ -91,7 +91,7 @@ class _Encoder:
 
 
 def encode_prompt_completion(
-    encoder: _Encoder, prompt: Any, completion: Any, max_length: int
+    encoder: Encoder, prompt: Any, completion: Any, max_length: int
 ) -> dict[str, np.ndarray]:
     """``{"input_ids", "labels"}`` of one prompt + response, prompt labels -100."""
     p, c = truncate_keep_response(*encoder.encode(prompt, completion), max_length)
@@ -110,20 +110,20 @@ def encode_scored_response(
     """Token ids of prompt + completion as the pair trainers encode a response (so a reward
     model scores GRPO's completions as it saw its chosen and rejected rows); a text
     completion of a chat prompt is the assistant's reply."""
-    if _is_messages(prompt) and isinstance(completion, str):
+    if is_messages(prompt) and isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
-    encoder = _Encoder(tokenizer, chat_template, "reward_model")
+    encoder = Encoder(tokenizer, chat_template, "reward_model")
     return encode_prompt_completion(encoder, prompt, completion, max_length)["input_ids"]
 
 
-def _check_value(name: str, where: Any, column: str, value: Any, conversational: bool) -> None:
+def check_value(name: str, where: Any, column: str, value: Any, conversational: bool) -> None:
     empty = value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0)
     if empty:
         raise DatasetError(
             f"{name} row {where}: column {column!r} is empty; every pair needs a non-empty "
             f"{column!r} response (fix or drop that row)"
         )
-    if conversational and not _is_messages(value):
+    if conversational and not is_messages(value):
         raise DatasetError(
             f"{name} row {where}: column {column!r} must be a list of {{'role', 'content'}} "
             f"messages like row 0, got {type(value).__name__}"
@@ -135,7 +135,7 @@ def _check_value(name: str, where: Any, column: str, value: Any, conversational:
         )
 
 
-def _shared_prefix(a: list[Any], b: list[Any]) -> int:
+def shared_prefix(a: list[Any], b: list[Any]) -> int:
     n = 0
     while n < min(len(a), len(b)) - 1 and a[n] == b[n]:
         n += 1
@@ -166,7 +166,7 @@ class PairFeaturizer(Featurizer):
                 f"'rejected' (and usually 'prompt'); available columns: {available}. Rename "
                 "the columns (e.g. dataset.rename_column('answer_good', 'chosen'))"
             )
-        self.conversational = _is_messages(first["chosen"])
+        self.conversational = is_messages(first["chosen"])
         self.has_prompt = "prompt" in first
         if not self.has_prompt and not self.conversational:
             raise DatasetError(
@@ -178,7 +178,7 @@ class PairFeaturizer(Featurizer):
                 f"{self.name} holds chat messages but no tokenizer was given; pass "
                 "processing_class=<HF tokenizer with a chat template>"
             )
-        self.encoder = _Encoder(self.tokenizer, self.chat_template, self.name)
+        self.encoder = Encoder(self.tokenizer, self.chat_template, self.name)
         self.float_columns = tuple(c for c in PAIR_FLOAT_COLUMNS if c in first)
         self.mode = "pairs"
         return self.mode
@@ -192,14 +192,14 @@ class PairFeaturizer(Featurizer):
         for column in ("chosen", "rejected"):
             if column not in row:
                 raise DatasetError(f"{self.name} row {where} has no column {column!r}")
-            _check_value(self.name, where, column, row[column], self.conversational)
+            check_value(self.name, where, column, row[column], self.conversational)
         chosen, rejected = row["chosen"], row["rejected"]
         if self.has_prompt:
             prompt = row["prompt"]
             if self.conversational and isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
         else:  # implicit prompt: the messages both conversations start with
-            n = _shared_prefix(list(chosen), list(rejected))
+            n = shared_prefix(list(chosen), list(rejected))
             prompt, chosen, rejected = list(chosen[:n]), list(chosen[n:]), list(rejected[n:])
         out: dict[str, Any] = {}
         for side, completion in (("chosen", chosen), ("rejected", rejected)):
@@ -266,7 +266,7 @@ class SFTFeaturizer(Featurizer):
             and "completion" in first
             and not any(c in first for c in base_columns)
         ):
-            self.encoder = _Encoder(self.tokenizer, self.chat_template, self.name)
+            self.encoder = Encoder(self.tokenizer, self.chat_template, self.name)
             self.mode = "prompt_completion"
             return self.mode
         return super().detect(first, columns)
@@ -279,7 +279,7 @@ class SFTFeaturizer(Featurizer):
         out = []
         for row, w in zip(rows, where):
             completion = row.get("completion")
-            _check_value(self.name, w, "completion", completion, _is_messages(completion))
+            check_value(self.name, w, "completion", completion, is_messages(completion))
             try:
                 example = encode_prompt_completion(
                     self.encoder, row.get("prompt"), completion, self.max_length

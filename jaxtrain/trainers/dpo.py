@@ -36,7 +36,7 @@ from jaxtrain.trainers.base import (
 )
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
-from jaxtrain.training.logps import pair_mask, sequence_logps
+from jaxtrain.trainers.sequences import PAIR_SIDES, real_units, sequence_logps, unit_count
 from jaxtrain.training.program import Objective
 
 __all__ = [
@@ -75,18 +75,17 @@ def dpo_losses(
     raise ValueError(f"unknown DPO loss_type {loss_type!r}; use one of {LOSS_TYPES}")
 
 
-def _both(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Chosen rows then rejected rows: one forward over [2N, T]."""
-    ids = jnp.concatenate([batch["input_ids"], batch["rejected_input_ids"]])
-    labels = jnp.concatenate([batch["labels"], batch["rejected_labels"]])
-    return ids, labels
-
-
 def pair_logps(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
-    """(chosen logps, rejected logps, chosen tokens, rejected tokens), each [N]."""
-    n = batch["input_ids"].shape[0]
-    logps, tokens = sequence_logps(model, *_both(batch))
-    return logps[:n], logps[n:], tokens[:n], tokens[n:]
+    """(chosen logps, rejected logps, chosen tokens, rejected tokens), each [N], from one
+    forward over both sides (padded or packed: trainers/sequences.py)."""
+    n = unit_count(batch)
+    s = sequence_logps(model, batch, PAIR_SIDES)
+    return (
+        s.side("logps", 0, n),
+        s.side("logps", 1, n),
+        s.side("tokens", 0, n),
+        s.side("tokens", 1, n),
+    )
 
 
 def dpo_loss_sums(
@@ -120,7 +119,7 @@ def dpo_loss_sums(
     losses = dpo_losses(
         *terms, beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing
     )
-    real = pair_mask(batch["labels"]).astype(jnp.float32)
+    real = real_units(batch)
     reward_chosen = args.beta * jax.lax.stop_gradient(chosen - ref_chosen)
     reward_rejected = args.beta * jax.lax.stop_gradient(rejected - ref_rejected)
     won = (reward_chosen > reward_rejected).astype(jnp.float32) * real

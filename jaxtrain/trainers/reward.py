@@ -25,7 +25,7 @@ from jaxtrain.models.lora import merge_lora
 from jaxtrain.state import TrainState
 from jaxtrain.trainers.base import PairTrainer, concrete_model, pair_normalizer, task_runtime
 from jaxtrain.trainers.frozen import TaskModel, freeze
-from jaxtrain.training.logps import pair_mask
+from jaxtrain.trainers.sequences import is_packed, real_units, unit_count
 from jaxtrain.training.program import Objective
 
 __all__ = ["REWARD_OBJECTIVE", "RewardModel", "RewardTrainer", "reward_loss_sums"]
@@ -67,18 +67,35 @@ class RewardModel(nnx.Module):
         h_BxD = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return (h_BxD.astype(jnp.float32) @ self.score[...].astype(jnp.float32))[:, 0]
 
+    def packed_scores(self, batch: dict[str, jax.Array], count: int) -> jax.Array:
+        """Scores [count] of the sequences of a packed batch (trainers/packed.py): the head at
+        each sequence's last token, from rows whose sequences are isolated by segment."""
+        hidden = self.backbone.hidden_states(
+            batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"]
+        )
+        # The head is one column: score every token (cheap), then gather the last ones.
+        token_scores = (hidden.astype(jnp.float32) @ self.score[...].astype(jnp.float32))[..., 0]
+        flat = jnp.arange(token_scores.size).reshape(token_scores.shape)
+        flat = jnp.where(batch["segment_ids"] > 0, flat, -1)
+        index = batch["sequence_index"].reshape(-1)
+        last = jax.ops.segment_max(flat.reshape(-1), index, num_segments=count)
+        return token_scores.reshape(-1)[jnp.maximum(last, 0)]
+
 
 def reward_loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
     """Bradley-Terry sums over a batch of pairs scored by `model.model` (a RewardModel)."""
     del rng
-    n = batch["input_ids"].shape[0]
-    ids = jnp.concatenate([batch["input_ids"], batch["rejected_input_ids"]])
-    mask = jnp.concatenate([batch["attention_mask"], batch["rejected_attention_mask"]])
-    scores = model.model(ids, mask)
+    n = unit_count(batch)
+    if is_packed(batch):
+        scores = model.model.packed_scores(batch, 2 * n)
+    else:
+        ids = jnp.concatenate([batch["input_ids"], batch["rejected_input_ids"]])
+        mask = jnp.concatenate([batch["attention_mask"], batch["rejected_attention_mask"]])
+        scores = model.model(ids, mask)
     chosen, rejected = scores[:n], scores[n:]
     margin = batch.get("margin", jnp.zeros_like(chosen))
     losses = -jax.nn.log_sigmoid(chosen - rejected - margin)
-    real = pair_mask(batch["labels"]).astype(jnp.float32)
+    real = real_units(batch)
     won = (chosen > rejected).astype(jnp.float32) * real
     return {
         "loss_sum": (losses * real).sum(),

@@ -28,6 +28,13 @@ TASKS: dict[str, tuple[str, str, str]] = {
         "jaxtrain.trainers.distill.DistillationTrainer",
         "text, messages or prompt+completion",
     ),
+    "kto": (
+        "KTOArguments",
+        "jaxtrain.trainers.kto.KTOTrainer",
+        "prompt, completion, label (or prompt, chosen, rejected)",
+    ),
+    "orpo": ("ORPOArguments", "jaxtrain.trainers.orpo.ORPOTrainer", "prompt, chosen, rejected"),
+    "cpo": ("CPOArguments", "jaxtrain.trainers.cpo.CPOTrainer", "prompt, chosen, rejected"),
     "grpo": (
         "GRPOArguments",
         "jaxtrain.trainers.grpo.GRPOTrainer",

@@ -25,9 +25,12 @@ class Evaluator:
         loss_sums_fn: Callable[..., Any],
         jit: Callable[..., Any] | None = None,
         perplexity: bool = True,
+        global_scalars_fn: Callable[..., Any] | None = None,
     ):
         # The non-Param state goes in as an argument (placed on the mesh), not as a constant.
-        self._step_fn = make_eval_step(graphdef=graphdef, loss_sums_fn=loss_sums_fn)
+        self._step_fn = make_eval_step(
+            graphdef=graphdef, loss_sums_fn=loss_sums_fn, global_scalars_fn=global_scalars_fn
+        )
         self._rest = rest
         self._compiled = None
         # jit(fn, name) -> a TrackedJit (RunMonitor.jit): its compiles are logged.

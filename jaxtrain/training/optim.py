@@ -24,6 +24,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from jaxtrain.config.sections import OptimizerSettings
 from jaxtrain.config.tables import OPTIMIZERS, SCHEDULERS
+from jaxtrain.training.muon import orthogonalised_momentum
 
 # Muon scales each orthogonalised matrix update to this RMS, the typical RMS of an AdamW update
 # ("Muon is Scalable for LLM Training", 2025), so one schedule serves the muon matrices and the
@@ -137,11 +138,18 @@ class _Hyper(NamedTuple):
     eps: float
     momentum: float
     logical_axes: Any
+    mesh: Any  # Muon spreads its matrices over the mesh's devices (training/muon.py)
 
 
 def _decay_mask(tree: Any) -> Any:
     """True for ndim >= 2 leaves. A callable, so it also fits the partial trees optax masks."""
-    return jax.tree.map(lambda x: len(x.shape) >= 2, tree, is_leaf=_is_variable)
+
+    def decayed(x: Any) -> bool:
+        value = x.get_value() if _is_variable(x) else x
+        # Inside optax.partition the other branch's leaves are MaskedNodes: not decayed here.
+        return not isinstance(value, optax.MaskedNode) and len(value.shape) >= 2
+
+    return jax.tree.map(decayed, tree, is_leaf=_is_variable)
 
 
 def _times_lr(lr: optax.ScalarOrSchedule, factor: float) -> optax.ScalarOrSchedule:
@@ -154,23 +162,43 @@ def _is_axes(x: Any) -> bool:
 
 
 def _muon_spec(shape: tuple[int, ...], axes: tuple | None) -> MuonDimensionNumbers | None:
+    """Orthogonalised as (input features, output features) matrices, or None: AdamW."""
     ndim = len(shape)
-    if ndim < 2 or (axes is not None and "vocab" in axes):
-        return None  # vectors and embeddings/unembeddings go to Adam
-    if axes is not None and axes[0] == "embed":  # x @ W: reduce over the input features
+    if ndim < 2:
+        return None  # norm scales and biases
+    if axes is None:
+        return MuonDimensionNumbers(reduction_axis=0, output_axis=1) if ndim == 2 else None
+    if "vocab" in axes:
+        return None  # the token embedding and the LM head
+    if axes[0] == "expert" and ndim >= 3:  # stacked experts: one matrix per expert
+        inner = _muon_spec(shape[1:], axes[1:])
+        if inner is None:
+            return None
+        shift = lambda a: tuple(i + 1 for i in a) if isinstance(a, tuple) else a + 1  # noqa: E731
+        return MuonDimensionNumbers(shift(inner.reduction_axis), shift(inner.output_axis))
+    if axes[0] is None or axes[-1] is None:
+        # An unnamed input axis is not a hidden feature (a position table, a patch
+        # projection); an unnamed output axis is a head (a reward score, a classifier, the
+        # MoE router's logits): the model's inputs and outputs, which Muon leaves to AdamW.
+        return None
+    if axes[0] == "embed":  # x @ W: reduce over the input features
         return MuonDimensionNumbers(reduction_axis=0, output_axis=tuple(range(1, ndim)))
-    if axes is not None and axes[-1] == "embed":  # fused inputs (heads, head_dim) -> embed
+    if axes[-1] == "embed":  # fused inputs (heads, head_dim) -> embed
         return MuonDimensionNumbers(reduction_axis=tuple(range(ndim - 1)), output_axis=ndim - 1)
     return MuonDimensionNumbers(reduction_axis=0, output_axis=1) if ndim == 2 else None
 
 
 def muon_dimension_numbers(params: Any, logical_axes: Any = None) -> Any:
     """A prefix tree of ``params``: per parameter ``MuonDimensionNumbers`` (orthogonalised) or
-    None (Adam). ``logical_axes``: axis-name tuples matching ``params``; when None, each
+    None (AdamW). ``logical_axes``: axis-name tuples matching ``params``; when None, each
     ``nnx.Variable``'s own ``logical_axes`` metadata, and without either, 2-D means matrix.
-    Any "vocab" axis or ndim < 2 -> Adam; first axis "embed" -> reduce axis 0, output the rest;
-    last axis "embed" -> reduce the others, output the last. No axis is a batch axis: a fused
-    kernel is orthogonalised as one (fan_in, fan_out) matrix.
+
+    The rules, as Muon prescribes (only the hidden layers' matrices): ndim < 2 (norms,
+    biases), any "vocab" axis (token embedding, LM head), an unnamed first axis (a position
+    table, a patch projection) or last axis (a reward or classification head, the MoE
+    router) -> AdamW; first axis "embed" -> reduce axis 0, output the rest; last axis "embed"
+    -> reduce the others, output the last; a leading "expert" axis -> one matrix per expert
+    by the same rules. A fused kernel (qkv, gate_up) is orthogonalised as one matrix.
     """
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)
     if logical_axes is None:
@@ -219,29 +247,67 @@ def _adafactor(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.Grad
     )
 
 
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, MuonDimensionNumbers)
+
+
+def _fan_in_out(shape: tuple[int, ...], spec: MuonDimensionNumbers) -> tuple[int, int]:
+    axes = lambda a: a if isinstance(a, tuple) else (a,)  # noqa: E731
+    fan_in = math.prod(shape[i] for i in axes(spec.reduction_axis))
+    return fan_in, math.prod(shape[i] for i in axes(spec.output_axis))
+
+
+def _consistent_rms(specs: Callable[[Any], Any]) -> optax.GradientTransformation:
+    """Each orthogonalised update times sqrt(max(fan_in, fan_out)) * MUON_CONSISTENT_RMS: the
+    RMS of an AdamW update ("Muon is Scalable for LLM Training", 2025)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        def scale(u: Any, spec: MuonDimensionNumbers) -> Any:
+            fan_in, fan_out = _fan_in_out(u.shape, spec)
+            return u * (math.sqrt(max(fan_in, fan_out)) * MUON_CONSISTENT_RMS)
+
+        masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+        return jax.tree.map(
+            lambda spec, u: u if masked(spec) else scale(u, spec),
+            specs(updates),
+            updates,
+            is_leaf=lambda x: _is_spec(x) or masked(x),
+        ), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def _muon(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
+    """Muon (Nesterov momentum orthogonalised by Newton-Schulz, each matrix whole on one
+    device: training/muon.py) for the hidden matrices, AdamW for the rest (embeddings,
+    heads, norms, biases), as the method prescribes; both follow the one schedule (the
+    consistent-RMS scaling)."""
     specs = muon_dimension_numbers(params, h.logical_axes)
-    tx = optax.contrib.muon(
-        lr,
-        beta=h.momentum,
-        eps=h.eps,
-        weight_decay=h.weight_decay,  # muon branch: matrices only, so no mask is needed
-        adam_b1=h.b1,
-        adam_b2=h.b2,
-        adam_weight_decay=0.0,  # optax's Adam branch has no mask; decay handled below
-        muon_weight_dimension_numbers=specs,
-        consistent_rms=MUON_CONSISTENT_RMS,
+    labels = jax.tree.map(
+        lambda spec, sub: jax.tree.map(lambda _: "adamw" if spec is None else "muon", sub),
+        specs,
+        params,
+        is_leaf=_is_spec,
     )
-    if not h.weight_decay:
-        return tx
-    # Adam-handled params with ndim >= 2 (embeddings) still get decoupled decay, -wd * lr * p,
-    # added after muon's own update; norms and biases stay undecayed.
-    is_spec = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
-    mask = jax.tree.map(
-        lambda s, p: s is None and len(p.shape) >= 2, specs, params, is_leaf=is_spec
+
+    def muon_specs(tree: Any) -> Any:
+        """The dimension numbers of the tree the muon branch sees (AdamW's leaves masked)."""
+        masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+        return jax.tree.map(
+            lambda spec, sub: jax.tree.map(lambda x: x if masked(x) else spec, sub, is_leaf=masked),
+            specs,
+            tree,
+            is_leaf=_is_spec,
+        )
+
+    muon = optax.chain(
+        orthogonalised_momentum(muon_specs, beta=h.momentum, eps=h.eps, mesh=h.mesh),
+        _consistent_rms(muon_specs),
+        optax.add_decayed_weights(h.weight_decay),  # decoupled, x the scheduled lr below
+        optax.scale_by_learning_rate(lr),
     )
-    decay = optax.add_decayed_weights(_times_lr(lr, -h.weight_decay), mask=mask)
-    return optax.chain(tx, decay)
+    adamw = optax.adamw(lr, h.b1, h.b2, h.eps, weight_decay=h.weight_decay, mask=_decay_mask)
+    return optax.partition({"muon": muon, "adamw": adamw}, labels)
 
 
 _OPTIMIZERS: dict[str, Callable[[Any, Any, _Hyper], optax.GradientTransformation]] = {
@@ -265,11 +331,13 @@ def build_optimizer(
     eps: float = 1e-8,
     momentum: float = 0.9,
     logical_axes: Any = None,
+    mesh: Any = None,
 ) -> optax.GradientTransformation:
     """Build one of ``OPTIMIZERS`` for ``params``; ``clip_grad`` (global norm) runs first.
 
     ``momentum`` is SGD's momentum and Muon's ``beta``; ``b1``/``b2``/``eps`` drive AdamW, Lion
-    (b1, b2) and Muon's Adam branch. ``logical_axes`` only matters for muon.
+    (b1, b2) and Muon's AdamW branch. ``logical_axes`` and ``mesh`` (the run's, over whose
+    devices Muon spreads its matrices) only matter for muon.
     """
     key = _canonical(name, OPTIMIZERS, "optimizer")
     _require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
@@ -278,7 +346,7 @@ def build_optimizer(
     for field, value in (("b1", b1), ("b2", b2), ("momentum", momentum)):
         _require(0 <= value < 1, f"{field} must be in [0, 1), got {value}")
     _require(eps > 0, f"eps must be > 0, got {eps}")
-    hyper = _Hyper(float(weight_decay), b1, b2, eps, momentum, logical_axes)
+    hyper = _Hyper(float(weight_decay), b1, b2, eps, momentum, logical_axes, mesh)
     tx = _OPTIMIZERS[key](schedule, params, hyper)
     if clip_grad:
         tx = optax.chain(optax.clip_by_global_norm(clip_grad), tx)
@@ -286,10 +354,14 @@ def build_optimizer(
 
 
 def run_optimizer(
-    settings: OptimizerSettings, total_steps: int, params: Any, logical_axes: Any = None
+    settings: OptimizerSettings,
+    total_steps: int,
+    params: Any,
+    logical_axes: Any = None,
+    mesh: Any = None,
 ) -> tuple[optax.GradientTransformation, Callable[[Any], Any]]:
     """(optax transformation, learning-rate schedule) of a run's optimizer section over
-    `total_steps` updates."""
+    `total_steps` updates on `mesh` (the run's; None: one device)."""
     schedule = build_schedule(
         settings.scheduler,
         learning_rate=settings.learning_rate,
@@ -309,5 +381,6 @@ def run_optimizer(
         eps=settings.adam_epsilon,
         momentum=settings.momentum,
         logical_axes=logical_axes,
+        mesh=mesh,
     )
     return optimizer, schedule

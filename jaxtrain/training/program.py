@@ -43,6 +43,7 @@ from jaxtrain.training.state import (
     stage_state_build,
 )
 from jaxtrain.training.step import (
+    GlobalScalarsFn,
     StepWithFrozen,
     causal_lm_loss_sums,
     count_target_tokens,
@@ -59,12 +60,15 @@ JitFactory = Callable[..., TrackedJit]
 class Objective:
     """What a step minimises: `loss_sums(model, batch, rng)` -> sums over a micro-batch
     (jaxtrain/objective.py), divided by `normalizer(global batch)`; `token_nll`: the loss is
-    a per-token NLL (perplexity is logged); `batch_unit`: "tokens" or "examples"."""
+    a per-token NLL (perplexity is logged); `batch_unit`: "tokens" or "examples";
+    `global_scalars(global batch)`: named scalars of the whole batch each micro-batch's
+    `loss_sums` reads as `batch[name]` (a per-pair loss with a token-mean term: ORPO)."""
 
     loss_sums: Callable[..., Any] = causal_lm_loss_sums
     normalizer: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens
     token_nll: bool = True
     batch_unit: str = "tokens"
+    global_scalars: GlobalScalarsFn | None = None
 
 
 @dataclasses.dataclass
@@ -184,6 +188,7 @@ class Program:
             schedule_length,
             parts.params,
             logical_axes=param_logical_axes(parts.params),
+            mesh=runtime.mesh,
         )
         # Masks live in the optimizer state, for any optimizer (pruning.py says why).
         self.optimizer = with_pruning(
@@ -337,6 +342,7 @@ class Program:
             loss_sums_fn=with_activation_sharding(self._train_loss_sums, self.plan.rules),
             normalizer_fn=self.objective.normalizer,
             state_metrics=pruning_metrics,
+            global_scalars_fn=self.objective.global_scalars,
         )
         # Compiled ahead of time; a batch of another shape recompiles with a warning naming
         # the changed shapes, and every compile is logged (compiles.py).
@@ -367,4 +373,5 @@ class Program:
             loss_sums_fn=with_activation_sharding(self.objective.loss_sums, self.plan.rules),
             jit=self.jit,
             perplexity=self.objective.token_nll,
+            global_scalars_fn=self.objective.global_scalars,
         )

@@ -29,6 +29,20 @@ from jaxtrain.training.logps import (
 
 # (model, batch, rng) -> dict of sums over the batch: the contract is in objective.py.
 LossSumsFn = Objective
+# global batch -> named scalars every micro-batch's objective reads (a token count that a
+# per-pair loss divides a token sum by: ORPO's and CPO's NLL term).
+GlobalScalarsFn = Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
+
+
+def with_global_scalars(
+    micro_batch: dict[str, jax.Array], scalars: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """`micro_batch` with the global batch's scalars added (a name clash is an error: the
+    objective would read the wrong value silently)."""
+    clash = sorted(set(micro_batch) & set(scalars))
+    if clash:
+        raise ValueError(f"global scalars {clash} clash with batch keys of the same name")
+    return {**micro_batch, **scalars}
 
 
 def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
@@ -118,8 +132,12 @@ def make_train_step(
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
     normalizer_fn: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens,
     state_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None,
+    global_scalars_fn: GlobalScalarsFn | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """Build `train_step(state, batch, frozen=None)`; batch leaves are [A, ...] (micro-batches).
+
+    `global_scalars_fn(global batch)`: named scalars of the whole global batch that every
+    micro-batch's objective reads as `batch[name]` (with_global_scalars).
 
     `state_metrics(new_state)`: values of the state after the update, logged as the logging
     window's last (objective.STATE_KEYS: pruning's `sparsity`).
@@ -139,24 +157,26 @@ def make_train_step(
     def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: Any = None):
         frozen = rest if frozen is None else frozen
         normalizer = jnp.maximum(normalizer_fn(batch), 1.0)
+        scalars = {} if global_scalars_fn is None else global_scalars_fn(batch)
         step_key = jax.random.fold_in(jax.random.key(seed), state.step)
         num_micro = jax.tree.leaves(batch)[0].shape[0]
 
         if num_micro == 1:
-            micro = jax.tree.map(lambda x: x[0], batch)
+            micro = with_global_scalars(jax.tree.map(lambda x: x[0], batch), scalars)
             grads, sums = grad_fn(state.params, frozen, micro, step_key, normalizer)
         else:
 
             def accumulate(carry, inputs):
                 grads_acc, sums_acc = carry
                 index, micro = inputs
+                micro = with_global_scalars(micro, scalars)
                 micro_key = jax.random.fold_in(step_key, index)
                 grads, sums = grad_fn(state.params, frozen, micro, micro_key, normalizer)
                 grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
                 sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
                 return (grads_acc, sums_acc), None
 
-            first = jax.tree.map(lambda x: x[0], batch)
+            first = with_global_scalars(jax.tree.map(lambda x: x[0], batch), scalars)
             grads_shape, sums_shape = jax.eval_shape(
                 grad_fn, state.params, frozen, first, step_key, normalizer
             )
@@ -199,12 +219,16 @@ def make_eval_step(
     graphdef: nnx.GraphDef,
     rest: nnx.State | None = None,
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
+    global_scalars_fn: GlobalScalarsFn | None = None,
 ) -> Callable[..., dict[str, jax.Array]]:
-    """Build `eval_step(params, batch, frozen=None) -> sums`, the same reduction as training."""
+    """Build `eval_step(params, batch, frozen=None) -> sums`, the same reduction as training
+    (an eval batch is its own global batch for `global_scalars_fn`)."""
 
     def eval_step(params, batch, frozen=None):
         frozen = rest if frozen is None else frozen
         model = nnx.merge(graphdef, params, frozen)
+        if global_scalars_fn is not None:
+            batch = with_global_scalars(batch, global_scalars_fn(batch))
         return check_loss_sums(loss_sums_fn(model, batch, jax.random.key(0)))
 
     return eval_step

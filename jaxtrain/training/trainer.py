@@ -227,6 +227,7 @@ class Trainer:
             total_steps,
             params,
             logical_axes=param_logical_axes(params),
+            mesh=self.mesh,
         )
 
     # ------------------------------------------------------------ the state

@@ -1,5 +1,5 @@
-"""`jaxtrain train --task sft|dpo|reward|distill`: each runs from a YAML file, and bad
-preference data exits 2 with the row and column named."""
+"""`jaxtrain train --task sft|dpo|kto|orpo|cpo|reward|distill`: each runs from a YAML file,
+and bad preference data exits 2 with the row and column named."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def files(tokenizer, tmp_path_factory):
         for i in range(8)
     ]
     sft = [{"prompt": f"what is {i} + 1 ?", "completion": f"{i + 1}"} for i in range(8)]
+    unpaired = [{**row, "label": i % 3 != 0} for i, row in enumerate(sft)]
     return {
+        "unpaired": write_rows(root / "unpaired.jsonl", unpaired),
         "root": root,
         "pairs": write_rows(root / "pairs.jsonl", pairs),
         "sft": write_rows(root / "sft.jsonl", sft),
@@ -84,6 +86,10 @@ def config(files, task: str, rows: str, eval_rows: str | None = None, **extra) -
     [
         ("sft", "sft", {}),
         ("dpo", "pairs", {"beta": 0.2, "loss_type": "ipo"}),
+        ("kto", "pairs", {"undesirable_weight": 1.5}),
+        ("kto", "unpaired", {"loss_type": "apo_zero_unpaired"}),
+        ("orpo", "pairs", {"beta": 0.2}),
+        ("cpo", "pairs", {"loss_type": "simpo", "cpo_alpha": 0.0, "simpo_gamma": 0.5}),
         ("reward", "pairs", {}),
         ("distill", "sft", {"teacher": dict(MODEL), "distill_alpha": 0.7}),
     ],
@@ -125,6 +131,8 @@ def test_an_unknown_task_names_the_tasks(files, capsys):
     [
         ("sft", "sft", {}, "eval/perplexity"),
         ("dpo", "pairs", {"beta": 0.2}, "eval/rewards/margins"),
+        ("kto", "pairs", {}, "eval/kl"),
+        ("orpo", "pairs", {}, "eval/nll_loss"),
         ("reward", "pairs", {}, "eval/rewards/chosen"),
         ("distill", "sft", {"teacher": dict(MODEL), "distill_alpha": 0.7}, "eval/distill/kl"),
     ],

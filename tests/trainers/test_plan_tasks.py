@@ -12,7 +12,16 @@ import pytest
 from conftest import addition_pairs, tiny_arguments, tiny_config, tiny_model
 
 from jaxtrain.planning.program import plan_program
-from jaxtrain.trainers import DPOArguments, DPOTrainer, GRPOArguments, GRPOTrainer
+from jaxtrain.trainers import (
+    DPOArguments,
+    DPOTrainer,
+    GRPOArguments,
+    GRPOTrainer,
+    KTOArguments,
+    KTOTrainer,
+    ORPOArguments,
+    ORPOTrainer,
+)
 
 
 def run_peak(out: Path) -> float:
@@ -42,6 +51,31 @@ def test_a_dpo_plan_is_the_dpo_run_s_compiled_step(tokenizer, tmp_path):
     # The reference is part of the program: without it the step is another one.
     free = tiny_arguments(DPOArguments, tmp_path, max_steps=1, reference_free=True)
     assert plan_peak("dpo", free, tmp_path) != pytest.approx(measured, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "task, cls, args_cls, extra",
+    [
+        ("kto", KTOTrainer, KTOArguments, {}),
+        ("orpo", ORPOTrainer, ORPOArguments, {"packing": True}),
+        ("dpo", DPOTrainer, DPOArguments, {"packing": True}),
+    ],
+    ids=["kto", "orpo_packed", "dpo_packed"],
+)
+def test_a_preference_plan_is_its_run_s_compiled_step(
+    tokenizer, tmp_path, task, cls, args_cls, extra
+):
+    """KTO's reference and KL rows, ORPO's global scalars, packed rows and unit slots: the
+    plan compiles the step the run compiles."""
+    args = tiny_arguments(args_cls, tmp_path, max_steps=1, **extra)
+    cls(
+        arguments=args,
+        model=tiny_model(),
+        dataset_train=addition_pairs(32),
+        processing_class=tokenizer,
+        devices=jax.devices()[:1],
+    ).train()
+    assert plan_peak(task, args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
 
 
 def test_a_grpo_plan_is_the_grpo_run_s_compiled_step(tokenizer, tmp_path):
