@@ -20,7 +20,7 @@ What the loop reads: `program`, `runtime`, `monitor`, `hooks`, `checkpoints`,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from jaxtrain.config.sections import (
     MonitorSettings,
     OptimizerSettings,
 )
-from jaxtrain.data import build_eval_loader, build_train_loader
+from jaxtrain.data import build_eval_loader, build_mixture_loader, build_train_loader
 from jaxtrain.data.batch_source import BatchSource, LoaderSource, eval_global_batches
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.observability.monitor import RunMonitor
@@ -47,6 +47,7 @@ from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet, ScheduledHook
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
+from jaxtrain.training.mixture_objective import mixture_objective
 from jaxtrain.training.optim import run_optimizer
 from jaxtrain.training.program import ModelParts, Objective, Program
 from jaxtrain.training.state import param_logical_axes
@@ -118,12 +119,18 @@ class Trainer:
         self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
         self.eval_loader = self._eval_loader(dataset_eval)
         self.train_source = self._train_source(dataset_train, train_source)
+        default_loss = (
+            objective is None and type(self).compute_loss_sums is Trainer.compute_loss_sums
+        )
         objective = objective or Objective(
             loss_sums=self.compute_loss_sums,
             normalizer=self.loss_normalizer,
             token_nll=self.loss_is_token_nll,
             batch_unit=self.batch_unit,
         )
+        names = getattr(self.train_source, "source_names", None)
+        if names:  # a mixture: each source's share (and loss, for the default LM loss)
+            objective = mixture_objective(objective, names, lm_rows=default_loss)
         self.monitor = RunMonitor(  # trackers, throughput/MFU, compiles, report
             MonitorSettings.from_arguments(args),
             model_config=self.model_config,
@@ -163,7 +170,16 @@ class Trainer:
         if dataset is None:
             return None
         args, layout = self.arguments, self.sharding_plan.batch
-        loader = build_train_loader(DataSettings.from_arguments(args), dataset, **self._data())
+        settings = DataSettings.from_arguments(args)
+        if isinstance(dataset, Mapping):  # {name: source}: a weighted mixture
+            loader = build_mixture_loader(settings, dataset, **self._data())
+        elif settings.mixture_stages is not None:
+            raise ArgumentError(
+                "TrainingArguments.mixture_weights is set but dataset_train is one dataset; "
+                "pass the sources as a mapping, dataset_train={'web': ..., 'code': ...}."
+            )
+        else:
+            loader = build_train_loader(settings, dataset, **self._data())
         layout.check(args.micro_batch_size, args.max_sequence_length, "micro-batch size")
         return LoaderSource(loader, layout, prefetch_batches=args.prefetch_batches)
 
