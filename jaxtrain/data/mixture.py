@@ -117,7 +117,8 @@ class MixtureLoader:
         self.state_is_per_process = any(r.state_is_per_process for r in self.readers)
         self.history = read_ahead + HISTORY  # steps whose position is kept
         zeros = (0,) * len(self.names)
-        self._positions: dict[int, _Position] = {0: _Position(zeros, zeros, zeros)}
+        self._start = _Position(zeros, zeros, zeros)
+        self._positions: dict[int, _Position] = {0: self._start}
 
     # ------------------------------------------------------------ reading
     def batches(self, start_step: int = 0, *, with_stats: bool = False) -> Iterator[Any]:
@@ -126,7 +127,7 @@ class MixtureLoader:
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         step = start_step if start_step in self._positions else 0
-        position = self._positions[step]
+        position = self._positions.get(step) or self._start
         for reader, row in zip(self.readers, position.rows):
             reader.open(row)
         while True:
