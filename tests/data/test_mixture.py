@@ -78,9 +78,7 @@ def test_each_source_gets_its_weight_of_the_tokens(weights):
 def test_shares_of_packed_documents_of_any_length():
     # Packed rows are nearly full whatever the documents' lengths: token shares follow.
     sources = {"a": varied_docs(400, 1), "b": datasets.Dataset.from_list(varied_docs(300, 100))}
-    loader = build_mixture_loader(
-        args(packing=True, mixture_weights={"a": 0.6, "b": 0.4}), sources
-    )
+    loader = build_mixture_loader(args(packing=True, mixture_weights={"a": 0.6, "b": 0.4}), sources)
     shares = token_shares(take(loader, 60), loader.names)
     np.testing.assert_allclose(shares, [0.6, 0.4], atol=0.01)
 
@@ -156,7 +154,9 @@ def test_a_position_from_other_weights_is_refused():
 
 def test_each_source_reads_its_own_columns_and_chat_settings(chat_tokenizer):
     text = [{"body": "a b c d"}] * 8
-    chat = [{"conv": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bye"}]}] * 8
+    chat = [
+        {"conv": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bye"}]}
+    ] * 8
     sources = {
         "text": Source(text, text_column="body"),
         "chat": Source(chat, messages_column="conv", completion_only_loss=True),

@@ -113,7 +113,9 @@ def test_each_source_s_logged_loss_is_its_rows_evaluated_alone(tmp_path):
             dataset_eval=source_rows,
         )
         evaluated = alone.evaluate(initial)
-        np.testing.assert_allclose(logged[f"mixture/{name}/loss"], evaluated["eval/loss"], rtol=1e-6)
+        np.testing.assert_allclose(
+            logged[f"mixture/{name}/loss"], evaluated["eval/loss"], rtol=1e-6
+        )
     # The whole step's loss is the token-weighted mean of the sources' (6 and 2 full rows).
     mean = (6 * logged["mixture/web/loss"] + 2 * logged["mixture/code/loss"]) / 8
     np.testing.assert_allclose(logged["loss"], mean, rtol=1e-6)
