@@ -334,7 +334,7 @@ class TrainingLoop:
         self.last_logs = logs
 
     def _wants_eval(self) -> bool:
-        return self.trainer.eval_loader is not None and self.args.evaluation_strategy != "no"
+        return self.trainer.evaluates and self.args.evaluation_strategy != "no"
 
     def _eval_steps(self) -> int | None:
         """Steps between evaluations: eval_steps, one epoch, or None (no evaluation)."""
@@ -362,5 +362,11 @@ class TrainingLoop:
             if key in metrics
         ]
         shown += [f"{key[5:]} {value:.3f}" for key, value in metrics.items() if "pass@" in key]
+        # eval_tasks' scores: the metrics that come with a standard error.
+        shown += [
+            f"{key[5:]} {value:.3f} ± {metrics[key + '_stderr']:.3f}"
+            for key, value in metrics.items()
+            if key + "_stderr" in metrics
+        ]
         self.progress.write(f"step {step}: eval " + ", ".join(shown))
         self.eval_metrics = metrics
