@@ -78,9 +78,10 @@ class TaskSuite:
                 tasks[name] = task
         return tasks
 
-    def evaluate(self, lm: Any, *, samples: bool = False) -> dict[str, Any]:
-        """Every task's metrics and standard errors (flatten_results) from `lm`; with
-        `samples`, also lm-eval's whole result under "lm_eval" (per-document responses)."""
+    def evaluate(self, lm: Any, *, raw: bool = False, samples: bool = False) -> dict[str, Any]:
+        """Every task's metrics and standard errors (flatten_results) from `lm`; with `raw`,
+        also lm-eval's own results under "lm_eval" (with `samples`: every document's
+        requests and responses too)."""
         from lm_eval.evaluator import evaluate
 
         with _quiet():
@@ -92,7 +93,7 @@ class TaskSuite:
                 log_samples=samples,
             )
         logs: dict[str, Any] = flatten_results(results)
-        if samples:
+        if raw or samples:
             logs["lm_eval"] = results
         return logs
 
