@@ -217,11 +217,26 @@ class BatchLoader:
         return {k: v.reshape(local.shape + v.shape[1:]) for k, v in flat.items()}, stats
 
     def rows_at(self, steps: range) -> tuple[Batch, CollateStats | None]:
-        """This host's rows of several steps, read and collated at once: [rows, ...]. A
-        mixture reads a source one row per process at a time, many rows per batch."""
+        """This host's rows of several steps, read and collated at once: [rows, ...] (what
+        `local_indices` gives for each step, flattened). A mixture reads a source this way:
+        one row per process per step, many steps at a time."""
         if steps.start < 0:
             raise ValueError(f"step must be >= 0, got {steps.start}")
-        return self.rows_of(np.concatenate([self.local_indices(s).reshape(-1) for s in steps]))
+        s = np.arange(steps.start, steps.stop)
+        epochs, within = np.divmod(s, self.steps_per_epoch)
+        # Each step's rows, as positions in its epoch's order: micro-batch a's columns
+        # [lo, lo + per) of that step's global batch (global_indices, then local_indices).
+        per = self.micro_batch_size // self.process_count
+        lo = self.process_index * per
+        columns = np.arange(self.accumulation_steps)[:, None] * self.micro_batch_size + lo
+        offsets = (columns + np.arange(per)[None, :]).reshape(-1)
+        positions = within[:, None] * self.global_batch_size + offsets[None, :]
+        flat = np.full(positions.shape, _FILL, np.int64)
+        for epoch in np.unique(epochs):
+            order, rows = self._permutation(int(epoch)), epochs == epoch
+            at = positions[rows]
+            flat[rows] = np.where(at < len(order), order[np.minimum(at, len(order) - 1)], _FILL)
+        return self.rows_of(flat.reshape(-1))
 
     def rows_of(self, flat_idx: np.ndarray) -> tuple[Batch, CollateStats | None]:
         """Rows `flat_idx` of the dataset (-1: a filler row) collated: [len(flat_idx), ...]."""
