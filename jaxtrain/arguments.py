@@ -146,6 +146,14 @@ class TrainingArguments:
     streaming: bool = False
     # Streams are shuffled within blocks of this many rows (1 = stream order).
     stream_window: int = 1024
+    # A mixture (dataset_train a mapping {name: source}; docs/data.md "Mixtures"): the share
+    # of each step's rows per source, {name: weight}, or stages [[step, {name: weight}], ...]
+    # from step 0 on (annealing; a source a stage leaves out has weight 0 there). Weights are
+    # >= 0 and need not sum to 1. Needs max_steps.
+    mixture_weights: dict | list | None = None
+    # A mixture source that runs out of rows: "restart" (its next epoch, counted per source)
+    # or "stop" (the run ends after the last step whose rows it could give).
+    mixture_exhausted: str = "restart"
 
     # Mixed precision: compute in dtype, keep master parameters in param_dtype.
     # None keeps what the model was built with.
@@ -197,6 +205,11 @@ class TrainingArguments:
     eval_steps: int = 100
     # Cap on eval batches per evaluation (None = the whole eval set).
     max_eval_batches: int | None = None
+    # lm-eval-harness tasks scored at every evaluation (docs/evaluation.md): paths of task
+    # YAML files, or names of jaxtrain's example tasks; their data must be local files.
+    eval_tasks: list[str] | None = None
+    # Documents scored per task and evaluation (None = all of them).
+    eval_tasks_limit: int | None = None
     # Periodic checkpoint every save_steps (None = only the final save).
     save_steps: int | None = None
     # Keep at most this many checkpoints (None = keep all).

@@ -43,6 +43,7 @@ __all__ = [
     "OutOfMemoryError",
     "ReportError",
     "ShardingRuleError",
+    "TaskError",
     "TrackerError",
     "TrainingInterrupted",
 ]
@@ -71,6 +72,11 @@ class ShardingRuleError(ArgumentError):
 
 class TrackerError(ArgumentError):
     """A tracker named in report_to cannot start; the message says why and how to fix it."""
+
+
+class TaskError(ArgumentError):
+    """An evaluation task (eval_tasks, `jaxtrain evaluate --tasks`) cannot run: its file, its
+    data or a feature it needs; the message names the task and the fix."""
 
 
 class DatasetError(JaxtrainError, ValueError):

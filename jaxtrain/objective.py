@@ -14,8 +14,9 @@ gradient accumulation, data parallelism and logging windows all weight every uni
                        and clip ratio are token means while its loss unit is the completion)
 
 The one rule for logs: every value is summed over the logging window (or the whole eval
-set) and divided by the summed `tokens` (or by its own summed `X_count`), so each is a
-per-unit mean weighted exactly like the loss. It is logged under its own name with a trailing `_sum` dropped (`z_loss_sum` ->
+set) and divided by the summed `tokens` (or by its own summed `X_count`, and not logged when
+that is 0: a mixture source with weight 0 has no loss), so each is a per-unit mean weighted
+exactly like the loss. It is logged under its own name with a trailing `_sum` dropped (`z_loss_sum` ->
 `z_loss`, `rewards/margins` -> `rewards/margins`), `correct` as `accuracy`, and under
 `eval/` in evaluation. Nothing an objective returns is dropped. `perplexity` = exp(loss) is
 logged beside the loss only when the loss is a mean negative log-likelihood per token
@@ -131,8 +132,9 @@ def summarize_sums(
         if key in REQUIRED_KEYS or key in STEP_KEYS or key.endswith(COUNT_SUFFIX):
             continue
         count = key[: -len(SUM_SUFFIX)] + COUNT_SUFFIX if key.endswith(SUM_SUFFIX) else None
-        if count in totals:  # averaged over its own count
-            logs[prefix + log_name(key)] = float(value) / max(float(totals[count]), 1.0)
+        if count in totals:  # averaged over its own count; nothing to average: not logged
+            if float(totals[count]) > 0:
+                logs[prefix + log_name(key)] = float(value) / float(totals[count])
         else:
             logs[prefix + log_name(key)] = float(value) / per_unit  # per unit, like the loss
     return logs

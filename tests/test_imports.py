@@ -226,6 +226,7 @@ LAYERS = (
     ("jaxtrain.hf",),
     ("jaxtrain.observability", "jaxtrain.checkpointing"),
     ("jaxtrain.serving",),
+    ("jaxtrain.evaluation",),
     ("jaxtrain.training",),
     ("jaxtrain.trainers",),
     ("jaxtrain.planning",),

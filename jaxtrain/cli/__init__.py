@@ -9,6 +9,7 @@
   run_dir.py     build_model, build_data, load_run, restore_run: a run directory's pieces
   pretrained.py  the `model.pretrained` section (fine-tuning a local Hugging Face model)
   commands.py    train, eval, sample, report
+  evaluate.py    evaluate (lm-eval tasks on a run or an exported model)
   export.py      export (a run or checkpoint -> a Hugging Face directory)
   launch.py      launch (--ray / --slurm) and tune: runs past one machine
   tune.py        Ray Tune over `jaxtrain train` trials (search spaces, best.yaml)
@@ -25,7 +26,7 @@ from jaxtrain.cli.usage import USAGE
 
 __all__ = ["COMMANDS", "USAGE", "main"]
 
-COMMANDS = ("train", "eval", "sample", "export", "report", "plan", "serve")
+COMMANDS = ("train", "eval", "evaluate", "sample", "export", "report", "plan", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if entry and command in (
         "train",
         "eval",
+        "evaluate",
         "sample",
         "export",
         "report",
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     from jaxtrain.cli.commands import cmd_eval, cmd_report, cmd_sample, cmd_train
+    from jaxtrain.cli.evaluate import cmd_evaluate
     from jaxtrain.cli.export import cmd_export
     from jaxtrain.cli.launch import cmd_launch, cmd_tune
     from jaxtrain.cli.plan import cmd_plan
@@ -79,6 +82,7 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     commands = {
         "train": cmd_train,
         "eval": cmd_eval,
+        "evaluate": cmd_evaluate,
         "sample": cmd_sample,
         "export": cmd_export,
         "report": cmd_report,

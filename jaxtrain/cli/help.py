@@ -320,6 +320,7 @@ def command_help(command: str, tokens: list[str] | None = None) -> str:
     if command == "train":
         return train_help(task_of(tokens or []))
     from jaxtrain.cli import run_config
+    from jaxtrain.cli.evaluate import EVALUATE_HELP
 
     sample = schema_help(run_config.SAMPLE_KEYS, schema_docs(run_config, "SAMPLE_KEYS"), "", {})
     texts = {
@@ -355,6 +356,7 @@ Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.
 """,
         "plan": PLAN_HELP,
         "serve": SERVE_HELP,
+        "evaluate": EVALUATE_HELP,
     }
     return texts[command]
 

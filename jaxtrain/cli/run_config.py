@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.config.mixture import check_mixture_names, parse_mixture_weights
 from jaxtrain.config_values import coerce_value
 
 SECTIONS = ("model", "data", "sample", "teacher")
@@ -64,6 +65,19 @@ DATA_KEYS = {
     "train_files": str,  # path or glob of jsonl/json/parquet/csv/txt
     "eval_files": str,
     "tokenizer": str,  # local directory of a Hugging Face tokenizer
+    "mixture": list,  # the train data as a weighted mixture of files (MIXTURE_KEYS each)
+}
+# One source of `data.mixture`: its files, weight and settings of its own (data.mixture.Source).
+MIXTURE_KEYS = {
+    "name": str,  # required: the source's name in logs (mixture/<name>/loss) and weights
+    "files": str,  # required: path or glob of jsonl/json/parquet/csv/txt
+    "weight": float,  # or TrainingArguments.mixture_weights (stages)
+    "text_column": str,
+    "messages_column": str,
+    "completion_only_loss": bool,
+    "chat_template": str,
+    "ids_to_pop_from_dataset": list,
+    "streaming": bool,
 }
 SAMPLE_KEYS = {
     "prompt": str,  # default: taken from the run's data (chat template for chat rows)
@@ -242,9 +256,58 @@ def split_config(
     sample = typed_section(config.get("sample") or {}, SAMPLE_KEYS, "sample", sources)
     check_data_section(data)
     check_sample_section(sample)
+    if "mixture" in data:
+        data["mixture"] = typed_mixture(data["mixture"], sources)
+        fields = mixture_fields(fields, data["mixture"])
     args = arguments_class.from_dict(fields, source="config", sources=sources)
+    if "mixture" in data:  # every name known before any file is read
+        stages = parse_mixture_weights(args.mixture_weights)
+        check_mixture_names(stages, [e["name"] for e in data["mixture"]], "data.mixture")
     model = typed_model_section(config.get("model") or {}, sources)
     return args, model, data, sample
+
+
+def typed_mixture(entries: Any, sources: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """`data.mixture`'s entries parsed by MIXTURE_KEYS: each names its source and files."""
+    if not isinstance(entries, list) or not entries:
+        raise ArgumentError(
+            "data.mixture must be a list of sources, e.g. [{name: web, files: 'web/*.jsonl', "
+            "weight: 0.7}, {name: code, files: 'code/*.jsonl', weight: 0.3}]."
+        )
+    typed, names = [], []
+    for i, entry in enumerate(entries):
+        where = f"data.mixture[{i}]"
+        if not isinstance(entry, dict):
+            raise ArgumentError(f"{where} must be a mapping with name and files, got {entry!r}.")
+        entry = typed_section(entry, MIXTURE_KEYS, where, sources)
+        for key in ("name", "files"):
+            if not entry.get(key):
+                raise ArgumentError(f"{where} needs {key} (e.g. {key}: {_EXAMPLE_ENTRY[key]}).")
+        if entry["name"] in names:
+            raise ArgumentError(f"{where}: the name {entry['name']!r} is used twice; rename one.")
+        names.append(entry["name"])
+        typed.append(entry)
+    return typed
+
+
+_EXAMPLE_ENTRY = {"name": "web", "files": "'data/web-*.jsonl'"}
+
+
+def mixture_fields(fields: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The arguments with the entries' weights as mixture_weights (weights given once: on
+    the entries, or as mixture_weights for stages)."""
+    weights = {e["name"]: e["weight"] for e in entries if e.get("weight") is not None}
+    if not weights:
+        return fields
+    given = fields.get("mixture_weights")
+    if isinstance(given, str):  # from a flag
+        given = yaml.safe_load(given)
+    if given is not None and given != weights:  # a run's config.yaml holds both, equal
+        raise ArgumentError(
+            "data.mixture gives weights and so does mixture_weights; give them once (stages "
+            "in mixture_weights, or a weight per data.mixture entry)."
+        )
+    return {**fields, "mixture_weights": weights}
 
 
 # The embedded corpus's byte-level BPE holds the 256 byte tokens and its 2 special tokens.
@@ -253,7 +316,11 @@ SMALLEST_CORPUS_VOCAB = 258
 
 def check_data_section(data: dict[str, Any]) -> None:
     """Values of the data section that would fail only once the data is read."""
-    if data.get("source", "default") != "default":
+    if "mixture" in data and "train_files" in data:
+        raise ArgumentError(
+            "data.train_files and data.mixture both give the train data; use one of them."
+        )
+    if "mixture" in data or data.get("source", "default") != "default":
         return
     vocab = data.get("vocab_size")
     if vocab is not None and vocab < SMALLEST_CORPUS_VOCAB:

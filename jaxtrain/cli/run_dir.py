@@ -61,6 +61,8 @@ def _with_attention(model: Any, attention: str | None) -> Any:
 def build_data(data: dict[str, Any], seq_len: int):
     """-> (train dataset, eval dataset, tokenizer) from the `data` section."""
     source = data.get("source", "default")
+    if "mixture" in data:  # the train data: a weighted mixture of files
+        return _mixture_data(data)
     if source == "default":
         from jaxtrain.data import chunk_dataset, load_default_corpus
 
@@ -86,6 +88,25 @@ def build_data(data: dict[str, Any], seq_len: int):
         )
         return train, evaluation, tokenizer
     raise ArgumentError(f"data.source={source!r} is not supported; use 'default' or 'files'.")
+
+
+def _mixture_data(data: dict[str, Any]):
+    """-> ({name: Source}, eval dataset, tokenizer) of `data.mixture`."""
+    from jaxtrain.data import Source
+    from jaxtrain.data.files import load_files
+
+    tokenizer = _load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
+    train = {}
+    for entry in data["mixture"]:
+        name = entry["name"]
+        settings = {k: v for k, v in entry.items() if k not in ("name", "files", "weight")}
+        rows = load_files(entry["files"], name=f"data.mixture[{name!r}].files",
+                          streaming=bool(entry.get("streaming")))  # fmt: skip
+        train[name] = Source(rows, **settings)
+    evaluation = (
+        load_files(data["eval_files"], name="data.eval_files") if data.get("eval_files") else None
+    )
+    return train, evaluation, tokenizer
 
 
 def _load_tokenizer(path: str):

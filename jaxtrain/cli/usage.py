@@ -9,6 +9,7 @@ USAGE = f"""usage:
                  [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
                  [--task lm|sft|dpo|reward|distill|grpo]  (the trainer; distill: --teacher.pretrained DIR)
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
+  jaxtrain evaluate MODEL_OR_RUN_DIR --tasks TASK[,TASK...] [--limit N]   (lm-eval tasks)
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   {EXPORT_USAGE}
   jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)

@@ -14,11 +14,13 @@ from typing import Any
 
 import yaml
 
+from jaxtrain.config.mixture import parse_mixture_weights
 from jaxtrain.config.tables import (
     DISTRIBUTED_MODES,
     DTYPES,
     EVALUATION_STRATEGIES,
     MESH_AXES,
+    MIXTURE_EXHAUSTED,
     ON_NAN,
     OPTIMIZERS,
     PROGRESS_BARS,
@@ -99,6 +101,9 @@ def normalized_fields(args: Any) -> dict[str, Any]:
         "report_to": [str(t).lower() for t in (report_to or [])] or ["jsonl"],
         "lora_targets": _split_list(args.lora_targets),
         "ids_to_pop_from_dataset": _split_list(args.ids_to_pop_from_dataset),
+        "eval_tasks": _split_list(args.eval_tasks),
+        "mixture_weights": _yaml(args.mixture_weights, "mixture_weights"),
+        "mixture_exhausted": str(args.mixture_exhausted).lower(),
         "sharding_axis_dims": parse_axis_dims(args.sharding_axis_dims),
         "sharding_rules": _yaml(args.sharding_rules, "sharding_rules"),
         "sharding_regex_rules": regex,
@@ -113,6 +118,8 @@ def validate_arguments(args: Any) -> None:
     check_optimizer(args)
     check_model(args)
     check_data(args)
+    check_mixture(args)
+    check_eval_tasks(args)
     check_time_limit(args)
     check_parallel(args)
     check_pruning(args)
@@ -168,6 +175,7 @@ def check_general(args: Any) -> None:
     for name in (
         "eval_batch_size",
         "max_eval_batches",
+        "eval_tasks_limit",
         "save_steps",
         "save_total_limit",
         "weight_distribution_log_steps",
@@ -310,6 +318,42 @@ def check_data(args: Any) -> None:
         raise ArgumentError(
             f"TrainingArguments.{which}=True has no fixed epoch length; set max_steps "
             "(e.g. --max_steps 1000)."
+        )
+
+
+def check_mixture(args: Any) -> None:
+    """The mixture's weights (config/mixture.py) and what a mixture needs of the run."""
+    check_choice(args, "mixture_exhausted", MIXTURE_EXHAUSTED)
+    if parse_mixture_weights(args.mixture_weights) is None:
+        return
+    if args.max_steps <= 0:
+        raise ArgumentError(
+            "TrainingArguments.mixture_weights: a mixture has no fixed epoch length; set "
+            "max_steps (e.g. --max_steps 1000)."
+        )
+    if args.evaluation_strategy == "epoch":
+        raise ArgumentError(
+            "TrainingArguments.evaluation_strategy='epoch' needs one epoch length, which a "
+            "mixture (an epoch per source) does not have; use evaluation_strategy='steps'."
+        )
+
+
+def check_eval_tasks(args: Any) -> None:
+    """eval_tasks is a list of task files or names; their files are checked by the Trainer
+    (a run directory's arguments must load even where the task files are not)."""
+    tasks = args.eval_tasks
+    if tasks is None:
+        return
+    if not isinstance(tasks, list | tuple) or not all(isinstance(t, str) and t for t in tasks):
+        raise ArgumentError(
+            f"TrainingArguments.eval_tasks must be a list of task YAML paths or task names, "
+            f"got {tasks!r}."
+        )
+    if tasks and args.evaluation_strategy == "no":
+        raise ArgumentError(
+            "TrainingArguments.eval_tasks are scored at evaluations, which "
+            "evaluation_strategy='no' turns off; use evaluation_strategy='steps' (every "
+            "eval_steps) or drop eval_tasks."
         )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxtrain.config.mixture import Stages, parse_mixture_weights
+
 __all__ = [
     "CheckpointSettings",
     "DataSettings",
@@ -131,6 +133,10 @@ class DataSettings:
     chat_template: str | None
     drop_columns: tuple[str, ...]  # ids_to_pop_from_dataset
     prefetch_batches: int
+    # A mixture's weights, parsed (config/mixture.py; None: not a mixture), and what it does
+    # when a source runs out ("restart" or "stop").
+    mixture_stages: Stages | None
+    mixture_exhausted: str
 
     @property
     def micro_batch_size(self) -> int:
@@ -164,6 +170,8 @@ class DataSettings:
             chat_template=args.chat_template,
             drop_columns=tuple(args.ids_to_pop_from_dataset or ()),
             prefetch_batches=args.prefetch_batches,
+            mixture_stages=parse_mixture_weights(args.mixture_weights),
+            mixture_exhausted=args.mixture_exhausted,
         )
 
 

@@ -31,6 +31,9 @@ QUANTIZATIONS = ("nf4", "int8")
 # data/collate.py: which end of an over-long row survives.
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
+# data/mixture.py: what a mixture does when one of its sources runs out of rows.
+MIXTURE_EXHAUSTED = ("restart", "stop")
+
 # parallel/mesh.py: the mesh's axes, in the order of sharding_axis_dims.
 MESH_AXES = ("dp", "fsdp", "ep", "tp", "sp")
 DISTRIBUTED_MODES = ("auto", "on", "off")

@@ -1,5 +1,6 @@
 """Data pipeline: sources (HF, files, Grain, TFDS, iterables), featurizing (ids, text, chat),
-packing, deterministic resumable per-process loaders, exact eval batches, prefetch, meter."""
+packing, deterministic resumable per-process loaders, weighted mixtures of sources, exact
+eval batches, prefetch, meter."""
 
 from jaxtrain.data.assemble import Collation
 from jaxtrain.data.chat import render_chat
@@ -11,8 +12,9 @@ from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.files import load_files
 from jaxtrain.data.loader import BatchLoader, UnitLoader, validate_dataset
 from jaxtrain.data.meter import DataMeter
+from jaxtrain.data.mixture import MixtureLoader, Source
 from jaxtrain.data.packing import pack_row
-from jaxtrain.data.pipeline import build_eval_loader, build_train_loader
+from jaxtrain.data.pipeline import build_eval_loader, build_mixture_loader, build_train_loader
 from jaxtrain.data.prefetch import Prefetcher, prefetch
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source
 from jaxtrain.data.streams import stream_window
@@ -29,11 +31,14 @@ __all__ = [
     "EvalLoader",
     "Featurizer",
     "IterableSource",
+    "MixtureLoader",
     "Prefetcher",
     "RandomAccessSource",
+    "Source",
     "UnitLoader",
     "as_source",
     "build_eval_loader",
+    "build_mixture_loader",
     "build_train_loader",
     "chunk_dataset",
     "collate_examples",

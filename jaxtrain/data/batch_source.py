@@ -25,10 +25,16 @@ import jax
 import numpy as np
 
 from jaxtrain.data.meter import DataMeter
+from jaxtrain.data.mixture import MixtureLoader
 from jaxtrain.data.prefetch import Prefetcher, prefetch
 from jaxtrain.parallel.batch import BatchLayout
 
-__all__ = ["BatchSource", "LoaderSource", "SourceBatch", "abstract_of"]
+__all__ = ["BatchSource", "DataExhausted", "LoaderSource", "SourceBatch", "abstract_of"]
+
+
+class DataExhausted(Exception):
+    """A finite source has no batch for this step (a mixture whose source ran out, with
+    mixture_exhausted="stop"): the loop ends the run after the previous step."""
 
 
 @dataclasses.dataclass
@@ -134,17 +140,31 @@ class LoaderSource:
         if self._batches is None:
             self.open(0)
         if self._first is None:
-            self._first = next(self._batches)
+            try:
+                self._first = next(self._batches)
+            except StopIteration:
+                raise DataExhausted("the train data has no batch left to train on") from None
         return abstract_of(self._first[1])
 
+    @property
+    def source_names(self) -> tuple[str, ...] | None:
+        """A mixture's source names (the index of `source_ids` in its batches), else None."""
+        return self.loader.names if isinstance(self.loader, MixtureLoader) else None
+
     def next(self, step: int, state: Any = None) -> SourceBatch:
-        del step, state  # offline: the loader's order is a function of its position
+        del state  # offline: the loader's order is a function of its position
         if self._first is not None:
             host, batch = self._first
             self._first = None
         else:
-            host, batch = next(self._batches)
-        return SourceBatch(host, batch)
+            try:
+                host, batch = next(self._batches)
+            except StopIteration:  # endless loaders never end; a finite mixture does
+                raise DataExhausted(f"the train data has no batch for step {step + 1}") from None
+        # What the loader says about its position after this step (a mixture: each
+        # source's epochs and tokens), logged with the step.
+        step_logs = getattr(self.loader, "step_logs", None)
+        return SourceBatch(host, batch, step_logs(step + 1) if step_logs else {})
 
     def close(self) -> None:
         if self._prefetcher is not None:

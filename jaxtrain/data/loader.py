@@ -213,7 +213,33 @@ class BatchLoader:
     def batch_at(self, step: int) -> tuple[Batch, CollateStats | None]:
         """This host's batch for ``step`` and its collate stats (None with a user collator)."""
         local = self.local_indices(step)
-        flat_idx = local.reshape(-1)
+        flat, stats = self.rows_of(local.reshape(-1))
+        return {k: v.reshape(local.shape + v.shape[1:]) for k, v in flat.items()}, stats
+
+    def rows_at(self, steps: range) -> tuple[Batch, CollateStats | None]:
+        """This host's rows of several steps, read and collated at once: [rows, ...] (what
+        `local_indices` gives for each step, flattened). A mixture reads a source this way:
+        one row per process per step, many steps at a time."""
+        if steps.start < 0:
+            raise ValueError(f"step must be >= 0, got {steps.start}")
+        s = np.arange(steps.start, steps.stop)
+        epochs, within = np.divmod(s, self.steps_per_epoch)
+        # Each step's rows, as positions in its epoch's order: micro-batch a's columns
+        # [lo, lo + per) of that step's global batch (global_indices, then local_indices).
+        per = self.micro_batch_size // self.process_count
+        lo = self.process_index * per
+        columns = np.arange(self.accumulation_steps)[:, None] * self.micro_batch_size + lo
+        offsets = (columns + np.arange(per)[None, :]).reshape(-1)
+        positions = within[:, None] * self.global_batch_size + offsets[None, :]
+        flat = np.full(positions.shape, _FILL, np.int64)
+        for epoch in np.unique(epochs):
+            order, rows = self._permutation(int(epoch)), epochs == epoch
+            at = positions[rows]
+            flat[rows] = np.where(at < len(order), order[np.minimum(at, len(order) - 1)], _FILL)
+        return self.rows_of(flat.reshape(-1))
+
+    def rows_of(self, flat_idx: np.ndarray) -> tuple[Batch, CollateStats | None]:
+        """Rows `flat_idx` of the dataset (-1: a filler row) collated: [len(flat_idx), ...]."""
         fill = flat_idx == _FILL
         real = [int(i) for i in flat_idx[~fill]]
         if not real:  # a batch of fillers only (cannot happen with drop_last) needs a template
@@ -221,8 +247,7 @@ class BatchLoader:
         else:
             real_rows = self.featurizer(self.source.read(real), real)
         where = [None if f else int(i) for f, i in zip(fill, flat_idx)]
-        flat, stats = self.collation(real_rows, fill, where)
-        return {k: v.reshape(local.shape + v.shape[1:]) for k, v in flat.items()}, stats
+        return self.collation(real_rows, fill, where)
 
     def data_state(self, step: int) -> dict[str, Any]:
         """JSON-able position to resume from so that the next batch is the one of ``step``."""
@@ -304,6 +329,7 @@ class UnitLoader:
         packing_window: int = 1024,
         split_long_documents: bool = True,
         unit_packer: UnitPacker | None = None,
+        history: int = _HISTORY,
     ) -> None:
         micro = _check_batch(global_batch_size, accumulation_steps)
         check_processes(units.process_index, units.process_count, micro, "micro-batch size")
@@ -322,6 +348,10 @@ class UnitLoader:
         self.rows_per_step = global_batch_size // units.process_count
         self.name = units.source.name
         self._positions: dict[int, tuple[int, int, int]] = {0: (0, 0, 0)}
+        # Steps whose position is kept: enough for the read-ahead (a mixture reads a source
+        # row by row, so it keeps more).
+        self.history = history
+        self.last_epoch = 0  # the epoch of the newest batch's last row
 
     steps_per_epoch = None
 
@@ -353,7 +383,7 @@ class UnitLoader:
         """JSON-able position of this process's stream before ``step`` (a recent step)."""
         if step not in self._positions:
             raise ValueError(
-                f"the data position of step {step} is not known (only the last {_HISTORY} "
+                f"the data position of step {step} is not known (only the last {self.history} "
                 "steps the loader produced are kept)"
             )
         epoch, offset, row = self._positions[step]
@@ -417,7 +447,7 @@ class UnitLoader:
             batch, stats, after = self._step(stream, packer, fresh)
             step += 1
             self._positions[step] = after
-            self._positions.pop(step - _HISTORY, None)
+            self._positions.pop(step - self.history, None)
             if step > start_step:
                 yield (batch, stats) if with_stats else batch
 
@@ -445,6 +475,7 @@ class UnitLoader:
                 stats = stats + row_stats
             flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
             crossed = packer.last_epoch > start_epoch
+            self.last_epoch = packer.last_epoch
             after = packer.position()  # the start of the next block once this one is used
         else:
             start_epoch = stream.position()[0]
@@ -457,6 +488,7 @@ class UnitLoader:
             # position one past the last document; an epoch's end rolls over on resume.
             after = (last_epoch, last_offset + 1, 0)
             crossed = last_epoch > start_epoch
+            self.last_epoch = last_epoch
         if fresh and crossed:
             raise DatasetError(
                 f"{self.name} has fewer documents (per process) than one global batch of "

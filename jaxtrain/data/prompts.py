@@ -13,12 +13,19 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.data.mixture import Source
+
 # A continuation prompt is the first half of a row, at most this many tokens.
 MAX_PROMPT_TOKENS = 32
 
 
 def first_row(dataset: Any) -> Mapping[str, Any] | None:
-    """Row 0 of a map-style dataset, or the first row of a stream; None when empty."""
+    """Row 0 of a map-style dataset, or the first row of a stream; None when empty. A
+    mixture ({name: source}) gives its first source's."""
+    if isinstance(dataset, Mapping):
+        dataset = next(iter(dataset.values()), None)
+    if isinstance(dataset, Source):
+        dataset = dataset.data
     if dataset is None:
         return None
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,11 @@ def training_summary(
 def describe_dataset(dataset: Any) -> str | None:
     if dataset is None:
         return None
+    if isinstance(dataset, Mapping):  # a mixture: each source
+        parts = [
+            f"{name}: {describe_dataset(getattr(d, 'data', d))}" for name, d in dataset.items()
+        ]
+        return "mixture of " + "; ".join(parts)
     parts = [type(dataset).__name__]
     info = getattr(dataset, "info", None)
     name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)

@@ -113,6 +113,11 @@ class MetricsWindow:
         self._counts[: len(counts)] += counts
         self._extra_logs.update(extra_logs or {})
 
+    @property
+    def steps(self) -> int:
+        """Steps added since the window last closed."""
+        return len(self._metrics)
+
     def restart_clock(self) -> None:
         """Exclude time spent outside training steps (eval, saving) from throughput."""
         self._clock = time.perf_counter()

@@ -52,12 +52,27 @@ def collect_series(records: list[dict[str, Any]]) -> Series:
     )
     series: Series = {}
     for record in records:
-        for key in wanted:
+        # A mixture's per-source losses are drawn beside the loss.
+        sources = [k for k in record if k.startswith("mixture/") and k.endswith("/loss")]
+        for key in (*wanted, *sources):
             if key in record and _finite(record[key]):
                 steps, values = series.setdefault(key, ([], []))
                 steps.append(int(record["step"]))
                 values.append(float(record[key]))
     return series
+
+
+def task_scores(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
+    """Each eval task metric (one logged with a standard error: eval_tasks) over the run:
+    {"python_mc acc": [(step, value, stderr), ...]}."""
+    scores: dict[str, list[tuple[int, float, float]]] = {}
+    for record in records:
+        for key, value in record.items():
+            stderr = record.get(key + "_stderr")
+            if key.startswith("eval/") and _finite(value) and _finite(stderr):
+                label = key[len("eval/") :].replace("/", " ", 1)
+                scores.setdefault(label, []).append((int(record["step"]), float(value), stderr))
+    return scores
 
 
 def _fmt(value: float, digits: int = 4) -> str:
@@ -90,6 +105,9 @@ def summarise(records: list[dict[str, Any]], info: dict[str, Any], series: Serie
         rows.append(("final eval perplexity", _fmt(evals[-1]["eval/perplexity"])))
         if _finite(evals[-1].get("eval/accuracy")):
             rows.append(("final eval accuracy", f"{evals[-1]['eval/accuracy']:.3f}"))
+    for label, points in task_scores(records).items():  # the final score of each task
+        _, value, stderr = points[-1]
+        rows.append((label, f"{value:.3f} ± {stderr:.3f}"))
     # Throughput: the median of the logged windows (the first includes warm-up effects).
     for key, label in (
         ("tokens_per_second", "tokens/s (real, median)"),
@@ -145,6 +163,8 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
     ax = axes[0, 0]
     draw(ax, "loss", "train", color="tab:blue")
     draw(ax, "eval/loss", "eval", color="tab:orange", marker="o")
+    for key in sorted(k for k in series if k.startswith("mixture/")):
+        draw(ax, key, key.split("/")[1], linestyle="--", linewidth=1)
     ax.set_title("loss (token-weighted)")
     ax = axes[0, 1]
     draw(ax, "learning_rate", "learning rate", color="tab:green")
@@ -193,7 +213,26 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
     return plotted
 
 
-def _html(png: Path, summary: list[tuple[str, str]], run_dir: Path) -> str:
+def _scores_html(scores: dict[str, list[tuple[int, float, float]]]) -> str:
+    """The eval tasks' scores at every evaluation: a row per step, a column per metric."""
+    if not scores:
+        return ""
+    steps = sorted({step for points in scores.values() for step, _, _ in points})
+    cells = {(label, step): (v, se) for label, pts in scores.items() for step, v, se in pts}
+    head = "".join(f"<th>{html.escape(label)}</th>" for label in scores)
+    body = []
+    for step in steps:
+        row = "".join(
+            f"<td>{cells[label, step][0]:.3f} ± {cells[label, step][1]:.3f}</td>"
+            if (label, step) in cells else "<td></td>"
+            for label in scores
+        )  # fmt: skip
+        body.append(f"<tr><th>{step}</th>{row}</tr>")
+    rows = "\n".join(body)
+    return f"<h2>Task scores (value ± standard error)</h2><table>\n<tr><th>step</th>{head}</tr>\n{rows}\n</table>"
+
+
+def _html(png: Path, summary: list[tuple[str, str]], run_dir: Path, scores: str = "") -> str:
     image = base64.b64encode(png.read_bytes()).decode("ascii")
     rows = "\n".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in summary
@@ -206,7 +245,7 @@ img{{max-width:100%}}</style></head>
 <img alt="run report curves" src="data:image/png;base64,{image}">
 <h2>Summary</h2><table>
 {rows}
-</table><p>Data: metrics.jsonl in the run directory.</p></body></html>
+</table>{scores}<p>Data: metrics.jsonl in the run directory.</p></body></html>
 """
 
 
@@ -227,5 +266,5 @@ def write_report(run_dir: str | Path) -> Report:
     png = run_dir / "report.png"
     plotted = plot_series(series, summary, png)
     page = run_dir / "report.html"
-    page.write_text(_html(png, summary, run_dir))
+    page.write_text(_html(png, summary, run_dir, _scores_html(task_scores(records))))
     return Report(png=png, html=page, series=plotted, summary=summary)

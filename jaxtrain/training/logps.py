@@ -228,7 +228,9 @@ def chunked_logp_sums(
     chunk_tokens: int,
 ) -> dict[str, jax.Array]:
     """Sums over ``chunked_token_logps``: {"logp_sum", "top" (targets that are the top
-    logit), "tokens"}, with the gradient of "logp_sum" formed in the forward pass.
+    logit), "tokens"}, with the gradient of "logp_sum" formed in the forward pass; and per
+    row [B], "row_logp" and "row_tokens" (for per-row logs such as a mixture's per-source
+    loss: they carry no gradient, so use them under stop_gradient).
 
     Each chunk's vjp is taken where its logits exist, for the hidden states and for the
     head's weights (Liger's fused linear cross-entropy does the same); the backward pass
@@ -246,12 +248,15 @@ def _chunk_sums(head: Callable, h_c, t_c, *weights) -> dict[str, jax.Array]:
         "logp_sum": logp.sum(),
         "top": top.sum().astype(jnp.float32),
         "tokens": mask.sum().astype(jnp.float32),
+        # A chunk keeps every row ([B, n]): per-row sums cost a [B] add per chunk.
+        "row_logp": logp.sum(-1),
+        "row_tokens": mask.sum(-1).astype(jnp.float32),
     }
 
 
-def _zero_sums() -> dict[str, jax.Array]:
-    zero = jnp.zeros((), jnp.float32)
-    return {"logp_sum": zero, "top": zero, "tokens": zero}
+def _zero_sums(rows: int) -> dict[str, jax.Array]:
+    zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((rows,), jnp.float32)
+    return {"logp_sum": zero, "top": zero, "tokens": zero, "row_logp": zeros, "row_tokens": zeros}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -259,7 +264,7 @@ def _fused_logp_sums(head: Callable, h, targets, *weights) -> dict[str, jax.Arra
     def body(carry, xs):
         return jax.tree.map(jnp.add, carry, _chunk_sums(head, *xs, *weights)), None
 
-    sums, _ = jax.lax.scan(body, _zero_sums(), (h, targets))
+    sums, _ = jax.lax.scan(body, _zero_sums(h.shape[1]), (h, targets))
     return sums
 
 
@@ -273,14 +278,19 @@ def _fused_logp_sums_fwd(head: Callable, h, targets, *weights):
         sums_acc, grads_acc = carry
         h_c, t_c = xs
         sums, vjp = jax.vjp(lambda h_c, *w: _chunk_sums(head, h_c, t_c, *w), h_c, *weights)
-        # d logp_sum only: tokens and top are counts, not differentiable.
-        d_h, *d_weights = vjp({"logp_sum": 1.0, "top": 0.0, "tokens": 0.0})
+        # d logp_sum only: tokens and top are counts, the per-row sums are for logs.
+        no_rows = jnp.zeros_like(sums["row_logp"])
+        d_h, *d_weights = vjp(
+            {"logp_sum": 1.0, "top": 0.0, "tokens": 0.0, "row_logp": no_rows,
+             "row_tokens": no_rows}
+        )  # fmt: skip
         d_weights = [g for g, t in zip(d_weights, trained) if t]
         grads_acc = [a + g.astype(jnp.float32) for a, g in zip(grads_acc, d_weights)]
         return (jax.tree.map(jnp.add, sums_acc, sums), grads_acc), d_h
 
     zero_grads = [jnp.zeros_like(w, jnp.float32) for w, t in zip(weights, trained) if t]
-    (sums, d_weights), d_h = jax.lax.scan(body, (_zero_sums(), zero_grads), (h, targets))
+    zero_sums = _zero_sums(h.shape[1])
+    (sums, d_weights), d_h = jax.lax.scan(body, (zero_sums, zero_grads), (h, targets))
     grads = iter(d_weights)
     d_weights = [next(grads).astype(w.dtype) if t else None for w, t in zip(weights, trained)]
     return sums, (d_h, d_weights)
@@ -288,6 +298,13 @@ def _fused_logp_sums_fwd(head: Callable, h, targets, *weights):
 
 def _fused_logp_sums_bwd(head: Callable, residuals, cotangent):
     d_h, d_weights = residuals
+    if not isinstance(cotangent["row_logp"], SymbolicZero):
+        # The head's gradient is summed over every token in the forward pass; a per-row
+        # weighting of it cannot be undone here.
+        raise ValueError(
+            "chunked_logp_sums' row_logp carries no gradient; take it under "
+            "jax.lax.stop_gradient (or use chunked_token_logps for per-token gradients)"
+        )
     scale = cotangent["logp_sum"]  # the sums are linear in it; counts carry no gradient
     if isinstance(scale, SymbolicZero):
         return (None, None, *(None for _ in d_weights))

@@ -21,6 +21,7 @@ import jax
 
 from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps
 from jaxtrain.config.sections import LoopSettings
+from jaxtrain.data.batch_source import DataExhausted
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.profiling import StepProfiler, profile_line
 from jaxtrain.observability.progress import make_progress
@@ -59,7 +60,8 @@ class TrainerOutput:
     checkpoint_path: str | None
     # The device mesh the state lives on.
     mesh: jax.sharding.Mesh | None = None
-    # "completed", "callback" (a hook set should_stop) or "time_limit" (training_time_limit).
+    # "completed", "callback" (a hook set should_stop), "time_limit" (training_time_limit) or
+    # "data_exhausted" (a mixture's source ran out, mixture_exhausted="stop").
     stop_reason: str = "completed"
 
 
@@ -149,7 +151,13 @@ class TrainingLoop:
             start = checkpoints.start_state(plan)
             self._announce(start)
             return start
-        batch = self.source.abstract_batch()
+        try:
+            batch = self.source.abstract_batch()
+        except DataExhausted:  # a finite source that already ended: nothing to train
+            self.total_steps, self.stop_reason = plan.step, "data_exhausted"
+            start = checkpoints.start_state(plan)
+            self._announce(start)
+            return start
         # Everything is traced here, under the caller's JAX settings (they are per thread);
         # only XLA's compiles (which release the GIL) run in the pool.
         fresh = checkpoints.fresh_state() if plan.resumed_from is None else None
@@ -238,7 +246,11 @@ class TrainingLoop:
             window.exclude(self.profiler.before(step + 1, state))
             # Hooks may hand back a state, a batch, metrics (hooks.py); None changes nothing.
             state = self.hooks.step_start(trainer, state, step)
-            taken = self._next_batch(step, state)
+            try:
+                taken = self._next_batch(step, state)
+            except DataExhausted:
+                self._data_ran_out(step, window)
+                break
             host_batch = taken.host
             batch, extra_logs = self.hooks.batch(trainer, taken.batch, step)
             extra_logs = {**taken.logs, **extra_logs}
@@ -284,7 +296,7 @@ class TrainingLoop:
         note_progress(step, "hook")  # the last evaluation and save
         self._emit_pending()
         self.guard.flush()
-        finished = self.stop_reason in ("completed", "callback")
+        finished = self.stop_reason in ("completed", "callback", "data_exhausted")
         evaluation.finish(state, step, finished=finished)
         saving.finish(state, step, finished=finished, save_final=args.save_final)
         self.checkpoint_path = saving.checkpoint_path or self.checkpoint_path
@@ -317,6 +329,18 @@ class TrainingLoop:
         return output
 
     # --------------------------------------------------------------- helpers
+    def _data_ran_out(self, step: int, window) -> None:
+        """A finite source ended before `step + 1`: the run ends after `step`, its last
+        window logged, evaluated and saved as a finished run."""
+        self.stop_reason = "data_exhausted"
+        if self.trainer.runtime.is_main_process:
+            self.progress.write(
+                f"jaxtrain: the train data ran out after step {step} (a mixture source with "
+                "mixture_exhausted='stop'); finishing the run there."
+            )
+        if window.steps:
+            self.pending = window.close(step, epoch=self.source.epoch(step))
+
     def _poll_stops(self, step: int, signals: StopSignals, last_save_time: float) -> None:
         """Sets `self.stop`: the reason to stop after this step (or None) and whether
         save_interval_minutes is due, agreed by every process. With several processes the
@@ -358,7 +382,7 @@ class TrainingLoop:
             self.progress.write(profile_line(record))
 
     def _wants_eval(self) -> bool:
-        return self.trainer.eval_loader is not None and self.args.evaluation_strategy != "no"
+        return self.trainer.evaluates and self.args.evaluation_strategy != "no"
 
     def _eval_steps(self) -> int | None:
         """Steps between evaluations: eval_steps, one epoch, or None (no evaluation)."""
@@ -386,5 +410,11 @@ class TrainingLoop:
             if key in metrics
         ]
         shown += [f"{key[5:]} {value:.3f}" for key, value in metrics.items() if "pass@" in key]
+        # eval_tasks' scores: the metrics that come with a standard error.
+        shown += [
+            f"{key[5:]} {value:.3f} ± {metrics[key + '_stderr']:.3f}"
+            for key, value in metrics.items()
+            if key + "_stderr" in metrics
+        ]
         self.progress.write(f"step {step}: eval " + ", ".join(shown))
         self.eval_metrics = metrics

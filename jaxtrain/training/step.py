@@ -51,12 +51,21 @@ def causal_lm_sums(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]
     logits[:, t] predicts labels[:, t + 1]; positions labelled IGNORE_INDEX do not count.
     The log-probs are ``logps.target_logps``'s.
     """
+    return causal_lm_rows(logits, labels)[0]
+
+
+def causal_lm_rows(
+    logits: jax.Array, labels: jax.Array
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """``causal_lm_sums`` and each row's {"nll", "tokens"} [B] (without gradient)."""
     logp_BxT, mask_BxT, top_BxT = target_logps(logits, next_token_targets(labels))
-    return {
+    sums = {
         "loss_sum": -logp_BxT.sum(),
         "correct": top_BxT.sum().astype(jnp.float32),
         "tokens": mask_BxT.sum().astype(jnp.float32),
     }
+    rows = {"nll": -logp_BxT.sum(-1), "tokens": mask_BxT.sum(-1).astype(jnp.float32)}
+    return sums, jax.lax.stop_gradient(rows)
 
 
 def chunked_causal_lm_sums(
@@ -80,6 +89,14 @@ def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax
     Models with ``returns_aux_losses`` (mixture-of-experts) also return their auxiliary
     losses; see ``add_aux_losses``.
     """
+    return causal_lm_loss_rows(model, batch, rng)[0]
+
+
+def causal_lm_loss_rows(
+    model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """``causal_lm_loss_sums`` and each row's cross-entropy sum and target tokens
+    ({"nll", "tokens"} [B], no gradient): what a mixture's per-source loss is made of."""
     del rng  # the Llama family has no dropout; custom losses may use it
     kwargs: dict[str, Any] = dict(
         positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
@@ -91,14 +108,16 @@ def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax
         out = model.hidden_states(batch["input_ids"], **kwargs)
         hidden, aux = out if with_aux else (out, None)
         chunk = chunk_tokens_for(model.config.vocab_size)
-        sums = chunked_causal_lm_sums(
+        sums = chunked_logp_sums(
             hidden, model.output_projection(), batch["labels"], chunk_tokens=chunk
         )
+        rows = jax.lax.stop_gradient({"nll": -sums["row_logp"], "tokens": sums["row_tokens"]})
+        sums = {"loss_sum": -sums["logp_sum"], "correct": sums["top"], "tokens": sums["tokens"]}
     else:
         out = model(batch["input_ids"], **kwargs)
         logits, aux = out if with_aux else (out, None)
-        sums = causal_lm_sums(logits, batch["labels"])
-    return sums if aux is None else add_aux_losses(sums, aux)
+        sums, rows = causal_lm_rows(logits, batch["labels"])
+    return (sums if aux is None else add_aux_losses(sums, aux)), rows
 
 
 def add_aux_losses(sums: dict[str, jax.Array], aux: dict[str, jax.Array]) -> dict[str, jax.Array]:

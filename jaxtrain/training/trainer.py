@@ -15,18 +15,19 @@ minimises, objective.py), a `featurizer` (rows -> examples) and a collator, or a
 hooks (define any of them on the subclass).
 
 What the loop reads: `program`, `runtime`, `monitor`, `hooks`, `checkpoints`,
-`train_source`, `eval_loader`, `evaluate()`, `should_stop`, `arguments`.
+`train_source`, `evaluates`, `evaluate()`, `should_stop`, `arguments`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.config.checks import check_warmup
@@ -37,9 +38,11 @@ from jaxtrain.config.sections import (
     MonitorSettings,
     OptimizerSettings,
 )
-from jaxtrain.data import build_eval_loader, build_train_loader
+from jaxtrain.data import build_eval_loader, build_mixture_loader, build_train_loader
 from jaxtrain.data.batch_source import BatchSource, LoaderSource, eval_global_batches
 from jaxtrain.data.padding import resolve_pad_token_id
+from jaxtrain.errors import TaskError
+from jaxtrain.evaluation.harness import TaskSuite
 from jaxtrain.observability.monitor import RunMonitor
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.parallel.dry_run import dry_run_report
@@ -47,6 +50,7 @@ from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet, ScheduledHook
 from jaxtrain.training.loop import TrainerOutput, TrainingLoop
+from jaxtrain.training.mixture_objective import mixture_objective
 from jaxtrain.training.optim import run_optimizer
 from jaxtrain.training.program import ModelParts, Objective, Program
 from jaxtrain.training.state import param_logical_axes
@@ -117,13 +121,20 @@ class Trainer:
         self._featurizer = featurizer or self.create_featurizer
         self.dataset_train, self.dataset_eval = dataset_train, dataset_eval
         self.eval_loader = self._eval_loader(dataset_eval)
+        self.task_suite = self._task_suite()  # eval_tasks: checked and loaded now
         self.train_source = self._train_source(dataset_train, train_source)
+        default_loss = (
+            objective is None and type(self).compute_loss_sums is Trainer.compute_loss_sums
+        )
         objective = objective or Objective(
             loss_sums=self.compute_loss_sums,
             normalizer=self.loss_normalizer,
             token_nll=self.loss_is_token_nll,
             batch_unit=self.batch_unit,
         )
+        names = getattr(self.train_source, "source_names", None)
+        if names:  # a mixture: each source's share (and loss, for the default LM loss)
+            objective = mixture_objective(objective, names, lm_rows=default_loss)
         self.monitor = RunMonitor(  # trackers, throughput/MFU, compiles, report
             MonitorSettings.from_arguments(args),
             model_config=self.model_config,
@@ -154,6 +165,7 @@ class Trainer:
             initial_state=initial_state,
         )
         self._evaluator = None  # created at the first evaluation
+        self._task_model = None  # eval_tasks' JaxLM, created at the first evaluation
 
     # ------------------------------------------------------------------ setup
     def _train_source(self, dataset: Any, given: BatchSource | None) -> BatchSource | None:
@@ -163,7 +175,16 @@ class Trainer:
         if dataset is None:
             return None
         args, layout = self.arguments, self.sharding_plan.batch
-        loader = build_train_loader(DataSettings.from_arguments(args), dataset, **self._data())
+        settings = DataSettings.from_arguments(args)
+        if isinstance(dataset, Mapping):  # {name: source}: a weighted mixture
+            loader = build_mixture_loader(settings, dataset, **self._data())
+        elif settings.mixture_stages is not None:
+            raise ArgumentError(
+                "TrainingArguments.mixture_weights is set but dataset_train is one dataset; "
+                "pass the sources as a mapping, dataset_train={'web': ..., 'code': ...}."
+            )
+        else:
+            loader = build_train_loader(settings, dataset, **self._data())
         layout.check(args.micro_batch_size, args.max_sequence_length, "micro-batch size")
         return LoaderSource(loader, layout, prefetch_batches=args.prefetch_batches)
 
@@ -175,6 +196,27 @@ class Trainer:
             args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size"
         )
         return build_eval_loader(DataSettings.from_arguments(args), dataset, **self._data())
+
+    def _task_suite(self) -> Any:
+        """The lm-eval tasks of `eval_tasks` (evaluation/harness.py): their files and data
+        checked, their documents read, before anything compiles; None without tasks."""
+        args = self.arguments
+        if not args.eval_tasks:
+            return None
+        if self.processing_class is None:
+            raise TaskError(
+                "TrainingArguments.eval_tasks are text tasks: pass the tokenizer as "
+                "Trainer(processing_class=...)."
+            )
+        if self.runtime.process_count > 1:
+            raise TaskError(
+                "TrainingArguments.eval_tasks run on one process for now; evaluate the run's "
+                "checkpoints with `jaxtrain evaluate` instead."
+            )
+        self.sharding_plan.batch.check(
+            args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size"
+        )
+        return TaskSuite(args.eval_tasks, limit=args.eval_tasks_limit)
 
     def _data(self) -> dict[str, Any]:
         """What the loaders take besides the data settings."""
@@ -329,9 +371,44 @@ class Trainer:
         finally:
             prefetched.close()  # an evaluation cut short by max_eval_batches stops its reader
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether an evaluation has anything to do: an eval set, or eval_tasks."""
+        return self.eval_loader is not None or self.task_suite is not None
+
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Metrics over the whole eval set (the last value `eval` yields)."""
+        """Metrics over the whole eval set (the last value `eval` yields), and every eval
+        task's scores with their standard errors (`eval/<task>/<metric>`)."""
+        if not self.evaluates:
+            raise ArgumentError("Trainer.evaluate() needs dataset_eval or eval_tasks.")
         metrics: dict[str, float] = {}
-        for metrics in self.eval(state):  # noqa: B007 - the last yield covers the whole set
-            pass
+        if self.eval_loader is not None:
+            for metrics in self.eval(state):  # noqa: B007 - the last covers the whole set
+                pass
+        if self.task_suite is not None:
+            metrics = {**metrics, **self.evaluate_tasks(state)}
         return metrics
+
+    def evaluate_tasks(self, state: TrainState) -> dict[str, float]:
+        """The eval_tasks' scores of `state`'s model: lm-eval's requests answered by the
+        live parameters (evaluation/lm.py: compiled scoring, the serving engine), batched by
+        eval_batch_size on the run's mesh."""
+        from jaxtrain.evaluation.lm import JaxLM  # lm-eval: only runs with eval_tasks
+
+        model = self.model_from_state(state)
+        if self._task_model is None:
+            layout = self.sharding_plan.batch
+            rows = layout.spec(1, micro_axis=False)  # rows over the batch axes, nothing else
+
+            def sharding(ndim: int) -> NamedSharding:
+                return NamedSharding(layout.mesh, PartitionSpec(*rows, *[None] * (ndim - 1)))
+
+            self._task_model = JaxLM(
+                model,
+                self.processing_class,
+                batch_size=self.arguments.resolved_eval_batch_size,
+                sharding=sharding,
+            )
+        else:
+            self._task_model.update(model)
+        return self.task_suite.evaluate(self._task_model)

@@ -1,0 +1,148 @@
+"""One source of a mixture read row by row: its own loader, one row per process per position.
+
+Each source keeps the loader it would have alone (jaxtrain.data.pipeline: tokenizing,
+chat rendering, packing, streaming, per-process shares), built with a global batch of one
+row per process. A "position" of that loader is then one row on every process, so the
+mixture can take any number of rows from it in a step, and the loader's own position and
+resume (data_state / check_data_state) are the source's.
+
+`MapRows` reads a random-access source (a BatchLoader) and collates all the rows a step
+takes from it at once; `UnitRows` steps a packing or streaming loader (a UnitLoader) once
+per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxtrain.data.collate import CollateStats
+from jaxtrain.data.loader import BatchLoader, UnitLoader
+from jaxtrain.data.units import MapUnits
+
+__all__ = ["MapRows", "RowReader", "UnitRows", "row_reader"]
+
+Rows = dict[str, np.ndarray]
+
+
+def _add(a: CollateStats | None, b: CollateStats | None) -> CollateStats | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+class MapRows:
+    """Rows of a BatchLoader; position p holds row p of the source's endless shuffled order
+    (on each process, its own row of that position). Rows are read `chunk` at a time: a
+    read, a featurizing and a collation cost about as much for 4 rows as for 64, and a
+    source of a mixture gives only a few rows to each step."""
+
+    def __init__(self, loader: BatchLoader, chunk: int = 64):
+        self.loader, self.chunk = loader, chunk
+        self.state_is_per_process = False
+        self.position = 0
+        self._read: tuple[int, Rows, Any] | None = None  # (first position, rows, stats)
+
+    def open(self, position: int) -> None:
+        self.position, self._read = position, None
+
+    def take(self, n: int) -> tuple[Rows, CollateStats | None]:
+        start, end = self.position, self.position + n
+        if self._read is None or end > self._read[0] + len(self._read[1]["input_ids"]):
+            size = max(n, self.chunk)
+            rows, stats = self.loader.rows_at(range(start, start + size))
+            self._read = (start, rows, stats)
+        first, rows, stats = self._read
+        taken = {k: v[start - first : end - first] for k, v in rows.items()}
+        self.position = end
+        return taken, _share(stats, len(rows["input_ids"]), start - first, end - first)
+
+    def epoch(self, position: int) -> float:
+        """Epochs of the source used by `position` rows."""
+        return position / self.loader.steps_per_epoch
+
+    def read_past_first_epoch(self) -> bool:
+        return self.position > self.loader.steps_per_epoch
+
+    def data_state(self, position: int) -> dict[str, Any]:
+        return self.loader.data_state(position)
+
+    def check_data_state(self, state: dict[str, Any]) -> int:
+        return self.loader.check_data_state(state)
+
+
+class UnitRows:
+    """Rows of a UnitLoader (packing or streaming), one loader step per row."""
+
+    def __init__(self, loader: UnitLoader):
+        self.loader = loader
+        self.state_is_per_process = True
+        self.position = 0
+        self._batches: Iterator[Any] | None = None
+        self._past_first_epoch = False
+
+    def open(self, position: int) -> None:
+        self.position = position
+        self._batches = self.loader.batches(start_step=position, with_stats=True)
+        self._past_first_epoch = False
+
+    def take(self, n: int) -> tuple[Rows, CollateStats | None]:
+        if self._batches is None:
+            self.open(self.position)
+        parts, stats = [], None
+        for _ in range(n):
+            batch, row_stats = next(self._batches)
+            parts.append(batch)
+            stats = _add(stats, row_stats)
+            self._past_first_epoch |= self.loader.last_epoch > 0
+        self.position += n
+        rows = {
+            k: np.concatenate([p[k].reshape(-1, *p[k].shape[2:]) for p in parts]) for k in parts[0]
+        }
+        return rows, stats
+
+    def epoch(self, position: int) -> float:
+        """Epochs of the source this process used by `position` rows (fractional when the
+        source's length is known: random-access rows; a stream counts whole epochs)."""
+        state = self.loader.data_state(position)
+        units = self.loader.units
+        if isinstance(units, MapUnits):  # this process's rows of an epoch: every P-th
+            p, processes = units.process_index, units.process_count
+            share = -(-(len(units.source) - p) // processes)
+            return state["epoch"] + state["offset"] / share
+        return float(state["epoch"])
+
+    def read_past_first_epoch(self) -> bool:
+        return self._past_first_epoch
+
+    def data_state(self, position: int) -> dict[str, Any]:
+        return self.loader.data_state(position)
+
+    def check_data_state(self, state: dict[str, Any]) -> int:
+        return self.loader.check_data_state(state)
+
+
+def _share(stats: CollateStats | None, rows: int, start: int, end: int) -> CollateStats | None:
+    """The part of a read's collate stats that rows [start, end) of its `rows` carry: whole
+    tokens, adding up to the read's counts once every row is taken."""
+    if stats is None:
+        return None
+
+    def part(count: int) -> int:
+        return count * end // rows - count * start // rows
+
+    return CollateStats(part(stats.num_truncated_tokens), part(stats.num_padding_tokens))
+
+
+RowReader = MapRows | UnitRows
+
+
+def row_reader(loader: BatchLoader | UnitLoader, *, history: int) -> RowReader:
+    """The reader of a source's loader; `history`: positions a UnitLoader keeps (the rows of
+    every step the read-ahead can be ahead by)."""
+    if isinstance(loader, BatchLoader):
+        return MapRows(loader)
+    loader.history = max(loader.history, history)
+    return UnitRows(loader)
