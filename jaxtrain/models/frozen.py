@@ -12,7 +12,12 @@ __all__ = ["Frozen", "freeze", "unfreeze"]
 
 
 class Frozen(nnx.Variable):
-    """A weight that is read but never trained (not an nnx.Param)."""
+    """A weight that is read but never trained (not an nnx.Param). A run's `param_dtype`
+    applies to it as to the trained weights (`follows_param_dtype`), so that a frozen
+    reference equals the policy it was copied from, and a frozen base is stored in the
+    dtype the user asked for."""
+
+    follows_param_dtype = True
 
 
 def _convert(module: nnx.Module, source: type, target: type) -> nnx.Module:

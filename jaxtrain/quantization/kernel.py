@@ -31,6 +31,13 @@ __all__ = ["QuantizedKernel", "dequantize_base", "quantize_base", "quantized_byt
 KEPT_IN_FLOAT = ("lm_head",)
 
 
+class QuantizedPart(Frozen):
+    """Codes and scales of a quantized kernel: kept in their own dtypes whatever the
+    run's param_dtype (a bfloat16 scale would move every weight of its block)."""
+
+    follows_param_dtype = False
+
+
 class QuantizedKernel(nnx.Module):
     """See the module docstring."""
 
@@ -50,12 +57,12 @@ class QuantizedKernel(nnx.Module):
         axes = logical_axes or (None,) * len(shape)
         row_axis = axes[0] if in_ndim == 1 else None
         col_axis = axes[-1] if len(shape) - in_ndim == 1 else None
-        self.codes = Frozen(q.codes, logical_axes=(row_axis, col_axis))
-        self.scales = Frozen(q.scales, logical_axes=(row_axis, col_axis))
+        self.codes = QuantizedPart(q.codes, logical_axes=(row_axis, col_axis))
+        self.scales = QuantizedPart(q.scales, logical_axes=(row_axis, col_axis))
         self.scales_scale = (
             None
             if q.scales_scale is None
-            else Frozen(q.scales_scale, logical_axes=(None, col_axis))
+            else QuantizedPart(q.scales_scale, logical_axes=(None, col_axis))
         )
         self.shape, self.kind, self.block = shape, kind, block
         self.logical_axes = tuple(axes)

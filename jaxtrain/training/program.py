@@ -28,7 +28,7 @@ from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.observability.compiles import TrackedJit
 from jaxtrain.parallel import ModelFactory
-from jaxtrain.parallel.init import cast_floating
+from jaxtrain.parallel.init import cast_floating, cast_frozen
 from jaxtrain.runtime import Runtime
 from jaxtrain.state import TrainState
 from jaxtrain.training.evaluation import Evaluator
@@ -74,7 +74,8 @@ class Objective:
 @dataclasses.dataclass
 class ModelParts:
     """A model configured for a run (compute dtype, remat policy, LoRA adapters) and split
-    into its graph, its trained parameters (in param_dtype) and the frozen rest.
+    into its graph, its trained parameters and the rest (frozen weights in param_dtype too:
+    parallel/init.py cast_frozen).
 
     `model` is the user's object (changed in place: it receives the run's dtype, remat
     policy and adapters), or a ModelFactory's abstract model (nothing allocated); `factory`
@@ -102,6 +103,7 @@ class ModelParts:
             quantize(add_lora(model, settings), settings)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = cast_floating(params, settings.param_dtype)
+        rest = cast_frozen(rest, settings.param_dtype)
         return cls(
             model=model,
             factory=factory,

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import datasets
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,6 +95,31 @@ def test_step_zero_is_ln2_with_zero_rewards(trained):
     for key in ("rewards/chosen_sum", "rewards/rejected_sum", "rewards/margins_sum"):
         assert first[key] == pytest.approx(0.0, abs=1e-6), key
     assert first["logps/chosen_sum"] < 0 and first["logps/rejected_sum"] < 0
+
+
+def test_a_bfloat16_policy_starts_equal_to_its_reference(tokenizer, tmp_path):
+    """param_dtype applies to the frozen reference too: were it kept in float32 beside a
+    bfloat16 policy, step 0's rewards would be the rounding of the policy, not 0."""
+    seen = StepMetrics()
+    args = tiny_arguments(
+        DPOArguments, tmp_path, max_steps=1, beta=0.5, param_dtype="bfloat16", logging_steps=1
+    )
+    trainer = DPOTrainer(
+        arguments=args,
+        model=tiny_model(),
+        dataset_train=datasets.Dataset.from_list(addition_pairs(8)),
+        processing_class=tokenizer,
+        callbacks=[seen],
+    )
+    frozen = jax.tree.leaves(trainer.program.frozen_state())
+    assert frozen and {x.dtype for x in frozen if jnp.issubdtype(x.dtype, jnp.floating)} == {
+        jnp.dtype("bfloat16")
+    }
+    trainer.train()
+    first = seen.steps[0]
+    for key in ("rewards/chosen_sum", "rewards/rejected_sum", "rewards/margins_sum"):
+        assert first[key] == 0.0, key
+    assert first["loss_sum"] / first["tokens"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_synthetic_preferences_reach_reward_accuracy(trained):

@@ -55,6 +55,31 @@ def test_the_base_is_quantized_and_small():
     assert all("lora" in str(p) for p, _ in nnx.to_flat_state(params))  # only adapters train
 
 
+@pytest.mark.parametrize("factory", [False, True])
+def test_param_dtype_stores_the_frozen_base_but_not_its_codes_and_scales(factory, tmp_path):
+    """The embedding and lm_head of a QLoRA model are frozen floats: bfloat16 under
+    param_dtype bfloat16 (an 8B base's 2 GB each in float32), the nf4 codes and float32
+    block scales as quantized; a ModelFactory's model is created the same way."""
+    from jaxtrain.parallel import ModelFactory
+
+    args = tiny_arguments(
+        TrainingArguments, tmp_path, lora_rank=4, lora_alpha=8, quantization="nf4",
+        param_dtype="bfloat16", max_steps=1,
+    )  # fmt: skip
+    build = lambda: tiny_model(0, hidden_size=64, intermediate_size=128, num_attention_heads=4)  # noqa: E731
+    trainer = Trainer(arguments=args, model=ModelFactory(build) if factory else build(),
+                      dataset_train=rows())  # fmt: skip
+    trainer.program.create_state()
+    dtypes = {
+        ".".join(map(str, path[-2:])): jnp.dtype(v.dtype).name
+        for path, v in nnx.to_flat_state(trainer.program.frozen_state())
+    }
+    assert dtypes["embed_tokens.embedding"] == "bfloat16"
+    assert dtypes["lm_head.kernel"] == "bfloat16"
+    quantized = {k: d for k, d in dtypes.items() if k.split(".")[-1] in ("codes", "scales")}
+    assert quantized and set(quantized.values()) == {"uint8", "float32"}, quantized
+
+
 def test_forward_and_adapter_gradients_equal_lora_on_the_dequantized_base():
     quantized = qlora_model()
     randomized_adapters(quantized)
