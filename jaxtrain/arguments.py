@@ -155,7 +155,8 @@ class TrainingArguments:
     # or "stop" (the run ends after the last step whose rows it could give).
     mixture_exhausted: str = "restart"
 
-    # Mixed precision: compute in dtype, keep master parameters in param_dtype.
+    # Mixed precision: compute in dtype, keep master parameters (and frozen weights: a
+    # reference, a LoRA base) in param_dtype.
     # None keeps what the model was built with.
     dtype: str | None = None
     param_dtype: str | None = None

@@ -56,7 +56,9 @@ def like_dtypes(params: Any, like: Any) -> Any:
     cast_floating; concrete parameters created later follow them with this."""
     if like is None:
         return params
-    return jax.tree.map(lambda x, ref: x if x.dtype == ref.dtype else x.astype(ref.dtype), params, like)
+    return jax.tree.map(
+        lambda x, ref: x if x.dtype == ref.dtype else x.astype(ref.dtype), params, like
+    )
 
 
 class ModelFactory:
