@@ -89,7 +89,7 @@ def load_model(path: str, checkpoint: str | None) -> tuple[Any, Any]:
         return run.trainer.model_from_state(run.state), run.sections.tokenizer
     if checkpoint is not None:
         raise ArgumentError("--checkpoint picks a step of a run directory; MODEL is not one.")
-    from jaxtrain.serving.loading import load_served_model
+    from jaxtrain.cli.served_model import load_served_model
 
     model, tokenizer, _ = load_served_model(path)
     return model, tokenizer

@@ -173,8 +173,11 @@ def test_dpo_at_a_large_vocabulary_never_builds_whole_logits(setup, monkeypatch)
     labels = ids.copy()
     labels[:, :, :20] = IGNORE_INDEX  # the prompt
     labels[1, 0, 50:] = IGNORE_INDEX  # a shorter rejected response
+    real = np.ones((2, n, t), np.int32)
+    real[1, 0, 50:] = 0  # its padding
     pairs = {"input_ids": ids[0], "rejected_input_ids": ids[1], "labels": labels[0],
-             "rejected_labels": labels[1]}  # fmt: skip
+             "rejected_labels": labels[1], "attention_mask": real[0],
+             "rejected_attention_mask": real[1]}  # fmt: skip
     pairs = {k: jnp.asarray(v) for k, v in pairs.items()}
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     ref_params = jax.tree.map(lambda x: x * 0.9, params)  # a reference that differs
