@@ -84,7 +84,10 @@ def test_a_quantized_base_refuses_full_fine_tuning_and_another_quantization(base
         Trainer(arguments=arguments(tmp_path), model=loaded, dataset_train=rows)
     with pytest.raises(ArgumentError, match="quantization='fp4'"):
         AutoModelForCausalLM.from_pretrained(base, quantization="fp4")
-    with pytest.raises(ArgumentError, match="block 64 does not divide the 48 input rows of model/layers/0/mlp/down_proj"):
+    with pytest.raises(
+        ArgumentError,
+        match="block 64 does not divide the 48 input rows of model/layers/0/mlp/down_proj",
+    ):
         AutoModelForCausalLM.from_pretrained(base, quantization="nf4")
 
 
