@@ -47,9 +47,16 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     data = pretrained_data_section(model_section, data)
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
     if "pretrained" in model_section:
-        # Each tensor goes straight from the file to its shards on the mesh.
+        # Each tensor goes straight from the file to its shards on the mesh (a QLoRA base's
+        # quantized on the way).
+        from jaxtrain.cli.pretrained import pretrained_load_options
+
         model = build_model(
-            model_section, tokenizer, seed=args.seed, sharding_for=runtime.plan.sharding_for
+            model_section,
+            tokenizer,
+            seed=args.seed,
+            sharding_for=runtime.plan.sharding_for,
+            load_options=pretrained_load_options(args),
         )
         section = run_model_section(model)
     else:

@@ -24,13 +24,34 @@ def pretrained_data_section(model_section: dict[str, Any], data: dict[str, Any])
     return {**data, "tokenizer": str(model_dir)}
 
 
-def build_pretrained_model(values: dict[str, Any], tokenizer: Any, sharding_for: Any = None):
+def pretrained_load_options(args: Any) -> dict[str, Any]:
+    """How a run reads `model.pretrained` weights: in its param_dtype, and a QLoRA run's base
+    quantized as it is read (tensor by tensor: no float copy of the whole model)."""
+    import jax.numpy as jnp
+
+    options: dict[str, Any] = {"param_dtype": jnp.dtype(args.param_dtype or "float32")}
+    if args.quantization and args.lora_rank:
+        from jaxtrain.quantization import BaseQuantization
+
+        options["quantization"] = BaseQuantization(
+            args.quantization, args.quantization_block_size, args.quantization_double
+        )
+    return options
+
+
+def build_pretrained_model(
+    values: dict[str, Any],
+    tokenizer: Any,
+    sharding_for: Any = None,
+    load_options: dict[str, Any] | None = None,
+):
     """The model of a `model: {pretrained: DIR}` section: the architecture comes from
-    DIR/config.json, so other model keys are refused (the demo defaults are ignored)."""
+    DIR/config.json, so other model keys are refused (the demo defaults are ignored).
+    `load_options` (pretrained_load_options) go to from_pretrained."""
     from jaxtrain.hf.load import from_pretrained
 
     path = check_pretrained_section(values)
-    model = from_pretrained(str(path), sharding_for=sharding_for)
+    model = from_pretrained(str(path), sharding_for=sharding_for, **(load_options or {}))
     if tokenizer is not None and model.config.vocab_size < len(tokenizer):
         raise HFError(
             f"{path}: vocab_size={model.config.vocab_size} is smaller than the tokenizer's "

@@ -14,8 +14,16 @@ from typing import Any
 from jaxtrain.errors import ArgumentError
 
 
-def build_model(model_section: dict[str, Any], tokenizer: Any, *, seed: int, sharding_for=None):
-    """The model of a run's `model` section; `sharding_for` places pretrained weights."""
+def build_model(
+    model_section: dict[str, Any],
+    tokenizer: Any,
+    *,
+    seed: int,
+    sharding_for=None,
+    load_options: dict[str, Any] | None = None,
+):
+    """The model of a run's `model` section; `sharding_for` places pretrained weights,
+    `load_options` say how they are read (cli/pretrained.py pretrained_load_options)."""
     from flax import nnx
 
     from jaxtrain.models.attention import IMPLEMENTATIONS
@@ -32,7 +40,7 @@ def build_model(model_section: dict[str, Any], tokenizer: Any, *, seed: int, sha
     if "pretrained" in values:
         from jaxtrain.cli.pretrained import build_pretrained_model
 
-        model = build_pretrained_model(values, tokenizer, sharding_for=sharding_for)
+        model = build_pretrained_model(values, tokenizer, sharding_for, load_options)
         return _with_attention(model, attention)
     if tokenizer is not None:
         values.setdefault("vocab_size", len(tokenizer))
@@ -178,13 +186,17 @@ def rebuild_model(sections: RunSections, *, sharding_for: Any = None):
     parts (LoRA's base, DPO's reference) must be the base's, never a fresh random init. A base
     directory that is gone is an error when such parts need it.
     """
-    from jaxtrain.cli.pretrained import run_model_section
+    from jaxtrain.cli.pretrained import pretrained_load_options, run_model_section
 
     section, args = sections.model, sections.args
     base = section.get("base_model")
     if base and _base_is_present(base):
         model = build_model(
-            {"pretrained": base}, sections.tokenizer, seed=args.seed, sharding_for=sharding_for
+            {"pretrained": base},
+            sections.tokenizer,
+            seed=args.seed,
+            sharding_for=sharding_for,
+            load_options=pretrained_load_options(args),
         )
         differ = sorted(k for k, v in run_model_section(model).items() if section.get(k, v) != v)
         if differ:

@@ -31,10 +31,17 @@ class _AutoModel:
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
         sharding_for: Any = None,
+        quantization: Any = None,
     ):
-        """Load a local HF model directory of this task; see ``jaxtrain.hf.from_pretrained``."""
+        """Load a local HF model directory of this task; see ``jaxtrain.hf.from_pretrained``
+        (``quantization="nf4"``: a QLoRA base, quantized as it is read)."""
         return from_pretrained(
-            path, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for, task=cls.task
+            path,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            sharding_for=sharding_for,
+            task=cls.task,
+            quantization=quantization,
         )
 
 

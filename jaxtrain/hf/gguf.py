@@ -159,8 +159,10 @@ def from_gguf(
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
     sharding_for: Any = None,
+    quantization: Any = None,
 ):
-    """The jaxtrain model of a .gguf file, every tensor dequantised to ``param_dtype``."""
+    """The jaxtrain model of a .gguf file, every tensor dequantised to ``param_dtype``
+    (``quantization``: the projections then quantized as they are read, see load_weights)."""
     from jaxtrain.hf.params import load_weights
     from jaxtrain.hf.registry import get_family
 
@@ -182,6 +184,7 @@ def from_gguf(
         dtype=dtype,
         param_dtype=param_dtype,
         sharding_for=sharding_for,
+        quantization=quantization,
     )
     model.name_or_path = str(path)
     return model

@@ -163,12 +163,16 @@ def from_pretrained(
     sharding_for: ShardingFor | None = None,
     task: str | None = None,
     model_class: type | None = None,
+    quantization: Any = None,
 ) -> nnx.Module:
     """The model of config.json's model_type with the weights of the HF directory ``path``.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the stored one (the checkpoint's
     dtype is converted). ``sharding_for`` places each parameter (see ShardingFor).
     ``task`` ("causal-lm", "image-classification") or ``model_class`` refuse other models.
+    ``quantization`` ("nf4", "int8" or a ``jaxtrain.quantization.BaseQuantization``): the
+    base of a QLoRA run, its projections quantized tensor by tensor as they are read (peak
+    memory: the quantized model plus one float tensor); train it with LoRA.
     A ``.gguf`` file, or a directory holding one and no config.json, goes to the GGUF importer
     (``jaxtrain.hf.gguf``, needs the gguf extra).
     """
@@ -176,7 +180,13 @@ def from_pretrained(
     if gguf_file is not None:
         from jaxtrain.hf.gguf import from_gguf
 
-        return from_gguf(gguf_file, dtype=dtype, param_dtype=param_dtype, sharding_for=sharding_for)
+        return from_gguf(
+            gguf_file,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            sharding_for=sharding_for,
+            quantization=quantization,
+        )
     model_dir = resolve_model_dir(path)
     family, config = read_config(model_dir, task, model_class)
     tensors = open_weights(model_dir)
@@ -188,6 +198,7 @@ def from_pretrained(
         dtype=dtype,
         param_dtype=param_dtype,
         sharding_for=sharding_for,
+        quantization=quantization,
     )
     model.name_or_path = str(path)
     return model

@@ -37,19 +37,30 @@ def load_weights(
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
     sharding_for: ShardingFor | None = None,
+    quantization: Any = None,
 ) -> nnx.Module:
     """``family.model_class(config)`` filled from ``tensors`` (HF name -> an object with
     ``shape(name)``, ``get(name)`` and ``path``, e.g. SafetensorsFile); every tensor is used
-    or ignorable, every parameter found with the shape the config implies."""
+    or ignorable, every parameter found with the shape the config implies.
+
+    ``quantization`` (a BaseQuantization, "nf4" or "int8"): the projections' kernels (all but
+    the output head's) are quantized as they are read, one at a time, and stored as the
+    frozen base of a QLoRA run; the float kernels never exist together."""
     model_dir = source
-    abstract = nnx.eval_shape(
+    model = nnx.eval_shape(
         lambda: family.model_class(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    quantized = {}
+    if quantization is not None:
+        from jaxtrain.quantization.kernel import BaseQuantization, quantizable_projections
+
+        quantization = BaseQuantization.of(quantization)
+        quantized = quantizable_projections(model)
     maps = {m.path: m for m in family.param_maps(config)}
     used: set[str] = set()
     target = np.dtype(jnp.dtype(param_dtype))
-    for path_tuple, var in nnx.to_flat_state(params):
+    # The abstract model's variables are filled in place, one tensor at a time.
+    for path_tuple, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         key = path_str(path_tuple)
         spec = maps[key]
         arrays = []
@@ -72,7 +83,12 @@ def load_weights(
         host = spec.to_jax(arrays)
         axes = tuple(var.get_metadata().get("logical_axes") or (None,) * host.ndim)
         sharding = sharding_for(key, host.shape, axes) if sharding_for is not None else None
-        var.set_value(_place(host, target, sharding))
+        value = _place(host, target, sharding)
+        if key in quantized:
+            _store_quantized(quantized[key], value, key, quantization, sharding_for)
+        else:
+            var.set_value(value)
+        del value  # a quantized kernel's float copy goes now, before the next tensor's
     extra = sorted(n for n in tensors if n not in used and not family.ignorable(n, config))
     if extra:
         raise HFError(
@@ -80,7 +96,25 @@ def load_weights(
             f"e.g. {extra[:3]} in {tensors[extra[0]].path.name}. Loading would drop them and "
             "give a different network; check that config.json matches the weights."
         )
-    return nnx.merge(graphdef, params, rest)
+    return model
+
+
+def _store_quantized(
+    module: Any, kernel: jax.Array, key: str, quantization: Any, sharding_for: ShardingFor | None
+) -> None:
+    """`module`'s kernel becomes `kernel` quantized, its codes and scales placed by the
+    sharding rules (by their logical axes, as the Trainer places them)."""
+    from jaxtrain.quantization.kernel import quantized_kernel
+
+    stored = quantized_kernel(module, kernel, key, quantization)
+    for part in ("codes", "scales", "scales_scale"):
+        var = getattr(stored, part)
+        if var is None or sharding_for is None:
+            continue
+        value = var.get_value()
+        axes = tuple(var.get_metadata().get("logical_axes") or (None,) * value.ndim)
+        var.set_value(jax.device_put(value, sharding_for(f"{key}/{part}", value.shape, axes)))
+    module.kernel = stored
 
 
 def _place(host: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:

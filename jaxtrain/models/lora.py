@@ -68,6 +68,14 @@ _PART_OF = {part: fused for fused, (_, parts) in FUSED_PARTS.items() for part in
 resolve_targets = resolve_lora_targets
 
 
+def _kernel_shape_dtype(kernel: Any) -> tuple[tuple[int, ...], Any]:
+    """A kernel's shape and float dtype; a quantized one's without dequantizing it."""
+    if getattr(kernel, "is_quantized", False):
+        return tuple(kernel.shape), jnp.dtype(kernel.value_dtype)
+    value = kernel[...]
+    return tuple(value.shape), value.dtype
+
+
 def _part_slices(base: Projection, fused: str) -> dict[str, tuple[int, int, int]]:
     """name -> (kernel axis, start, stop) of each part of the fused projection `base`."""
     axis_name, names = FUSED_PARTS[fused]
@@ -75,7 +83,7 @@ def _part_slices(base: Projection, fused: str) -> dict[str, tuple[int, int, int]
     if axis_name not in axes:
         raise ValueError(f"{fused}: its kernel has no {axis_name!r} axis to split into {names}")
     axis = axes.index(axis_name)
-    size = base.kernel[...].shape[axis]
+    size = _kernel_shape_dtype(base.kernel)[0][axis]
     if len(names) == 3:
         bounds = [(0, size - 2), (size - 2, size - 1), (size - 1, size)]
     else:
@@ -100,7 +108,8 @@ class LoRA(nnx.Module):
         x_spec, k_spec = base.equation.split("->")[0].split(",")
         out_spec = base.equation.split("->")[1]
         axes = base.kernel.get_metadata().get("logical_axes") or (None,) * len(k_spec)
-        shape = list(base.kernel[...].shape)
+        shape, dtype = _kernel_shape_dtype(base.kernel)
+        shape = list(shape)
         self.part = None
         if part is not None:
             axis, start, stop = part
@@ -120,7 +129,6 @@ class LoRA(nnx.Module):
         fan_in = 1
         for i in ins:
             fan_in *= shape[i]
-        dtype = base.kernel[...].dtype
         a = jax.random.normal(key, (*(shape[i] for i in ins), rank)) / jnp.sqrt(fan_in)
         self.a = nnx.Param(a.astype(dtype), logical_axes=(*(axes[i] for i in ins), None))
         self.b = nnx.Param(
@@ -223,8 +231,19 @@ def _matches(path: tuple[Any, ...], name: str) -> bool:
 def _plan(model: nnx.Module, names: Sequence[str]) -> tuple[list, set[str]]:
     """[(projection, part slices or None)] to adapt, and the names that matched something."""
     plan, used = [], set()
+    # The frozen models a task reads (TaskModel.frozen_names: a reference, a teacher) take
+    # no adapter, a quantized one neither (its kernels are not Params, like the base's).
+    frozen = {
+        id(sub)
+        for _, m in nnx.iter_modules(model)
+        for name in getattr(m, "frozen_names", ())
+        if getattr(m, name, None) is not None
+        for _, sub in nnx.iter_modules(getattr(m, name))
+    }
     for path, m in nnx.iter_modules(model):
-        if not (isinstance(m, Projection) and path and isinstance(m.kernel, nnx.Param)):
+        if not isinstance(m, Projection) or not path or id(m) in frozen:
+            continue
+        if not (isinstance(m.kernel, nnx.Param) or getattr(m.kernel, "is_quantized", False)):
             continue
         if getattr(m, "lora", None) is not None:
             continue

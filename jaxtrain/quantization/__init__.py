@@ -3,6 +3,7 @@ kernels of a LoRA base stored quantized (kernel.py)."""
 
 from jaxtrain.quantization.formats import NF4_TABLE, QuantizedMatrix, dequantize, quantize
 from jaxtrain.quantization.kernel import (
+    BaseQuantization,
     QuantizedKernel,
     dequantize_base,
     quantize_base,
@@ -11,6 +12,7 @@ from jaxtrain.quantization.kernel import (
 
 __all__ = [
     "NF4_TABLE",
+    "BaseQuantization",
     "QuantizedKernel",
     "QuantizedMatrix",
     "dequantize",

@@ -12,6 +12,7 @@ the sharding rules place them (fsdp splits the rows); a merged group of dims is 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -23,12 +24,24 @@ from jaxtrain.errors import ArgumentError
 from jaxtrain.models.frozen import Frozen
 from jaxtrain.models.layers import Projection, dense_in_ndim
 from jaxtrain.pytrees import path_str
-from jaxtrain.quantization.formats import QuantizedMatrix, dequantize, quantize
+from jaxtrain.quantization.formats import KINDS, QuantizedMatrix, dequantize, quantize
 
-__all__ = ["QuantizedKernel", "dequantize_base", "quantize_base", "quantized_bytes"]
+__all__ = [
+    "BaseQuantization",
+    "QuantizedKernel",
+    "dequantize_base",
+    "is_quantized",
+    "quantize_base",
+    "quantized_bytes",
+]
 
 # Output projections of the model to logits stay in float (as QLoRA keeps lm_head).
 KEPT_IN_FLOAT = ("lm_head",)
+
+
+# Jitted so that NF4's nearest-level search is fused: run eagerly, it materialises 16 float32
+# distances a weight (3.8 GB for one 4096 x 14336 kernel of an 8B model).
+_quantize = jax.jit(quantize, static_argnames=("kind", "block", "double"))
 
 
 class QuantizedPart(Frozen):
@@ -40,6 +53,8 @@ class QuantizedPart(Frozen):
 
 class QuantizedKernel(nnx.Module):
     """See the module docstring."""
+
+    is_quantized = True  # LoRA adapts a projection whose kernel this is (models/lora.py)
 
     def __init__(
         self,
@@ -53,7 +68,7 @@ class QuantizedKernel(nnx.Module):
     ):
         shape = tuple(kernel.shape)
         rows, cols = math.prod(shape[:in_ndim]), math.prod(shape[in_ndim:])
-        q = quantize(jnp.reshape(kernel, (rows, cols)), kind, block, double=double)
+        q = _quantize(jnp.reshape(kernel, (rows, cols)), kind=kind, block=block, double=double)
         axes = logical_axes or (None,) * len(shape)
         row_axis = axes[0] if in_ndim == 1 else None
         col_axis = axes[-1] if len(shape) - in_ndim == 1 else None
@@ -82,33 +97,83 @@ class QuantizedKernel(nnx.Module):
         return {"logical_axes": self.logical_axes}
 
 
+@dataclasses.dataclass(frozen=True)
+class BaseQuantization:
+    """How a frozen base is stored: `kind` nf4 or int8, NF4's `block` rows per scale,
+    `double` quantization of the scales (TrainingArguments' quantization fields)."""
+
+    kind: str
+    block: int = 64
+    double: bool = False
+
+    @classmethod
+    def of(cls, value: BaseQuantization | str | None) -> BaseQuantization | None:
+        """A BaseQuantization from itself, a kind name ("nf4", "int8") or None."""
+        if value is None or isinstance(value, BaseQuantization):
+            return value
+        if value not in KINDS:
+            raise ArgumentError(f"quantization={value!r}: use one of {list(KINDS)} or None.")
+        return cls(value)
+
+
+def quantized_kernel(
+    module: Projection, kernel: jax.Array, name: str, quantization: BaseQuantization
+) -> QuantizedKernel:
+    """`kernel` (float, the value of `module`'s kernel at `name`) as a QuantizedKernel with
+    the kernel's logical axes; an ArgumentError names a kernel whose rows the block does not
+    divide."""
+    in_ndim = dense_in_ndim(module.equation)
+    rows = math.prod(kernel.shape[: in_ndim or 1])
+    kind, block = quantization.kind, quantization.block
+    if in_ndim is None or (kind == "nf4" and (rows % block or rows % 2)):
+        fits = [d for d in range(2, block + 1, 2) if rows % d == 0]
+        hint = f"e.g. {fits[-1]}" if fits else "an even one"
+        raise ArgumentError(
+            f"quantization block {block} does not divide the {rows} input rows of "
+            f"{name} {tuple(kernel.shape)}; set --quantization_block_size to a "
+            f"divisor of {rows} ({hint}), or use --quantization int8."
+        )
+    axes = tuple(module.kernel.get_metadata().get("logical_axes") or ())
+    return QuantizedKernel(
+        kernel, axes, in_ndim, kind=kind, block=rows if kind == "int8" else block,
+        double=quantization.double,
+    )  # fmt: skip
+
+
+def quantizable_projections(model: nnx.Module) -> dict[str, Projection]:
+    """kernel path -> Projection of every kernel a quantized base stores quantized: each
+    Projection's but the output head's and those of modules a LoRA run keeps trainable
+    (`lora_keep`: a reward model's score head, a classifier)."""
+    kept: set[int] = set()
+    for _, module in nnx.iter_modules(model):
+        for attr in getattr(module, "lora_keep", ()):
+            value = getattr(module, attr, None)
+            if isinstance(value, nnx.Module):
+                kept.update(id(m) for _, m in nnx.iter_modules(value))
+    return {
+        f"{path_str(path)}/kernel": module
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, Projection)
+        and path
+        and id(module) not in kept
+        and path_str(path).split("/")[-1] not in KEPT_IN_FLOAT
+    }
+
+
 def quantize_base(model: nnx.Module, kind: str, block: int, *, double: bool = False) -> nnx.Module:
     """Every frozen Projection kernel of `model` (a LoRA base: its adapters stay float and
     trainable) replaced by a QuantizedKernel, in place; the output head stays float. An
     ArgumentError names a kernel whose rows the block does not divide."""
-    for path, module in nnx.iter_modules(model):
-        if not isinstance(module, Projection) or not isinstance(module.kernel, Frozen):
-            continue
-        name = path_str(path)
-        if name.split("/")[-1] in KEPT_IN_FLOAT:
-            continue
-        in_ndim = dense_in_ndim(module.equation)
-        kernel = module.kernel.get_value()
-        rows = math.prod(kernel.shape[: in_ndim or 1])
-        if in_ndim is None or (kind == "nf4" and (rows % block or rows % 2)):
-            fits = [d for d in range(2, block + 1, 2) if rows % d == 0]
-            hint = f"e.g. {fits[-1]}" if fits else "an even one"
-            raise ArgumentError(
-                f"quantization block {block} does not divide the {rows} input rows of "
-                f"{name}/kernel {tuple(kernel.shape)}; set --quantization_block_size to a "
-                f"divisor of {rows} ({hint}), or use --quantization int8."
-            )
-        axes = tuple(module.kernel.get_metadata().get("logical_axes") or ())
-        module.kernel = QuantizedKernel(
-            kernel, axes, in_ndim, kind=kind, block=rows if kind == "int8" else block,
-            double=double,
-        )  # fmt: skip
+    quantization = BaseQuantization(kind, block, double)
+    for name, module in quantizable_projections(model).items():
+        if isinstance(module.kernel, Frozen):  # a quantized kernel is not Frozen: done
+            module.kernel = quantized_kernel(module, module.kernel.get_value(), name, quantization)
     return model
+
+
+def is_quantized(model: nnx.Module) -> bool:
+    """Whether any kernel of `model` is stored quantized."""
+    return any(isinstance(m, QuantizedKernel) for _, m in nnx.iter_modules(model))
 
 
 def dequantize_base(model: nnx.Module) -> nnx.Module:

@@ -98,6 +98,8 @@ class ModelParts:
         if factory is not None:
             model = factory.abstract()  # shapes only; the Program creates it, sharded
         configure_model(model, settings)
+        if factory is None:
+            check_quantized_base(model, settings)
         if settings.lora_rank and factory is None:
             # In place: the user's model gains the adapters (its base is quantized if asked).
             quantize(add_lora(model, settings), settings)
@@ -130,6 +132,36 @@ def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
         for _, module in nnx.iter_modules(model):
             if hasattr(module, "dtype"):
                 module.dtype = compute_dtype
+
+
+def check_quantized_base(model: nnx.Module, settings: ModelSettings) -> None:
+    """A model whose base was quantized at load (hf.from_pretrained(quantization=...)) trains
+    only adapters, and only under the quantization it was loaded with (if one is set)."""
+    from jaxtrain.quantization.kernel import QuantizedKernel
+
+    kernels = [m for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedKernel)]
+    if not kernels:
+        return
+    loaded = kernels[0]
+    if not settings.lora_rank:
+        raise ArgumentError(
+            f"the model's base is quantized ({loaded.kind}, loaded with quantization=...): "
+            "only LoRA adapters can train on it. Set lora_rank (e.g. 16), or load the model "
+            "without quantization for full fine-tuning."
+        )
+    double = loaded.scales_scale is not None
+    wanted = settings.quantization
+    if wanted is not None and (
+        wanted != loaded.kind
+        or (wanted == "nf4" and settings.quantization_block_size != loaded.block)
+        or settings.quantization_double != double
+    ):
+        raise ArgumentError(
+            f"TrainingArguments.quantization={wanted!r} (block "
+            f"{settings.quantization_block_size}, double={settings.quantization_double}), but "
+            f"the model was loaded quantized as {loaded.kind!r} (block {loaded.block}, "
+            f"double={double}); set the same, or quantization=None to train on it as loaded."
+        )
 
 
 def quantize(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
