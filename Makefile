@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+# pytest-xdist workers, each taking whole test files (their module fixtures compile once). Two
+# on a 2-core machine: one compiles (XLA:CPU compiles on one thread) while the other runs.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-gguf lint format bench docs clean
 
@@ -46,7 +49,7 @@ format: $(VENV)/.installed-test
 	$(BIN)/ruff check --fix jaxtrain tests bench
 
 test: lint
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 $(VENV)/.installed-docs: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[docs]'

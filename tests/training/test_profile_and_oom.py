@@ -166,8 +166,9 @@ def test_the_traced_steps_are_timed_as_the_others(tmp_path):
         if "step_time_s" in r
     }
     assert sorted(times) == [1, 2, 3, 4, 5, 6, 7]
-    untraced = sorted(times[s] for s in (2, 5, 6, 7))
-    median = (untraced[1] + untraced[2]) / 2
-    # A traced step runs slower (the profiler records every Python call), never faster.
-    assert times[3] > 0.5 * median and times[4] > 0.5 * median, times
+    fastest = min(times[s] for s in (2, 5, 6, 7))
+    # A traced step runs slower (the profiler records every Python call), never much faster;
+    # the bug left a traced step's window nearly empty (1/60 of the others). The bound is
+    # loose: another process on the machine (a parallel test worker) moves step times 2-3x.
+    assert times[3] > 0.25 * fastest and times[4] > 0.25 * fastest, times
     assert (run_dir / "profile" / "process_0").is_dir()
