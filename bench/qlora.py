@@ -5,10 +5,12 @@ against a bf16 one, and the eval loss of NF4-QLoRA against bf16-LoRA on the demo
     PYTHONPATH=. .venv/bin/python bench/qlora.py rss [--repeats 2]      # each base in its own process
     PYTHONPATH=. .venv/bin/python bench/qlora.py quality [--steps 200]
 
-rss: a Llama of hidden 2048, 16 layers (1.2B parameters with its 32k vocabulary), LoRA rank 16
-on every projection, remat nothing_saveable, one row of 256 tokens, 3 steps; peak RSS is the
-worker's ru_maxrss (the base is built in float on the host before it is quantized: the figure
-is the run's peak after the model object is dropped: see the note it prints).
+rss: a Llama of hidden 2048, 16 layers (1.2B parameters with its 32k vocabulary), written once
+as a bf16 Hugging Face directory (a temporary one, 2.4 GB), then in each worker loaded as a user
+would (`AutoModelForCausalLM.from_pretrained(dir, param_dtype=bfloat16)`, with
+`quantization="nf4"` for the NF4 base: each kernel quantized as it is read) and LoRA-tuned:
+rank 16 on every projection, remat nothing_saveable, one row of 256 tokens, 3 steps. Peak RSS
+is the worker's ru_maxrss, read after the load and after the steps.
 quality: a 4-layer Llama pretrained in float on the demo corpus, then LoRA-tuned for `--steps`
 steps on a held-out split, once on a bf16 base and once on an NF4 base, from the same start.
 """
@@ -18,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -62,20 +66,33 @@ def bytes_stage() -> dict:
     return out
 
 
-def rss_worker(kind: str) -> dict:
+def write_base(directory: str) -> None:
+    """The 1.2B Llama (random weights) as a bf16 HF directory."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxtrain import Trainer
+    from jaxtrain.hf import save_pretrained
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-    from jaxtrain.parallel import ModelFactory
+
+    model = LlamaForCausalLM(LlamaConfig(**BIG), param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    save_pretrained(model, directory)
+
+
+def rss_worker(kind: str, base: str) -> dict:
+    import jax.numpy as jnp
+
+    from jaxtrain import Trainer
+    from jaxtrain.hf import AutoModelForCausalLM
 
     rows = [{"input_ids": np.arange(256) % 31999 + 1} for _ in range(8)]
     quantization = None if kind == "bf16" else kind
     args = lora_args(tempfile.mkdtemp(), quantization=quantization, max_steps=3,
                      total_batch_size=1, max_sequence_length=256, param_dtype="bfloat16",
                      dtype="bfloat16", gradient_checkpointing="nothing_saveable")  # fmt: skip
-    factory = ModelFactory(lambda: LlamaForCausalLM(LlamaConfig(**BIG), rngs=nnx.Rngs(0)))
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, quantization=quantization
+    )
+    load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     times = []
 
     class Clock:
@@ -85,10 +102,10 @@ def rss_worker(kind: str) -> dict:
             jax.block_until_ready(state)
             times.append(time.perf_counter())
 
-    Trainer(arguments=args, model=factory, dataset_train=rows, callbacks=[Clock()]).train()
-    del jnp
+    Trainer(arguments=args, model=model, dataset_train=rows, callbacks=[Clock()]).train()
     return {
         "kind": kind,
+        "load_rss_gib": load_rss,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "step_s": statistics.median(np.diff(times)) if len(times) > 1 else None,
     }
@@ -145,25 +162,33 @@ def main() -> int:
     parser.add_argument("--kind", default="nf4")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--base", help="worker: the HF directory to load")
     opts = parser.parse_args()
     if opts.stage == "worker":
-        print(RESULT + json.dumps(rss_worker(opts.kind)))
+        print(RESULT + json.dumps(rss_worker(opts.kind, opts.base)))
     elif opts.stage == "bytes":
         print(json.dumps(bytes_stage(), indent=1))
     elif opts.stage == "quality":
         print(json.dumps(quality_stage(opts.steps), indent=1))
     else:
         found: dict[str, list] = {"bf16": [], "nf4": []}
+        base = tempfile.mkdtemp()
+        done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                               f"import qlora; qlora.write_base({base!r})"], capture_output=True, text=True)  # fmt: skip
+        if done.returncode:
+            raise SystemExit(done.stderr[-3000:])
         for repeat in range(opts.repeats):
             for kind in ("bf16", "nf4") if repeat % 2 == 0 else ("nf4", "bf16"):
-                done = subprocess.run([sys.executable, __file__, "worker", "--kind", kind],
+                done = subprocess.run([sys.executable, __file__, "worker", "--kind", kind, "--base", base],
                                       capture_output=True, text=True, timeout=3600)  # fmt: skip
                 line = [x for x in done.stdout.splitlines() if x.startswith(RESULT)]
                 if not line:
                     raise SystemExit(done.stderr[-3000:])
                 found[kind].append(json.loads(line[0][len(RESULT) :]))
+        shutil.rmtree(base)
         for kind, runs in found.items():
-            print(kind, [round(r["peak_rss_gib"], 2) for r in runs], "GiB peak RSS; step s",
+            print(kind, [round(r["load_rss_gib"], 2) for r in runs], "GiB after the load;",
+                  [round(r["peak_rss_gib"], 2) for r in runs], "GiB peak RSS; step s",
                   [round(r["step_s"] or 0, 1) for r in runs])  # fmt: skip
         ratio = statistics.median(r["peak_rss_gib"] for r in found["nf4"]) / statistics.median(
             r["peak_rss_gib"] for r in found["bf16"]
