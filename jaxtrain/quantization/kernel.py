@@ -82,16 +82,23 @@ class QuantizedKernel(nnx.Module):
         self.shape, self.kind, self.block = shape, kind, block
         self.logical_axes = tuple(axes)
         self.value_dtype = jnp.dtype(kernel.dtype).name
+        # What the step dequantizes to (the run's compute dtype, set like every module's
+        # `dtype`; None: value_dtype): a bfloat16 run never holds a float32 copy of a kernel.
+        self.dtype: Any = None
 
     @property
     def dequantized(self) -> jax.Array:
         """The kernel in float (its original dtype), dequantized from codes and scales."""
-        scale2 = None if self.scales_scale is None else self.scales_scale[...]
-        q = QuantizedMatrix(self.codes[...], self.scales[...], scale2, self.kind, self.block)
-        return dequantize(q, jnp.dtype(self.value_dtype)).reshape(self.shape)
+        return self._dequantize(self.value_dtype)
 
     def __getitem__(self, key: Any) -> jax.Array:
-        return self.dequantized[key]
+        """The kernel as the step reads it: dequantized to `dtype` (or value_dtype)."""
+        return self._dequantize(self.dtype or self.value_dtype)[key]
+
+    def _dequantize(self, dtype: Any) -> jax.Array:
+        scale2 = None if self.scales_scale is None else self.scales_scale[...]
+        q = QuantizedMatrix(self.codes[...], self.scales[...], scale2, self.kind, self.block)
+        return dequantize(q, jnp.dtype(dtype)).reshape(self.shape)
 
     def get_metadata(self) -> dict[str, Any]:
         return {"logical_axes": self.logical_axes}

@@ -170,12 +170,14 @@ def quantize(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
         return model
     from jaxtrain.quantization import quantize_base
 
-    return quantize_base(
+    quantize_base(
         model,
         settings.quantization,
         settings.quantization_block_size,
         double=settings.quantization_double,
     )
+    configure_model(model, settings)  # the new kernels dequantize to the compute dtype
+    return model
 
 
 def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:

@@ -64,7 +64,7 @@ def test_param_dtype_stores_the_frozen_base_but_not_its_codes_and_scales(factory
 
     args = tiny_arguments(
         TrainingArguments, tmp_path, lora_rank=4, lora_alpha=8, quantization="nf4",
-        param_dtype="bfloat16", max_steps=1,
+        param_dtype="bfloat16", dtype="bfloat16", max_steps=1,
     )  # fmt: skip
     build = lambda: tiny_model(0, hidden_size=64, intermediate_size=128, num_attention_heads=4)  # noqa: E731
     trainer = Trainer(arguments=args, model=ModelFactory(build) if factory else build(),
@@ -78,6 +78,13 @@ def test_param_dtype_stores_the_frozen_base_but_not_its_codes_and_scales(factory
     assert dtypes["lm_head.kernel"] == "bfloat16"
     quantized = {k: d for k, d in dtypes.items() if k.split(".")[-1] in ("codes", "scales")}
     assert quantized and set(quantized.values()) == {"uint8", "float32"}, quantized
+    # The step dequantizes each kernel straight to the compute dtype (no float32 copy).
+    kernels = [m for _, m in nnx.iter_modules(trainer.program.parts.model)
+               if isinstance(m, QuantizedKernel)]  # fmt: skip
+    assert kernels and {jnp.dtype(k.dtype) for k in kernels} == {jnp.dtype("bfloat16")}
+    if not factory:
+        kernel = kernels[0]
+        assert kernel[...].dtype == jnp.bfloat16 and kernel.dequantized.dtype == jnp.float32
 
 
 def test_forward_and_adapter_gradients_equal_lora_on_the_dequantized_base():
