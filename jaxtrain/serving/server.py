@@ -81,7 +81,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
         future = runner.submit(parsed.prompt_ids, parsed.params, parsed.n, sink)
         try:
             request_id = await asyncio.wrap_future(future)
-        except Exception as err:  # the engine refused it (n above its slots, too long)
+        except ValueError as err:  # the engine refused it (n above its slots, too long)
             return refuse(RequestError(400, str(err)))
         if parsed.stream:
             stream = _stream(parsed, model_name, tokenizer, events, runner, request_id)
