@@ -21,6 +21,7 @@ from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.models.lora import adapters_off
+from jaxtrain.parallel.process_local import gather_shares
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.base import concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
@@ -81,8 +82,7 @@ class GRPOTrainer(Trainer):
         if dataset_eval is not None:  # prompts whose completions are scored, not trained on
             eval_prompts = read_prompts(dataset_eval, processing_class, args.max_prompt_length)
         runtime = task_runtime(args, kwargs)
-        if runtime.process_count > 1:
-            raise ArgumentError("GRPOTrainer runs on one process (one host) for now.")
+        check_process_groups(args, runtime.process_count)
         sequence_length = args.max_prompt_length + args.max_completion_length
         runtime.plan.batch.check(args.micro_batch_size, sequence_length, "micro-batch")
         model = concrete_model(model, args, runtime)
@@ -139,12 +139,15 @@ class GRPOTrainer(Trainer):
         (a seed of their own, the same at every evaluation), scored by the reward functions:
         the mean weighted reward, each function's mean, the mean completion length, and
         pass@k (the share of prompts with a completion reaching eval_pass_threshold)."""
-        args, prompts = self.grpo_args, self.eval_loader
+        args, prompts, source = self.grpo_args, self.eval_loader, self.train_source
         if prompts is None:
             raise ArgumentError("GRPOTrainer.evaluate needs dataset_eval (prompts).")
-        k = args.eval_num_generations
-        groups = self.train_source.complete(state, prompts.ids, k, seed=args.seed + 0x5EED)
-        eos = set(self.train_source.eos_token_ids)
+        k, seed = args.eval_num_generations, args.seed + 0x5EED
+        # Each process completes and scores its contiguous share of the prompts.
+        shares = np.array_split(np.arange(len(prompts)), source.process_count)
+        mine = shares[source.process_index]
+        groups = source.complete(state, [prompts.ids[i] for i in mine], k, [seed + i for i in mine])
+        eos = set(source.eos_token_ids)
         texts, lengths = [], []
         for group in groups:
             for tokens in group:
@@ -154,15 +157,19 @@ class GRPOTrainer(Trainer):
                     )
                 )
                 lengths.append(len(tokens))
-        index = [i for i in range(len(prompts)) for _ in range(k)]
-        per_func = score_completions(
-            self.reward_funcs,
-            [prompts.values[i] for i in index],
-            texts,
-            {name: [column[i] for i in index] for name, column in prompts.columns.items()},
-        )
-        weights = self.train_source.reward_weights
-        rewards = np.nansum(per_func * weights, axis=1)
+        index = [i for i in mine for _ in range(k)]
+        scores = np.zeros((0, len(self.reward_funcs)))  # a process with no prompts
+        if texts:
+            scores = score_completions(
+                self.reward_funcs,
+                [prompts.values[i] for i in index],
+                texts,
+                {name: [column[i] for i in index] for name, column in prompts.columns.items()},
+            )
+        sizes = [len(share) * k for share in shares]
+        per_func = gather_shares(scores, sizes)
+        lengths = gather_shares(np.asarray(lengths, np.float64), sizes)
+        rewards = np.nansum(per_func * source.reward_weights, axis=1)
         passed = (rewards >= args.eval_pass_threshold).reshape(len(prompts), k).any(1)
         logs = {
             "eval/reward": float(np.mean(rewards)),
@@ -188,6 +195,21 @@ class GRPOTrainer(Trainer):
             if not callable(fn):
                 raise ArgumentError(f"reward function {fn!r} is not callable.")
         return funcs
+
+
+def check_process_groups(args: GRPOArguments, processes: int) -> None:
+    """On several processes each generates whole groups of its rows of every micro-batch."""
+    if processes == 1:
+        return
+    micro = args.total_batch_size // args.gradient_accumulation_steps
+    share, g = micro // processes, args.num_generations
+    if micro % processes or share % g:
+        raise ArgumentError(
+            f"GRPO on {processes} processes: each generates its share of every micro-batch "
+            f"({micro} rows / {processes} processes = {micro / processes:g}), which must be "
+            f"whole groups of num_generations={g}; make total_batch_size / "
+            f"gradient_accumulation_steps a multiple of {processes * g}."
+        )
 
 
 def grpo_objective(args: GRPOArguments) -> Objective:

@@ -9,6 +9,13 @@ round reuse its batch (with the log-probs of the policy that sampled it); a chec
 a round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact.
 Every shape is fixed (prompts left-padded to max_prompt_length, completions
 max_completion_length): the sampler and the train step compile once.
+
+On several processes each generates the completions of its own rows of every micro-batch
+(whole groups: the layout's contiguous share of each micro-batch) on an engine of its own,
+over a process-local copy of the policy, and scores them; the tokens and rewards are then
+gathered so that every process computes the same advantages and logs. A prompt's draws
+depend only on the round's seed and the prompt's place in the round, so the completions are
+those one process would sample.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from jaxtrain.data.batch_source import SourceBatch
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
+from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
 from jaxtrain.serving import Engine, SamplingParams
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.grpo_loss import group_advantages
@@ -79,6 +87,7 @@ class RolloutSource:
         self._last_batch_time: float | None = None
         self._old_logps_fn = None
         self.engine: Engine | None = None  # made at the first round, from the policy
+        self.process_index, self.process_count = jax.process_index(), layout.process_count
 
     @property
     def sequence_length(self) -> int:
@@ -191,12 +200,13 @@ class RolloutSource:
         self, state: Any, step: int
     ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray]]:
         """The scored completions of `step`'s prompts as a global train batch, its logs, and
-        its input_ids and labels on the host."""
+        this process's input_ids and labels on the host."""
         args, g = self.args, self.args.num_generations
         start = time.perf_counter()
         rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
         n, clen = len(rows), args.max_completion_length
-        tokens = self.sample(state, rows, step)
+        mine = self.local_rows(np.arange(n))  # the round's rows this process generates
+        tokens = self.gather_rows(self.sample(state, rows, mine, step))
         generation_s = time.perf_counter() - start
         is_eos = np.isin(tokens, self.eos_token_ids)
         ended = is_eos.any(1)
@@ -205,17 +215,20 @@ class RolloutSource:
         texts = self.tokenizer.batch_decode(
             [tokens[i, : length[i]].tolist() for i in range(n)], skip_special_tokens=True
         )
-        per_func = score_completions(
-            self.reward_funcs,
-            [self.prompts.values[r] for r in rows],
-            texts,
-            {k: [v[r] for r in rows] for k, v in self.prompts.columns.items()},
+        per_func = self.gather_rows(
+            score_completions(
+                self.reward_funcs,
+                [self.prompts.values[r] for r in rows[mine]],
+                [texts[i] for i in mine],
+                {k: [v[r] for r in rows[mine]] for k, v in self.prompts.columns.items()},
+            )
         )
         unscored = np.isnan(per_func).all(1)
         rewards = np.nansum(per_func * self.reward_weights, axis=1)
         rewards[unscored] = np.nan
         advantages, equal = group_advantages(rewards, g, args.scale_rewards)
         host = self._train_rows(rows, tokens, length, scored, advantages)
+        host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
         placed = self.layout.to_global(host, micro_axis=True)
         if args.num_iterations > 1:  # later updates compare with the sampling policy
             placed["old_logps"] = self._old_logps(state, placed)
@@ -236,28 +249,61 @@ class RolloutSource:
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
 
-    def sample(self, state: Any, rows: np.ndarray, step: int) -> np.ndarray:
-        """Completions [N, max_completion_length] of the prompts of `rows` (each group of
-        num_generations together) from the live parameters, on the engine (serving/): one
-        prefill per prompt, its pages shared by the group. A completion that ended is filled
-        with its end-of-sequence id."""
+    # ------------------------------------------------------------ processes
+    def local_rows(self, rows: np.ndarray, *, micro_axis: bool = False) -> np.ndarray:
+        """This process's share of a round's rows ([N, ...] in batch order, or [A, M, ...]
+        with `micro_axis`): its contiguous block of every micro-batch, as the batch layout
+        places them. One process: all of them."""
+        if self.process_count == 1:
+            return rows
+        a = self.args.gradient_accumulation_steps
+        shaped = rows if micro_axis else rows.reshape(a, -1, *rows.shape[1:])
+        share = shaped.shape[1] // self.process_count
+        mine = shaped[:, self.process_index * share : (self.process_index + 1) * share]
+        return mine if micro_axis else mine.reshape(-1, *rows.shape[1:])
+
+    def gather_rows(self, local: np.ndarray) -> np.ndarray:
+        """The round's rows [N, ...] in batch order from every process's `local_rows`."""
+        if self.process_count == 1:
+            return local
+        a = self.args.gradient_accumulation_steps
+        every = gather_from_processes(local.reshape(a, -1, *local.shape[1:]))  # [P, A, M/P]
+        return np.concatenate(list(every), axis=1).reshape(-1, *local.shape[1:])
+
+    def sample(self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int) -> np.ndarray:
+        """Completions [len(mine), max_completion_length] of the round's rows at positions
+        `mine` (whole groups of num_generations) from the live parameters, on the engine
+        (serving/): one prefill per prompt, its pages shared by the group. The prompt at
+        place j of the round draws with the round's seed + j, whichever process samples it.
+        A completion that ended is filled with its end-of-sequence id."""
         args, g = self.args, self.args.num_generations
         round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
-        groups = self.complete(state, [self.prompts.ids[r] for r in rows[::g]], g, round_seed)
+        firsts = mine[::g]
+        groups = self.complete(
+            state,
+            [self.prompts.ids[rows[i]] for i in firsts],
+            g,
+            [round_seed + i // g for i in firsts],
+        )
         fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
-        tokens = np.full((len(rows), args.max_completion_length), fill, np.int32)
+        tokens = np.full((len(mine), args.max_completion_length), fill, np.int32)
         for p, group in enumerate(groups):
             for i, completion in enumerate(group):
                 tokens[p * g + i, : len(completion)] = completion
         return tokens
 
     def complete(
-        self, state: Any, prompts: list[np.ndarray], n: int, seed: int
+        self, state: Any, prompts: list[np.ndarray], n: int, seeds: list[int]
     ) -> list[list[list[int]]]:
         """`n` completions of each prompt (token ids, ending at their EOS or at
-        max_completion_length) from `state`'s policy; prompt i draws with seed `seed + i`."""
+        max_completion_length) from `state`'s policy; prompt i draws with `seeds[i]`. On
+        several processes, on this process's devices only (every process calls it at the
+        same point: the policy's copy is gathered)."""
         args = self.args
         policy = self._program.model_from_state(state)
+        if self.process_count > 1:
+            graphdef, live = nnx.split(policy)
+            policy = nnx.merge(graphdef, process_local_state(live, self.layout.mesh))
         if self.engine is None:
             self.engine = Engine(
                 policy,
@@ -273,9 +319,9 @@ class RolloutSource:
                 temperature=args.temperature,
                 top_p=args.top_p,
                 top_k=args.top_k or 0,
-                seed=seed + i,
+                seed=seed,
             )  # fmt: skip
-            for i in range(len(prompts))
+            for seed in seeds
         ]
         ids = [self.engine.submit(p, s, n=n) for p, s in zip(prompts, settings)]
         done: dict[int, list] = {i: [] for i in ids}

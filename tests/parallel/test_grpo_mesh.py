@@ -1,10 +1,27 @@
-"""A GRPO update on a 4-device dp=2 x fsdp=2 mesh equals one device's, on fixed completions
-(num_iterations 2: the second update uses the old log-probs and the clip; beta > 0)."""
+"""GRPO on a mesh: an update on a 4-device dp=2 x fsdp=2 mesh equals one device's
+(num_iterations 2: the second update uses the old log-probs and the clip; beta > 0), a resume
+inside a round is exact, and two processes generating their shares train like one."""
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
-from common import run_worker
+from common import run_worker, worker_env
+
+HERE = Path(__file__).parent
+# Logged values that measure time or speed: the only ones two runs may differ in.
+TIMED = ("_s", "_fraction", "per_second", "per_device", "mfu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_dp_fsdp_mesh_gives_the_update_of_one_device(tmp_path):
@@ -30,3 +47,49 @@ def test_a_resume_inside_a_round_on_the_mesh_is_exact(tmp_path):
     whole, resumed = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
     for key in whole.files:
         np.testing.assert_array_equal(resumed[key], whole[key], err_msg=key)
+
+
+def test_two_processes_each_generating_their_share_train_like_one(tmp_path):
+    """Two real JAX processes (2 CPU devices each) of one dp=2 x fsdp=2 run: each samples its
+    rows of every micro-batch on an engine over its own copy of the policy. The completions,
+    every logged value, the evaluation (3 prompts: shares of 2 and 1) and the final parameters
+    equal one process's on the same mesh shape (temperature 0.7, num_iterations 2, 2
+    micro-batches, beta > 0)."""
+    worker = [sys.executable, str(HERE / "grpo_processes_worker.py"), str(tmp_path)]
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [*worker, "two", port, str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=worker_env(),
+        )
+        for i in range(2)
+    ]
+    one = subprocess.run([*worker, "one"], capture_output=True, text=True, env=worker_env())
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = json.loads((tmp_path / "one.json").read_text())
+    assert single["processes"] == 1 and single["local_devices"] == 4
+    single_params = np.load(tmp_path / "one.npz")
+    for i in range(2):
+        two = json.loads((tmp_path / f"two_{i}.json").read_text())
+        assert two["processes"] == 2 and two["local_devices"] == 2
+        assert two["engine_devices"] == 2  # the engine ran on this process's devices only
+        assert two["rounds"] == single["rounds"]  # every completion of every round
+        assert [x["step"] for x in two["logs"]] == [x["step"] for x in single["logs"]]
+        for mine, theirs in zip(two["logs"], single["logs"]):
+            assert mine.keys() == theirs.keys()
+            for key in sorted(k for k in mine if not k.endswith(TIMED)):
+                np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-5, err_msg=key)
+        assert len(two["evals"]) == 2
+        for mine, theirs in zip(two["evals"], single["evals"]):
+            assert mine == theirs
+        params = np.load(tmp_path / f"two_{i}.npz")
+        for key in single_params.files:
+            np.testing.assert_allclose(params[key], single_params[key], rtol=1e-5, atol=1e-6)
+    # Not a vacuous match: the rounds differ, and the evaluation scored something.
+    assert len({x["reward"] for x in single["logs"]}) > 1
+    assert all(0 < e["eval/reward"] for e in single["evals"])
