@@ -114,8 +114,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
-    parser.add_argument("--skip_greedy", action="store_true",
-                        help="skip the greedy identity round (measured before)")
+    parser.add_argument(
+        "--skip_greedy",
+        action="store_true",
+        help="skip the greedy identity round (measured before)",
+    )
     opts = parser.parse_args()
     if opts.worker:
         print(RESULT + json.dumps(worker(opts.worker, opts.temperature, opts.rounds)))

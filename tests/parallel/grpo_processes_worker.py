@@ -10,7 +10,6 @@ metrics) and OUT/<one|two_ID>.npz (the final parameters, gathered whole).
 
 import os
 import sys
-
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
