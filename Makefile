@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 # pytest-xdist workers, each taking whole test files (their module fixtures compile once). Two
 # on a 2-core machine: one compiles (XLA:CPU compiles on one thread) while the other runs.
+# Files go out in collection order (--no-loadscope-reorder; xdist would send the files with
+# the most tests first), which tests/conftest.py starts with the longest file, the docs' blocks.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-gguf lint format bench docs clean
@@ -49,7 +51,7 @@ format: $(VENV)/.installed-test
 	$(BIN)/ruff check --fix jaxtrain tests bench
 
 test: lint
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 $(VENV)/.installed-docs: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[docs]'
