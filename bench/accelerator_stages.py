@@ -1,0 +1,276 @@
+"""The stages of bench/accelerator.py (the one-command GPU campaign), each run in a process
+of its own by the campaign: `python bench/accelerator_stages.py STAGE [--size S]
+[--attention A] [--remat R] [--trace-dir DIR]` prints one ACCELERATOR_RESULT line (JSON).
+Stages: train, profile, generate, batch (see bench/accelerator.py for what each measures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULT_PREFIX = "ACCELERATOR_RESULT "
+
+# TinyLlama-1.1B's shape (1.10B parameters): a public ~1B Llama with grouped-query attention.
+MODELS = {
+    "1b": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+    ),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ),
+}
+# seq, rows per step, steps (the first `warmup` are excluded from the figures), generation.
+RUNS = {
+    "1b": dict(seq=4096, batch=4, steps=12, warmup=4, gen_batch=32, prompt=128, new=256),
+    "tiny": dict(seq=128, batch=2, steps=6, warmup=2, gen_batch=2, prompt=8, new=8),
+}
+
+
+def model_config(size: str):
+    from jaxtrain.models import LlamaConfig
+
+    return LlamaConfig(**MODELS[size])
+
+
+def training_arguments(out_dir: str, size: str, batch: int, steps: int, remat: str):
+    from jaxtrain import TrainingArguments
+
+    run = RUNS[size]
+    return TrainingArguments(
+        output_dir=out_dir,
+        overwrite_output_dir=True,
+        seed=0,
+        learning_rate=3e-4,
+        optimizer="adamw",
+        scheduler="constant",
+        max_steps=steps,
+        total_batch_size=batch,
+        max_sequence_length=run["seq"],
+        shuffle_train=False,
+        dtype="bfloat16",
+        gradient_checkpointing=remat,
+        # One logging window over the steady steps: the Trainer logs at steps W and N, and
+        # the window (W, N] is what the figures are.
+        logging_steps=run["warmup"],
+        evaluation_strategy="no",
+        save_final=False,
+        progress_bar="none",
+        run_report=False,
+        track_memory=True,
+        compilation_cache_dir=None,
+    )
+
+
+def random_rows(size: str, rows: int) -> list[dict]:
+    run, vocab = RUNS[size], MODELS[size]["vocab_size"]
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(rows, run["seq"]), dtype=np.int32)
+    return [{"input_ids": row} for row in tokens]
+
+
+def build_model(size: str, attention: str):
+    from flax import nnx
+
+    from jaxtrain.models import LlamaForCausalLM
+    from jaxtrain.parallel import ModelFactory
+
+    def build():
+        model = LlamaForCausalLM(model_config(size), rngs=nnx.Rngs(0))
+        model.attention_implementation = None if attention == "auto" else attention
+        return model
+
+    return ModelFactory(build)
+
+
+def profiled_window(warmup: int, steps: int, trace_dir: Path):
+    """A callback tracing steps warmup+1..steps with jax.profiler (blocking at both ends, so
+    the trace holds exactly those steps' device work)."""
+    import jax
+
+    from jaxtrain import TrainerCallback
+
+    class Profile(TrainerCallback):
+        def on_step_end(self, trainer, state, metrics, step):
+            if step == warmup:
+                jax.block_until_ready(state)
+                jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+            elif step == steps:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+
+    return Profile()
+
+
+def train(
+    size: str, attention: str, remat: str, batch: int | None = None, trace_dir: Path | None = None
+) -> dict:
+    """The Trainer for RUNS[size]'s steps; its own logged figures of the last window. With
+    `trace_dir`, that window is traced (jax.profiler) and summed by kernel."""
+    from jaxtrain import Trainer
+
+    run = RUNS[size]
+    batch = batch or run["batch"]
+    steps = run["steps"]
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-accel-") as out_dir:
+        args = training_arguments(out_dir, size, batch, steps, remat)
+        trainer = Trainer(
+            arguments=args,
+            model=build_model(size, attention),
+            dataset_train=random_rows(size, batch * steps),
+            callbacks=[]
+            if trace_dir is None
+            else [profiled_window(run["warmup"], steps, trace_dir)],
+        )
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+        lines = [json.loads(x) for x in Path(out_dir, "metrics.jsonl").read_text().splitlines()]
+        run_info = json.loads(Path(out_dir, "run_info.json").read_text())
+    windows = [x for x in lines if "tokens_per_second" in x]
+    last = windows[-1]
+    compile_s = next(
+        (x["compile/train_step_s"] for x in lines if "compile/train_step_s" in x), None
+    )
+    keep = ("tokens_per_second", "padded_tokens_per_second", "tflops_per_device", "mfu")
+    result = {
+        "attention": attention,
+        "remat": remat,
+        "batch": batch,
+        "seq": run["seq"],
+        "steps": steps,
+        "window_steps": f"{last['step'] - run['warmup'] + 1}-{last['step']}",
+        **{k: last.get(k) for k in keep},
+        "step_time_s": last.get("step_time_s"),
+        "loss": last.get("loss"),
+        "memory": {k: v for k, v in last.items() if k.startswith("memory/")},
+        "compile_s": compile_s,
+        "compiled_memory": run_info.get("train_step_memory"),
+        "wall_s": wall,
+    }
+    if trace_dir is not None:
+        from trace_summary import summarize
+
+        result["trace"] = {"dir": str(trace_dir), **summarize(trace_dir)}
+    return result
+
+
+def compiled_peak(size: str, attention: str, remat: str, batch: int) -> dict:
+    """The accelerator compiler's memory analysis of the train step at `batch` (from shapes)."""
+    import jax
+
+    from jaxtrain.planning.program import compile_step, plan_step_program
+
+    args = training_arguments("unused", size, batch, RUNS[size]["steps"], remat)
+    impl = None if attention == "auto" else attention
+    program = plan_step_program(model_config(size), args, jax.devices()[:1], impl)
+    figures, seconds = compile_step(program, args)
+    return {"batch": batch, "memory": figures["memory"], "compile_s": seconds}
+
+
+def largest_batch(size: str, attention: str, remat: str) -> dict:
+    """A line through the compiled peak at two batches, to the device's memory limit; then
+    real steps at the batch it gives (one fewer row each time that one does not fit)."""
+    import jax
+
+    base = RUNS[size]["batch"]
+    small, large = (compiled_peak(size, attention, remat, b) for b in (base, 2 * base))
+    per_row = (large["memory"]["peak"] - small["memory"]["peak"]) / base
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    result = {"attention": attention, "remat": remat, "compiled": [small, large]}
+    result["per_row_bytes"] = per_row
+    result["limit_bytes"] = limit
+    if not limit or per_row <= 0:
+        result["error"] = "the device reports no memory limit (or the peak does not grow)"
+        return result
+    fixed = small["memory"]["peak"] - per_row * base
+    predicted = int((limit - fixed) // per_row)
+    result["predicted"] = predicted
+    result["tried"] = []
+    for batch in range(predicted, max(predicted - 3, 0), -1):
+        try:
+            measured = train(size, attention, remat, batch=batch)
+        except Exception as err:  # out of memory: recorded, the next smaller batch is tried
+            result["tried"].append({"batch": batch, "error": str(err).splitlines()[0][:300]})
+            continue
+        result["tried"].append({"batch": batch, "ok": True})
+        result["largest"] = measured
+        break
+    return result
+
+
+def generation(size: str) -> dict:
+    """New tokens per second of greedy `generate` with a KV cache, bf16 parameters."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxtrain.models import LlamaForCausalLM, generate
+
+    run = RUNS[size]
+    model = LlamaForCausalLM(
+        model_config(size), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
+    vocab = MODELS[size]["vocab_size"]
+    prompts = np.random.default_rng(1).integers(
+        0, vocab, size=(run["gen_batch"], run["prompt"]), dtype=np.int32
+    )
+    times = []
+    for _ in range(2):  # the first call compiles
+        start = time.perf_counter()
+        out = generate(model, prompts, max_new_tokens=run["new"])
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    new_tokens = out.shape[0] * out.shape[1]
+    return {
+        "batch": run["gen_batch"],
+        "prompt": run["prompt"],
+        "new_tokens_per_row": int(out.shape[1]),
+        "first_call_s": times[0],
+        "second_call_s": times[1],
+        "new_tokens_per_second": new_tokens / times[1],
+    }
+
+
+def run_worker(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("stage")
+    parser.add_argument("--size", default="1b")
+    parser.add_argument("--attention", default="cudnn")
+    parser.add_argument("--remat", default="none")
+    parser.add_argument("--trace-dir", type=Path)
+    opts = parser.parse_args(argv)
+    if opts.stage == "train":
+        result = train(opts.size, opts.attention, opts.remat)
+    elif opts.stage == "profile":
+        result = train(opts.size, opts.attention, opts.remat, trace_dir=opts.trace_dir)
+    elif opts.stage == "generate":
+        result = generation(opts.size)
+    elif opts.stage == "batch":
+        result = largest_batch(opts.size, opts.attention, opts.remat)
+    else:
+        raise SystemExit(f"unknown stage {opts.stage!r}")
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    run_worker(sys.argv[1:])
