@@ -7,7 +7,8 @@ a paged KV cache, compiled prefill and decode steps (serving/steps.py).
 Each `step()` admits waiting requests while slots and pages allow (a request's n samples are
 admitted together: the prompt is prefilled once, its full pages shared by every sample and
 its last, partial page copied), then runs one decode step for every active sequence, in the
-smallest bucket of rows that holds them. A sequence that ends (an end-of-sequence id, a stop
+smallest bucket of rows that holds them, reading the smallest bucket of pages that holds the
+longest of them (not the whole max_length). A sequence that ends (an end-of-sequence id, a stop
 string, max_tokens) frees its slot and its pages at once; the next waiting request takes
 them in the same step. A prompt's full pages stay cached (evicted when pages run short), so a
 later request with the same prefix (a shared system prompt) prefills only the rest.
@@ -39,6 +40,10 @@ from jaxtrain.serving.steps import Steps, bucket
 __all__ = ["Completion", "Engine"]
 
 SMALLEST_PREFILL = 16
+# Pages: the narrowest page table a step reads. A step's table is as wide as the longest of
+# its sequences needs (a power-of-two bucket of this), so attention reads the pages in use,
+# not max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
+SMALLEST_TABLE = 8
 
 
 @dataclasses.dataclass
@@ -240,12 +245,13 @@ class Engine:
         t = bucket(len(rest), SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.max_length))
         ids = np.zeros((1, t), np.int32)
         ids[0, t - len(rest) :] = rest
+        width = self._width((len(prompt) - 1) // self.page_size + 1)
         logits, self.pool = self.steps.prefill(
             self.state,
             self.pool,
             jnp.asarray(ids),
             jnp.asarray([start], jnp.int32),
-            jnp.asarray(self._tables([table], 1)),
+            jnp.asarray(self._tables([table], 1, width)),
             jnp.asarray([t - len(rest)], jnp.int32),
         )
         return logits
@@ -258,22 +264,29 @@ class Engine:
         for r, seq in enumerate(seqs):
             ids[r, 0], start[r] = seq.generated[-1], seq.position
         seeds = [_seed(s.params.seed, s.index) for s in seqs]
+        width = self._width(max(s.position for s in seqs) // self.page_size + 1)
         tokens, self.pool = self.steps.decode(
             self.state,
             self.pool,
             jnp.asarray(ids),
             jnp.asarray(start),
-            jnp.asarray(self._tables([s.pages for s in seqs], rows)),
+            jnp.asarray(self._tables([s.pages for s in seqs], rows, width)),
             *_sampling_arrays([s.params for s in seqs], seeds, rows),
             Draw.of([s.params for s in seqs]),
         )
         for seq, token in zip(list(seqs), np.asarray(tokens)):
             self._append(seq, int(token))
 
-    def _tables(self, tables: list[list[int]], rows: int) -> np.ndarray:
-        out = np.zeros((rows, self.max_pages), np.int32)  # page 0: the garbage page
+    def _width(self, pages: int) -> int:
+        """Page-table columns of a step whose rows use up to `pages` pages."""
+        return bucket(pages, SMALLEST_TABLE, self.max_pages)
+
+    def _tables(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
+        """[rows, width] page tables: each sequence's first `width` pages (the ones it has
+        written so far or writes now; it holds the rest for its later tokens)."""
+        out = np.zeros((rows, width), np.int32)  # page 0: the garbage page
         for r, pages in enumerate(tables):
-            out[r, : len(pages)] = pages
+            out[r, : min(len(pages), width)] = pages[:width]
         return out
 
     def _append(self, seq: _Sequence, token: int) -> None:

@@ -1,7 +1,8 @@
 """The engine's compiled steps: prefill (one prompt), decode (one token for every active row),
 the first-token draw of a group and a page copy. Pure functions of arrays: the model's state
 and the page pool are arguments (the pool donated), so live parameters change nothing that is
-compiled, and each step compiles once per bucketed shape (`Steps.compiles` counts them)."""
+compiled, and each step compiles once per bucketed shape: rows, prompt tokens and page-table
+width (`Steps.compiles` counts them)."""
 
 from __future__ import annotations
 
@@ -66,12 +67,12 @@ class Steps:
     def prefill(self, state, pool, ids, start, table, pad) -> tuple[Array, Any]:
         """Logits [1, V] after a prompt [1, T] left-padded by `pad` [1] tokens, its first
         real token at position `start` [1]."""
-        self.compiles["prefill"].add(ids.shape)
+        self.compiles["prefill"].add((ids.shape, table.shape))
         return self._prefill(state, pool, ids, start, table, pad)
 
     def decode(self, state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw):
         """Each row's next token [B] from its last token [B, 1] at position `start` [B]."""
-        self.compiles["decode"].add((ids.shape, draw))
+        self.compiles["decode"].add((ids.shape, table.shape, draw))
         return self._decode(state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw)
 
     def draw(self, logits, temperature, top_k, top_p, seeds, positions, draw) -> Array:

@@ -154,6 +154,22 @@ def test_the_steps_compile_once_per_bucket_over_many_requests(model):
     assert sum(compiled.values()) == after_warm  # a fourth round compiles nothing new
 
 
+def test_steps_read_only_the_pages_in_use_and_decode_like_generate(model):
+    """A table as wide as the longest sequence needs (a bucket of 8 pages and up), not
+    max_length's 16 pages: sequences that cross from 8 to 16 pages mid-decode, and one that
+    joins a wide step, still give generate's tokens."""
+    engine = Engine(model, max_slots=2, page_size=4, max_length=64, eos_token_ids=[])
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [prompt(26, 4), prompt(3, 5), prompt(9, 6)]  # 26 + 12 tokens: pages 7 -> 10
+    got = engine.generate(prompts, params)
+    assert [c[0].token_ids for c in got] == [
+        generate(model, p, max_new_tokens=12).tolist() for p in prompts
+    ]
+    widths = {table[1] for _, table, _ in engine.steps.compiles["decode"]}
+    assert widths == {8, 16}, engine.steps.compiles["decode"]
+    assert {table[1] for _, table in engine.steps.compiles["prefill"]} == {8}
+
+
 def test_a_mixture_of_experts_model_decodes_like_generate():
     config = MoeConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
