@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "gather_from_processes",
     "gather_shares",
+    "process_block",
     "process_local_mesh",
     "process_local_state",
 ]
@@ -101,3 +102,21 @@ def gather_shares(local: np.ndarray, sizes: list[int]) -> np.ndarray:
     padded[: len(local)] = local
     every = gather_from_processes(padded)
     return np.concatenate([rows[:n] for rows, n in zip(every, sizes)])
+
+
+def process_block(x: jax.Array) -> np.ndarray:
+    """The block of a global array this process holds (its shards put together; replicas
+    read once): the whole array when one process holds it all."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = {}
+    for shard in x.addressable_shards:
+        start = tuple(s.start or 0 for s in shard.index)
+        shards.setdefault(start, shard.data)
+    origin = np.min(list(shards), axis=0)
+    ends = np.max([np.add(start, data.shape) for start, data in shards.items()], axis=0)
+    block = np.empty(tuple(ends - origin), x.dtype)
+    for start, data in shards.items():
+        at = tuple(slice(b - o, b - o + n) for b, o, n in zip(start, origin, data.shape))
+        block[at] = np.asarray(data)
+    return block

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxtrain.parallel.process_local import process_block
+
 __all__ = ["GeneratedRound"]
 
 # The `kind` of a round's details in a checkpoint's metadata (what wrote its extra arrays).
@@ -52,8 +54,8 @@ class GeneratedRound:
     ) -> GeneratedRound:
         """The round a checkpoint kept, its arrays read onto `abstract_batch`'s layout."""
         batch = restore(abstract_batch)
-        # One process holds the whole batch (GRPO runs on one): the host copy is complete.
-        host = {k: np.asarray(batch[k]) for k in ("input_ids", "labels")}
+        # This process's rows, as the round's source handed them to the loop.
+        host = {k: process_block(batch[k]) for k in ("input_ids", "labels")}
         return cls(
             generation=int(details["generation"]),
             batch=batch,

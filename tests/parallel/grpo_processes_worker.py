@@ -37,6 +37,45 @@ def digit_reward(prompts, completions, **_):
     return [sum(w.isdigit() for w in c.split()) / max(len(c.split()), 1) for c in completions]
 
 
+def train(out: Path, callbacks: list, distributed: dict) -> GRPOTrainer:
+    args = GRPOArguments(
+        output_dir=str(out), sharding_axis_dims=(2, 2, 1, 1, 1), max_steps=4,
+        num_iterations=2, total_batch_size=16, gradient_accumulation_steps=2,
+        num_generations=4, max_prompt_length=6, max_completion_length=6, temperature=0.7,
+        beta=0.04, epsilon=0.2, learning_rate=2e-2, optimizer="adamw", warmup_steps=0,
+        logging_steps=1, evaluation_strategy="steps", eval_steps=2, eval_num_generations=2,
+        eval_pass_threshold=0.6, save_final=True, progress_bar="none", seed=5, **distributed,
+    )  # fmt: skip
+    prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
+    eval_prompts = [{"prompt": f"what is {i} + 1 ?"} for i in range(3)]  # shares of 2 and 1
+    return GRPOTrainer(
+        arguments=args,
+        # Built once the cluster is formed (an eager model would start JAX before it).
+        model=ModelFactory(lambda: LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))),
+        reward_funcs=[digit_reward],
+        dataset_train=prompts,
+        dataset_eval=eval_prompts,
+        processing_class=tokenizer(),
+        callbacks=callbacks,
+    )
+
+
+def gathered(state) -> dict[str, np.ndarray]:
+    return {
+        str(i): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        for i, x in enumerate(jax.tree.leaves(state.params))
+    }
+
+
+class StopAfter:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, state, metrics, step):
+        if step == self.step:
+            trainer.should_stop = True
+
+
 def main(out: Path, mode: str, port: str = "", process_id: str = "0") -> None:
     name = "one" if mode == "one" else f"two_{process_id}"
     distributed = {}
@@ -55,32 +94,10 @@ def main(out: Path, mode: str, port: str = "", process_id: str = "0") -> None:
         def on_evaluate(self, trainer, metrics, step):
             evals.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
 
-    args = GRPOArguments(
-        output_dir=str(out / "run"), sharding_axis_dims=(2, 2, 1, 1, 1), max_steps=4,
-        num_iterations=2, total_batch_size=16, gradient_accumulation_steps=2,
-        num_generations=4, max_prompt_length=6, max_completion_length=6, temperature=0.7,
-        beta=0.04, epsilon=0.2, learning_rate=2e-2, optimizer="adamw", warmup_steps=0,
-        logging_steps=1, evaluation_strategy="steps", eval_steps=2, eval_num_generations=2, eval_pass_threshold=0.6,
-        save_final=False, progress_bar="none", seed=5, **distributed,
-    )  # fmt: skip
-    prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
-    eval_prompts = [{"prompt": f"what is {i} + 1 ?"} for i in range(3)]  # shares of 2 and 1
-    trainer = GRPOTrainer(
-        arguments=args,
-        # Built once the cluster is formed (an eager model would start JAX before it).
-        model=ModelFactory(lambda: LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))),
-        reward_funcs=[digit_reward],
-        dataset_train=prompts,
-        dataset_eval=eval_prompts,
-        processing_class=tokenizer(),
-        callbacks=[Record()],
-    )
+    trainer = train(out / "run", [Record()], distributed)
     output = trainer.train()
-    params = {
-        str(i): np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        for i, x in enumerate(jax.tree.leaves(output.state.params))
-    }
-    np.savez(out / f"{name}.npz", **params)
+    np.savez(out / f"{name}.npz", **gathered(output.state))
+    last = trainer.train_source._round
     result = {
         "processes": jax.process_count(),
         "local_devices": jax.local_device_count(),
@@ -89,6 +106,18 @@ def main(out: Path, mode: str, port: str = "", process_id: str = "0") -> None:
         "evals": evals,
         "engine_devices": len(jax.tree.leaves(trainer.train_source.engine.pool)[0].devices()),
     }
+    if mode == "two":
+        # Stopped after update 3, inside the second round (the final save keeps its batch),
+        # then resumed in the same directory: the last update reuses the restored round.
+        train(out / "resumed", [StopAfter(3)], distributed).train()
+        resumed = train(out / "resumed", [], distributed)
+        params = gathered(resumed.train().state)
+        np.savez(out / f"resumed_{process_id}.npz", **params)
+        restored = resumed.train_source._round
+        result["restored_rows_are_this_process_rows"] = all(
+            np.array_equal(restored.host[k], last.host[k]) for k in ("input_ids", "labels")
+        )
+        result["local_rows"] = list(last.host["input_ids"].shape)
     (out / f"{name}.json").write_text(json.dumps(result))
 
 

@@ -54,7 +54,7 @@ def test_two_processes_each_generating_their_share_train_like_one(tmp_path):
     rows of every micro-batch on an engine over its own copy of the policy. The completions,
     every logged value, the evaluation (3 prompts: shares of 2 and 1) and the final parameters
     equal one process's on the same mesh shape (temperature 0.7, num_iterations 2, 2
-    micro-batches, beta > 0)."""
+    micro-batches, beta > 0); a two-process run stopped inside a round resumes exactly."""
     worker = [sys.executable, str(HERE / "grpo_processes_worker.py"), str(tmp_path)]
     port = str(free_port())
     procs = [
@@ -90,6 +90,13 @@ def test_two_processes_each_generating_their_share_train_like_one(tmp_path):
         params = np.load(tmp_path / f"two_{i}.npz")
         for key in single_params.files:
             np.testing.assert_allclose(params[key], single_params[key], rtol=1e-5, atol=1e-6)
+        # Stopped inside a round and resumed: bit-equal to the uninterrupted two-process run,
+        # and the restored round's host rows are this process's half of each micro-batch.
+        resumed = np.load(tmp_path / f"resumed_{i}.npz")
+        for key in params.files:
+            np.testing.assert_array_equal(resumed[key], params[key], err_msg=key)
+        assert two["restored_rows_are_this_process_rows"]
+        assert two["local_rows"] == [2, 4, 12]  # [A, M / 2, prompt + completion]
     # Not a vacuous match: the rounds differ, and the evaluation scored something.
     assert len({x["reward"] for x in single["logs"]}) > 1
     assert all(e["eval/reward"] > 0 for e in single["evals"])
