@@ -34,18 +34,22 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 class FixedCompletions(GRPOTrainer):
-    """The sampler's output replaced by fixed tokens (a function of the prompt and step), so
-    both meshes update on the same batch; rewards, advantages, the batch's placement on the
-    mesh, the old log-probs and the train step are the trainer's own."""
+    """The sampler's output replaced by fixed tokens (a function of the round's rows and
+    step), so both meshes update on the same batch; rewards, advantages, the batch's
+    placement on the mesh, the old log-probs and the train step are the trainer's own."""
 
-    def sample(self, state, prompt, pad, step):
-        rng = np.random.default_rng([int(prompt.sum()), step])
-        tokens = rng.integers(4, len(WORDS), (len(prompt), COMPLETION)).astype(np.int32)
-        ends = rng.integers(1, COMPLETION + 2, len(prompt))  # some never end (truncated)
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.train_source.sample = self.fixed_tokens  # what RolloutSource.sample returns
+
+    def fixed_tokens(self, state, rows, mine, step):
+        rng = np.random.default_rng([int(rows.sum()), step])
+        tokens = rng.integers(4, len(WORDS), (len(rows), COMPLETION)).astype(np.int32)
+        ends = rng.integers(1, COMPLETION + 2, len(rows))  # some never end (truncated)
         for i, e in enumerate(ends):
             if e <= COMPLETION:
                 tokens[i, e - 1] = 3
-        return tokens
+        return tokens[mine]
 
 
 def length_reward(prompts, completions, **_):
