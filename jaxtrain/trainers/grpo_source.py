@@ -88,6 +88,7 @@ class RolloutSource:
         self._old_logps_fn = None
         self.engine: Engine | None = None  # made at the first round, from the policy
         self.process_index, self.process_count = jax.process_index(), layout.process_count
+        self._local_rest: Any = None  # the policy's frozen part on this process's devices
 
     @property
     def sequence_length(self) -> int:
@@ -302,8 +303,13 @@ class RolloutSource:
         args = self.args
         policy = self._program.model_from_state(state)
         if self.process_count > 1:
-            graphdef, live = nnx.split(policy)
-            policy = nnx.merge(graphdef, process_local_state(live, self.layout.mesh))
+            # Trained parameters are gathered every round; the rest (a LoRA or QLoRA base,
+            # buffers) never changes, so once.
+            graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
+            if self._local_rest is None:
+                self._local_rest = process_local_state(rest, self.layout.mesh)
+            params = process_local_state(params, self.layout.mesh)
+            policy = nnx.merge(graphdef, params, self._local_rest)
         if self.engine is None:
             self.engine = Engine(
                 policy,

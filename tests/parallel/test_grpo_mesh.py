@@ -54,7 +54,8 @@ def test_two_processes_each_generating_their_share_train_like_one(tmp_path):
     rows of every micro-batch on an engine over its own copy of the policy. The completions,
     every logged value, the evaluation (3 prompts: shares of 2 and 1) and the final parameters
     equal one process's on the same mesh shape (temperature 0.7, num_iterations 2, 2
-    micro-batches, beta > 0); a two-process run stopped inside a round resumes exactly."""
+    micro-batches, beta > 0, LoRA: the base is gathered once, the adapters every round); a
+    two-process run stopped inside a round resumes exactly."""
     worker = [sys.executable, str(HERE / "grpo_processes_worker.py"), str(tmp_path)]
     port = str(free_port())
     procs = [
