@@ -2,6 +2,8 @@
 prompts x 8 completions, up to 128 new tokens, each completion ending at its EOS.
 
     PYTHONPATH=. .venv/bin/python bench/engine.py [--rounds 3] [--repeats 3] [--json PATH]
+    PYTHONPATH=. .venv/bin/python bench/engine.py --skip_greedy --repeats 1 --rounds 2 \
+        --variants engine,generate,generate_sorted
     PYTHONPATH=. .venv/bin/python bench/engine.py --worker engine|generate --temperature T
 
 Each variant runs in its own process (`--worker`), the order alternating between repeats; a
@@ -29,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import cpu_sample  # noqa: E402
 
 RESULT = "ENGINE_RESULT "
+# generate_sorted: `generate` with top_p just under 1, which sorts the vocabulary at every step
+# as `generate` did for every sampled call before it skipped the sort at top_p = 1.
+VARIANTS = ("engine", "generate", "generate_sorted")
+NEARLY_ONE = 1.0 - 2.0**-20
 PROMPTS, GROUP, NEW = 8, 8, 128
 
 
@@ -70,8 +76,9 @@ def worker(variant: str, temperature: float, rounds: int) -> dict:
             done = engine.generate(prompts, params, n=GROUP)
             return [c.token_ids for group in done for c in group]
         rows = [p for p in prompts for _ in range(GROUP)]
+        top_p = NEARLY_ONE if variant == "generate_sorted" else 1.0
         out = generate(model, rows, max_new_tokens=NEW, temperature=temperature,
-                       eos_token_id=eos, seed=seed)  # fmt: skip
+                       top_p=top_p, eos_token_id=eos, seed=seed)  # fmt: skip
         return [until_eos(list(map(int, r)), eos) for r in out]
 
     one_round(0)  # compiles
@@ -109,11 +116,13 @@ def run_worker(variant: str, temperature: float, rounds: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("engine", "generate"))
+    parser.add_argument("--worker", choices=VARIANTS)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--variants", default="engine,generate",
+                        help=f"sampled-round variants, of {', '.join(VARIANTS)}")  # fmt: skip
     parser.add_argument(
         "--skip_greedy",
         action="store_true",
@@ -132,26 +141,27 @@ def main() -> int:
               f"{greedy['generate']['tokens_per_s'][0]:,.0f}")  # fmt: skip
     if opts.repeats < 1:
         return 0 if same else 1
-    results: dict[str, list[dict]] = {"engine": [], "generate": []}
+    variants = opts.variants.split(",")
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     for repeat in range(opts.repeats):
-        order = ("engine", "generate") if repeat % 2 == 0 else ("generate", "engine")
-        for variant in order:
+        for variant in variants if repeat % 2 == 0 else variants[::-1]:
             results[variant].append(run_worker(variant, opts.temperature, opts.rounds))
     medians = {}
     for variant, runs in results.items():
         rates = [r for run in runs for r in run["tokens_per_s"]]
         medians[variant] = statistics.median(rates)
-        print(f"{variant:>8}: generated tokens/s median {medians[variant]:,.0f} "
+        print(f"{variant:>15}: generated tokens/s median {medians[variant]:,.0f} "
               f"(min {min(rates):,.0f}, max {max(rates):,.0f}; {len(rates)} rounds), round s "
               f"{statistics.median(s for run in runs for s in run['round_s']):.2f}, tokens/round "
               f"{statistics.median(t for run in runs for t in run['tokens']):,.0f}, other CPU "
               f"{max(run['other_cpu_pct'] for run in runs):.0f}%")  # fmt: skip
-    paired = [
-        statistics.median(e["tokens_per_s"]) / statistics.median(g["tokens_per_s"])
-        for e, g in zip(results["engine"], results["generate"])
-    ]
-    print(f"engine / generate: {medians['engine'] / medians['generate']:.2f}x (paired per repeat "
-          f"{', '.join(f'{p:.2f}' for p in paired)})")  # fmt: skip
+    for other in (v for v in variants if v != "engine"):
+        paired = [
+            statistics.median(e["tokens_per_s"]) / statistics.median(g["tokens_per_s"])
+            for e, g in zip(results["engine"], results[other])
+        ]
+        print(f"engine / {other}: {medians['engine'] / medians[other]:.2f}x (paired per "
+              f"repeat {', '.join(f'{p:.2f}' for p in paired)})")  # fmt: skip
     if opts.json:
         Path(opts.json).write_text(json.dumps({"greedy_identical": same, "runs": results}))
     return 0 if same else 1

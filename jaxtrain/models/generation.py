@@ -25,8 +25,9 @@ from jaxtrain.models.kv_cache import cached_forward, empty_cache, supports_kv_ca
 __all__ = ["generate", "sample_left_padded"]
 
 
-def _pick(logits, i, key, temperature, top_p, *, sample: bool, top_k: int | None):
-    """Next tokens [B] from logits [B, V]: argmax, or a draw after temperature/top-k/top-p."""
+def _pick(logits, i, key, temperature, top_p, *, sample: bool, top_k: int | None, nucleus: bool):
+    """Next tokens [B] from logits [B, V]: argmax, or a draw after temperature/top-k/top-p
+    (`nucleus`: top_p < 1; without it the vocabulary is not sorted at every step)."""
     logits = logits.astype(jnp.float32)
     if not sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -36,18 +37,19 @@ def _pick(logits, i, key, temperature, top_p, *, sample: bool, top_k: int | None
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    # Nucleus: keep the most likely tokens whose mass before them is < top_p (the first
-    # token is always kept); top_p = 1 keeps everything.
-    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where(before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
-    logits = jnp.where(logits < kept, -jnp.inf, logits)
+    if nucleus:
+        # Keep the most likely tokens whose mass before them is < top_p (the first token is
+        # always kept).
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.where(before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
+        logits = jnp.where(logits < kept, -jnp.inf, logits)
     # fold_in(position): the draw at a position does not depend on batch history.
     return jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new", "sample", "top_k"))
+@partial(jax.jit, static_argnames=("graphdef", "max_new", "sample", "top_k", "nucleus"))
 def _generate_cached(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -61,11 +63,12 @@ def _generate_cached(
     max_new: int,
     sample: bool,
     top_k: int | None,
+    nucleus: bool,
 ) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, state)
     batch, plen = prompt.shape
     pick = partial(_pick, key=key, temperature=temperature, top_p=top_p, sample=sample,
-                   top_k=top_k)  # fmt: skip
+                   top_k=top_k, nucleus=nucleus)  # fmt: skip
     cache = empty_cache(model, batch, plen + max_new)
     logits, cache = cached_forward(model, prompt, jnp.int32(0), pad, cache)
     first = pick(logits, plen)
@@ -90,7 +93,7 @@ def _generate_cached(
     return out, end
 
 
-@partial(jax.jit, static_argnames=("graphdef", "sample", "top_k"))
+@partial(jax.jit, static_argnames=("graphdef", "sample", "top_k", "nucleus"))
 def _generate_uncached(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -103,11 +106,12 @@ def _generate_uncached(
     *,
     sample: bool,
     top_k: int | None,
+    nucleus: bool,
 ) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, state)
     batch, total = buf.shape
     pick = partial(_pick, key=key, temperature=temperature, top_p=top_p, sample=sample,
-                   top_k=top_k)  # fmt: skip
+                   top_k=top_k, nucleus=nucleus)  # fmt: skip
 
     def cond(carry):
         i, _, done = carry
@@ -147,7 +151,7 @@ def sample_left_padded(
     return _generate_cached(
         graphdef, state, prompt, pad, key,
         jnp.asarray(max(temperature, 1e-6), jnp.float32), jnp.asarray(top_p, jnp.float32), eos,
-        max_new=max_new_tokens, sample=temperature > 0, top_k=top_k,
+        max_new=max_new_tokens, sample=temperature > 0, top_k=top_k, nucleus=top_p < 1,
     )  # fmt: skip
 
 
@@ -253,7 +257,7 @@ def generate(
         jnp.asarray(top_p, jnp.float32),
         jnp.asarray(eos, jnp.int32),
     )
-    flags = dict(sample=temperature > 0, top_k=top_k)
+    flags = dict(sample=temperature > 0, top_k=top_k, nucleus=top_p < 1)
     if use_cache and supports_kv_cache(model):
         out, end = _generate_cached(graphdef, state, jnp.asarray(prompt), jnp.asarray(pad),
                                     *common, max_new=max_new_tokens, **flags)  # fmt: skip
