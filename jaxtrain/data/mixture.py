@@ -30,15 +30,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data.collate import IGNORE_INDEX, CollateStats
+from jaxtrain.data.collate import CollateStats
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.mixture_rows import RowReader
-from jaxtrain.data.mixture_schedule import MixtureSchedule
+from jaxtrain.data.mixture_schedule import MixtureSchedule, Plan
 
 __all__ = ["MixtureLoader", "Source", "source_seed"]
 
 # Steps whose position the loader keeps beyond the read-ahead (prefetch_batches steps).
 HISTORY = 8
+# Steps the schedule is worked out for at a time (MixtureSchedule.plan).
+PLAN_STEPS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,7 @@ class MixtureLoader:
         zeros = (0,) * len(self.names)
         self._start = _Position(zeros, zeros, zeros)
         self._positions: dict[int, _Position] = {0: self._start}
+        self._plan: Plan | None = None
 
     # ------------------------------------------------------------ reading
     def batches(self, start_step: int = 0, *, with_stats: bool = False) -> Iterator[Any]:
@@ -130,6 +133,7 @@ class MixtureLoader:
         position = self._positions.get(step) or self._start
         for reader, row in zip(self.readers, position.rows):
             reader.open(row)
+        self._plan = None  # worked out again from this run's own position
         while True:
             made = self._step(step, position)
             if made is None:  # a source ran out and the mixture stops here
@@ -142,46 +146,44 @@ class MixtureLoader:
                 yield (batch, stats) if with_stats else batch
 
     def _step(self, step: int, before: _Position):
-        counts = self.schedule.counts_at_start(step, before.counts)
-        chosen, counts = self.schedule.assign(step, counts, self.slots)
-        chosen = np.asarray(chosen, np.int32)
-        parts, stats = {}, None
-        for k, reader in enumerate(self.readers):
-            n = int((chosen == k).sum())
+        if self._plan is None or step not in self._plan:
+            counts = self.schedule.counts_at_start(step, before.counts)
+            self._plan = self.schedule.plan(step, counts, self.slots, PLAN_STEPS)
+        plan, i = self._plan, step - self._plan.first
+        parts, stats, tokens = [], None, list(before.tokens)
+        for k, (reader, n) in enumerate(zip(self.readers, plan.takes[i])):
             if n:
-                rows, part_stats = reader.take(n)
+                rows, part_stats, targets = reader.take(n)
                 if self.exhausted == "stop" and reader.read_past_first_epoch():
                     return None
-                parts[k] = rows
+                parts.append((k, rows))
                 stats = merge_stats(stats, part_stats)
-        batch = self._assemble(chosen, parts)
-        tokens = list(before.tokens)
-        targets = (batch["labels"][..., 1:] != IGNORE_INDEX).sum(-1).reshape(-1)
-        for k in parts:
-            tokens[k] += int(targets[chosen == k].sum())
+                tokens[k] += targets
+        batch = self._assemble(plan.gather[i], plan.sources[i], parts)
         rows = tuple(reader.position for reader in self.readers)
-        return batch, stats, _Position(tuple(counts), rows, tuple(tokens))
+        return batch, stats, _Position(plan.counts[i], rows, tuple(tokens))
 
-    def _assemble(self, chosen: np.ndarray, parts: dict[int, dict[str, np.ndarray]]):
-        """[A, m, ...] rows in slot order, with `source_ids` [A, m]."""
-        keys = None
-        for k, rows in parts.items():
-            if keys is None:
-                keys, first = sorted(rows), k
-            elif sorted(rows) != keys:
+    def _assemble(
+        self, gather: np.ndarray, chosen: np.ndarray, parts: list[tuple[int, dict[str, np.ndarray]]]
+    ) -> dict[str, np.ndarray]:
+        """[A, m, ...] rows in slot order, with `source_ids` [A, m]: each field's parts
+        concatenated source by source, then gathered into slot order (`gather`)."""
+        first, keys = parts[0][0], parts[0][1].keys()
+        for k, rows in parts[1:]:
+            if rows.keys() != keys:
                 raise DatasetError(
                     f"dataset_train[{self.names[k]!r}] rows have the fields {sorted(rows)} but "
-                    f"dataset_train[{self.names[first]!r}] rows have {keys}; the sources of a "
-                    "mixture must give rows of the same kind (the same collator and packing)"
+                    f"dataset_train[{self.names[first]!r}] rows have {sorted(keys)}; the sources "
+                    "of a mixture must give rows of the same kind (the same collator and packing)"
                 )
+        shape = (self.accumulation_steps, self.columns)
         flat = {}
-        for key in keys:
-            sample = parts[first][key]
-            out = np.empty((self.slots, *sample.shape[1:]), sample.dtype)
-            for k, rows in parts.items():
-                out[chosen == k] = rows[key]
-            flat[key] = out.reshape(self.accumulation_steps, self.columns, *sample.shape[1:])
-        flat["source_ids"] = chosen.reshape(self.accumulation_steps, self.columns)
+        for key in sorted(keys):
+            fields = [rows[key] for _, rows in parts]
+            joined = fields[0] if len(fields) == 1 else np.concatenate(fields)
+            out = joined.take(gather, axis=0)
+            flat[key] = out.reshape(shape + out.shape[1:])
+        flat["source_ids"] = chosen.reshape(shape).copy()
         return flat
 
     # ------------------------------------------------------------ position

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data.collate import CollateStats
+from jaxtrain.data.collate import IGNORE_INDEX, CollateStats
 from jaxtrain.data.loader import BatchLoader, UnitLoader
 from jaxtrain.data.units import MapUnits
 
@@ -33,6 +33,18 @@ def _add(a: CollateStats | None, b: CollateStats | None) -> CollateStats | None:
     return a if b is None else a + b
 
 
+class _Read:
+    """Rows [first, first + size) of a source read at once, with the running count of their
+    target tokens (a step's share of them is two look-ups, not a pass over its labels)."""
+
+    def __init__(self, first: int, rows: Rows, stats: CollateStats | None):
+        self.first, self.rows, self.stats = first, rows, stats
+        self.size = len(rows["input_ids"])
+        self.end = first + self.size
+        per_row = np.count_nonzero(rows["labels"][:, 1:] != IGNORE_INDEX, axis=-1)
+        self.targets = [0, *np.cumsum(per_row).tolist()]
+
+
 class MapRows:
     """Rows of a BatchLoader; position p holds row p of the source's endless shuffled order
     (on each process, its own row of that position). Rows are read `chunk` at a time: a
@@ -43,21 +55,22 @@ class MapRows:
         self.loader, self.chunk = loader, chunk
         self.state_is_per_process = False
         self.position = 0
-        self._read: tuple[int, Rows, Any] | None = None  # (first position, rows, stats)
+        self._read: _Read | None = None
 
     def open(self, position: int) -> None:
         self.position, self._read = position, None
 
-    def take(self, n: int) -> tuple[Rows, CollateStats | None]:
+    def take(self, n: int) -> tuple[Rows, CollateStats | None, int]:
+        """The next `n` rows, their collate stats and their target tokens."""
         start, end = self.position, self.position + n
-        if self._read is None or end > self._read[0] + len(self._read[1]["input_ids"]):
-            size = max(n, self.chunk)
-            rows, stats = self.loader.rows_at(range(start, start + size))
-            self._read = (start, rows, stats)
-        first, rows, stats = self._read
-        taken = {k: v[start - first : end - first] for k, v in rows.items()}
+        read = self._read
+        if read is None or end > read.end:
+            rows, stats = self.loader.rows_at(range(start, start + max(n, self.chunk)))
+            read = self._read = _Read(start, rows, stats)
+        a, b = start - read.first, end - read.first
         self.position = end
-        return taken, _share(stats, len(rows["input_ids"]), start - first, end - first)
+        taken = {k: v[a:b] for k, v in read.rows.items()}
+        return taken, _share(read.stats, read.size, a, b), read.targets[b] - read.targets[a]
 
     def epoch(self, position: int) -> float:
         """Epochs of the source used by `position` rows."""
@@ -88,7 +101,8 @@ class UnitRows:
         self._batches = self.loader.batches(start_step=position, with_stats=True)
         self._past_first_epoch = False
 
-    def take(self, n: int) -> tuple[Rows, CollateStats | None]:
+    def take(self, n: int) -> tuple[Rows, CollateStats | None, int]:
+        """The next `n` rows, their collate stats and their target tokens."""
         if self._batches is None:
             self.open(self.position)
         parts, stats = [], None
@@ -101,7 +115,7 @@ class UnitRows:
         rows = {
             k: np.concatenate([p[k].reshape(-1, *p[k].shape[2:]) for p in parts]) for k in parts[0]
         }
-        return rows, stats
+        return rows, stats, int(np.count_nonzero(rows["labels"][:, 1:] != IGNORE_INDEX))
 
     def epoch(self, position: int) -> float:
         """Epochs of the source this process used by `position` rows (fractional when the
@@ -129,11 +143,11 @@ def _share(stats: CollateStats | None, rows: int, start: int, end: int) -> Colla
     tokens, adding up to the read's counts once every row is taken."""
     if stats is None:
         return None
-
-    def part(count: int) -> int:
-        return count * end // rows - count * start // rows
-
-    return CollateStats(part(stats.num_truncated_tokens), part(stats.num_padding_tokens))
+    truncated, padding = stats.num_truncated_tokens, stats.num_padding_tokens
+    return CollateStats(
+        truncated * end // rows - truncated * start // rows,
+        padding * end // rows - padding * start // rows,
+    )
 
 
 RowReader = MapRows | UnitRows
