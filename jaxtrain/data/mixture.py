@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data.collate import CollateStats
+from jaxtrain.data.collate import IGNORE_INDEX, CollateStats
 from jaxtrain.data.errors import DatasetError
-from jaxtrain.data.mixture_rows import RowReader
+from jaxtrain.data.mixture_rows import RowReader, Taken
 from jaxtrain.data.mixture_schedule import MixtureSchedule, Plan
 
 __all__ = ["MixtureLoader", "Source", "source_seed"]
@@ -41,6 +41,9 @@ __all__ = ["MixtureLoader", "Source", "source_seed"]
 HISTORY = 8
 # Steps the schedule is worked out for at a time (MixtureSchedule.plan).
 PLAN_STEPS = 64
+# Steps whose rows are read and put in slot order at once (MixtureLoader._block); a source
+# reads this many steps ahead of the batch being made.
+BLOCK_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,39 +138,65 @@ class MixtureLoader:
             reader.open(row)
         self._plan = None  # worked out again from this run's own position
         while True:
-            made = self._step(step, position)
-            if made is None:  # a source ran out and the mixture stops here
+            made, stopped = self._block(step, position)
+            for batch, stats, position in made:
+                step += 1
+                self._positions[step] = position
+                self._positions.pop(step - self.history, None)
+                if step > start_step:
+                    yield (batch, stats) if with_stats else batch
+            if stopped:  # a source ran out and the mixture stops here
                 return
-            batch, stats, position = made
-            step += 1
-            self._positions[step] = position
-            self._positions.pop(step - self.history, None)
-            if step > start_step:
-                yield (batch, stats) if with_stats else batch
 
-    def _step(self, step: int, before: _Position):
+    def _block(self, step: int, before: _Position) -> tuple[list[tuple[Any, ...]], bool]:
+        """The batches of the next steps from `step`, each with its collate stats and the
+        position after it, and whether the mixture stops after them (a source ran out)."""
         if self._plan is None or step not in self._plan:
             counts = self.schedule.counts_at_start(step, before.counts)
             self._plan = self.schedule.plan(step, counts, self.slots, PLAN_STEPS)
         plan, i = self._plan, step - self._plan.first
-        parts, stats, tokens = [], None, list(before.tokens)
-        for k, (reader, n) in enumerate(zip(self.readers, plan.takes[i])):
-            if n:
-                rows, part_stats, targets = reader.take(n)
-                if self.exhausted == "stop" and reader.read_past_first_epoch():
-                    return None
-                parts.append((k, rows))
-                stats = merge_stats(stats, part_stats)
-                tokens[k] += targets
-        batch = self._assemble(plan.gather[i], plan.sources[i], parts)
-        rows = tuple(reader.position for reader in self.readers)
-        return batch, stats, _Position(plan.counts[i], rows, tuple(tokens))
+        end = min(i + BLOCK_STEPS, len(plan.counts))
+        takes = plan.takes[i:end]
+        taken: list[Taken | None] = []
+        steps = end - i  # the steps made: all, or those before a source's second epoch
+        for k, reader in enumerate(self.readers):
+            counts = [row[k] for row in takes]
+            if not any(counts):
+                taken.append(None)
+                continue
+            rows = reader.take_steps(counts)
+            taken.append(rows)
+            if self.exhausted == "stop" and True in rows.past_first_epoch:
+                steps = min(steps, rows.past_first_epoch.index(True))
+        sources = plan.sources[i:end]
+        fields = self._assemble(sources, [(k, t.rows) for k, t in enumerate(taken) if t])
+        # Target tokens of each source in each step, counted over all the steps at once.
+        labels = fields["labels"]
+        targets = np.count_nonzero(labels[..., 1:] != IGNORE_INDEX, axis=-1).reshape(-1)
+        cells = (np.arange(len(sources))[:, None] * len(taken) + sources).reshape(-1)
+        given = np.bincount(cells, targets, len(sources) * len(taken)).astype(np.int64)
+        given = given.reshape(len(sources), len(taken)).tolist()
+        made = []
+        tokens, rows = list(before.tokens), list(before.rows)
+        for j in range(steps):
+            stats = None
+            for k, t in enumerate(taken):
+                if t is not None:
+                    stats = merge_stats(stats, t.stats[j])
+                    tokens[k] += given[j][k]
+                    rows[k] = t.positions[j]
+            batch = {key: value[j] for key, value in fields.items()}
+            made.append((batch, stats, _Position(plan.counts[i + j], tuple(rows), tuple(tokens))))
+        return made, steps < end - i
 
     def _assemble(
-        self, gather: np.ndarray, chosen: np.ndarray, parts: list[tuple[int, dict[str, np.ndarray]]]
+        self, sources: np.ndarray, parts: list[tuple[int, dict[str, np.ndarray]]]
     ) -> dict[str, np.ndarray]:
-        """[A, m, ...] rows in slot order, with `source_ids` [A, m]: each field's parts
-        concatenated source by source, then gathered into slot order (`gather`)."""
+        """[steps, A, m, ...] rows of `sources` [steps, slots] in slot order, with
+        `source_ids`. Each source's rows come step by step; concatenated source by source,
+        slot s of the steps (flattened) takes the row at its place in a stable sort of the
+        slots by source. One concatenation and one gather per field for all the steps: at a
+        few rows a step, numpy's cost per call outweighs the copies."""
         first, keys = parts[0][0], parts[0][1].keys()
         for k, rows in parts[1:]:
             if rows.keys() != keys:
@@ -176,15 +205,18 @@ class MixtureLoader:
                     f"dataset_train[{self.names[first]!r}] rows have {sorted(keys)}; the sources "
                     "of a mixture must give rows of the same kind (the same collator and packing)"
                 )
-        shape = (self.accumulation_steps, self.columns)
-        flat = {}
+        flat = sources.reshape(-1)
+        gather = np.empty(len(flat), np.intp)
+        gather[np.argsort(flat, kind="stable")] = np.arange(len(flat))
+        shape = (len(sources), self.accumulation_steps, self.columns)
+        out = {}
         for key in sorted(keys):
             fields = [rows[key] for _, rows in parts]
             joined = fields[0] if len(fields) == 1 else np.concatenate(fields)
-            out = joined.take(gather, axis=0)
-            flat[key] = out.reshape(shape + out.shape[1:])
-        flat["source_ids"] = chosen.reshape(shape).copy()
-        return flat
+            rows = joined.take(gather, axis=0)
+            out[key] = rows.reshape(shape + rows.shape[1:])
+        out["source_ids"] = sources.reshape(shape).copy()
+        return out
 
     # ------------------------------------------------------------ position
     def epoch(self, step: int) -> float:
