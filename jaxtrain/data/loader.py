@@ -468,12 +468,17 @@ class UnitLoader:
             return batch, stats, after
         if packer is not None:
             start_epoch = packer.position()[0]
-            rows, stats = [], CollateStats()
+            rows, truncated, padding = [], 0, 0
             for _ in range(n):
                 row, row_stats = packer.next_row()
                 rows.append(row)
-                stats = stats + row_stats
-            flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
+                truncated += row_stats.num_truncated_tokens
+                padding += row_stats.num_padding_tokens
+            stats = CollateStats(truncated, padding)
+            if n == 1:  # a mixture reads its sources a row a step: a view of it, not a copy
+                flat = {k: rows[0][k][None] for k in PACKED_FIELDS}
+            else:
+                flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
             crossed = packer.last_epoch > start_epoch
             self.last_epoch = packer.last_epoch
             after = packer.position()  # the start of the next block once this one is used

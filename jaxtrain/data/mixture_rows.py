@@ -42,12 +42,6 @@ class Taken:
     past_first_epoch: list[bool]
 
 
-def _add(a: CollateStats | None, b: CollateStats | None) -> CollateStats | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
-
-
 class _Read:
     """Rows [first, first + size) of a source read at once."""
 
@@ -128,19 +122,27 @@ class UnitRows:
         """The next rows: `counts[i]` of them for step i."""
         if self._batches is None:
             self.open(self.position)
-        parts, stats, positions, past = [], [], [], []
+        batches, stats, positions, past = [], [], [], []
         for n in counts:
-            step_stats = None
+            counted, truncated, padding = False, 0, 0  # plain ints: no stats object per row
             for _ in range(n):
                 batch, row_stats = next(self._batches)
-                parts.append({k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items()})
-                step_stats = _add(step_stats, row_stats)
+                batches.append(batch)
+                if row_stats is not None:
+                    counted = True
+                    truncated += row_stats.num_truncated_tokens
+                    padding += row_stats.num_padding_tokens
                 self._past_first_epoch |= self.loader.last_epoch > 0
             self.position += n
-            stats.append(step_stats)
+            stats.append(CollateStats(truncated, padding) if counted else None)
             positions.append(self.position)
             past.append(n > 0 and self._past_first_epoch)
-        return Taken(_join(parts), stats, positions, past)
+        # [steps, rows of a step, ...] batches of the loader, one concatenation per field.
+        rows = {
+            k: np.concatenate([b[k] for b in batches]).reshape(-1, *v.shape[2:])
+            for k, v in batches[0].items()
+        }
+        return Taken(rows, stats, positions, past)
 
     def epoch(self, position: int) -> float:
         """Epochs of the source this process used by `position` rows (fractional when the
