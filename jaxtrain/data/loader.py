@@ -231,6 +231,10 @@ class BatchLoader:
         columns = np.arange(self.accumulation_steps)[:, None] * self.micro_batch_size + lo
         offsets = (columns + np.arange(per)[None, :]).reshape(-1)
         positions = within[:, None] * self.global_batch_size + offsets[None, :]
+        if len(s) and epochs[0] == epochs[-1]:  # within one epoch (most reads): no masks
+            order = self._permutation(int(epochs[0]))
+            if positions[-1, -1] < len(order):  # the largest position: no filler row
+                return self.rows_of(order[positions.reshape(-1)])
         flat = np.full(positions.shape, _FILL, np.int64)
         for epoch in np.unique(epochs):
             order, rows = self._permutation(int(epoch)), epochs == epoch
