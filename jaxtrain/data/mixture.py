@@ -164,10 +164,10 @@ class MixtureLoader:
             if not any(counts):
                 taken.append(None)
                 continue
-            rows = reader.take_steps(counts)
-            taken.append(rows)
-            if self.exhausted == "stop" and True in rows.past_first_epoch:
-                steps = min(steps, rows.past_first_epoch.index(True))
+            got = reader.take_steps(counts)
+            taken.append(got)
+            if self.exhausted == "stop" and True in got.past_first_epoch:
+                steps = min(steps, got.past_first_epoch.index(True))
         sources = plan.sources[i:end]
         fields = self._assemble(sources, [(k, t.rows) for k, t in enumerate(taken) if t])
         # Target tokens of each source in each step, counted over all the steps at once.
