@@ -231,6 +231,10 @@ class BatchLoader:
         columns = np.arange(self.accumulation_steps)[:, None] * self.micro_batch_size + lo
         offsets = (columns + np.arange(per)[None, :]).reshape(-1)
         positions = within[:, None] * self.global_batch_size + offsets[None, :]
+        if len(s) and epochs[0] == epochs[-1]:  # within one epoch (most reads): no masks
+            order = self._permutation(int(epochs[0]))
+            if positions[-1, -1] < len(order):  # the largest position: no filler row
+                return self.rows_of(order[positions.reshape(-1)])
         flat = np.full(positions.shape, _FILL, np.int64)
         for epoch in np.unique(epochs):
             order, rows = self._permutation(int(epoch)), epochs == epoch
@@ -468,12 +472,17 @@ class UnitLoader:
             return batch, stats, after
         if packer is not None:
             start_epoch = packer.position()[0]
-            rows, stats = [], CollateStats()
+            rows, truncated, padding = [], 0, 0
             for _ in range(n):
                 row, row_stats = packer.next_row()
                 rows.append(row)
-                stats = stats + row_stats
-            flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
+                truncated += row_stats.num_truncated_tokens
+                padding += row_stats.num_padding_tokens
+            stats = CollateStats(truncated, padding)
+            if n == 1:  # a mixture reads its sources a row a step: a view of it, not a copy
+                flat = {k: rows[0][k][None] for k in PACKED_FIELDS}
+            else:
+                flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
             crossed = packer.last_epoch > start_epoch
             self.last_epoch = packer.last_epoch
             after = packer.position()  # the start of the next block once this one is used

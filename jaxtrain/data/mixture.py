@@ -32,13 +32,18 @@ import numpy as np
 
 from jaxtrain.data.collate import IGNORE_INDEX, CollateStats
 from jaxtrain.data.errors import DatasetError
-from jaxtrain.data.mixture_rows import RowReader
-from jaxtrain.data.mixture_schedule import MixtureSchedule
+from jaxtrain.data.mixture_rows import RowReader, Taken
+from jaxtrain.data.mixture_schedule import MixtureSchedule, Plan
 
 __all__ = ["MixtureLoader", "Source", "source_seed"]
 
 # Steps whose position the loader keeps beyond the read-ahead (prefetch_batches steps).
 HISTORY = 8
+# Steps the schedule is worked out for at a time (MixtureSchedule.plan).
+PLAN_STEPS = 64
+# Steps whose rows are read and put in slot order at once (MixtureLoader._block); a source
+# reads this many steps ahead of the batch being made.
+BLOCK_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +124,7 @@ class MixtureLoader:
         zeros = (0,) * len(self.names)
         self._start = _Position(zeros, zeros, zeros)
         self._positions: dict[int, _Position] = {0: self._start}
+        self._plan: Plan | None = None
 
     # ------------------------------------------------------------ reading
     def batches(self, start_step: int = 0, *, with_stats: bool = False) -> Iterator[Any]:
@@ -130,59 +136,87 @@ class MixtureLoader:
         position = self._positions.get(step) or self._start
         for reader, row in zip(self.readers, position.rows):
             reader.open(row)
+        self._plan = None  # worked out again from this run's own position
         while True:
-            made = self._step(step, position)
-            if made is None:  # a source ran out and the mixture stops here
+            made, stopped = self._block(step, position)
+            for batch, stats, position in made:
+                step += 1
+                self._positions[step] = position
+                self._positions.pop(step - self.history, None)
+                if step > start_step:
+                    yield (batch, stats) if with_stats else batch
+            if stopped:  # a source ran out and the mixture stops here
                 return
-            batch, stats, position = made
-            step += 1
-            self._positions[step] = position
-            self._positions.pop(step - self.history, None)
-            if step > start_step:
-                yield (batch, stats) if with_stats else batch
 
-    def _step(self, step: int, before: _Position):
-        counts = self.schedule.counts_at_start(step, before.counts)
-        chosen, counts = self.schedule.assign(step, counts, self.slots)
-        chosen = np.asarray(chosen, np.int32)
-        parts, stats = {}, None
+    def _block(self, step: int, before: _Position) -> tuple[list[tuple[Any, ...]], bool]:
+        """The batches of the next steps from `step`, each with its collate stats and the
+        position after it, and whether the mixture stops after them (a source ran out)."""
+        if self._plan is None or step not in self._plan:
+            counts = self.schedule.counts_at_start(step, before.counts)
+            self._plan = self.schedule.plan(step, counts, self.slots, PLAN_STEPS)
+        plan, i = self._plan, step - self._plan.first
+        end = min(i + BLOCK_STEPS, len(plan.counts))
+        takes = plan.takes[i:end]
+        taken: list[Taken | None] = []
+        steps = end - i  # the steps made: all, or those before a source's second epoch
         for k, reader in enumerate(self.readers):
-            n = int((chosen == k).sum())
-            if n:
-                rows, part_stats = reader.take(n)
-                if self.exhausted == "stop" and reader.read_past_first_epoch():
-                    return None
-                parts[k] = rows
-                stats = merge_stats(stats, part_stats)
-        batch = self._assemble(chosen, parts)
-        tokens = list(before.tokens)
-        targets = (batch["labels"][..., 1:] != IGNORE_INDEX).sum(-1).reshape(-1)
-        for k in parts:
-            tokens[k] += int(targets[chosen == k].sum())
-        rows = tuple(reader.position for reader in self.readers)
-        return batch, stats, _Position(tuple(counts), rows, tuple(tokens))
+            counts = [row[k] for row in takes]
+            if not any(counts):
+                taken.append(None)
+                continue
+            got = reader.take_steps(counts)
+            taken.append(got)
+            if self.exhausted == "stop" and True in got.past_first_epoch:
+                steps = min(steps, got.past_first_epoch.index(True))
+        sources = plan.sources[i:end]
+        fields = self._assemble(sources, [(k, t.rows) for k, t in enumerate(taken) if t])
+        # Target tokens of each source in each step, counted over all the steps at once.
+        labels = fields["labels"]
+        targets = np.count_nonzero(labels[..., 1:] != IGNORE_INDEX, axis=-1).reshape(-1)
+        cells = (np.arange(len(sources))[:, None] * len(taken) + sources).reshape(-1)
+        given = np.bincount(cells, targets, len(sources) * len(taken)).astype(np.int64)
+        given = given.reshape(len(sources), len(taken)).tolist()
+        made = []
+        tokens, rows = list(before.tokens), list(before.rows)
+        for j in range(steps):
+            stats = None
+            for k, t in enumerate(taken):
+                if t is not None:
+                    stats = merge_stats(stats, t.stats[j])
+                    tokens[k] += given[j][k]
+                    rows[k] = t.positions[j]
+            batch = {key: value[j] for key, value in fields.items()}
+            made.append((batch, stats, _Position(plan.counts[i + j], tuple(rows), tuple(tokens))))
+        return made, steps < end - i
 
-    def _assemble(self, chosen: np.ndarray, parts: dict[int, dict[str, np.ndarray]]):
-        """[A, m, ...] rows in slot order, with `source_ids` [A, m]."""
-        keys = None
-        for k, rows in parts.items():
-            if keys is None:
-                keys, first = sorted(rows), k
-            elif sorted(rows) != keys:
+    def _assemble(
+        self, sources: np.ndarray, parts: list[tuple[int, dict[str, np.ndarray]]]
+    ) -> dict[str, np.ndarray]:
+        """[steps, A, m, ...] rows of `sources` [steps, slots] in slot order, with
+        `source_ids`. Each source's rows come step by step; concatenated source by source,
+        slot s of the steps (flattened) takes the row at its place in a stable sort of the
+        slots by source. One concatenation and one gather per field for all the steps: at a
+        few rows a step, numpy's cost per call outweighs the copies."""
+        first, keys = parts[0][0], parts[0][1].keys()
+        for k, rows in parts[1:]:
+            if rows.keys() != keys:
                 raise DatasetError(
                     f"dataset_train[{self.names[k]!r}] rows have the fields {sorted(rows)} but "
-                    f"dataset_train[{self.names[first]!r}] rows have {keys}; the sources of a "
-                    "mixture must give rows of the same kind (the same collator and packing)"
+                    f"dataset_train[{self.names[first]!r}] rows have {sorted(keys)}; the sources "
+                    "of a mixture must give rows of the same kind (the same collator and packing)"
                 )
-        flat = {}
-        for key in keys:
-            sample = parts[first][key]
-            out = np.empty((self.slots, *sample.shape[1:]), sample.dtype)
-            for k, rows in parts.items():
-                out[chosen == k] = rows[key]
-            flat[key] = out.reshape(self.accumulation_steps, self.columns, *sample.shape[1:])
-        flat["source_ids"] = chosen.reshape(self.accumulation_steps, self.columns)
-        return flat
+        flat = sources.reshape(-1)
+        gather = np.empty(len(flat), np.intp)
+        gather[np.argsort(flat, kind="stable")] = np.arange(len(flat))
+        shape = (len(sources), self.accumulation_steps, self.columns)
+        out = {}
+        for key in sorted(keys):
+            fields = [rows[key] for _, rows in parts]
+            joined = fields[0] if len(fields) == 1 else np.concatenate(fields)
+            rows = joined.take(gather, axis=0)
+            out[key] = rows.reshape(shape + rows.shape[1:])
+        out["source_ids"] = sources.reshape(shape).copy()
+        return out
 
     # ------------------------------------------------------------ position
     def epoch(self, step: int) -> float:

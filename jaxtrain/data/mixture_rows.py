@@ -6,14 +6,17 @@ row per process. A "position" of that loader is then one row on every process, s
 mixture can take any number of rows from it in a step, and the loader's own position and
 resume (data_state / check_data_state) are the source's.
 
-`MapRows` reads a random-access source (a BatchLoader) and collates all the rows a step
-takes from it at once; `UnitRows` steps a packing or streaming loader (a UnitLoader) once
-per row.
+`MapRows` reads a random-access source (a BatchLoader) and collates its rows a chunk at a
+time; `UnitRows` steps a packing or streaming loader (a UnitLoader) once per row. Both hand
+out the rows of several steps at once (`take_steps`), with what each step needs to know of
+them: its collate stats, its target tokens, the position after it and whether it read past
+the source's first epoch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,15 +25,30 @@ from jaxtrain.data.collate import CollateStats
 from jaxtrain.data.loader import BatchLoader, UnitLoader
 from jaxtrain.data.units import MapUnits
 
-__all__ = ["MapRows", "RowReader", "UnitRows", "row_reader"]
+__all__ = ["MapRows", "RowReader", "Taken", "UnitRows", "row_reader"]
 
 Rows = dict[str, np.ndarray]
 
 
-def _add(a: CollateStats | None, b: CollateStats | None) -> CollateStats | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """The rows a source gives to several steps (`rows`: [all of them, ...], step by step)
+    and, per step, their collate stats (None: none taken, or a user collator's), the
+    source's position after the step and whether it has then read past its first epoch."""
+
+    rows: Rows
+    stats: list[CollateStats | None]
+    positions: list[int]
+    past_first_epoch: list[bool]
+
+
+class _Read:
+    """Rows [first, first + size) of a source read at once."""
+
+    def __init__(self, first: int, rows: Rows, stats: CollateStats | None):
+        self.first, self.rows, self.stats = first, rows, stats
+        self.size = len(rows["input_ids"])
+        self.end = first + self.size
 
 
 class MapRows:
@@ -43,28 +61,40 @@ class MapRows:
         self.loader, self.chunk = loader, chunk
         self.state_is_per_process = False
         self.position = 0
-        self._read: tuple[int, Rows, Any] | None = None  # (first position, rows, stats)
+        self._read: _Read | None = None
 
     def open(self, position: int) -> None:
         self.position, self._read = position, None
 
-    def take(self, n: int) -> tuple[Rows, CollateStats | None]:
-        start, end = self.position, self.position + n
-        if self._read is None or end > self._read[0] + len(self._read[1]["input_ids"]):
-            size = max(n, self.chunk)
-            rows, stats = self.loader.rows_at(range(start, start + size))
-            self._read = (start, rows, stats)
-        first, rows, stats = self._read
-        taken = {k: v[start - first : end - first] for k, v in rows.items()}
-        self.position = end
-        return taken, _share(stats, len(rows["input_ids"]), start - first, end - first)
+    def take_steps(self, counts: Sequence[int]) -> Taken:
+        """The next rows: `counts[i]` of them for step i."""
+        pieces: list[tuple[_Read, int, int]] = []  # slices of reads, in order
+        stats, positions, past = [], [], []
+        epoch_rows = self.loader.steps_per_epoch
+        for n in counts:
+            if n:
+                start, end = self.position, self.position + n
+                read = self._read
+                if read is None or end > read.end:
+                    rows, read_stats = self.loader.rows_at(range(start, start + max(n, self.chunk)))
+                    read = self._read = _Read(start, rows, read_stats)
+                a, b = start - read.first, end - read.first
+                self.position = end
+                if pieces and pieces[-1][0] is read:  # the last slice goes on
+                    pieces[-1] = (read, pieces[-1][1], b)
+                else:
+                    pieces.append((read, a, b))
+                stats.append(_share(read.stats, read.size, a, b))
+            else:
+                stats.append(None)
+            positions.append(self.position)
+            past.append(n > 0 and self.position > epoch_rows)
+        parts = [{k: v[a:b] for k, v in read.rows.items()} for read, a, b in pieces]
+        return Taken(_join(parts), stats, positions, past)
 
     def epoch(self, position: int) -> float:
         """Epochs of the source used by `position` rows."""
         return position / self.loader.steps_per_epoch
-
-    def read_past_first_epoch(self) -> bool:
-        return self.position > self.loader.steps_per_epoch
 
     def data_state(self, position: int) -> dict[str, Any]:
         return self.loader.data_state(position)
@@ -88,20 +118,31 @@ class UnitRows:
         self._batches = self.loader.batches(start_step=position, with_stats=True)
         self._past_first_epoch = False
 
-    def take(self, n: int) -> tuple[Rows, CollateStats | None]:
+    def take_steps(self, counts: Sequence[int]) -> Taken:
+        """The next rows: `counts[i]` of them for step i."""
         if self._batches is None:
             self.open(self.position)
-        parts, stats = [], None
-        for _ in range(n):
-            batch, row_stats = next(self._batches)
-            parts.append(batch)
-            stats = _add(stats, row_stats)
-            self._past_first_epoch |= self.loader.last_epoch > 0
-        self.position += n
+        batches, stats, positions, past = [], [], [], []
+        for n in counts:
+            counted, truncated, padding = False, 0, 0  # plain ints: no stats object per row
+            for _ in range(n):
+                batch, row_stats = next(self._batches)
+                batches.append(batch)
+                if row_stats is not None:
+                    counted = True
+                    truncated += row_stats.num_truncated_tokens
+                    padding += row_stats.num_padding_tokens
+                self._past_first_epoch |= self.loader.last_epoch > 0
+            self.position += n
+            stats.append(CollateStats(truncated, padding) if counted else None)
+            positions.append(self.position)
+            past.append(n > 0 and self._past_first_epoch)
+        # [steps, rows of a step, ...] batches of the loader, one concatenation per field.
         rows = {
-            k: np.concatenate([p[k].reshape(-1, *p[k].shape[2:]) for p in parts]) for k in parts[0]
+            k: np.concatenate([b[k] for b in batches]).reshape(-1, *v.shape[2:])
+            for k, v in batches[0].items()
         }
-        return rows, stats
+        return Taken(rows, stats, positions, past)
 
     def epoch(self, position: int) -> float:
         """Epochs of the source this process used by `position` rows (fractional when the
@@ -114,9 +155,6 @@ class UnitRows:
             return state["epoch"] + state["offset"] / share
         return float(state["epoch"])
 
-    def read_past_first_epoch(self) -> bool:
-        return self._past_first_epoch
-
     def data_state(self, position: int) -> dict[str, Any]:
         return self.loader.data_state(position)
 
@@ -124,16 +162,23 @@ class UnitRows:
         return self.loader.check_data_state(state)
 
 
+def _join(parts: list[Rows]) -> Rows:
+    """Rows of several parts, one after the other."""
+    if len(parts) == 1:
+        return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
 def _share(stats: CollateStats | None, rows: int, start: int, end: int) -> CollateStats | None:
     """The part of a read's collate stats that rows [start, end) of its `rows` carry: whole
     tokens, adding up to the read's counts once every row is taken."""
     if stats is None:
         return None
-
-    def part(count: int) -> int:
-        return count * end // rows - count * start // rows
-
-    return CollateStats(part(stats.num_truncated_tokens), part(stats.num_padding_tokens))
+    truncated, padding = stats.num_truncated_tokens, stats.num_padding_tokens
+    return CollateStats(
+        truncated * end // rows - truncated * start // rows,
+        padding * end // rows - padding * start // rows,
+    )
 
 
 RowReader = MapRows | UnitRows

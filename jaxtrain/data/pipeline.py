@@ -21,7 +21,7 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.evaluation import EvalLoader
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.loader import BatchLoader, UnitLoader, check_processes, prepare_source
-from jaxtrain.data.mixture import HISTORY, MixtureLoader, Source, source_seed
+from jaxtrain.data.mixture import BLOCK_STEPS, HISTORY, MixtureLoader, Source, source_seed
 from jaxtrain.data.mixture_rows import row_reader
 from jaxtrain.data.mixture_schedule import MixtureSchedule
 from jaxtrain.data.scan import sample_scan, scan_tokens, warn_truncation
@@ -222,7 +222,7 @@ def build_mixture_loader(
             process_count, featurizer, vocab_size, name=f"dataset_train[{name!r}]",
             own=tuple(field for field in own if field in SOURCE_FEATURIZER_FIELDS),
         )  # fmt: skip
-        readers[name] = row_reader(loader, history=(read_ahead + HISTORY + 1) * slots)
+        readers[name] = row_reader(loader, history=(read_ahead + HISTORY + BLOCK_STEPS + 1) * slots)
     per_process = any(reader.state_is_per_process for reader in readers.values())
     if settings.mixture_exhausted == "stop" and per_process and process_count > 1:
         raise ArgumentError(

@@ -226,3 +226,21 @@ def test_the_schedule_never_picks_a_zero_weight_and_interleaves():
     schedule = MixtureSchedule(["a", "b", "c"], ((0, (("a", 2.0), ("b", 1.0), ("c", 0.0))),))
     chosen, counts = schedule.assign(0, [0, 0, 0], 9)
     assert chosen == [0, 1, 0, 0, 1, 0, 0, 1, 0] and counts == [6, 3, 0]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_a_read_of_several_steps_is_their_batches(drop_last, process_index):
+    """rows_at (how a mixture reads a source) gives what batch_at gives step by step, within
+    an epoch, across epochs and over a last step completed with filler rows."""
+    from jaxtrain.data.loader import BatchLoader
+
+    rows = datasets.Dataset.from_list(full_rows(23, 1))
+    loader = BatchLoader(rows, global_batch_size=4, accumulation_steps=2, seq_len=T,
+                         pad_token_id=0, seed=3, drop_last=drop_last,
+                         process_index=process_index, process_count=2)  # fmt: skip
+    for steps in (range(0, 3), range(1, 5), range(4, 13), range(5, 6)):
+        got, _ = loader.rows_at(steps)
+        for key in got:
+            want = np.concatenate([loader.batch_at(s)[0][key].reshape(2, -1) for s in steps])
+            np.testing.assert_array_equal(got[key], want, err_msg=f"{key} {steps}")
