@@ -82,8 +82,10 @@ def measure(kind: str, rows, tokenizer, steps: int, repeats: int) -> dict:
                 )
                 mixture.append(rate(loader, steps))
     s, m = statistics.median(single), statistics.median(mixture)
+    # Each repeat's mixture against the single-source run beside it: the spread of the ratio.
+    paired = [b / a for a, b in zip(single, mixture)]
     return {"rows": kind, "single_tokens_per_s": s, "mixture_tokens_per_s": m, "ratio": m / s,
-            "steps": steps, "repeats": repeats}  # fmt: skip
+            "paired_ratios": paired, "steps": steps, "repeats": repeats}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -101,7 +103,8 @@ def main(argv: list[str]) -> int:
     ]
     for r in results:
         print(f"{r['rows']:<20} single {r['single_tokens_per_s']:>10,.0f} tok/s   mixture "
-              f"{r['mixture_tokens_per_s']:>10,.0f} tok/s   ratio {r['ratio']:.3f}")  # fmt: skip
+              f"{r['mixture_tokens_per_s']:>10,.0f} tok/s   ratio {r['ratio']:.3f} (per repeat "
+              f"{', '.join(f'{x:.3f}' for x in r['paired_ratios'])})")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -10,7 +10,7 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.evaluation import EvalLoader, eval_batches, num_eval_batches
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.files import load_files
-from jaxtrain.data.loader import BatchLoader, UnitLoader, validate_dataset
+from jaxtrain.data.loader import BatchLoader, validate_dataset
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.data.mixture import MixtureLoader, Source
 from jaxtrain.data.packing import pack_row
@@ -19,6 +19,7 @@ from jaxtrain.data.prefetch import Prefetcher, prefetch
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source
 from jaxtrain.data.streams import stream_window
 from jaxtrain.data.tfds import tfds_source
+from jaxtrain.data.unit_loader import UnitLoader
 
 __all__ = [
     "IGNORE_INDEX",

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.data.collate import CollateStats
-from jaxtrain.data.loader import BatchLoader, UnitLoader
+from jaxtrain.data.loader import BatchLoader
+from jaxtrain.data.unit_loader import UnitLoader
 from jaxtrain.data.units import MapUnits
 
 __all__ = ["MapRows", "RowReader", "Taken", "UnitRows", "row_reader"]

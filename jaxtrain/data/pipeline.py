@@ -20,13 +20,14 @@ from jaxtrain.data.assemble import Collation, Collator
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.evaluation import EvalLoader
 from jaxtrain.data.featurize import Featurizer
-from jaxtrain.data.loader import BatchLoader, UnitLoader, check_processes, prepare_source
+from jaxtrain.data.loader import BatchLoader, check_processes, prepare_source
 from jaxtrain.data.mixture import BLOCK_STEPS, HISTORY, MixtureLoader, Source, source_seed
 from jaxtrain.data.mixture_rows import row_reader
 from jaxtrain.data.mixture_schedule import MixtureSchedule
 from jaxtrain.data.scan import sample_scan, scan_tokens, warn_truncation
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source, is_hf_dataset
 from jaxtrain.data.streams import StreamUnits
+from jaxtrain.data.unit_loader import UnitLoader
 from jaxtrain.data.units import MapUnits
 from jaxtrain.errors import ArgumentError
 

@@ -20,9 +20,10 @@ from jaxtrain.config.sections import DataSettings
 from jaxtrain.data.assemble import Collation
 from jaxtrain.data.batch_source import LoaderSource
 from jaxtrain.data.errors import DatasetError
-from jaxtrain.data.loader import UnitLoader, prepare_source
+from jaxtrain.data.loader import prepare_source
 from jaxtrain.data.sources import IterableSource, as_source
 from jaxtrain.data.streams import StreamUnits
+from jaxtrain.data.unit_loader import UnitLoader
 from jaxtrain.data.unit_packing import MIN_UNIT_TOKENS, pack_units
 from jaxtrain.data.units import MapUnits
 from jaxtrain.runtime import Runtime
