@@ -94,8 +94,8 @@ def gather_from_processes(local: np.ndarray) -> np.ndarray:
 
 
 def gather_shares(local: np.ndarray, sizes: list[int]) -> np.ndarray:
-    """Every process's `local` rows (process p holds `sizes[p]` of them; shares may differ
-    by a row) concatenated in process order, on every process."""
+    """Every process's `local` rows (process p holds `sizes[p]` of them, shares of different
+    sizes padded for the gather) concatenated in process order, on every process."""
     if jax.process_count() == 1:
         return local
     padded = np.zeros((max(sizes), *local.shape[1:]), local.dtype)
