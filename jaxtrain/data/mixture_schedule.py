@@ -120,13 +120,6 @@ class MixtureSchedule:
         """The stage whose weights hold at `step` (the last one starting at or before it)."""
         return bisect.bisect_right(self.starts, step) - 1
 
-    def assign(self, step: int, counts: Sequence[int], slots: int) -> tuple[list[int], list[int]]:
-        """(the source of each of `slots` slots of `step`, the counts after them), from the
-        slot counts of `step`'s stage before it (zeros at a stage's first step)."""
-        chosen = self._slots(self.stage_of(step), counts, slots)
-        after = np.asarray(counts, np.int64) + np.bincount(chosen, minlength=len(self.names))
-        return chosen.tolist(), after.tolist()
-
     def plan(self, step: int, counts: Sequence[int], slots: int, steps: int) -> Plan:
         """The schedule of up to `steps` steps from `step` (fewer: it ends with the stage),
         from the stage's counts before `step` (counts_at_start)."""

@@ -224,8 +224,9 @@ def test_weights_from_the_command_line_are_parsed():
 
 def test_the_schedule_never_picks_a_zero_weight_and_interleaves():
     schedule = MixtureSchedule(["a", "b", "c"], ((0, (("a", 2.0), ("b", 1.0), ("c", 0.0))),))
-    chosen, counts = schedule.assign(0, [0, 0, 0], 9)
-    assert chosen == [0, 1, 0, 0, 1, 0, 0, 1, 0] and counts == [6, 3, 0]
+    plan = schedule.plan(0, [0, 0, 0], 3, 3)  # 3 steps of 3 slots
+    assert plan.sources.reshape(-1).tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0]
+    assert plan.counts[-1] == (6, 3, 0)
 
 
 @pytest.mark.parametrize("drop_last", [True, False])
