@@ -221,6 +221,11 @@ def cmd_eval(tokens: list[str]) -> int:
         )
     if overrides:
         raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
+    if not trainer.evaluates:
+        raise ArgumentError(
+            "this run has no eval set: its data section has no eval_files (and the run no "
+            "eval_tasks). Score it with `jaxtrain evaluate RUN_DIR --tasks ...`."
+        )
     metrics = trainer.evaluate(run.state)
     print(f"checkpoint: {run.checkpoint}")
     for key, value in metrics.items():
@@ -249,7 +254,7 @@ def cmd_sample(tokens: list[str]) -> int:
 
         train, evaluation, _ = build_data(run.sections.data, run.sections.args.max_sequence_length)
         dataset = evaluation if evaluation is not None else train
-    model = run.trainer.model_from_state(run.state)
+    model = run.model()
     print_sample(model, tokenizer, sample, dataset, run.sections.args)
     return EXIT_OK
 

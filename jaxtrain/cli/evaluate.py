@@ -86,7 +86,7 @@ def load_model(path: str, checkpoint: str | None) -> tuple[Any, Any]:
             raise ArgumentError(f"{path} trained a reward model, which lm-eval tasks cannot score.")
         if run.sections.tokenizer is None:
             raise ArgumentError(f"{path} has no tokenizer/ to encode the tasks' text with.")
-        return run.trainer.model_from_state(run.state), run.sections.tokenizer
+        return run.model(), run.sections.tokenizer
     if checkpoint is not None:
         raise ArgumentError("--checkpoint picks a step of a run directory; MODEL is not one.")
     from jaxtrain.cli.served_model import load_served_model

@@ -60,12 +60,6 @@ def cmd_export(tokens: list[str]) -> int:
         "data": ", ".join(f"{k}={v}" for k, v in data.items()) or None,
         "final_metrics": final_metrics(run_dir / "metrics.jsonl", up_to_step=steps),
     }
-    out = run.trainer.save_pretrained(
-        run.state,
-        positional[1],
-        tokenizer=run.sections.tokenizer,
-        training_summary=summary,
-        **options,
-    )
+    out = run.save_pretrained(positional[1], training_summary=summary, **options)
     print(f"exported {run.checkpoint} (step {steps}) to {out}")
     return 0

@@ -167,24 +167,26 @@ def load_run(run_dir: str | Path) -> RunSections:
     return RunSections(args, model_section, data, sample, tokenizer, config)
 
 
-def frozen_base_weights(sections: RunSections) -> str | None:
+def frozen_base_weights(sections: RunSections, *, frozen_parts: bool = True) -> str | None:
     """What of a run is not in its checkpoints but comes from its base model's weights: LoRA's
-    frozen base, DPO's reference (None: the checkpoint's parameters are the whole model)."""
+    frozen base, DPO's reference (None: the checkpoint's parameters are the whole model).
+    `frozen_parts=False`: the task's frozen models (DPO's reference) are not wanted."""
     args = sections.args
     if getattr(args, "lora_rank", 0):
         return "LoRA's frozen base weights"
-    if sections.task == "dpo" and not getattr(args, "reference_free", False):
+    if frozen_parts and sections.task == "dpo" and not getattr(args, "reference_free", False):
         return "DPO's reference model"
     return None
 
 
-def rebuild_model(sections: RunSections, *, sharding_for: Any = None):
+def rebuild_model(sections: RunSections, *, sharding_for: Any = None, frozen_parts: bool = True):
     """The run's model as training built it, before any checkpoint is restored into it.
 
     A run fine-tuned from a pretrained directory (`base_model` in its model section) is
     rebuilt from those weights: a checkpoint holds only the trained parameters, and frozen
     parts (LoRA's base, DPO's reference) must be the base's, never a fresh random init. A base
-    directory that is gone is an error when such parts need it.
+    directory that is gone is an error when such parts need it (`frozen_parts=False`: the
+    task's frozen models, DPO's reference, are not).
     """
     from jaxtrain.cli.pretrained import pretrained_load_options, run_model_section
 
@@ -206,7 +208,7 @@ def rebuild_model(sections: RunSections, *, sharding_for: Any = None):
                 "original files, or set model.base_model in the run's config.yaml to a copy."
             )
         return model
-    needs = frozen_base_weights(sections)
+    needs = frozen_base_weights(sections, frozen_parts=frozen_parts)
     if base and needs:
         raise ArgumentError(
             f"this run was fine-tuned from {base}, and its {needs} come from that model's "
@@ -230,40 +232,91 @@ def _base_is_present(base: str) -> bool:
 
 @dataclass
 class RestoredRun:
-    """A run directory rebuilt: its Trainer, a restored state and where it came from."""
+    """A run directory rebuilt: its trained model's Program, a restored state, where it came
+    from, and (restored with its eval data) the run's task Trainer."""
 
-    trainer: Any  # Trainer
+    program: Any  # training.program.Program: the trained model and optimizer on the mesh
     state: Any  # TrainState
     checkpoint: str
     sections: RunSections
+    trainer: Any = None  # the task's Trainer, when restore_run(with_eval_data=True)
+
+    def model(self) -> Any:
+        """The trained model (a task's policy, student or reward model) with the state's
+        parameters."""
+        return self.program.model_from_state(self.state)
+
+    def save_pretrained(self, directory: str | Path, **kwargs: Any) -> Path:
+        """The trained model as a Hugging Face directory of the task's kind (a causal LM; a
+        sequence classifier for reward), as the run's trainer exports it; kwargs go to
+        `jaxtrain.hf.save_pretrained` (max_shard_size, dtype, training_summary, ...)."""
+        from jaxtrain.data.padding import resolve_pad_token_id
+        from jaxtrain.hf.model_card import training_summary
+        from jaxtrain.trainers.tasks import save_task_model
+
+        args, tokenizer = self.sections.args, self.sections.tokenizer
+        kwargs.setdefault("tokenizer", tokenizer)
+        kwargs.setdefault("chat_template", getattr(args, "chat_template", None))
+        summary = training_summary(args, self.model(), self.state)
+        kwargs["training_summary"] = {**summary, **kwargs.get("training_summary", {})}
+        pad = resolve_pad_token_id(tokenizer, self.program.parts.config)
+        return save_task_model(
+            self.sections.task, self.program, self.state, directory, pad_token_id=pad, **kwargs
+        )
 
 
 def restore_run(
     run_dir: str | Path, checkpoint: str | Path | None = None, *, with_eval_data: bool = False
 ) -> RestoredRun:
-    """Rebuild a finished (or interrupted) run's Trainer and restore a checkpoint into it.
+    """Rebuild a finished (or interrupted) run's model and restore a checkpoint into it.
 
-    The Trainer is the run's own: its task's class (SFT, DPO, reward, distillation) with the
-    run's tokenizer, so a checkpoint of a task model restores, evaluation uses the task's
-    data format and loss, and export writes what that trainer writes. `checkpoint` defaults
-    to the run's newest committed checkpoint; `with_eval_data` also rebuilds the eval set
-    (for `jaxtrain eval`).
+    The model is the run's task model without its frozen parts (trainers/tasks.py
+    `task_model`): what the checkpoint holds, all that sampling and export need, so neither
+    the task's training data nor its frozen models (a reference, a teacher) are read.
+    `with_eval_data` also rebuilds the run's task Trainer with the eval set (for `jaxtrain
+    eval`: the task's data format, loss and frozen parts). `checkpoint` defaults to the
+    run's newest committed checkpoint.
     """
     from jaxtrain.checkpointing import find_checkpoint
-    from jaxtrain.cli.task import task_trainer
     from jaxtrain.runtime import Runtime
 
     checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
     sections = load_run(run_dir)
+    runtime = Runtime.from_arguments(sections.args)  # before the model touches a device
+    if with_eval_data:
+        trainer = _eval_trainer(sections, runtime)
+        state = trainer.load_checkpoint(checkpoint)
+        return RestoredRun(trainer.program, state, checkpoint, sections, trainer)
+    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.trainers.tasks import task_model
+    from jaxtrain.training.program import ModelParts, Program
+    from jaxtrain.training.trainer_checkpoints import load_program_state
+
     args = sections.args
-    runtime = Runtime.from_arguments(args)  # before the model touches a device
+    model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for, frozen_parts=False)
+    model = task_model(sections.task, lambda: model, args, frozen=False)
+    parts = ModelParts.adopt(model, ModelSettings.from_arguments(args))
+    # The schedule's length does not change the optimizer state's structure.
+    program = Program(parts, runtime, args, schedule_length=max(args.max_steps, 1))
+    state = load_program_state(program, checkpoint, optimizer=args.optimizer)
+    return RestoredRun(program, state, checkpoint, sections)
+
+
+def _eval_trainer(sections: RunSections, runtime: Any) -> Any:
+    """The run's task Trainer over its eval set (no training data)."""
+    from jaxtrain.cli.task import task_trainer
+    from jaxtrain.trainers.tasks import TASKS
+
+    no_eval_set = TASKS[sections.task].no_eval_set
+    if no_eval_set:
+        raise ArgumentError(no_eval_set)
+    args, tokenizer = sections.args, sections.tokenizer
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for)
-    evaluation = build_data(sections.data, args.max_sequence_length)[1] if with_eval_data else None
-    tokenizer = sections.tokenizer
+    evaluation = build_data(sections.data, args.max_sequence_length)[1]
     trainer_class, task_kwargs, _ = task_trainer(
         sections.task, sections.config, sections.data, tokenizer, args, build_model
     )
-    trainer = trainer_class(
+    return trainer_class(
         arguments=args,
         model=model,
         dataset_eval=evaluation,
@@ -271,5 +324,3 @@ def restore_run(
         runtime=runtime,
         **task_kwargs,
     )
-    state = trainer.load_checkpoint(checkpoint)
-    return RestoredRun(trainer, state, checkpoint, sections)

@@ -38,7 +38,7 @@ def load_served_model(path: str | Path) -> tuple[Any, Any, str]:
             )
         if run.sections.tokenizer is None:
             raise ArgumentError(f"{path} has no tokenizer/ to encode prompts with.")
-        return run.trainer.model_from_state(run.state), run.sections.tokenizer, source.name
+        return run.model(), run.sections.tokenizer, source.name
     from jaxtrain.hf import AutoModelForCausalLM
 
     if (source / "adapter_config.json").is_file():

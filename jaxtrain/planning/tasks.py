@@ -35,13 +35,15 @@ PACKED_UNIT_TASKS = ("dpo", "reward", "kto", "orpo", "cpo")
 def task_model_and_objective(
     task: str, build: Callable[[], Any], args: Any
 ) -> tuple[Callable[[], Any], Any]:
-    """(a zero-argument builder of the task's model, its Objective or None for the LM loss)."""
+    """(a zero-argument builder of the task's model, its Objective or None for the LM loss).
+    The model is the task's own definition (trainers/tasks.py), as its trainer trains it."""
     if task not in TASKS:
         raise ArgumentError(f"--task {task!r}: choose one of {', '.join(TASKS)}.")
-    from jaxtrain.trainers.frozen import TaskModel
+    from jaxtrain.trainers.tasks import task_model
 
+    model = lambda: task_model(task, build, args)  # noqa: E731
     if task in ("lm", "sft"):
-        return build, None
+        return model, None
     if task == "dpo":
         from jaxtrain.trainers.dpo import dpo_objective
 
@@ -51,37 +53,30 @@ def task_model_and_objective(
                 "reference log-probs from the batch; plan it with reference_free=true (the "
                 "same program: no reference model on the devices)."
             )
-        # With LoRA the reference is the policy's base without adapters: no second copy.
-        free = args.reference_free or args.lora_rank
-        return (lambda: TaskModel(build(), reference=None if free else build())), (
-            dpo_objective(args)
-        )
+        return model, dpo_objective(args)
     if task == "kto":
         from jaxtrain.trainers.kto import kto_objective
 
-        return (lambda: TaskModel(build(), reference=build())), kto_objective(args)
+        return model, kto_objective(args)
     if task == "orpo":
         from jaxtrain.trainers.orpo import orpo_objective
 
-        return (lambda: TaskModel(build())), orpo_objective(args)
+        return model, orpo_objective(args)
     if task == "cpo":
         from jaxtrain.trainers.cpo import cpo_objective
 
-        return (lambda: TaskModel(build())), cpo_objective(args)
+        return model, cpo_objective(args)
     if task == "reward":
-        from jaxtrain.trainers.reward import REWARD_OBJECTIVE, RewardModel
+        from jaxtrain.trainers.reward import REWARD_OBJECTIVE
 
-        return (lambda: TaskModel(RewardModel(build(), seed=args.seed))), REWARD_OBJECTIVE
+        return model, REWARD_OBJECTIVE
     if task == "distill":
         from jaxtrain.trainers.distill import distill_objective
 
-        return (lambda: TaskModel(build(), teacher=build())), distill_objective(args)
+        return model, distill_objective(args)
     from jaxtrain.trainers.grpo import grpo_objective
 
-    with_reference = args.beta > 0 and not args.lora_rank
-    return (lambda: TaskModel(build(), reference=build() if with_reference else None)), (
-        grpo_objective(args)
-    )
+    return model, grpo_objective(args)
 
 
 def task_batch(task: str, args: Any) -> dict[str, jax.ShapeDtypeStruct]:

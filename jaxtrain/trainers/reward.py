@@ -28,7 +28,13 @@ from jaxtrain.trainers.frozen import TaskModel, freeze
 from jaxtrain.trainers.sequences import is_packed, real_units, unit_count
 from jaxtrain.training.program import Objective
 
-__all__ = ["REWARD_OBJECTIVE", "RewardModel", "RewardTrainer", "reward_loss_sums"]
+__all__ = [
+    "REWARD_OBJECTIVE",
+    "RewardModel",
+    "RewardTrainer",
+    "reward_loss_sums",
+    "save_reward_model",
+]
 
 
 class RewardModel(nnx.Module):
@@ -143,43 +149,51 @@ class RewardTrainer(PairTrainer):
         adapters are merged into the weights."""
         if lora_format != "merged":
             raise ArgumentError("RewardTrainer exports merged weights only (lora_format='merged').")
-        from safetensors.numpy import load_file, save_file
-
-        from jaxtrain.hf import save_pretrained
-
-        reward = self.model_from_state(state)
-        # Adapters folded in, every weight (the unused LM head too) a Param for the writer.
-        backbone = merge_lora(reward.backbone)
-        out = Path(save_directory)
         kwargs.setdefault("tokenizer", self.processing_class)
         kwargs.setdefault("chat_template", self.arguments.chat_template)  # the run's template
-        kwargs["max_shard_size"] = "1000GB"  # one file: the head is added below
-        with tempfile.TemporaryDirectory() as tmp:
-            written = save_pretrained(backbone, tmp, **kwargs)
-            if jax.process_index() != 0:
-                return out
-            out.mkdir(parents=True, exist_ok=True)
-            tensors = load_file(str(written / "model.safetensors"))
-            tensors.pop("lm_head.weight", None)
-            score = np.asarray(jax.device_get(reward.score[...]))
-            tensors["score.weight"] = np.ascontiguousarray(
-                score.T.astype(tensors[next(iter(tensors))].dtype)
-            )
-            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-            config = json.loads((written / "config.json").read_text())
-            config["architectures"] = [
-                a.replace("ForCausalLM", "ForSequenceClassification")
-                for a in config["architectures"]
-            ]
-            config.update(
-                num_labels=1,
-                id2label={"0": "LABEL_0"},
-                label2id={"LABEL_0": 0},
-                pad_token_id=self.pad_token_id,
-            )
-            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            for extra in written.iterdir():  # tokenizer files and the model card
-                skip = ("model.safetensors", "config.json", "generation_config.json")
-                if extra.is_file() and extra.name not in skip:
-                    (out / extra.name).write_bytes(extra.read_bytes())
-        return out
+        return save_reward_model(
+            self.model_from_state(state), save_directory, pad_token_id=self.pad_token_id, **kwargs
+        )
+
+
+def save_reward_model(
+    reward: RewardModel, save_directory: str | Path, *, pad_token_id: int | None, **kwargs: Any
+) -> Path:
+    """`reward` as a transformers `*ForSequenceClassification` directory (num_labels=1, LoRA
+    merged, the LM head dropped); kwargs go to `jaxtrain.hf.save_pretrained`."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxtrain.hf import save_pretrained
+
+    # Adapters folded in, every weight (the unused LM head too) a Param for the writer.
+    backbone = merge_lora(reward.backbone)
+    out = Path(save_directory)
+    kwargs["max_shard_size"] = "1000GB"  # one file: the head is added below
+    with tempfile.TemporaryDirectory() as tmp:
+        written = save_pretrained(backbone, tmp, **kwargs)
+        if jax.process_index() != 0:
+            return out
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = load_file(str(written / "model.safetensors"))
+        tensors.pop("lm_head.weight", None)
+        score = np.asarray(jax.device_get(reward.score[...]))
+        tensors["score.weight"] = np.ascontiguousarray(
+            score.T.astype(tensors[next(iter(tensors))].dtype)
+        )
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((written / "config.json").read_text())
+        config["architectures"] = [
+            a.replace("ForCausalLM", "ForSequenceClassification") for a in config["architectures"]
+        ]
+        config.update(
+            num_labels=1,
+            id2label={"0": "LABEL_0"},
+            label2id={"LABEL_0": 0},
+            pad_token_id=pad_token_id,
+        )
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for extra in written.iterdir():  # tokenizer files and the model card
+            skip = ("model.safetensors", "config.json", "generation_config.json")
+            if extra.is_file() and extra.name not in skip:
+                (out / extra.name).write_bytes(extra.read_bytes())
+    return out

@@ -27,7 +27,7 @@ from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.state import TrainState
 from jaxtrain.training.state import ReadyBuild, StagedBuild
 
-__all__ = ["RunCheckpointer"]
+__all__ = ["RunCheckpointer", "load_program_state"]
 
 
 class RunCheckpointer:
@@ -102,13 +102,7 @@ class RunCheckpointer:
     def load(self, path: str | Path) -> TrainState:
         """Restore a TrainState written by this kind of run (same model and optimizer);
         `path` is a step directory or a run directory (its newest committed checkpoint)."""
-        return load_checked(
-            path,
-            self.program.abstract_state(),
-            model_class=type(self.program.model).__name__,
-            model_config=self._model_config(),
-            optimizer=self.arguments.optimizer,
-        )
+        return load_program_state(self.program, path, optimizer=self.arguments.optimizer)
 
     def plan_start(self) -> StartPlan:
         """Where `train()` starts: step 0 (or the given initial state's step), or the
@@ -155,5 +149,22 @@ class RunCheckpointer:
         return start
 
     def _model_config(self) -> dict[str, Any] | None:
-        config = getattr(self.program.model, "config", None)
-        return config.to_dict() if hasattr(config, "to_dict") else None
+        return model_config_dict(self.program.model)
+
+
+def model_config_dict(model: Any) -> dict[str, Any] | None:
+    """The model's config as a checkpoint records it (None: a model without one)."""
+    config = getattr(model, "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") else None
+
+
+def load_program_state(program: Any, path: str | Path, *, optimizer: str) -> TrainState:
+    """The TrainState at `path` restored onto `program`'s shardings, once the checkpoint is
+    checked to be of this model and `optimizer` (no run needed: export, sampling)."""
+    return load_checked(
+        path,
+        program.abstract_state(),
+        model_class=type(program.model).__name__,
+        model_config=model_config_dict(program.model),
+        optimizer=optimizer,
+    )

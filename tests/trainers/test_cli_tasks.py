@@ -1,5 +1,6 @@
 """`jaxtrain train --task sft|dpo|kto|orpo|cpo|reward|distill`: each runs from a YAML file,
-and bad preference data exits 2 with the row and column named."""
+and bad preference data exits 2 with the row and column named. (eval, sample and export of
+every task's run directory: test_run_dir_commands.py.)"""
 
 from __future__ import annotations
 
@@ -124,56 +125,6 @@ def test_bad_preference_rows_exit_2_naming_row_and_column(files, capsys):
 def test_an_unknown_task_names_the_tasks(files, capsys):
     assert main(["train", config(files, "ppo", "pairs")]) == 2
     assert "sft, dpo, reward, distill" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "task, rows, extra, metric",
-    [
-        ("sft", "sft", {}, "eval/perplexity"),
-        ("dpo", "pairs", {"beta": 0.2}, "eval/rewards/margins"),
-        ("kto", "pairs", {}, "eval/kl"),
-        ("orpo", "pairs", {}, "eval/nll_loss"),
-        ("reward", "pairs", {}, "eval/rewards/chosen"),
-        ("distill", "sft", {"teacher": dict(MODEL), "distill_alpha": 0.7}, "eval/distill/kl"),
-    ],
-)
-def test_a_task_run_is_evaluated_sampled_and_exported_with_its_own_trainer(
-    files, task, rows, extra, metric, capsys
-):
-    """eval, sample and export rebuild the run's task trainer: a checkpoint of a task model
-    restores, eval reads the task's rows and reports the task's metrics."""
-    run_dir = files["root"] / f"run_{task}_{rows}_after"
-    settings = {"save_final": True, "output_dir": str(run_dir), "evaluation_strategy": "steps"}
-    path = config(files, task, rows, eval_rows=rows, **extra, **settings)
-    assert main(["train", path]) == 0
-    trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    capsys.readouterr()
-
-    assert main(["eval", str(run_dir)]) == 0
-    printed = dict(
-        line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line
-    )
-    assert metric in printed, printed
-    # The same metrics as the run's own final evaluation of the same checkpoint.
-    final_eval = [entry for entry in trained if "eval/loss" in entry][-1]
-    assert float(printed["eval/loss"]) == pytest.approx(final_eval["eval/loss"], abs=1e-4)
-    # exp(loss) is a perplexity only for SFT's token NLL; not for DPO, reward or distillation.
-    token_nll = task == "sft"
-    assert ("eval/perplexity" in printed) == token_nll
-    assert all(("perplexity" in entry) == token_nll for entry in trained if "loss" in entry)
-
-    if task == "reward":
-        assert main(["sample", str(run_dir)]) == 2
-        assert "reward model" in capsys.readouterr().err
-    else:
-        assert main(["sample", str(run_dir), "--max_new_tokens", "4"]) == 0
-        assert "--- sample" in capsys.readouterr().out
-
-    out = files["root"] / f"export_{task}"
-    assert main(["export", str(run_dir), str(out)]) == 0
-    exported = json.loads((out / "config.json").read_text())
-    kind = "ForSequenceClassification" if task == "reward" else "ForCausalLM"
-    assert exported["architectures"][0].endswith(kind)
 
 
 @pytest.fixture(scope="module")

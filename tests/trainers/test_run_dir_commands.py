@@ -1,0 +1,130 @@
+"""`jaxtrain eval | sample | export RUN_DIR` on a run directory of every task: each restores
+the run's model from its checkpoint (without the task's training data: a GRPO run, whose
+trainer needs its prompts, once could not be sampled or exported), eval reports the task's
+own metrics, and a command that makes no sense for a task says so in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_cli_tasks import MODEL, config, files, write_rows  # noqa: F401 (files: a fixture)
+
+from jaxtrain.cli import main
+from jaxtrain.trainers.tasks import TASKS
+
+# task -> (its rows, its settings, a metric only its eval reports; None: it has no eval set)
+RUNS = {
+    "lm": ("text", {}, "eval/perplexity"),
+    "sft": ("sft", {}, "eval/perplexity"),
+    "dpo": ("pairs", {"beta": 0.2}, "eval/rewards/margins"),
+    "reward": ("pairs", {}, "eval/rewards/chosen"),
+    "distill": ("sft", {"teacher": dict(MODEL), "distill_alpha": 0.7}, "eval/distill/kl"),
+    "kto": ("pairs", {}, "eval/kl"),
+    "orpo": ("pairs", {}, "eval/nll_loss"),
+    "cpo": ("pairs", {"loss_type": "simpo", "cpo_alpha": 0.0}, "eval/rewards/margins"),
+    "grpo": (
+        "prompts",
+        {"reward": "last_number_matches", "num_generations": 2, "max_prompt_length": 8,
+         "max_completion_length": 3},
+        None,
+    ),
+}  # fmt: skip
+
+
+def test_every_task_has_a_run_here():
+    assert set(RUNS) == set(TASKS)
+
+
+@pytest.fixture(scope="module")
+def run_dirs(files):  # noqa: F811
+    """A function task -> its trained run directory (trained at the first request)."""
+    root = files["root"]
+    texts = [{"text": f"what is {i} + 1 ? {i + 1}"} for i in range(8)]
+    prompts = [{"prompt": f"what is {i} + 1 ?", "answer": i + 1} for i in range(8)]
+    rows = {**files, "text": write_rows(root / "text.jsonl", texts),
+            "prompts": write_rows(root / "prompts.jsonl", prompts)}  # fmt: skip
+    trained: dict[str, object] = {}
+
+    def run_dir(task: str):
+        if task not in trained:
+            kind, extra, metric = RUNS[task]
+            out = root / f"run_dir_{task}"
+            settings = {"save_final": True, "output_dir": str(out)}
+            if metric is not None:  # the run evaluates itself: eval must say the same
+                settings["evaluation_strategy"] = "steps"
+            path = config(rows, task, kind, eval_rows=kind if metric else None,
+                          **extra, **settings)  # fmt: skip
+            assert main(["train", path]) == 0
+            trained[task] = out
+        return trained[task]
+
+    return run_dir
+
+
+def printed_metrics(out: str) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+
+
+@pytest.mark.parametrize("task", list(RUNS))
+def test_eval_reports_the_runs_own_final_evaluation(run_dirs, task, capsys):
+    run_dir = run_dirs(task)
+    metric = RUNS[task][2]
+    capsys.readouterr()
+    if metric is None:
+        assert main(["eval", str(run_dir)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "has no eval set" in err and "jaxtrain evaluate" in err
+        assert len(err.splitlines()) == 1
+        return
+    assert main(["eval", str(run_dir)]) == 0
+    printed = printed_metrics(capsys.readouterr().out)
+    assert metric in printed, printed
+    trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    final_eval = [entry for entry in trained if "eval/loss" in entry][-1]
+    assert float(printed["eval/loss"]) == pytest.approx(final_eval["eval/loss"], abs=1e-4)
+    # exp(loss) is a perplexity only for a token NLL (lm, sft), not for a task's own loss.
+    token_nll = task in ("lm", "sft")
+    assert ("eval/perplexity" in printed) == token_nll
+    assert all(("perplexity" in entry) == token_nll for entry in trained if "loss" in entry)
+
+
+@pytest.mark.parametrize("task", list(RUNS))
+def test_sample_generates_from_the_runs_model(run_dirs, task, capsys):
+    run_dir = run_dirs(task)
+    capsys.readouterr()
+    if task == "reward":
+        assert main(["sample", str(run_dir)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "reward model" in err and len(err.splitlines()) == 1
+        return
+    assert main(["sample", str(run_dir), "--max_new_tokens", "4"]) == 0
+    assert "--- sample" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task", list(RUNS))
+def test_export_writes_the_tasks_kind_of_model(run_dirs, task, capsys):
+    run_dir = run_dirs(task)
+    out = run_dir.parent / f"export_{task}"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert f"(step {step})" in capsys.readouterr().out
+    exported = json.loads((out / "config.json").read_text())
+    kind = "ForSequenceClassification" if task == "reward" else "ForCausalLM"
+    assert exported["architectures"][0].endswith(kind)
+
+
+def test_eval_of_a_run_without_an_eval_set_says_so(run_dirs, capsys):
+    import shutil
+
+    import yaml
+
+    run_dir = run_dirs("sft").parent / "run_dir_sft_without_eval"
+    shutil.copytree(run_dirs("sft"), run_dir)
+    values = yaml.safe_load((run_dir / "config.yaml").read_text())
+    values["data"].pop("eval_files")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(values))
+    capsys.readouterr()
+    assert main(["eval", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "this run has no eval set" in err and len(err.splitlines()) == 1
