@@ -361,16 +361,23 @@ Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.
     return texts[command]
 
 
-SERVE_HELP = """usage: jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--max_slots 8]
-                      [--page_size 16] [--max_length N] [--num_pages N] [--model_name NAME]
+SERVE_HELP = """usage: jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--api_key KEY]
+                      [--max_slots 8] [--page_size 16] [--max_length N] [--num_pages N]
+                      [--model_name NAME] [--max_queue 128] [--request_timeout 600] ...
 
 Serve a model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
-/v1/chat/completions; streaming, n > 1, usage): a run directory (its newest checkpoint), a
-Hugging Face directory or .gguf file, or a LoRA export (merged onto its local base). Needs the
-serve extra (fastapi, uvicorn).
+/v1/chat/completions; streaming, n > 1, usage; GET /health and GET /metrics): a run
+directory (its newest checkpoint), a Hugging Face directory or .gguf file, or a LoRA export
+(merged onto its local base). Needs the serve extra (fastapi, uvicorn). SIGTERM drains:
+new requests get 503, the running ones finish, then the process exits 0.
 
   --host STR  (default: '127.0.0.1')
+      Any address but loopback needs --api_key (or --allow_unauthenticated true).
   --port INT  (default: 8000)
+  --api_key KEY  (default: $JAXTRAIN_API_KEY)
+      Every request but GET /health needs 'Authorization: Bearer KEY' (else 401).
+  --allow_unauthenticated BOOL  (default: false)
+      Bind a non-loopback host without a key.
   --max_slots INT  (default: 8)
       Sequences decoded at once; more requests wait in the queue.
   --page_size INT  (default: 16)
@@ -381,4 +388,21 @@ serve extra (fastapi, uvicorn).
       Pages of the KV cache (default: every slot at max_length).
   --model_name NAME
       The model's id in requests (default: the directory's name).
+  --max_body_bytes INT  (default: 4194304)
+      A larger request body gets 413.
+  --max_prompt_tokens INT
+      A longer prompt gets 400 (default: the context).
+  --max_tokens INT
+      A larger max_tokens gets 400 (default: the context).
+  --max_n INT
+      A larger n gets 400 (default: max_slots).
+  --max_stop INT  (default: 4)
+      More stop strings get 400.
+  --max_stop_length INT  (default: 128)
+      A longer stop string (characters) gets 400.
+  --max_queue INT  (default: 128)
+      Past this many requests waiting for a slot, 429 with Retry-After.
+  --request_timeout FLOAT  (default: 600)
+      Seconds from arrival to the last token; past it the request is cancelled and
+      answered 504 (an error event if it streams). 0: no timeout.
 """

@@ -1,28 +1,82 @@
 """`jaxtrain serve MODEL_OR_RUN_DIR`: the OpenAI-compatible server (jaxtrain/serving/server.py).
 
-jaxtrain serve runs/demo [--host 127.0.0.1] [--port 8000] [--max_slots 8]
-               [--page_size 16] [--max_length N] [--num_pages N] [--model_name NAME]
+jaxtrain serve runs/demo [--host 127.0.0.1] [--port 8000] [--api_key KEY] [--max_slots 8] ...
+
+The options, their defaults and what each limit answers: SERVE_HELP (cli/help.py) and
+docs/serving.md. Binding anything but loopback without a key is refused here, before the
+model loads, unless `--allow_unauthenticated true` says it is meant.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from jaxtrain.errors import ArgumentError
 
+if TYPE_CHECKING:
+    from jaxtrain.serving.limits import ServeLimits
+
 SERVE_USAGE = (
-    "jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--max_slots 8] "
-    "[--page_size 16] [--max_length N] [--num_pages N] [--model_name NAME]"
+    "jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--api_key KEY] "
+    "[--allow_unauthenticated false] [--max_slots 8] [--page_size 16] [--max_length N] "
+    "[--num_pages N] [--model_name NAME] [--max_body_bytes 4194304] [--max_prompt_tokens N] "
+    "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
+    "[--request_timeout 600]"
 )
+API_KEY_VARIABLE = "JAXTRAIN_API_KEY"
+
+
+def _flag(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(value)
+
+
+_flag.__name__ = "true or false"
 OPTIONS = {
     "host": str,
     "port": int,
+    "api_key": str,
+    "allow_unauthenticated": _flag,
     "max_slots": int,
     "page_size": int,
     "max_length": int,
     "num_pages": int,
     "model_name": str,
+    "max_body_bytes": int,
+    "max_prompt_tokens": int,
+    "max_tokens": int,
+    "max_n": int,
+    "max_stop": int,
+    "max_stop_length": int,
+    "max_queue": int,
+    "request_timeout": float,
 }
+LIMITS = (
+    "max_body_bytes",
+    "max_prompt_tokens",
+    "max_tokens",
+    "max_n",
+    "max_stop",
+    "max_stop_length",
+    "max_queue",
+    "request_timeout",
+)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
 
 
 def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
@@ -44,20 +98,43 @@ def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
     for key in ("port", "max_slots", "page_size", "max_length", "num_pages"):
         if key in options and options[key] <= 0:
             raise ArgumentError(f"--{key} must be positive, got {options[key]}.")
+    options["api_key"] = options.get("api_key") or os.environ.get(API_KEY_VARIABLE) or None
+    host = options["host"]
+    if (
+        not options["api_key"]
+        and not is_loopback(host)
+        and not options.get("allow_unauthenticated")
+    ):
+        raise ArgumentError(
+            f"--host {host} is reachable from other machines and no API key is set: pass "
+            f"--api_key KEY (or set {API_KEY_VARIABLE}), or --allow_unauthenticated true."
+        )
     return path, options
+
+
+def serve_limits(options: dict) -> ServeLimits:
+    """The limits the options set (ServeLimits' defaults for the others)."""
+    from jaxtrain.serving.limits import ServeLimits
+
+    try:
+        return ServeLimits(**{key: options[key] for key in LIMITS if key in options})
+    except ValueError as err:
+        raise ArgumentError(f"jaxtrain serve: --{err}.") from None
 
 
 def cmd_serve(tokens: list[str]) -> int:
     path, options = parse_serve_options(tokens)
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise ArgumentError(
             "jaxtrain serve needs the serve extra: pip install 'jaxtrain[serve]'."
         ) from None
+    limits = serve_limits(options)  # before the model loads: a bad limit fails fast
     from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.serving import Engine
+    from jaxtrain.serving.drain import serve_until_drained
     from jaxtrain.serving.server import create_app
 
     model, tokenizer, name = load_served_model(path)
@@ -70,14 +147,17 @@ def cmd_serve(tokens: list[str]) -> int:
         max_length=options.get("max_length"),
         num_pages=options.get("num_pages"),
     )
-    app = create_app(engine, model_name=name, tokenizer=tokenizer)
+    app = create_app(
+        engine, model_name=name, tokenizer=tokenizer, api_key=options["api_key"], limits=limits
+    )
     host, port = options["host"], options["port"]
+    key = "an API key" if options["api_key"] else "no API key"
     print(
         f"jaxtrain serve: {name} at http://{host}:{port}/v1 ({engine.max_slots} slots, "
-        f"context {engine.max_length} tokens)",
+        f"context {engine.max_length} tokens, {key})",
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    serve_until_drained(app, host=host, port=port)
     return 0
 
 

@@ -12,9 +12,22 @@ import time
 import uuid
 from typing import Any
 
+from jaxtrain.serving.limits import ServeLimits
 from jaxtrain.serving.sampling import SamplingParams
 
 __all__ = ["ParsedRequest", "RequestError", "chunk", "error_body", "parse_request", "response"]
+
+# Each status's default `code` and `type`, as OpenAI's API spells them (its clients branch on
+# the status; people and logs read these).
+_CODES = {
+    401: "invalid_api_key",
+    404: "model_not_found",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    503: "server_shutting_down",
+    504: "timeout",
+}
+_TYPES = {404: "not_found_error", 429: "requests"}
 
 
 class RequestError(Exception):
@@ -23,11 +36,11 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.code = code or ("model_not_found" if status == 404 else "invalid_request")
+        self.code = code or _CODES.get(status, "invalid_request")
 
 
 def error_body(err: RequestError) -> dict[str, Any]:
-    kind = "not_found_error" if err.status == 404 else "invalid_request_error"
+    kind = _TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
@@ -39,6 +52,7 @@ class ParsedRequest:
     n: int
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and each sample's ids
 
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
@@ -54,10 +68,25 @@ def _number(body: dict, name: str, default: Any, kind: type, low: float | None =
     return kind(value)
 
 
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool) and value is not None:
+        raise RequestError(400, f"'{name}' must be true or false, got {value!r}", name)
+    return bool(value)
+
+
 def parse_request(
-    body: Any, *, chat: bool, model_name: str, tokenizer: Any, max_length: int
+    body: Any,
+    *,
+    chat: bool,
+    model_name: str,
+    tokenizer: Any,
+    max_length: int,
+    limits: ServeLimits | None = None,
 ) -> ParsedRequest:
-    """The engine's request for an OpenAI completion (`chat` False) or chat body."""
+    """The engine's request for an OpenAI completion (`chat` False) or chat body, within
+    `limits` (filled in for the engine: `ServeLimits.for_engine`; None: the context only)."""
+    limits = limits or ServeLimits().for_engine(max_length, max_length)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -88,8 +117,16 @@ def parse_request(
             )
     if not ids:
         raise RequestError(400, "the prompt is empty", "prompt")
+    if len(ids) > limits.max_prompt_tokens:
+        raise RequestError(
+            400,
+            f"the prompt has {len(ids)} tokens; this server takes at most "
+            f"{limits.max_prompt_tokens}",
+            "messages" if chat else "prompt",
+            "prompt_too_long",
+        )
     limit = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    default_max = max(1, min(16 if not chat else 256, max_length - len(ids)))
+    default_max = max(1, min(16 if not chat else 256, max_length - len(ids), limits.max_tokens))
     max_tokens = _number(body, limit, default_max, int, 1)
     if len(ids) + max_tokens > max_length:
         raise RequestError(
@@ -99,10 +136,27 @@ def parse_request(
             limit,
             "context_length_exceeded",
         )
+    if max_tokens > limits.max_tokens:
+        raise RequestError(
+            400, f"{limit} is {max_tokens}; this server allows at most {limits.max_tokens}", limit
+        )
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(400, "'stop' must be a string or a list of strings", "stop")
+    if len(stop) > limits.max_stop:
+        raise RequestError(
+            400, f"{len(stop)} stop strings; this server takes at most {limits.max_stop}", "stop"
+        )
+    if any(len(s) > limits.max_stop_length for s in stop):
+        raise RequestError(
+            400,
+            f"a stop string is longer than this server's {limits.max_stop_length} characters",
+            "stop",
+        )
+    n = _number(body, "n", 1, int, 1)
+    if n > limits.max_n:
+        raise RequestError(400, f"n is {n}; this server allows at most {limits.max_n}", "n")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, float, 0.0),
@@ -110,15 +164,17 @@ def parse_request(
         top_k=_number(body, "top_k", 0, int, 0),
         seed=_number(body, "seed", 0, int),
         stop=tuple(stop),
+        ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: exactly max_tokens tokens
     )
     stream_options = body.get("stream_options") or {}
     return ParsedRequest(
         chat=chat,
         prompt_ids=ids,
         params=params,
-        n=_number(body, "n", 1, int, 1),
+        n=n,
         stream=bool(body.get("stream", False)),
         include_usage=bool(stream_options.get("include_usage", False)),
+        return_token_ids=_flag(body, "return_token_ids"),
     )
 
 
@@ -134,33 +190,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def response(
-    request: ParsedRequest, model: str, texts: list[str], reasons: list[str], tokens: list[int]
-) -> dict[str, Any]:
-    """The whole (non-streaming) answer: one choice per sample."""
-    if request.chat:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-                "logprobs": None,
-            }
-            for i, (text, reason) in enumerate(zip(texts, reasons))
-        ]
-    else:
-        choices = [
-            {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-            for i, (text, reason) in enumerate(zip(texts, reasons))
-        ]
-    return {
+def response(request: ParsedRequest, model: str, samples: list[Any]) -> dict[str, Any]:
+    """The whole (non-streaming) answer: one choice per sample (the engine's Completions,
+    in index order)."""
+    choices = []
+    for i, sample in enumerate(samples):
+        text = sample.text or ""
+        choice: dict[str, Any] = {"index": i}
+        if request.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(finish_reason=sample.finish_reason, logprobs=None)
+        if request.return_token_ids:
+            choice["token_ids"] = list(sample.token_ids)
+        choices.append(choice)
+    body = {
         "id": new_id(request.chat),
         "object": "chat.completion" if request.chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(len(request.prompt_ids), sum(tokens)),
+        "usage": usage(len(request.prompt_ids), sum(len(s.token_ids) for s in samples)),
     }
+    if request.return_token_ids:
+        body["prompt_token_ids"] = list(request.prompt_ids)
+    return body
 
 
 def chunk(
@@ -172,8 +227,11 @@ def chunk(
     reason: str | None,
     *,
     first: bool = False,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One server-sent event of a stream: sample `index`'s new text, or its end."""
+    """One server-sent event of a stream: sample `index`'s new text, or its end. With
+    `return_token_ids`, the ids of the tokens that arrived since the sample's last event
+    (their concatenation is the sample's ids), and the prompt's ids on a `first` event."""
     if request.chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
@@ -181,10 +239,15 @@ def chunk(
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
-    return {
+    body = {
         "id": stream_id,
         "object": "chat.completion.chunk" if request.chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
     }
+    if request.return_token_ids:
+        choice["token_ids"] = list(token_ids or [])
+        if first:
+            body["prompt_token_ids"] = list(request.prompt_ids)
+    return body

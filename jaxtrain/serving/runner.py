@@ -19,9 +19,10 @@ from typing import Any
 
 from jaxtrain.errors import JaxtrainError
 from jaxtrain.serving.engine import Completion, Engine
+from jaxtrain.serving.metrics import EngineStats
 from jaxtrain.serving.sampling import SamplingParams
 
-__all__ = ["EngineRunner", "Event"]
+__all__ = ["EngineRunner", "Event", "QueueFull"]
 
 logger = logging.getLogger("jaxtrain.serving")
 
@@ -41,11 +42,19 @@ class Event:
 Sink = Callable[[Event], None]
 
 
+class QueueFull(JaxtrainError):
+    """The engine's queue holds `max_queue` requests already (the server answers 429)."""
+
+
 class EngineRunner:
     """See the module docstring."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, max_queue: int | None = None):
         self.engine = engine
+        self.max_queue = max_queue  # None: no limit
+        # What the engine's gauges read (/metrics): replaced whole after each step, so a
+        # reader on another thread sees one consistent snapshot without a lock.
+        self.stats = EngineStats()
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[int, Sink] = {}
         self._stopped = False
@@ -64,6 +73,11 @@ class EngineRunner:
         """Drop a request (a client that went away): its slots and pages are freed."""
         self._commands.put(("cancel", request_id, None))
 
+    @property
+    def alive(self) -> bool:
+        """The engine's thread runs (it ends only with `close`)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         self._stopped = True
         self._commands.put(("stop", None, None))
@@ -72,6 +86,7 @@ class EngineRunner:
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
         while not self._stopped:
+            self._publish()  # before the queue may block: the gauges show the engine idle
             block = self.engine.idle
             try:
                 while True:
@@ -80,6 +95,7 @@ class EngineRunner:
                     self._handle(*command)
             except queue.Empty:
                 pass
+            self._publish()  # what the commands changed (a new request waits)
             if self._stopped or self.engine.idle:
                 continue
             try:
@@ -99,6 +115,9 @@ class EngineRunner:
     def _handle(self, kind: str, payload: Any, reply: Any) -> None:
         if kind == "submit":
             prompt, params, n, sink = payload
+            if self.max_queue is not None and self._queued() >= self.max_queue:
+                reply.set_exception(QueueFull(f"{self.max_queue} requests wait already"))
+                return
             try:
                 request_id = self.engine.submit(prompt, params, n=n, on_token=self._on_token)
             except Exception as err:  # refused (too long, bad n): the caller answers 400
@@ -109,6 +128,31 @@ class EngineRunner:
         elif kind == "cancel":
             self.engine.cancel(payload)
             self._sinks.pop(payload, None)
+
+    def _queued(self) -> int:
+        """Requests that will still wait after the next step admits what the free slots
+        take (first come, first served: admission stops at the first that does not fit).
+        Counting the whole queue instead would refuse a burst that free slots can take."""
+        free = self.engine.max_slots - self._slots_in_use()
+        for position, request in enumerate(self.engine.waiting):
+            if request.n > free:
+                return len(self.engine.waiting) - position
+            free -= request.n
+        return 0
+
+    def _slots_in_use(self) -> int:
+        # An engine that prefills in steps holds its prefilling requests' slots too.
+        return getattr(self.engine, "slots_in_use", len(self.engine.active))
+
+    def _publish(self) -> None:
+        pages = self.engine.pages
+        total = pages.num_pages - 1  # page 0 is never handed out
+        self.stats = EngineStats(
+            waiting=len(self.engine.waiting),
+            running=self._slots_in_use(),
+            pages_used=total - pages.available,
+            pages_total=total,
+        )
 
     def _on_token(self, request_id: int, index: int, token: int) -> None:
         sink = self._sinks.get(request_id)

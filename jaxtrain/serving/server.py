@@ -2,10 +2,12 @@
 the generation engine.
 
 Routes: GET /v1/models, POST /v1/completions and /v1/chat/completions (the chat template
-applied), each streaming (server-sent events) or not, with `n` samples and usage counts.
-Concurrent requests are batched by the engine (runner.py: the engine on its own thread). A bad
-request gets a 4xx JSON error in OpenAI's shape and the server keeps serving; a client that
-disconnects mid-stream has its request cancelled, which frees its slot and pages.
+applied), each streaming (server-sent events) or not, with `n` samples and usage counts;
+GET /health and GET /metrics (Prometheus). Concurrent requests are batched by the engine
+(runner.py: the engine on its own thread). Every request passes the gate first (gate.py: the
+API key, the drain, the body's size); each limit (limits.py) has its 4xx in OpenAI's error
+shape and the server keeps serving; a client that disconnects mid-stream, or a request past
+the timeout, has its request cancelled, which frees its slots and pages.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request)
@@ -18,6 +20,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxtrain.serving.engine import Engine
+from jaxtrain.serving.gate import Gate, GateState
+from jaxtrain.serving.limits import ServeLimits
+from jaxtrain.serving.metrics import CONTENT_TYPE, Metrics, RequestClock
 from jaxtrain.serving.openai_api import (
     RequestError,
     chunk,
@@ -27,17 +32,34 @@ from jaxtrain.serving.openai_api import (
     response,
     usage,
 )
-from jaxtrain.serving.runner import EngineRunner, Event
+from jaxtrain.serving.runner import EngineRunner, Event, QueueFull
 
 __all__ = ["create_app"]
 
+# A request past its timeout is answered 504 Gateway Timeout, not 408 Request Timeout: 408
+# says the *client* was too slow to send its request, which is not what happened; 504 says
+# the server's upstream (here the engine) did not answer in time, and clients and proxies
+# treat it as a server-side condition they may retry (the openai client retries it).
+TIMEOUT_STATUS = 504
 
-def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
-    """The FastAPI app serving `engine` under `model_name`."""
+
+def create_app(
+    engine: Engine,
+    *,
+    model_name: str,
+    tokenizer: Any,
+    api_key: str | None = None,
+    limits: ServeLimits | None = None,
+) -> Any:
+    """The FastAPI app serving `engine` under `model_name`. `api_key`: every request but
+    GET /health needs `Authorization: Bearer api_key` (None: none asked; cli/serve.py refuses
+    that off loopback). `limits`: see limits.py (default: its defaults)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    runner = EngineRunner(engine)
+    limits = (limits or ServeLimits()).for_engine(engine.max_length, engine.max_slots)
+    runner = EngineRunner(engine, max_queue=limits.max_queue)
+    metrics, gate = Metrics(), GateState()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -45,10 +67,26 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
         runner.close()  # the engine's thread ends with the server
 
     app = FastAPI(title="jaxtrain serve", lifespan=lifespan)
+    app.add_middleware(
+        Gate, state=gate, metrics=metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes
+    )
     created = int(time.time())
 
-    def refuse(err: RequestError) -> JSONResponse:
-        return JSONResponse(error_body(err), status_code=err.status)
+    def refuse(err: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not runner.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if gate.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Any:
+        text = metrics.render(runner.stats, in_flight=gate.in_flight, engine_alive=runner.alive)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -56,8 +94,12 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
         return {"object": "list", "data": [card]}
 
     async def complete(request: Request, chat: bool) -> Any:
+        arrival = time.monotonic()
+        deadline = arrival + limits.request_timeout if limits.request_timeout else None
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await _read_body(request, limits.max_body_bytes))
+        except RequestError as err:
+            return refuse(err)
         except (ValueError, UnicodeDecodeError) as err:
             return refuse(RequestError(400, f"the request body is not valid JSON: {err}"))
         try:
@@ -67,6 +109,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
                 model_name=model_name,
                 tokenizer=tokenizer,
                 max_length=engine.max_length,
+                limits=limits,
             )
         except RequestError as err:
             return refuse(err)
@@ -74,8 +117,11 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
             return refuse(RequestError(400, str(err)))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+        clock = RequestClock(metrics, arrival)
 
         def sink(event: Event) -> None:  # called on the engine's thread
+            if event.kind == "token":
+                clock.token(event.index, time.monotonic())
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         future = runner.submit(parsed.prompt_ids, parsed.params, parsed.n, sink)
@@ -83,22 +129,23 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
             request_id = await asyncio.wrap_future(future)
         except ValueError as err:  # the engine refused it (n above its slots, too long)
             return refuse(RequestError(400, str(err)))
+        except QueueFull as err:
+            retry = {"Retry-After": str(limits.retry_after)}
+            return refuse(RequestError(429, f"the server is busy ({err}); retry later"), retry)
         if parsed.stream:
             stream = _stream(parsed, model_name, tokenizer, events, runner, request_id)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            timed = _until(stream, deadline, limits.request_timeout, metrics)
+            return StreamingResponse(timed, media_type="text/event-stream")
         try:
-            done = await _collect(events, parsed.n)
+            done = await asyncio.wait_for(_collect(events, parsed.n), _left(deadline))
+        except asyncio.TimeoutError:
+            metrics.count_timeout()
+            return refuse(_timeout(limits.request_timeout))
         except RequestError as err:
             return refuse(err)
         finally:
-            runner.forget(request_id)
-        return response(
-            parsed,
-            model_name,
-            [c.text or "" for c in done],
-            [c.finish_reason for c in done],
-            [len(c.token_ids) for c in done],
-        )
+            runner.forget(request_id)  # also cancels it in the engine if it still runs
+        return response(parsed, model_name, done)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -108,8 +155,30 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any) -> Any:
     async def chat_completions(request: Request) -> Any:
         return await complete(request, chat=True)
 
-    app.state.runner = runner
+    app.state.runner, app.state.gate, app.state.metrics = runner, gate, metrics
+    app.state.limits = limits
     return app
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    """The body, refused (413) as soon as it passes `limit` bytes: a body sent without a
+    Content-Length (chunked) is not held whole before it is refused."""
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            raise RequestError(413, f"the request body is over this server's {limit} bytes")
+    return bytes(data)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _timeout(seconds: float) -> RequestError:
+    return RequestError(
+        TIMEOUT_STATUS, f"the request ran past this server's timeout of {seconds:g} s"
+    )
 
 
 async def _collect(events: asyncio.Queue, n: int) -> list[Any]:
@@ -123,21 +192,47 @@ async def _collect(events: asyncio.Queue, n: int) -> list[Any]:
     return [done[i] for i in range(n)]
 
 
+async def _until(
+    stream: AsyncIterator[str], deadline: float | None, seconds: float, metrics: Metrics
+) -> AsyncIterator[str]:
+    """The stream's events until `deadline`; past it, an error event ends the stream (its
+    status line, 200, went out with the first event) and closing the stream cancels the
+    request in the engine."""
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(stream), _left(deadline))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                metrics.count_timeout()
+                yield f"data: {json.dumps(error_body(_timeout(seconds)))}\n\n"
+                return
+            yield item
+    finally:
+        await stream.aclose()  # its `finally` frees the request's slots and pages
+
+
 async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> AsyncIterator[str]:
     """Server-sent events: each sample's new text as it decodes, its end, usage, [DONE]. Text
     that could still become the start of a stop string is held back until it cannot."""
     stream_id = new_id(parsed.chat)
     hold = max((len(s) for s in parsed.params.stop), default=1) - 1
     ids: dict[int, list[int]] = {i: [] for i in range(parsed.n)}
-    sent = dict.fromkeys(range(parsed.n), 0)
+    sent = dict.fromkeys(range(parsed.n), 0)  # characters of each sample's text sent
+    sent_ids = dict.fromkeys(range(parsed.n), 0)  # and token ids (return_token_ids)
     finished: dict[int, int] = {}
 
     def event(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
-        body = chunk(parsed, model_name, stream_id, index, text, reason, first=first)
+        new_ids = ids[index][sent_ids[index] :]
+        sent_ids[index] = len(ids[index])
+        body = chunk(
+            parsed, model_name, stream_id, index, text, reason, first=first, token_ids=new_ids
+        )
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        if parsed.chat:
+        if parsed.chat or parsed.return_token_ids:  # the role; the prompt's ids
             for i in range(parsed.n):
                 yield event(i, None, None, first=True)
         while len(finished) < parsed.n:
@@ -158,6 +253,7 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
                     sent[i] = safe
             else:
                 completion = item.completion
+                ids[i] = list(completion.token_ids)  # the engine's own record of the sample
                 final = completion.text or ""
                 rest = final[sent[i] :] if len(final) > sent[i] else ""
                 yield event(i, rest or None, completion.finish_reason)

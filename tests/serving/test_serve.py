@@ -6,18 +6,12 @@ slot (checked in-process, where the engine can be looked at)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import transformers
 
 openai = pytest.importorskip("openai")
@@ -25,42 +19,7 @@ openai = pytest.importorskip("openai")
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
 from jaxtrain.models import generate  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 PROMPTS = ["def add(a, b):", "the quick brown", "import os", "print(", "return a", "fox", "x", "o"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from tokenizers import ByteLevelBPETokenizer
-
-    out = tmp_path_factory.mktemp("served")
-    bpe = ByteLevelBPETokenizer()
-    text = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps\n", "import os\n"]
-    bpe.train_from_iterator(text * 20, vocab_size=200, min_frequency=1,
-                            special_tokens=["<s>", "</s>", "<pad>"])  # fmt: skip
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-        initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,28 +36,8 @@ def expected(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain.cli", "serve", str(model_dir), "--port", str(port),
-         "--max_slots", "4", "--model_name", "tiny"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            pytest.fail(f"jaxtrain serve exited: {process.stdout.read()}")
-        time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("jaxtrain serve did not answer within 180 s")
+def server(model_dir, spawn_server):
+    process, base = spawn_server(model_dir, "--max_slots", "4", "--model_name", "tiny")
     yield base
     process.terminate()
     process.wait(timeout=30)
@@ -201,7 +140,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(model_dir):
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(model_dir, free_port):
     import uvicorn
 
     from jaxtrain.cli.served_model import load_served_model

@@ -1,0 +1,117 @@
+"""A request's end and the server's: the request timeout (in-process, where the engine's slots
+and pages can be looked at) and SIGTERM's drain (a real `jaxtrain serve` process)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+def _wait_until_free(engine, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not engine.idle:
+        assert time.monotonic() < deadline, "the engine still holds the request"
+        time.sleep(0.02)
+    assert engine.pages.available == engine.pages.num_pages - 1  # every page back
+
+
+def test_a_request_past_the_timeout_is_cancelled_and_its_pages_freed(long_model_dir, free_port):
+    import uvicorn
+
+    from jaxtrain.cli.served_model import load_served_model
+    from jaxtrain.serving import Engine
+    from jaxtrain.serving.limits import ServeLimits
+    from jaxtrain.serving.server import create_app
+
+    model, tokenizer, _ = load_served_model(long_model_dir)
+    engine = Engine(model, tokenizer=tokenizer, max_slots=2, eos_token_ids=[])
+    limits = ServeLimits(request_timeout=1.0)
+    app = create_app(engine, model_name="tiny", tokenizer=tokenizer, limits=limits)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    long = {"model": "tiny", "prompt": "def", "max_tokens": 1000}
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        began = time.monotonic()
+        answer = httpx.post(url, json=long, timeout=60)
+        assert answer.status_code == 504, answer.text
+        assert answer.json()["error"]["code"] == "timeout"
+        assert 1.0 <= time.monotonic() - began < 20
+        _wait_until_free(engine)
+
+        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as stream:
+            assert stream.status_code == 200  # sent with the first event
+            lines = [line for line in stream.iter_lines() if line]
+        assert len(lines) > 1 and "data: [DONE]" not in lines  # tokens, then the error
+        assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == "timeout"
+        _wait_until_free(engine)
+
+        client = openai.OpenAI(
+            base_url=url.removesuffix("/completions"), api_key="-", max_retries=0
+        )
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.completions.create(model="tiny", prompt="def", max_tokens=1000)
+        assert caught.value.status_code == 504
+        _wait_until_free(engine)
+        short = client.completions.create(model="tiny", prompt="def", max_tokens=3)
+        assert short.usage.completion_tokens == 3  # the server goes on serving
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert "jaxtrain_request_timeouts_total 3" in text.splitlines()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+def test_sigterm_finishes_the_running_stream_refuses_new_requests_and_exits_0(
+    long_model_dir, spawn_server
+):
+    process, base = spawn_server(long_model_dir, "--model_name", "tiny")
+    body = {"model": "tiny", "prompt": "def", "max_tokens": 800, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", f"{base}/completions", json=body, timeout=120) as stream:
+            for line in stream.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        assert started.wait(120)
+        process.send_signal(signal.SIGTERM)
+        # New requests are answered 503 (the signal lands within moments) while it drains.
+        deadline = time.monotonic() + 10
+        while True:
+            answer = httpx.post(f"{base}/completions", json={"model": "tiny", "prompt": "x"})
+            if answer.status_code == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert answer.status_code == 503 and reader.is_alive(), answer.text
+        assert answer.json()["error"]["code"] == "server_shutting_down"
+        health = httpx.get(base.removesuffix("/v1") + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        reader.join(120)
+        assert lines[-1] == "data: [DONE]"
+        usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 800  # the running stream was finished
+        assert process.wait(timeout=60) == 0
+        assert "SIGTERM: finishing the requests in flight" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        reader.join(5)
