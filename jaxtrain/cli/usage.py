@@ -1,5 +1,6 @@
 """The usage text of `jaxtrain` (a leaf: every command module may quote it)."""
 
+from jaxtrain.config.tables import TASKS
 from jaxtrain.errors import ArgumentError
 
 EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]"
@@ -7,7 +8,7 @@ EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB]
 USAGE = f"""usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
                  [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
-                 [--task lm|sft|dpo|reward|distill|grpo]  (the trainer; distill: --teacher.pretrained DIR)
+                 [--task {"|".join(TASKS)}]  (the trainer; distill: --teacher.pretrained DIR)
   jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
   jaxtrain evaluate MODEL_OR_RUN_DIR --tasks TASK[,TASK...] [--limit N]   (lm-eval tasks)
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]

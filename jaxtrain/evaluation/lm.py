@@ -6,7 +6,8 @@ tokenizes it (a context and its continuation encoded together and split, an empt
 conditioned on the BOS token, else EOS), a row too long for the model keeps its last
 `max_length` tokens, and a rolling log-likelihood is split into lm-eval's disjoint windows.
 So a score from this adapter means what lm-eval's own scoring of the same model means;
-tests/evaluation/test_parity.py holds them equal to HFLM through transformers.
+tests/evaluation/test_lm_eval_tasks.py holds every request's answer to HFLM's through
+transformers (log-likelihoods within 1e-4 relative, generations and scores equal).
 
 The model's side is jaxtrain's: log-likelihoods come from one compiled step over batches of
 `batch_size` requests (scoring.py), generations from the serving engine (continuous

@@ -55,13 +55,6 @@ TASKS: dict[str, Task] = {
     "distill": Task(
         "jaxtrain.trainers.distill.DistillationTrainer", _SFT_ROWS, lambda args: {"teacher": True}
     ),
-    "kto": Task(
-        "jaxtrain.trainers.kto.KTOTrainer",
-        "prompt, completion, label (or prompt, chosen, rejected)",
-        lambda args: {"reference": True},
-    ),
-    "orpo": Task("jaxtrain.trainers.orpo.ORPOTrainer", _PAIRS),
-    "cpo": Task("jaxtrain.trainers.cpo.CPOTrainer", _PAIRS),
     "grpo": Task(
         "jaxtrain.trainers.grpo.GRPOTrainer",
         "prompt, messages or prompt_ids (+ columns for the rewards)",
@@ -72,6 +65,13 @@ TASKS: dict[str, Task] = {
             "`jaxtrain evaluate RUN_DIR --tasks ...`, or read `jaxtrain sample RUN_DIR`."
         ),
     ),
+    "kto": Task(
+        "jaxtrain.trainers.kto.KTOTrainer",
+        "prompt, completion, label (or prompt, chosen, rejected)",
+        lambda args: {"reference": True},
+    ),
+    "orpo": Task("jaxtrain.trainers.orpo.ORPOTrainer", _PAIRS),
+    "cpo": Task("jaxtrain.trainers.cpo.CPOTrainer", _PAIRS),
 }
 
 

@@ -13,8 +13,10 @@ whole (an all-gather, as fsdp's forward pass does for the weights), the matrices
 are stacked and split over every device of the mesh by whole matrices (padded with zero
 matrices to a multiple of the devices), each device runs the iteration on its own matrices,
 one after the other, and the results are gathered back and cut to the parameters' shardings.
-The iteration is then the one-device computation, matrix by matrix, to the last bit
-(tests/parallel/test_muon_mesh.py), and its work is divided over the devices by matrices.
+The iteration is then the one-device computation, matrix by matrix, and its work is divided
+over the devices by matrices. tests/parallel/test_muon_mesh.py holds an update on a dp, fsdp
+and tp mesh within a relative 1e-6 of one device's (the gathers and the rest of the update
+may sum in another order), and a run resumed on the mesh bit-exact.
 """
 
 from __future__ import annotations
