@@ -4,38 +4,49 @@ a paged KV cache, compiled prefill and decode steps (serving/steps.py).
     engine = Engine(model, tokenizer=tokenizer, max_slots=8)
     [completion] = engine.generate([prompt_ids], SamplingParams(max_tokens=32))[0]
 
-Each `step()` admits waiting requests while slots and pages allow (a request's n samples are
-admitted together: the prompt is prefilled once, its full pages shared by every sample and
-its last, partial page copied), then runs one decode step for every active sequence, in the
-smallest bucket of rows that holds them, reading the smallest bucket of pages that holds the
-longest of them (not the whole max_length). A sequence that ends (an end-of-sequence id, a stop
-string, max_tokens) frees its slot and its pages at once; the next waiting request takes
-them in the same step. A prompt's full pages stay cached (evicted when pages run short), so a
-later request with the same prefix (a shared system prompt) prefills only the rest.
+Each `step()` does three things:
+1. **Admit** waiting requests, in order, while slots and pages allow. A request's n samples
+   are admitted together and hold their pages from now on: the prompt's full pages are shared
+   by every sample, its last, partial page is each sample's own (copied once written).
+2. **Prefill** one chunk: the admitted prompts, in order, in one compiled call of several
+   rows, at most `prefill_tokens` (padded) tokens in all. A long prompt is written a chunk per
+   step, so requests already decoding keep decoding between its chunks instead of waiting
+   for the whole prompt. The samples of every prompt the chunk finishes draw their first
+   token in the same call and start decoding.
+3. **Decode** one token for every active sequence, in the smallest bucket of rows that holds
+   them, reading the smallest bucket of pages that holds the longest of them (not the whole
+   max_length).
+
+A sequence that ends (an end-of-sequence id, a stop string, max_tokens) frees its slot and
+its pages at once; the next waiting request takes them in the next step. A prompt's full
+pages stay cached (evicted oldest first when pages run short), so a later request with the
+same prefix (a shared system prompt) prefills only the rest. Every token comes with its
+log-prob (and, on request, the top alternatives'): sampling.py.
 
 The model's state is an argument of every compiled step: `update_state(state)` swaps in live
-parameters (GRPO's policy after each update) without a recompile.
+parameters (GRPO's policy after each update) without a recompile. `warm_up()` compiles every
+bucket a request can reach, so nothing compiles while requests are served.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.kv_cache import supports_kv_cache
+from jaxtrain.serving import requests
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
-from jaxtrain.serving.sampling import Draw, SamplingParams
-from jaxtrain.serving.steps import Steps, bucket
+from jaxtrain.serving.requests import Completion, OnToken, Prefill, Request
+from jaxtrain.serving.sampling import SamplingParams, sampling_arrays
+from jaxtrain.serving.steps import Steps, bucket, buckets
 
 __all__ = ["Completion", "Engine"]
 
@@ -44,45 +55,7 @@ SMALLEST_PREFILL = 16
 # its sequences needs (a power-of-two bucket of this), so attention reads the pages in use,
 # not max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
 SMALLEST_TABLE = 8
-
-
-@dataclasses.dataclass
-class Completion:
-    """One finished sample of a request."""
-
-    request_id: int
-    index: int  # which of the request's n samples
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" (eos, stop id or string) or "length" (max_tokens)
-
-
-@dataclasses.dataclass
-class _Sequence:
-    request_id: int
-    index: int
-    prompt: np.ndarray
-    params: SamplingParams
-    pages: list[int]
-    on_token: Callable[[int, int, int], None] | None
-    generated: list[int] = dataclasses.field(default_factory=list)
-    text: str | None = None
-    finish_reason: str | None = None
-
-    @property
-    def position(self) -> int:
-        """Position of the newest token (the next decode step's input)."""
-        return len(self.prompt) + len(self.generated) - 1
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: int
-    prompt: np.ndarray
-    params: SamplingParams
-    n: int
-    on_token: Callable[[int, int, int], None] | None
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class Engine:
@@ -90,7 +63,9 @@ class Engine:
     Llama family and its dropless MoE, Gemma 2 / 3, GPT-2); `max_slots`: sequences decoded
     at once; `page_size`: tokens per page; `max_length`: prompt + new tokens of one
     sequence (default the model's context); `num_pages`: the pool (default enough for every
-    slot at max_length); `eos_token_ids`: default the tokenizer's or the config's."""
+    slot at max_length); `prefill_tokens`: the tokens (padding included) one prefill call
+    writes, a bound on how long it holds up the sequences decoding; `eos_token_ids`: default
+    the tokenizer's or the config's."""
 
     def __init__(
         self,
@@ -101,6 +76,7 @@ class Engine:
         page_size: int = 16,
         max_length: int | None = None,
         num_pages: int | None = None,
+        prefill_tokens: int = 512,
         eos_token_ids: Sequence[int] | None = None,
     ):
         if not supports_kv_cache(model):
@@ -108,8 +84,13 @@ class Engine:
                 f"the engine decodes with a KV cache; {type(model).__name__} has none (the "
                 "Llama family and its dropless MoE, Gemma 2 / 3 and GPT-2 have)."
             )
+        for name, value in (("max_slots", max_slots), ("page_size", page_size),
+                            ("prefill_tokens", prefill_tokens)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise ArgumentError(f"{name} must be a positive integer, got {value!r}")
         config = model.config
         self.tokenizer, self.max_slots, self.page_size = tokenizer, max_slots, page_size
+        self.prefill_tokens = prefill_tokens
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
         num_pages = num_pages or max_slots * self.max_pages + 1
@@ -119,8 +100,9 @@ class Engine:
         self.pages = PageAllocator(num_pages, page_size)
         self.steps = Steps(self.graphdef, page_size, sharding)
         self.eos = set(_eos_ids(eos_token_ids, tokenizer, config))
-        self.waiting: collections.deque[_Request] = collections.deque()
-        self.active: list[_Sequence] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: list[Prefill] = []
+        self.active: list[requests.Sequence] = []
         self.finished: list[Completion] = []
         self._ids = itertools.count()
 
@@ -135,10 +117,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         n: int = 1,
-        on_token: Callable[[int, int, int], None] | None = None,
+        on_token: OnToken | None = None,
     ) -> int:
         """Queue a request of `n` samples; returns its id. `on_token(request_id, index,
-        token)` is called for every new token (streaming)."""
+        token, logprob, top)` is called for every new token (streaming; requests.OnToken)."""
         params = params or SamplingParams()
         prompt = np.asarray(list(prompt_ids), np.int32)
         if prompt.ndim != 1 or not len(prompt):
@@ -151,19 +133,27 @@ class Engine:
         if not 1 <= n <= self.max_slots:
             raise ArgumentError(f"n={n}: a request takes 1 to max_slots={self.max_slots} samples")
         request_id = next(self._ids)
-        self.waiting.append(_Request(request_id, prompt, params, n, on_token))
+        self.waiting.append(Request(request_id, prompt, params, n, on_token))
         return request_id
 
     def cancel(self, request_id: int) -> None:
-        """Drop a request: waiting, or decoding (its slots and pages are freed now)."""
+        """Drop a request: waiting, prefilling or decoding (its slots and pages are freed)."""
         self.waiting = collections.deque(r for r in self.waiting if r.request_id != request_id)
+        for item in [p for p in self.prefilling if p.request.request_id == request_id]:
+            self.prefilling.remove(item)
+            for table in item.tables:
+                self.pages.release(table)
         for seq in [s for s in self.active if s.request_id == request_id]:
             self.active.remove(seq)
             self.pages.release(seq.pages)
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.prefilling and not self.active
+
+    @property
+    def slots_in_use(self) -> int:
+        return len(self.active) + sum(p.request.n for p in self.prefilling)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, n: int = 1
@@ -179,12 +169,11 @@ class Engine:
 
     # ------------------------------------------------------------ the loop
     def step(self) -> list[Completion]:
-        """Admit what fits, decode one token for every active sequence; returns the
-        sequences that finished in this step."""
+        """Admit what fits, write one prefill chunk, decode one token for every active
+        sequence; returns the sequences that finished in this step."""
         self.finished = []
-        while self.waiting and self._admit(self.waiting[0]):
-            self.waiting.popleft()
-        if not self.active and self.waiting:
+        self._admit()
+        if not self.active and not self.prefilling and self.waiting:
             request = self.waiting[0]
             raise ArgumentError(
                 f"request {request.request_id} ({len(request.prompt)} prompt tokens, "
@@ -192,90 +181,132 @@ class Engine:
                 f"cache even alone ({self.pages.available} free pages of {self.page_size}); "
                 "raise num_pages"
             )
+        if self.prefilling:
+            self._prefill()
         if self.active:
             self._decode()
         return self.finished
 
-    def _pages_for(self, seq_len: int, params: SamplingParams) -> int:
-        return math.ceil((seq_len + params.max_tokens) / self.page_size)
+    def _admit(self) -> None:
+        while self.waiting and self.slots_in_use + self.waiting[0].n <= self.max_slots:
+            held = self._hold_pages(self.waiting[0])
+            if held is None:
+                return
+            self.waiting.popleft()
+            self.prefilling.append(held)
 
-    def _admit(self, request: _Request) -> bool:
-        """Prefill `request` and start its samples, if slots and pages allow."""
-        if len(self.active) + request.n > self.max_slots:
-            return False
-        prompt, size, params = request.prompt, self.page_size, request.params
-        total = self._pages_for(len(prompt), params)
+    def _hold_pages(self, request: Request) -> Prefill | None:
+        """Every page the request's samples will write, or None while the pool is short."""
+        prompt, size = request.prompt, self.page_size
+        total = math.ceil((len(prompt) + request.params.max_tokens) / size)
         cached = self.pages.cached_prefix(prefix_keys(prompt[: len(prompt) - 1], size))
         full = len(prompt) // size  # pages the prompt fills: shared by the other samples
-        partial = len(prompt) % size != 0
+        self.pages.share(cached)  # held first: the allocations below must not evict them
         need = (total - len(cached)) + (request.n - 1) * (total - full)
         if need > self.pages.available:
-            return False
-        self.pages.share(cached)
+            self.pages.release(cached)
+            return None
         first = cached + self.pages.allocate(total - len(cached))
-        logits = self._prefill(prompt, len(cached) * size, first)
-        self.pages.remember(prefix_keys(prompt[: full * size], size), first[:full])
         tables = [first]
         for _ in range(1, request.n):
-            own = self.pages.allocate(total - full)
-            if partial:  # the prompt's last page: the sample's own copy, written after it
-                self.pool = self.steps.copy_page(self.pool, first[full], own[0])
             self.pages.share(first[:full])
-            tables.append(first[:full] + own)
-        samples = [
-            _Sequence(request.request_id, i, prompt, params, tables[i], request.on_token)
-            for i in range(request.n)
-        ]
-        seeds = [_seed(params.seed, i) for i in range(request.n)]
-        rows = bucket(request.n, 1, self.max_slots)
-        firsts = self.steps.draw(
-            jnp.repeat(logits, rows, axis=0),
-            *_sampling_arrays([params] * request.n, seeds, rows),
-            jnp.full((rows,), len(prompt), jnp.int32),
-            Draw.of([params]),
-        )
-        for seq, token in zip(samples, np.asarray(firsts)):
-            self.active.append(seq)
-            self._append(seq, int(token))
-        return True
+            tables.append(first[:full] + self.pages.allocate(total - full))
+        return Prefill(request, tables, done=len(cached) * size)
 
-    def _prefill(self, prompt: np.ndarray, start: int, table: list[int]) -> jax.Array:
-        """Logits [1, V] of the prompt's last token, its tokens from `start` on written."""
-        rest = prompt[start:]
-        t = bucket(len(rest), SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.max_length))
-        ids = np.zeros((1, t), np.int32)
-        ids[0, t - len(rest) :] = rest
-        width = self._width((len(prompt) - 1) // self.page_size + 1)
-        logits, self.pool = self.steps.prefill(
-            self.state,
-            self.pool,
-            jnp.asarray(ids),
-            jnp.asarray([start], jnp.int32),
-            jnp.asarray(self._tables([table], 1, width)),
-            jnp.asarray([t - len(rest)], jnp.int32),
+    def _chunk(self) -> list[tuple[Prefill, int]]:
+        """The prompts the next prefill call writes and how many tokens of each: in order,
+        while the call's padded size (row bucket x token bucket) stays within the budget."""
+        rows: list[tuple[Prefill, int]] = []
+        for item in self.prefilling:
+            take = min(item.remaining, self.prefill_tokens)
+            longest = max([t for _, t in rows] + [take])
+            padded = self._prefill_rows(len(rows) + 1) * self._prefill_width(longest)
+            if rows and padded > self.prefill_tokens:
+                break
+            rows.append((item, take))
+        return rows
+
+    def _prefill_rows(self, rows: int) -> int:
+        return bucket(rows, 1, self.max_slots)
+
+    def _prefill_width(self, tokens: int) -> int:
+        return bucket(tokens, SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.prefill_tokens))
+
+    def _prefill(self) -> None:
+        chunk = self._chunk()
+        r = self._prefill_rows(len(chunk))
+        t = self._prefill_width(max(take for _, take in chunk))
+        ids = np.zeros((r, t), np.int32)
+        start = np.zeros(r, np.int32)
+        pad = np.full(r, t, np.int32)  # idle rows: all padding, written to the garbage page
+        ends = []
+        for row, (item, take) in enumerate(chunk):
+            ids[row, t - take :] = item.request.prompt[item.done : item.done + take]
+            start[row], pad[row] = item.done, t - take
+            ends.append(item.done + take)
+        width = self._width(max((end - 1) // self.page_size + 1 for end in ends))
+        tables = self._tables([item.tables[0] for item, _ in chunk], r, width)
+        # The samples of every prompt this chunk finishes draw their first token in the call.
+        starting = []
+        for row, (item, take) in enumerate(chunk):
+            item.done += take
+            if not item.remaining:
+                starting += [(row, item, i) for i in range(item.request.n)]
+        rows = np.zeros(self.max_slots, np.int32)
+        positions = np.zeros(self.max_slots, np.int32)
+        for s, (row, item, _) in enumerate(starting):
+            rows[s], positions[s] = row, len(item.request.prompt)
+        sampling = sampling_arrays(
+            [item.request.params for _, item, _ in starting],
+            [_seed(item.request.params.seed, i) for _, item, i in starting],
+            self.max_slots,
         )
-        return logits
+        drawn, self.pool = self.steps.prefill(
+            self.state, self.pool, *map(jax.device_put, (ids, start, tables, pad, rows, positions)),
+            *sampling,
+        )  # fmt: skip
+        if starting:
+            self._start(starting, jax.device_get(drawn))
+
+    def _start(self, starting: list[tuple[int, Prefill, int]], drawn: Any) -> None:
+        """The samples of prompts now in the cache begin decoding with their first tokens."""
+        size = self.page_size
+        for s, (_, item, i) in enumerate(starting):
+            request, prompt = item.request, item.request.prompt
+            full = len(prompt) // size
+            if i == 0:
+                self.prefilling.remove(item)
+                self.pages.remember(prefix_keys(prompt[: full * size], size), item.tables[0][:full])
+            elif len(prompt) % size:  # the prompt's last page: this sample's own copy
+                self.pool = self.steps.copy_page(
+                    self.pool, item.tables[0][full], item.tables[i][full]
+                )
+            seq = requests.Sequence(
+                request.request_id, i, prompt, request.params, item.tables[i], request.on_token
+            )
+            self.active.append(seq)
+            self._append(seq, drawn, s)
 
     def _decode(self) -> None:
         rows = bucket(len(self.active), 1, self.max_slots)
-        seqs = self.active
+        seqs = list(self.active)
         ids = np.zeros((rows, 1), np.int32)
         start = np.zeros(rows, np.int32)
         for r, seq in enumerate(seqs):
             ids[r, 0], start[r] = seq.generated[-1], seq.position
         seeds = [_seed(s.params.seed, s.index) for s in seqs]
         width = self._width(max(s.position for s in seqs) // self.page_size + 1)
-        tokens, self.pool = self.steps.decode(
+        drawn, self.pool = self.steps.decode(
             self.state,
             self.pool,
-            jnp.asarray(ids),
-            jnp.asarray(start),
-            jnp.asarray(self._tables([s.pages for s in seqs], rows, width)),
-            *_sampling_arrays([s.params for s in seqs], seeds, rows),
-            Draw.of([s.params for s in seqs]),
+            jax.device_put(ids),
+            jax.device_put(start),
+            jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
+            *sampling_arrays([s.params for s in seqs], seeds, rows),
         )
-        for seq, token in zip(list(seqs), np.asarray(tokens)):
-            self._append(seq, int(token))
+        drawn = jax.device_get(drawn)
+        for r, seq in enumerate(seqs):
+            self._append(seq, drawn, r)
 
     def _width(self, pages: int) -> int:
         """Page-table columns of a step whose rows use up to `pages` pages."""
@@ -289,12 +320,20 @@ class Engine:
             out[r, : min(len(pages), width)] = pages[:width]
         return out
 
-    def _append(self, seq: _Sequence, token: int) -> None:
-        """A new token of `seq`; it finishes on an end id, a stop string or max_tokens."""
-        seq.generated.append(token)
-        if seq.on_token is not None:
-            seq.on_token(seq.request_id, seq.index, token)
+    def _append(self, seq: requests.Sequence, drawn: Any, row: int) -> None:
+        """Row `row` of a step's draw is `seq`'s new token; it finishes on an end id, a stop
+        string or max_tokens."""
         params = seq.params
+        token, logprob = int(drawn.tokens[row]), float(drawn.logprobs[row])
+        top = None
+        if params.logprobs:
+            k = params.logprobs
+            top = dict(zip(drawn.top_ids[row, :k].tolist(), drawn.top_logprobs[row, :k].tolist()))
+            seq.top_logprobs.append(top)
+        seq.generated.append(token)
+        seq.logprobs.append(logprob)
+        if seq.on_token is not None:
+            seq.on_token(seq.request_id, seq.index, token, logprob, top)
         ended = (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids
         text_stop = False
         if params.stop and self.tokenizer is not None:
@@ -307,15 +346,43 @@ class Engine:
         elif len(seq.generated) >= params.max_tokens:
             self._finish(seq, "length")
 
-    def _finish(self, seq: _Sequence, reason: str) -> None:
+    def _finish(self, seq: requests.Sequence, reason: str) -> None:
         self.active.remove(seq)
         self.pages.release(seq.pages)
         text = seq.text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-        self.finished.append(
-            Completion(seq.request_id, seq.index, seq.prompt.tolist(), seq.generated, text, reason)
-        )
+        self.finished.append(seq.completion(text, reason))
+
+    # ------------------------------------------------------------ start-up
+    def warm_up(self, max_prompt_tokens: int | None = None) -> int:
+        """Compile every bucket a request can reach (prompts up to `max_prompt_tokens`, default
+        max_length), so that serving compiles nothing; returns how many shapes it compiled.
+        The calls write only the garbage page: every row is padding or idle."""
+        longest = min(max_prompt_tokens or self.max_length, self.max_length)
+        widths = buckets(SMALLEST_TABLE, self.max_pages)
+        row_buckets = buckets(1, self.max_slots)
+        before = sum(len(shapes) for shapes in self.steps.compiles.values())
+        for r, t in itertools.product(row_buckets, buckets(SMALLEST_PREFILL, self.prefill_tokens)):
+            if (r > 1 and r * t > self.prefill_tokens) or t > self._prefill_width(longest):
+                continue
+            for width in widths:
+                if width > self._width(math.ceil(longest / self.page_size)):
+                    continue
+                zeros = np.zeros(self.max_slots, np.int32)
+                _, self.pool = self.steps.prefill(
+                    self.state, self.pool, np.zeros((r, t), np.int32), np.zeros(r, np.int32),
+                    np.zeros((r, width), np.int32), np.full(r, t, np.int32), zeros, zeros,
+                    *sampling_arrays([], [], self.max_slots),
+                )  # fmt: skip
+        for rows, width in itertools.product(row_buckets, widths):
+            _, self.pool = self.steps.decode(
+                self.state, self.pool, np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32),
+                np.zeros((rows, width), np.int32), *sampling_arrays([], [], rows),
+            )  # fmt: skip
+        self.pool = self.steps.copy_page(self.pool, 0, 0)  # a group's partial page
+        jax.block_until_ready(self.pool)
+        return sum(len(shapes) for shapes in self.steps.compiles.values()) - before
 
 
 def pool_sharding(state: Any) -> jax.sharding.Sharding:
@@ -331,17 +398,6 @@ def pool_sharding(state: Any) -> jax.sharding.Sharding:
 def _seed(seed: int, index: int) -> int:
     """The draw seed of sample `index` of a request seeded `seed` (distinct per sample)."""
     return (int(seed) * 1_000_003 + index) % (2**32)
-
-
-def _sampling_arrays(params: list[SamplingParams], seeds: list[int], rows: int) -> list[Any]:
-    """[rows] arrays of temperature, top_k, top_p and seed (idle rows greedy)."""
-    temperature = np.zeros(rows, np.float32)
-    top_k = np.zeros(rows, np.int32)
-    top_p = np.ones(rows, np.float32)
-    seed = np.zeros(rows, np.uint32)
-    for r, (p, s) in enumerate(zip(params, seeds)):
-        temperature[r], top_k[r], top_p[r], seed[r] = p.temperature, p.top_k, p.top_p, s
-    return [jnp.asarray(a) for a in (temperature, top_k, top_p, seed)]
 
 
 def _eos_ids(given: Sequence[int] | None, tokenizer: Any, config: Any) -> list[int]:

@@ -35,6 +35,8 @@ class Event:
     kind: str  # "token", "done" or "error"
     index: int = 0
     token: int | None = None
+    logprob: float | None = None  # the token's log-prob under the model
+    top_logprobs: dict[int, float] | None = None  # with SamplingParams.logprobs = k > 0
     completion: Completion | None = None
     error: BaseException | None = None
 
@@ -154,10 +156,12 @@ class EngineRunner:
             pages_total=total,
         )
 
-    def _on_token(self, request_id: int, index: int, token: int) -> None:
+    def _on_token(
+        self, request_id: int, index: int, token: int, logprob: float, top: dict | None
+    ) -> None:
         sink = self._sinks.get(request_id)
         if sink is not None:
-            sink(Event("token", index, token=token))
+            sink(Event("token", index, token=token, logprob=logprob, top_logprobs=top))
 
     def _fail_waiting(self, err: Exception) -> None:
         """The engine refused its next waiting request (it cannot fit even alone)."""

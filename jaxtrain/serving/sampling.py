@@ -4,6 +4,16 @@ Every row of a decode step carries its own settings (temperature, top-k, top-p, 
 arrays, so requests with different settings share one compiled step. A row's draw at
 position p uses `fold_in(key(seed), p)`: it depends on the request alone, never on which
 other requests share the batch, so a seeded request is reproducible.
+
+Which work a step does is decided inside it (`lax.cond` on the rows' settings), not by a
+static flag: a step of greedy rows is an argmax, the vocabulary is sorted only when some row
+filters by top-k or top-p, and the top log-probs are ranked only when some row asks for them.
+One compiled step per shape serves every mix of settings, so a server compiles its buckets
+once, at start-up, whatever its clients send.
+
+Log-probs are the model's own distribution, log_softmax(logits) in float32, before
+temperature, top-k and top-p (what the training code scores a token with at temperature 1,
+and what OpenAI's and vLLM's APIs return by default).
 """
 
 from __future__ import annotations
@@ -13,10 +23,13 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["Draw", "SamplingParams", "sample_rows"]
+__all__ = ["MAX_TOP_LOGPROBS", "Drawn", "SamplingParams", "sample_rows", "sampling_arrays"]
 
 Array = jax.Array
+# OpenAI's limit on top_logprobs: a step ranks this many alternatives when any row asks.
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +40,9 @@ class SamplingParams:
     the `top_k` most likely tokens (0: all) and the smallest set whose probability reaches
     `top_p`. Decoding stops after `max_tokens` new tokens, at an end-of-sequence id (the
     model's unless `ignore_eos`, and `stop_token_ids`; the stop token is kept), or once the
-    text contains one of `stop` (the text is cut before it). `seed` fixes the draws."""
+    text contains one of `stop` (the text is cut before it). `seed` fixes the draws.
+    Every completion carries each sampled token's log-prob; `logprobs` = k > 0 adds the k
+    most likely tokens' at each position (at most MAX_TOP_LOGPROBS)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -37,6 +52,7 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -47,28 +63,58 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs!r}"
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Draw:
-    """What a step's rows need, as static flags (a compiled step per combination): any row
-    sampling at all, any with top-k, any with top-p < 1. A step of greedy rows only is an
-    argmax; sorting the vocabulary of every row is paid only when a row filters."""
+class Drawn:
+    """A step's draw for each of its B rows: the token [B], its log-prob [B], and the
+    MAX_TOP_LOGPROBS most likely tokens [B, K] with their log-probs [B, K] (zeros when no
+    row asked for them)."""
 
-    sample: bool = True
-    top_k: bool = True
-    top_p: bool = True
+    tokens: Array
+    logprobs: Array
+    top_ids: Array
+    top_logprobs: Array
 
-    @classmethod
-    def of(cls, params: Sequence[SamplingParams]) -> Draw:
-        sampled = [p for p in params if p.temperature > 0]
-        return cls(
-            sample=bool(sampled),
-            top_k=any(p.top_k > 0 for p in sampled),
-            top_p=any(p.top_p < 1 for p in sampled),
-        )
+
+def sampling_arrays(
+    params: Sequence[SamplingParams], seeds: Sequence[int], rows: int
+) -> list[Array]:
+    """[rows] arrays of temperature, top_k, top_p, seed and the top log-probs wanted (idle
+    rows greedy, asking for nothing)."""
+    temperature = np.zeros(rows, np.float32)
+    top_k = np.zeros(rows, np.int32)
+    top_p = np.ones(rows, np.float32)
+    seed = np.zeros(rows, np.uint32)
+    top_logprobs = np.zeros(rows, np.int32)
+    for r, (p, s) in enumerate(zip(params, seeds)):
+        temperature[r], top_k[r], top_p[r], seed[r] = p.temperature, p.top_k, p.top_p, s
+        top_logprobs[r] = p.logprobs
+    # device_put, not jnp.asarray: the latter compiles a copy for every new shape.
+    return [jax.device_put(a) for a in (temperature, top_k, top_p, seed, top_logprobs)]
+
+
+def _filtered(scaled: Array, top_k: Array, top_p: Array) -> Array:
+    """`scaled` logits [B, V] with what each row's top-k and top-p exclude set to -inf."""
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    vocab = scaled.shape[-1]
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+    # Nucleus: keep the most likely tokens whose mass before them is < top_p (the first
+    # token is always kept); top_p = 1 keeps everything.
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(before < top_p[:, None], ordered, jnp.inf).min(axis=-1, keepdims=True)
+    return jnp.where(scaled < kept, -jnp.inf, scaled)
 
 
 def sample_rows(
@@ -77,35 +123,38 @@ def sample_rows(
     top_k: Array,  # [B] int32; 0 = off
     top_p: Array,  # [B] float32
     seeds: Array,  # [B] uint32
+    top_logprobs: Array,  # [B] int32: alternatives each row wants ranked (0: none)
     positions: Array,  # [B] int32: the position of the token being drawn
-    draw: Draw = Draw(),
-) -> Array:
-    """Each row's next token [B] under its own settings (see the module docstring); `draw`
-    says which filters any row uses (the others' settings leave them unused anyway)."""
+) -> Drawn:
+    """Each row's next token under its own settings and its log-probs (module docstring)."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not draw.sample:
-        return greedy
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    if draw.top_k or draw.top_p:
-        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    if draw.top_k:
-        vocab = logits.shape[-1]
-        k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-        ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
-    if draw.top_p:
-        # Nucleus: keep the most likely tokens whose mass before them is < top_p (the first
-        # token is always kept); top_p = 1 keeps everything.
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        kept = jnp.where(before < top_p[:, None], ordered, jnp.inf).min(axis=-1, keepdims=True)
-        scaled = jnp.where(scaled < kept, -jnp.inf, scaled)
 
-    def draw(row_logits: Array, seed: Array, position: Array) -> Array:
-        key = jax.random.fold_in(jax.random.key(seed), position)
-        return jax.random.categorical(key, row_logits).astype(jnp.int32)
+    def sampled(_: None) -> Array:
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        filters = jnp.any((top_k > 0) & (temperature > 0)) | jnp.any(
+            (top_p < 1) & (temperature > 0)
+        )
+        scaled = jax.lax.cond(filters, lambda s: _filtered(s, top_k, top_p), lambda s: s, scaled)
 
-    drawn = jax.vmap(draw)(scaled, seeds, positions)
-    return jnp.where(temperature > 0, drawn, greedy)
+        def draw(row_logits: Array, seed: Array, position: Array) -> Array:
+            key = jax.random.fold_in(jax.random.key(seed), position)
+            return jax.random.categorical(key, row_logits).astype(jnp.int32)
+
+        drawn = jax.vmap(draw)(scaled, seeds, positions)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+    def ranked(_: None) -> tuple[Array, Array]:
+        values, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
+        return ids.astype(jnp.int32), values
+
+    def unranked(_: None) -> tuple[Array, Array]:
+        k = min(MAX_TOP_LOGPROBS, logp.shape[-1])
+        return jnp.zeros((logp.shape[0], k), jnp.int32), jnp.zeros((logp.shape[0], k))
+
+    top_ids, top_values = jax.lax.cond(jnp.any(top_logprobs > 0), ranked, unranked, None)
+    return Drawn(tokens, chosen, top_ids, top_values)

@@ -1,22 +1,23 @@
-"""The engine's compiled steps: prefill (one prompt), decode (one token for every active row),
-the first-token draw of a group and a page copy. Pure functions of arrays: the model's state
-and the page pool are arguments (the pool donated), so live parameters change nothing that is
-compiled, and each step compiles once per bucketed shape: rows, prompt tokens and page-table
-width (`Steps.compiles` counts them)."""
+"""The engine's compiled steps: prefill (a chunk of several prompts, and the first token of
+each sample whose prompt it finished), decode (one token for every active row) and a page copy.
+Pure functions of arrays: the model's state and the page pool are arguments (the pool
+donated), so live parameters change nothing that is compiled, and each step compiles once
+per bucketed shape: rows, prompt tokens and page-table width (`Steps.compiles` records them;
+`Engine.warm_up` compiles them all before the first request)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtrain.models.kv_cache import decode_with_slots
 from jaxtrain.serving.paged import PagedSlots
-from jaxtrain.serving.sampling import sample_rows
+from jaxtrain.serving.sampling import Drawn, sample_rows
 
-__all__ = ["Steps", "bucket"]
+__all__ = ["Steps", "bucket", "buckets"]
 
 Array = jax.Array
 
@@ -29,6 +30,14 @@ def bucket(n: int, smallest: int, largest: int) -> int:
     return min(size, largest)
 
 
+def buckets(smallest: int, largest: int) -> list[int]:
+    """Every value `bucket(n, smallest, largest)` can take, ascending."""
+    sizes = [smallest]
+    while sizes[-1] < largest:
+        sizes.append(min(sizes[-1] * 2, largest))
+    return [min(s, largest) for s in sizes]
+
+
 class Steps:
     """The jitted steps of one model graph on pages of `page_size` tokens."""
 
@@ -36,10 +45,9 @@ class Steps:
         # Every step returns the pool with the sharding it came in with: a pool whose
         # placement changed would compile each step a second time.
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
-        self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set(), "draw": set()}
+        self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set()}
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnums=9)
-        self._draw = jax.jit(sample_rows, static_argnums=6)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1)
         self._copy = jax.jit(
             lambda pool, source, target: self._placed(_copy_page(pool, source, target)),
             donate_argnums=0,
@@ -54,35 +62,35 @@ class Steps:
     def _placed(self, pool: Any) -> Any:
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.pool_sharding), pool)
 
-    def _prefill_fn(self, state, pool, ids, start, table, pad):
+    def _prefill_fn(self, state, pool, ids, start, table, pad, rows, positions, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table, pad)
-        return logits.astype(jnp.float32), pool
+        return sample_rows(logits[rows], *sampling, positions), pool
 
-    def _decode_fn(self, state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw):
+    def _decode_fn(self, state, pool, ids, start, table, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table)
-        tokens = sample_rows(logits, temperature, top_k, top_p, seeds, start + 1, draw)
-        return tokens, pool
+        return sample_rows(logits, *sampling, start + 1), pool
 
     # ------------------------------------------------------------- calls
-    def prefill(self, state, pool, ids, start, table, pad) -> tuple[Array, Any]:
-        """Logits [1, V] after a prompt [1, T] left-padded by `pad` [1] tokens, its first
-        real token at position `start` [1]."""
+    def prefill(
+        self, state, pool, ids, start, table, pad, rows, positions, *sampling
+    ) -> tuple[Drawn, Any]:
+        """Writes each row's chunk [R, T] (left-padded by `pad` [R] tokens, its first real
+        token at position `start` [R]) and draws S first tokens: sample s from the logits
+        after row `rows[s]`'s last token (a prompt's n samples share its row), at position
+        `positions[s]`, with the samples' `sampling_arrays` (rows of unfinished prompts are
+        drawn and ignored: S is fixed, so the draw adds no shape to compile)."""
         self.compiles["prefill"].add((ids.shape, table.shape))
-        return self._prefill(state, pool, ids, start, table, pad)
+        return self._prefill(state, pool, ids, start, table, pad, rows, positions, *sampling)
 
-    def decode(self, state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw):
-        """Each row's next token [B] from its last token [B, 1] at position `start` [B]."""
-        self.compiles["decode"].add((ids.shape, table.shape, draw))
-        return self._decode(state, pool, ids, start, table, temperature, top_k, top_p, seeds, draw)
-
-    def draw(self, logits, temperature, top_k, top_p, seeds, positions, draw) -> Array:
-        """First tokens [n] of n sequences sharing one prompt's logits [n, V]."""
-        self.compiles["draw"].add((logits.shape, draw))
-        return self._draw(logits, temperature, top_k, top_p, seeds, positions, draw)
+    def decode(self, state, pool, ids, start, table, *sampling) -> tuple[Drawn, Any]:
+        """Each row's next token and its log-probs from its last token [B, 1] at position
+        `start` [B]; `sampling`: the rows' `sampling_arrays`."""
+        self.compiles["decode"].add((ids.shape, table.shape))
+        return self._decode(state, pool, ids, start, table, *sampling)
 
     def copy_page(self, pool: Any, source: int, target: int) -> Any:
         """`pool` with page `target` a copy of page `source` in every layer."""
-        return self._copy(pool, jnp.int32(source), jnp.int32(target))
+        return self._copy(pool, np.int32(source), np.int32(target))
 
 
 def _copy_page(pool: Any, source: Array, target: Array) -> Any:

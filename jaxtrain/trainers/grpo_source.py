@@ -7,8 +7,10 @@ on the run's mesh), scores them with the reward functions on the host, turns the
 advantages per group and lays the rows out as the train step's batch. The later updates of a
 round reuse its batch (with the log-probs of the policy that sampled it); a checkpoint inside
 a round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact.
-Every shape is fixed (prompts left-padded to max_prompt_length, completions
-max_completion_length): the sampler and the train step compile once.
+The train step's shapes are fixed (prompts left-padded to max_prompt_length, completions
+max_completion_length), so it compiles once; the engine compiles every bucket of its prefill
+and decode steps when it is made, before the first round samples (`Engine.warm_up`), and
+nothing after.
 
 On several processes each generates the completions of its own rows of every micro-batch
 (whole groups: the layout's contiguous share of each micro-batch) on an engine of its own,
@@ -318,6 +320,7 @@ class RolloutSource:
                 max_length=self.sequence_length,
                 eos_token_ids=self.eos_token_ids,
             )
+            self.engine.warm_up(max_prompt_tokens=args.max_prompt_length)
         self.engine.update_state(nnx.split(policy)[1])
         settings = [
             SamplingParams(

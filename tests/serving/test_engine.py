@@ -165,7 +165,7 @@ def test_steps_read_only_the_pages_in_use_and_decode_like_generate(model):
     assert [c[0].token_ids for c in got] == [
         generate(model, p, max_new_tokens=12).tolist() for p in prompts
     ]
-    widths = {table[1] for _, table, _ in engine.steps.compiles["decode"]}
+    widths = {table[1] for _, table in engine.steps.compiles["decode"]}
     assert widths == {8, 16}, engine.steps.compiles["decode"]
     assert {table[1] for _, table in engine.steps.compiles["prefill"]} == {8}
 

@@ -1,0 +1,92 @@
+"""What the engine keeps of a request: the request as queued, a prompt being prefilled (its
+pages held, its chunks written one step at a time), each sample as it decodes, and the
+finished completion handed back."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxtrain.serving.sampling import SamplingParams
+
+__all__ = ["Completion", "OnToken"]
+
+# on_token(request_id, index, token, logprob, top): every new token of sample `index`, with its
+# log-prob and, when the request asked for `logprobs` = k > 0, {token id: log-prob} of the k
+# most likely tokens at its position (else None).
+OnToken = Callable[[int, int, int, float, "dict[int, float] | None"], None]
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sample of a request. `logprobs`: each generated token's log-prob under
+    the model (log_softmax of its logits, before temperature and filters); `top_logprobs`:
+    with SamplingParams.logprobs = k > 0, the k most likely tokens' at each position."""
+
+    request_id: int
+    index: int  # which of the request's n samples
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (eos, stop id or string) or "length" (max_tokens)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: int
+    prompt: np.ndarray
+    params: SamplingParams
+    n: int
+    on_token: OnToken | None
+
+
+@dataclasses.dataclass
+class Prefill:
+    """A request admitted and being prefilled: every sample's page table is held (the first
+    holds the prompt; the others share its full pages), `done` prompt tokens are in the cache
+    (a cached prefix, then each chunk written)."""
+
+    request: Request
+    tables: list[list[int]]
+    done: int
+
+    @property
+    def remaining(self) -> int:
+        return len(self.request.prompt) - self.done
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One sample decoding."""
+
+    request_id: int
+    index: int
+    prompt: np.ndarray
+    params: SamplingParams
+    pages: list[int]
+    on_token: OnToken | None
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    text: str | None = None
+
+    @property
+    def position(self) -> int:
+        """Position of the newest token (the next decode step's input)."""
+        return len(self.prompt) + len(self.generated) - 1
+
+    def completion(self, text: str | None, reason: str) -> Completion:
+        return Completion(
+            self.request_id,
+            self.index,
+            self.prompt.tolist(),
+            self.generated,
+            text,
+            reason,
+            self.logprobs,
+            self.top_logprobs if self.params.logprobs else None,
+        )

@@ -1,0 +1,153 @@
+"""Batched and chunked prefill, per-token log-probs and the warm-up: several prompts go
+through one compiled prefill call, a long prompt is written a chunk per step while other
+requests keep decoding, greedy tokens stay those of `generate` throughout, the log-probs
+equal the training code's for the same tokens, and after `warm_up` nothing compiles."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.serving import Engine, SamplingParams
+from jaxtrain.training.logps import model_token_logps
+
+VOCAB = 61
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+        initializer_range=0.3,  # peaked distributions: greedy tokens are not near-ties
+    )  # fmt: skip
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, n).tolist()
+
+
+def recording(engine: Engine) -> list[tuple[int, int]]:
+    """Each prefill call's (rows with real tokens, real tokens), as the engine makes it."""
+    calls: list[tuple[int, int]] = []
+    original = engine.steps.prefill
+
+    def prefill(*args):
+        ids = np.asarray(args[2])
+        calls.append((int((ids != 0).any(axis=1).sum()), int((ids != 0).sum())))
+        return original(*args)
+
+    engine.steps.prefill = prefill
+    return calls
+
+
+def test_several_prompts_are_prefilled_in_one_call_with_generates_tokens(model):
+    engine = Engine(model, max_slots=8, page_size=4, max_length=48, eos_token_ids=[])
+    calls = recording(engine)
+    batch = [prompt(n, n) for n in (3, 9, 5, 12, 1, 7)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    got = engine.generate(batch, params)
+    assert calls == [(6, sum(len(p) for p in batch))]  # every prompt in one call
+    assert [c[0].token_ids for c in got] == [
+        generate(model, p, max_new_tokens=6).tolist() for p in batch
+    ]
+    assert engine.pages.available == engine.pages.num_pages - 1
+
+
+def test_a_long_prompt_is_written_in_chunks_while_another_request_decodes(model):
+    engine = Engine(model, max_slots=4, page_size=4, max_length=96, prefill_tokens=16,
+                    eos_token_ids=[])  # fmt: skip
+    calls = recording(engine)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    short, long = prompt(5, 1), prompt(70, 2)
+    first = engine.submit(short, greedy)
+    engine.step()  # the short prompt is prefilled and decoding
+    second = engine.submit(long, SamplingParams(max_tokens=8, temperature=0.0), n=2)
+    decoded, done = [], {}
+    while not engine.idle:
+        for completion in engine.step():
+            done[completion.request_id, completion.index] = completion.token_ids
+        decoded += [len(s.generated) for s in engine.active if s.request_id == first]
+    # 70 tokens in chunks of at most 16: five calls after the short prompt's, and the short
+    # request (its first token drawn at its prefill, its second decoded in the same step)
+    # decoded one token in every one of those steps.
+    assert calls[0] == (1, 5) and [tokens for _, tokens in calls[1:]] == [16, 16, 16, 16, 6]
+    assert decoded[:5] == [3, 4, 5, 6, 7]
+    assert done[first, 0] == generate(model, short, max_new_tokens=20).tolist()
+    want = generate(model, long, max_new_tokens=8).tolist()
+    assert done[second, 0] == done[second, 1] == want  # greedy: both samples alike
+    assert engine.pages.available == engine.pages.num_pages - 1
+
+
+def test_a_request_cancelled_while_prefilling_gives_its_pages_back(model):
+    engine = Engine(model, max_slots=4, page_size=4, max_length=96, prefill_tokens=16)
+    request = engine.submit(prompt(60, 3), SamplingParams(max_tokens=4), n=3)
+    engine.step()
+    assert engine.prefilling and engine.slots_in_use == 3
+    engine.cancel(request)
+    assert engine.idle and engine.slots_in_use == 0
+    assert engine.pages.available == engine.pages.num_pages - 1
+
+
+def test_logprobs_equal_the_training_codes_for_the_same_tokens(model):
+    engine = Engine(model, max_slots=4, page_size=4, max_length=48, prefill_tokens=16)
+    batch = [prompt(n, 20 + n) for n in (4, 19, 8)]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, logprobs=3)
+    got = [group[0] for group in engine.generate(batch, params)]
+    for p, completion in zip(batch, got):
+        ids = jnp.asarray([p + completion.token_ids])
+        trained, _ = model_token_logps(model, ids, ids)
+        want = np.asarray(trained[0, len(p) - 1 :])
+        np.testing.assert_allclose(completion.logprobs, want, rtol=1e-5, atol=1e-6)
+        for token, logprob, top in zip(
+            completion.token_ids, completion.logprobs, completion.top_logprobs
+        ):
+            assert len(top) == 3 and list(top.values()) == sorted(top.values(), reverse=True)
+            assert logprob <= max(top.values()) + 1e-6
+            if token in top:
+                assert top[token] == pytest.approx(logprob, abs=1e-6)
+    plain = engine.generate(batch[:1], SamplingParams(max_tokens=3, temperature=0.0))[0][0]
+    assert plain.top_logprobs is None and len(plain.logprobs) == 3
+
+
+def test_after_warm_up_nothing_compiles(model):
+    engine = Engine(model, max_slots=4, page_size=4, max_length=64, prefill_tokens=32)
+    shapes = engine.warm_up()
+    assert shapes == len(engine.steps.compiles["prefill"]) + len(engine.steps.compiles["decode"])
+    compiled: Counter[str] = Counter()
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            found = re.match(r"Compiling (?:jit\()?([\w.<>]+)", record.getMessage())
+            if found:
+                compiled[found.group(1)] += 1
+
+    handler = Record(level=logging.DEBUG)
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            rng = np.random.default_rng(0)
+            for round_ in range(4):
+                lengths = rng.integers(1, 50, 5)
+                settings = [
+                    SamplingParams(max_tokens=int(64 - lengths.max()), temperature=0.0),
+                    SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=round_),
+                    SamplingParams(max_tokens=3, temperature=1.2, top_k=5, logprobs=2),
+                ]
+                for i, n in enumerate(lengths):
+                    engine.submit(prompt(int(n), round_ * 9 + i), settings[i % 3], n=1 + i % 2)
+                while not engine.idle:
+                    engine.step()
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert not compiled, compiled
+    assert engine.pages.available == engine.pages.num_pages - 1
