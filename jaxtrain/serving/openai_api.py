@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from jaxtrain.serving.limits import ServeLimits
+from jaxtrain.serving.logprobs_api import chat_logprobs, completion_logprobs, requested
 from jaxtrain.serving.sampling import SamplingParams
 
 __all__ = ["ParsedRequest", "RequestError", "chunk", "error_body", "parse_request", "response"]
@@ -53,6 +54,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False  # vLLM's extension: the prompt's and each sample's ids
+    logprobs: int | None = None  # alternatives per token wanted; None: no log-probs
 
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
@@ -155,6 +157,7 @@ def parse_request(
             "stop",
         )
     n = _number(body, "n", 1, int, 1)
+    logprobs = requested(body, chat, RequestError)
     if n > limits.max_n:
         raise RequestError(400, f"n is {n}; this server allows at most {limits.max_n}", "n")
     params = SamplingParams(
@@ -165,6 +168,7 @@ def parse_request(
         seed=_number(body, "seed", 0, int),
         stop=tuple(stop),
         ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: exactly max_tokens tokens
+        logprobs=logprobs or 0,
     )
     stream_options = body.get("stream_options") or {}
     return ParsedRequest(
@@ -175,6 +179,7 @@ def parse_request(
         stream=bool(body.get("stream", False)),
         include_usage=bool(stream_options.get("include_usage", False)),
         return_token_ids=_flag(body, "return_token_ids"),
+        logprobs=logprobs,
     )
 
 
@@ -190,7 +195,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def response(request: ParsedRequest, model: str, samples: list[Any]) -> dict[str, Any]:
+def logprobs_field(
+    request: ParsedRequest,
+    tokenizer: Any,
+    token_ids: list[int],
+    logprobs: list[float],
+    top: list[dict[int, float]] | None,
+    text_offset: int = 0,
+) -> dict[str, Any] | None:
+    """A choice's `logprobs` in the request's shape (None unless it asked)."""
+    if request.logprobs is None:
+        return None
+    if request.chat:
+        return chat_logprobs(tokenizer, token_ids, logprobs, top)
+    return completion_logprobs(tokenizer, token_ids, logprobs, top, text_offset)
+
+
+def response(
+    request: ParsedRequest, model: str, samples: list[Any], tokenizer: Any = None
+) -> dict[str, Any]:
     """The whole (non-streaming) answer: one choice per sample (the engine's Completions,
     in index order)."""
     choices = []
@@ -201,7 +224,10 @@ def response(request: ParsedRequest, model: str, samples: list[Any]) -> dict[str
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice.update(finish_reason=sample.finish_reason, logprobs=None)
+        choice["finish_reason"] = sample.finish_reason
+        choice["logprobs"] = logprobs_field(
+            request, tokenizer, sample.token_ids, sample.logprobs, sample.top_logprobs
+        )
         if request.return_token_ids:
             choice["token_ids"] = list(sample.token_ids)
         choices.append(choice)
@@ -228,6 +254,7 @@ def chunk(
     *,
     first: bool = False,
     token_ids: list[int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One server-sent event of a stream: sample `index`'s new text, or its end. With
     `return_token_ids`, the ids of the tokens that arrived since the sample's last event
@@ -236,9 +263,9 @@ def chunk(
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
     body = {
         "id": stream_id,
         "object": "chat.completion.chunk" if request.chat else "text_completion",

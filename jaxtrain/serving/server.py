@@ -27,6 +27,7 @@ from jaxtrain.serving.openai_api import (
     RequestError,
     chunk,
     error_body,
+    logprobs_field,
     new_id,
     parse_request,
     response,
@@ -145,7 +146,7 @@ def create_app(
             return refuse(err)
         finally:
             runner.forget(request_id)  # also cancels it in the engine if it still runs
-        return response(parsed, model_name, done)
+        return response(parsed, model_name, done, tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -219,16 +220,25 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
     stream_id = new_id(parsed.chat)
     hold = max((len(s) for s in parsed.params.stop), default=1) - 1
     ids: dict[int, list[int]] = {i: [] for i in range(parsed.n)}
+    lps: dict[int, list[float]] = {i: [] for i in range(parsed.n)}  # each token's log-prob
+    tops: dict[int, list[dict]] = {i: [] for i in range(parsed.n)}  # and its alternatives
     sent = dict.fromkeys(range(parsed.n), 0)  # characters of each sample's text sent
     sent_ids = dict.fromkeys(range(parsed.n), 0)  # and token ids (return_token_ids)
     finished: dict[int, int] = {}
 
     def event(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
-        new_ids = ids[index][sent_ids[index] :]
+        new = slice(sent_ids[index], len(ids[index]))  # the tokens this event carries
         sent_ids[index] = len(ids[index])
+        logprobs = None
+        if not first:  # log-probs of the event's tokens, offset by the text sent before
+            top = tops[index][new] if parsed.params.logprobs else None
+            logprobs = logprobs_field(
+                parsed, tokenizer, ids[index][new], lps[index][new], top, sent[index]
+            )
         body = chunk(
-            parsed, model_name, stream_id, index, text, reason, first=first, token_ids=new_ids
-        )
+            parsed, model_name, stream_id, index, text, reason, first=first,
+            token_ids=ids[index][new], logprobs=logprobs,
+        )  # fmt: skip
         return f"data: {json.dumps(body)}\n\n"
 
     try:
@@ -244,6 +254,8 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
             i = item.index
             if item.kind == "token":
                 ids[i].append(item.token)
+                lps[i].append(item.logprob)
+                tops[i].append(item.top_logprobs or {})
                 text = tokenizer.decode(ids[i], skip_special_tokens=True)
                 safe = len(text) - hold if parsed.params.stop else len(text)
                 if text.endswith("\ufffd"):  # half of a multi-byte character
@@ -254,6 +266,8 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
             else:
                 completion = item.completion
                 ids[i] = list(completion.token_ids)  # the engine's own record of the sample
+                lps[i] = list(completion.logprobs)
+                tops[i] = list(completion.top_logprobs or [{}] * len(ids[i]))
                 final = completion.text or ""
                 rest = final[sent[i] :] if len(final) > sent[i] else ""
                 yield event(i, rest or None, completion.finish_reason)

@@ -262,3 +262,66 @@ def test_no_key_off_loopback_is_refused_in_one_line(long_model_dir, monkeypatch,
         from jaxtrain.cli.serve import serve_limits
 
         serve_limits(parse_serve_options([str(long_model_dir), "--max_stop", "-1"])[1])
+
+
+def test_logprobs_in_openai_s_shapes_are_the_model_s(server, client, long_model_dir, tokenizer):
+    import jax
+    import numpy as np
+
+    from jaxtrain.hf import AutoModelForCausalLM
+
+    prompt = "def add(a, b):"
+    out = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    choice = out.choices[0]
+    tokens = choice.model_extra["token_ids"]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(tokens) == 6
+    assert all(1 <= len(alts) <= 3 for alts in lp.top_logprobs)  # keyed by text: ids may share one
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # The training code's view: log_softmax of the model's logits over prompt + completion.
+    model = AutoModelForCausalLM.from_pretrained(long_model_dir)
+    ids = out.model_extra["prompt_token_ids"] + tokens
+    logits = np.asarray(model(np.asarray([ids]))[0], np.float32)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    start = len(out.model_extra["prompt_token_ids"]) - 1
+    want = [logp[start + i, t] for i, t in enumerate(tokens)]
+    np.testing.assert_allclose(lp.token_logprobs, want, atol=1e-4)
+    for i, alts in enumerate(lp.top_logprobs):  # greedy: the chosen token is the best
+        assert max(alts.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+    pieces = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            logprobs=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    )
+    streamed = [
+        v for p in pieces if p.choices[0].logprobs for v in p.choices[0].logprobs.token_logprobs
+    ]
+    np.testing.assert_allclose(streamed, lp.token_logprobs, atol=1e-6)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "fox"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert content[0].bytes == list(content[0].token.encode())
+    answer = _post(server, {"model": "tiny", "prompt": "x", "logprobs": 21})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "logprobs"
+    answer = httpx.post(
+        f"{server}/chat/completions", headers=AUTH, timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    )  # fmt: skip
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "top_logprobs"
