@@ -23,13 +23,15 @@ logged beside the loss only when the loss is a mean negative log-likelihood per 
 (`Trainer.loss_is_token_nll`: the causal LM and SFT losses); the exponential of a preference,
 classification or distillation loss is not a perplexity, so those trainers log none.
 The step itself adds `grad_norm`, `learning_rate` and `nonfinite`, so an objective may not
-return those names.
+return those names. A difference of two logged means is not a sum: an objective declares it
+(`Objective.differences`, e.g. KTO's `rewards/margins` = `rewards/chosen` - `rewards/rejected`
+over unpaired examples, as TRL logs it), and it is logged whenever both means are.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import jax
@@ -117,11 +119,20 @@ def log_name(key: str) -> str:
     return key
 
 
+# (logged name, minuend, subtrahend): a difference of two logged means (see above).
+Difference = tuple[str, str, str]
+
+
 def summarize_sums(
-    totals: Mapping[str, float], prefix: str = "", *, perplexity: bool = True
+    totals: Mapping[str, float],
+    prefix: str = "",
+    *,
+    perplexity: bool = True,
+    differences: Sequence[Difference] = (),
 ) -> dict[str, float]:
     """Log values of sums accumulated over a logging window or an eval set (see above);
-    `perplexity`: the loss is a per-token NLL, so exp(loss) is logged too."""
+    `perplexity`: the loss is a per-token NLL, so exp(loss) is logged too; `differences`:
+    each (name, a, b) logs a - b of the logged means a and b when both are logged."""
     tokens = float(totals.get("tokens", 0.0))
     per_unit = max(tokens, 1.0)
     loss = float(totals["loss_sum"]) / per_unit
@@ -137,4 +148,7 @@ def summarize_sums(
                 logs[prefix + log_name(key)] = float(value) / float(totals[count])
         else:
             logs[prefix + log_name(key)] = float(value) / per_unit  # per unit, like the loss
+    for name, a, b in differences:
+        if prefix + a in logs and prefix + b in logs:
+            logs[prefix + name] = logs[prefix + a] - logs[prefix + b]
     return logs

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxtrain.data.collate import IGNORE_INDEX
-from jaxtrain.objective import STATE_KEYS, STEP_KEYS, summarize_sums
+from jaxtrain.objective import STATE_KEYS, STEP_KEYS, Difference, summarize_sums
 
 
 class BatchCounts(NamedTuple):
@@ -88,6 +88,7 @@ class MetricsWindow:
         data_wait: DataWaitClock | None = None,
         perplexity: bool = True,
         unit: str = "tokens",
+        differences: Sequence[Difference] = (),
     ) -> None:
         self._metrics: list[dict[str, Any]] = []
         # What a batch's "targets" count: target tokens, or examples (image classification,
@@ -95,6 +96,7 @@ class MetricsWindow:
         self.unit = unit
         self._extra_logs: dict[str, Any] = {}
         self.perplexity = perplexity  # the loss is a per-token NLL (objective.py)
+        self.differences = tuple(differences)  # logged differences of means (objective.py)
         self._counts = np.zeros(4, np.float64)
         self._clock = time.perf_counter()
         self.num_devices = num_devices
@@ -158,7 +160,11 @@ class _ClosedWindow:
         logs = {
             "step": self.step,
             "epoch": round(self.epoch, 4),
-            **summarize_sums(totals, perplexity=self._window.perplexity),
+            **summarize_sums(
+                totals,
+                perplexity=self._window.perplexity,
+                differences=self._window.differences,
+            ),
             "learning_rate": float(values[-1]["learning_rate"]),
             "grad_norm": float(values[-1]["grad_norm"]),
             "step_time_s": elapsed / steps,
@@ -184,14 +190,19 @@ class _ClosedWindow:
 
 
 def eval_summary(
-    totals: dict[str, float], sums: dict[str, Any], batches: int, *, perplexity: bool = True
+    totals: dict[str, float],
+    sums: dict[str, Any],
+    batches: int,
+    *,
+    perplexity: bool = True,
+    differences: Sequence[Difference] = (),
 ) -> dict[str, float]:
     """Add one eval batch's sums into `totals` and return the running metrics: the
     objective's keys under `eval/` by the rule of objective.py, plus tokens and batches."""
     for key, value in sums.items():
         totals[key] = totals.get(key, 0.0) + float(value)
     return {
-        **summarize_sums(totals, prefix="eval/", perplexity=perplexity),
+        **summarize_sums(totals, prefix="eval/", perplexity=perplexity, differences=differences),
         "eval/tokens": totals.get("tokens", 0.0),
         "eval/batches": batches,
     }

@@ -24,12 +24,14 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxtrain.config.sections import MonitorSettings
+from jaxtrain.objective import Difference
 from jaxtrain.observability import weights
 from jaxtrain.observability.compiles import CompileEvent, TrackedJit
 from jaxtrain.observability.flops import FlopsCounter, matmul_parameters
@@ -112,11 +114,13 @@ class RunMonitor:
         compiler_options: dict[str, Any] | None = None,
         perplexity: bool = True,
         batch_unit: str = "tokens",
+        differences: Sequence[Difference] = (),
     ):
         self.settings = MonitorSettings.from_arguments(args)
         args = self.settings
         self.batch_unit = batch_unit  # what throughput counts: "tokens" or "examples"
         self.perplexity = perplexity  # log exp(loss): the loss is a per-token NLL
+        self.differences = tuple(differences)  # logged differences of means (objective.py)
         self.compiler_options = compiler_options  # XLA options of every compile of the run
         # The devices the run's mesh spans (a Trainer may be given a subset of jax.devices()):
         # TFLOP/s and MFU are per device of the mesh.
@@ -251,6 +255,7 @@ class RunMonitor:
             data_wait=self.data_wait,
             perplexity=self.perplexity,
             unit=self.batch_unit,
+            differences=self.differences,
         )
         return self._window
 

@@ -124,7 +124,13 @@ def kto_objective(args: KTOArguments) -> Objective:
         del rng
         return kto_loss_sums(model.model, model.reference, batch, args)
 
-    return Objective(loss_sums=loss_sums, normalizer=pair_normalizer, token_nll=False)
+    return Objective(
+        loss_sums=loss_sums,
+        normalizer=pair_normalizer,
+        token_nll=False,
+        # The examples are unpaired: the margin is a difference of the two kinds' means.
+        differences=(("rewards/margins", "rewards/chosen", "rewards/rejected"),),
+    )
 
 
 class KTOTrainer(TaskTrainer):
@@ -133,7 +139,8 @@ class KTOTrainer(TaskTrainer):
     `reference_model=None` freezes a copy of `model` as it is now. Preference pairs are
     unpaired (chosen desirable, rejected not). Logged: loss (per example), kl, entropy (per
     completion token), rewards/chosen, logps/chosen (per desirable example),
-    rewards/rejected, logps/rejected (per undesirable example).
+    rewards/rejected, logps/rejected (per undesirable example), rewards/margins (the
+    difference of the two rewards, as TRL logs it).
     """
 
     loss_is_token_nll = False

@@ -5,11 +5,12 @@ The Trainer owns one `Evaluator`; it compiles the eval step at the first batch a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
 
+from jaxtrain.objective import Difference
 from jaxtrain.observability.metrics import eval_summary
 from jaxtrain.training.step import make_eval_step
 
@@ -25,6 +26,7 @@ class Evaluator:
         loss_sums_fn: Callable[..., Any],
         jit: Callable[..., Any] | None = None,
         perplexity: bool = True,
+        differences: Sequence[Difference] = (),
         global_scalars_fn: Callable[..., Any] | None = None,
     ):
         # The non-Param state goes in as an argument (placed on the mesh), not as a constant.
@@ -36,6 +38,7 @@ class Evaluator:
         # jit(fn, name) -> a TrackedJit (RunMonitor.jit): its compiles are logged.
         self._jit = jit
         self._perplexity = perplexity  # the loss is a per-token NLL (objective.py)
+        self._differences = tuple(differences)  # logged differences of means (objective.py)
 
     def compile(self, params: Any, batch: Any) -> Callable[..., Any]:
         if self._jit is not None:
@@ -67,4 +70,10 @@ class Evaluator:
             yield self._summary(totals, previous, count)
 
     def _summary(self, totals: dict[str, float], sums: Any, batches: int) -> dict[str, float]:
-        return eval_summary(totals, jax.device_get(sums), batches, perplexity=self._perplexity)
+        return eval_summary(
+            totals,
+            jax.device_get(sums),
+            batches,
+            perplexity=self._perplexity,
+            differences=self._differences,
+        )

@@ -26,6 +26,7 @@ from jaxtrain.config.sections import ModelSettings, OptimizerSettings, PruningSe
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
+from jaxtrain.objective import Difference
 from jaxtrain.observability.compiles import TrackedJit
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.parallel.init import cast_floating, cast_frozen
@@ -62,13 +63,15 @@ class Objective:
     (jaxtrain/objective.py), divided by `normalizer(global batch)`; `token_nll`: the loss is
     a per-token NLL (perplexity is logged); `batch_unit`: "tokens" or "examples";
     `global_scalars(global batch)`: named scalars of the whole batch each micro-batch's
-    `loss_sums` reads as `batch[name]` (a per-pair loss with a token-mean term: ORPO)."""
+    `loss_sums` reads as `batch[name]` (a per-pair loss with a token-mean term: ORPO);
+    `differences`: (name, a, b) logged as a - b of two logged means (jaxtrain/objective.py)."""
 
     loss_sums: Callable[..., Any] = causal_lm_loss_sums
     normalizer: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens
     token_nll: bool = True
     batch_unit: str = "tokens"
     global_scalars: GlobalScalarsFn | None = None
+    differences: tuple[Difference, ...] = ()
 
 
 @dataclasses.dataclass
@@ -409,5 +412,6 @@ class Program:
             loss_sums_fn=with_activation_sharding(self.objective.loss_sums, self.plan.rules),
             jit=self.jit,
             perplexity=self.objective.token_nll,
+            differences=self.objective.differences,
             global_scalars_fn=self.objective.global_scalars,
         )

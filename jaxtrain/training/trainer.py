@@ -143,6 +143,7 @@ class Trainer:
             compiler_options=self.runtime.compiler_options,
             perplexity=objective.token_nll,
             batch_unit=objective.batch_unit,
+            differences=objective.differences,
         )
         schedule_length = self._schedule_length()
         self.program = Program(

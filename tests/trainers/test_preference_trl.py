@@ -101,7 +101,9 @@ def jax_loss_and_grads(objective, task_model: TaskModel, batch: dict[str, np.nda
         return sums["loss_sum"] / normalizer, sums
 
     grads, sums = jax.jit(jax.grad(loss, has_aux=True))(params)
-    logs = summarize_sums({k: float(v) for k, v in sums.items()}, perplexity=False)
+    logs = summarize_sums(
+        {k: float(v) for k, v in sums.items()}, perplexity=False, differences=objective.differences
+    )
     norm = float(
         np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
     )
@@ -280,7 +282,14 @@ KTO_CASES = {
     "kto": dict(loss_type="kto", desirable_weight=1.0, undesirable_weight=1.6),
     "apo_zero_unpaired": dict(loss_type="apo_zero_unpaired", desirable_weight=0.8),
 }
-KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "entropy")
+KTO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",  # chosen - rejected, once missing
+    "logps/chosen",
+    "logps/rejected",
+    "entropy",
+)
 
 
 @pytest.mark.parametrize("case", list(KTO_CASES))

@@ -13,21 +13,21 @@ from test_cli_tasks import MODEL, config, files, write_rows  # noqa: F401 (files
 from jaxtrain.cli import main
 from jaxtrain.trainers.tasks import TASKS
 
-# task -> (its rows, its settings, a metric only its eval reports; None: it has no eval set)
+# task -> (its rows, its settings, metrics of its own that eval reports; (): no eval set)
 RUNS = {
-    "lm": ("text", {}, "eval/perplexity"),
-    "sft": ("sft", {}, "eval/perplexity"),
-    "dpo": ("pairs", {"beta": 0.2}, "eval/rewards/margins"),
-    "reward": ("pairs", {}, "eval/rewards/chosen"),
-    "distill": ("sft", {"teacher": dict(MODEL), "distill_alpha": 0.7}, "eval/distill/kl"),
-    "kto": ("pairs", {}, "eval/kl"),
-    "orpo": ("pairs", {}, "eval/nll_loss"),
-    "cpo": ("pairs", {"loss_type": "simpo", "cpo_alpha": 0.0}, "eval/rewards/margins"),
+    "lm": ("text", {}, ("eval/perplexity",)),
+    "sft": ("sft", {}, ("eval/perplexity",)),
+    "dpo": ("pairs", {"beta": 0.2}, ("eval/rewards/margins",)),
+    "reward": ("pairs", {}, ("eval/rewards/chosen",)),
+    "distill": ("sft", {"teacher": dict(MODEL), "distill_alpha": 0.7}, ("eval/distill/kl",)),
+    "kto": ("pairs", {}, ("eval/kl", "eval/rewards/margins")),
+    "orpo": ("pairs", {}, ("eval/nll_loss",)),
+    "cpo": ("pairs", {"loss_type": "simpo", "cpo_alpha": 0.0}, ("eval/rewards/margins",)),
     "grpo": (
         "prompts",
         {"reward": "last_number_matches", "num_generations": 2, "max_prompt_length": 8,
          "max_completion_length": 3},
-        None,
+        (),
     ),
 }  # fmt: skip
 
@@ -48,12 +48,12 @@ def run_dirs(files):  # noqa: F811
 
     def run_dir(task: str):
         if task not in trained:
-            kind, extra, metric = RUNS[task]
+            kind, extra, metrics = RUNS[task]
             out = root / f"run_dir_{task}"
             settings = {"save_final": True, "output_dir": str(out)}
-            if metric is not None:  # the run evaluates itself: eval must say the same
+            if metrics:  # the run evaluates itself: eval must say the same
                 settings["evaluation_strategy"] = "steps"
-            path = config(rows, task, kind, eval_rows=kind if metric else None,
+            path = config(rows, task, kind, eval_rows=kind if metrics else None,
                           **extra, **settings)  # fmt: skip
             assert main(["train", path]) == 0
             trained[task] = out
@@ -69,9 +69,9 @@ def printed_metrics(out: str) -> dict[str, str]:
 @pytest.mark.parametrize("task", list(RUNS))
 def test_eval_reports_the_runs_own_final_evaluation(run_dirs, task, capsys):
     run_dir = run_dirs(task)
-    metric = RUNS[task][2]
+    metrics = RUNS[task][2]
     capsys.readouterr()
-    if metric is None:
+    if not metrics:
         assert main(["eval", str(run_dir)]) == 2
         err = capsys.readouterr().err.strip()
         assert "has no eval set" in err and "jaxtrain evaluate" in err
@@ -79,8 +79,11 @@ def test_eval_reports_the_runs_own_final_evaluation(run_dirs, task, capsys):
         return
     assert main(["eval", str(run_dir)]) == 0
     printed = printed_metrics(capsys.readouterr().out)
-    assert metric in printed, printed
     trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    steps = [entry for entry in trained if "loss" in entry]
+    for metric in metrics:  # in eval's report, and in the run's training logs
+        assert metric in printed, printed
+        assert metric.removeprefix("eval/") in steps[-1], steps[-1]
     final_eval = [entry for entry in trained if "eval/loss" in entry][-1]
     assert float(printed["eval/loss"]) == pytest.approx(final_eval["eval/loss"], abs=1e-4)
     # exp(loss) is a perplexity only for a token NLL (lm, sft), not for a task's own loss.
