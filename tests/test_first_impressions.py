@@ -119,7 +119,7 @@ def test_grpo_on_the_default_data_says_what_to_pass_on_the_command_line(capsys):
 
 def test_help_names_grpo_and_its_own_loss_types(capsys):
     assert main(["--help"]) == 0
-    assert "|grpo]" in capsys.readouterr().out
+    assert "|grpo|" in capsys.readouterr().out  # the usage's --task list
     assert main(["train", "--task", "grpo", "--help"]) == 0
     text = capsys.readouterr().out
     assert "The trainer: lm, sft, dpo, reward, distill, grpo, kto, orpo or cpo" in text
