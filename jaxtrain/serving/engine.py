@@ -17,10 +17,17 @@ Each `step()` does three things:
    them, reading the smallest bucket of pages that holds the longest of them (not the whole
    max_length).
 
+Pages are taken as sequences grow, not reserved for max_tokens up front: the pool is sized to
+a memory budget (`kv_cache_gib`, or `memory_fraction` of a GPU's or TPU's free memory), and
+when a sequence needs a page that no one has, the youngest sequences are **preempted**: their
+pages are freed and they wait at the head of the queue to be recomputed (their prompt and the
+tokens they had, prefilled again) and go on decoding. A draw depends only on the request's
+seed and the token's position, so a preempted sequence gives the tokens it would have given.
+
 A sequence that ends (an end-of-sequence id, a stop string, max_tokens) frees its slot and
 its pages at once; the next waiting request takes them in the next step. A prompt's full
-pages stay cached (evicted oldest first when pages run short), so a later request with the
-same prefix (a shared system prompt) prefills only the rest. Every token comes with its
+pages stay cached (evicted least recently used first when pages run short), so a later
+request with the same prefix (a shared system prompt) prefills only the rest. Every token comes with its
 log-prob (and, on request, the top alternatives'): sampling.py.
 
 The model's state is an argument of every compiled step: `update_state(state)` swaps in live
@@ -43,7 +50,7 @@ from flax import nnx
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.serving import requests
-from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
+from jaxtrain.serving.paged import PageAllocator, empty_pool, page_bytes, prefix_keys
 from jaxtrain.serving.requests import Completion, OnToken, Prefill, Request
 from jaxtrain.serving.sampling import SamplingParams, sampling_arrays
 from jaxtrain.serving.steps import Steps, bucket, buckets
@@ -63,7 +70,8 @@ class Engine:
     Llama family and its dropless MoE, Gemma 2 / 3, GPT-2); `max_slots`: sequences decoded
     at once; `page_size`: tokens per page; `max_length`: prompt + new tokens of one
     sequence (default the model's context); `num_pages`: the pool (default enough for every
-    slot at max_length); `prefill_tokens`: the tokens (padding included) one prefill call
+    slot at max_length; or `kv_cache_gib` of memory; or `memory_fraction` of the device's free
+    memory, on a GPU or TPU); `prefill_tokens`: the tokens (padding included) one prefill call
     writes, a bound on how long it holds up the sequences decoding; `eos_token_ids`: default
     the tokenizer's or the config's."""
 
@@ -76,6 +84,8 @@ class Engine:
         page_size: int = 16,
         max_length: int | None = None,
         num_pages: int | None = None,
+        kv_cache_gib: float | None = None,
+        memory_fraction: float | None = None,
         prefill_tokens: int = 512,
         eos_token_ids: Sequence[int] | None = None,
     ):
@@ -93,9 +103,13 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
-        num_pages = num_pages or max_slots * self.max_pages + 1
         self.graphdef, self.state = nnx.split(model)
         sharding = pool_sharding(self.state)
+        if num_pages is None:
+            budget = _memory_budget(kv_cache_gib, memory_fraction, sharding)
+            every_slot = max_slots * self.max_pages + 1
+            fits = every_slot if budget is None else budget // page_bytes(model, page_size) + 1
+            num_pages = int(min(every_slot, fits))
         self.pool = jax.device_put(empty_pool(model, num_pages, page_size), sharding)
         self.pages = PageAllocator(num_pages, page_size)
         self.steps = Steps(self.graphdef, page_size, sharding)
@@ -104,6 +118,7 @@ class Engine:
         self.prefilling: list[Prefill] = []
         self.active: list[requests.Sequence] = []
         self.finished: list[Completion] = []
+        self.preemptions = 0  # sequences preempted so far (recomputed later)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------ requests
@@ -132,6 +147,13 @@ class Engine:
             )
         if not 1 <= n <= self.max_slots:
             raise ArgumentError(f"n={n}: a request takes 1 to max_slots={self.max_slots} samples")
+        pages = math.ceil((len(prompt) + params.max_tokens) / self.page_size)
+        if pages > self.pages.num_pages - 1:
+            raise ArgumentError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {pages} "
+                f"pages of {self.page_size} tokens; the KV cache has {self.pages.num_pages - 1}: "
+                "lower max_tokens, or give the engine more (num_pages, kv_cache_gib)"
+            )
         request_id = next(self._ids)
         self.waiting.append(Request(request_id, prompt, params, n, on_token))
         return request_id
@@ -196,9 +218,11 @@ class Engine:
             self.prefilling.append(held)
 
     def _hold_pages(self, request: Request) -> Prefill | None:
-        """Every page the request's samples will write, or None while the pool is short."""
+        """The pages the request's prompt fills, for every sample (the full ones shared, the
+        last, partial one each sample's own), or None while the pool is short. Pages for
+        the tokens it generates are taken as it decodes."""
         prompt, size = request.prompt, self.page_size
-        total = math.ceil((len(prompt) + request.params.max_tokens) / size)
+        total = math.ceil(len(prompt) / size)
         cached = self.pages.cached_prefix(prefix_keys(prompt[: len(prompt) - 1], size))
         full = len(prompt) // size  # pages the prompt fills: shared by the other samples
         self.pages.share(cached)  # held first: the allocations below must not evict them
@@ -251,7 +275,9 @@ class Engine:
         for row, (item, take) in enumerate(chunk):
             item.done += take
             if not item.remaining:
-                starting += [(row, item, i) for i in range(item.request.n)]
+                resumed = item.request.resume
+                indices = [resumed.index] if resumed else range(item.request.n)
+                starting += [(row, item, i) for i in indices]
         rows = np.zeros(self.max_slots, np.int32)
         positions = np.zeros(self.max_slots, np.int32)
         for s, (row, item, _) in enumerate(starting):
@@ -274,20 +300,51 @@ class Engine:
         for s, (_, item, i) in enumerate(starting):
             request, prompt = item.request, item.request.prompt
             full = len(prompt) // size
-            if i == 0:
+            k = 0 if request.resume else i  # the sample's page table
+            if k == 0:
                 self.prefilling.remove(item)
                 self.pages.remember(prefix_keys(prompt[: full * size], size), item.tables[0][:full])
             elif len(prompt) % size:  # the prompt's last page: this sample's own copy
                 self.pool = self.steps.copy_page(
-                    self.pool, item.tables[0][full], item.tables[i][full]
+                    self.pool, item.tables[0][full], item.tables[k][full]
                 )
-            seq = requests.Sequence(
-                request.request_id, i, prompt, request.params, item.tables[i], request.on_token
+            seq = request.resume or requests.Sequence(
+                request.request_id, i, prompt, request.params, [], request.on_token
             )
+            seq.pages = item.tables[k]
             self.active.append(seq)
             self._append(seq, drawn, s)
 
+    def _grow(self) -> None:
+        """A page for every sequence whose next token starts one, preempting the youngest
+        sequences while the pool has none (the oldest always fits: submit checked that one
+        sequence fits the whole pool)."""
+        for seq in list(self.active):
+            if seq not in self.active or seq.position // self.page_size < len(seq.pages):
+                continue
+            while not self.pages.available:
+                self._preempt_youngest()
+            if seq in self.active:
+                seq.pages += self.pages.allocate(1)
+
+    def _preempt_youngest(self) -> None:
+        """Free the pages of the request admitted last (a prompt being prefilled) or of the
+        sequence that started decoding last; it waits at the head of the queue."""
+        self.preemptions += 1
+        if self.prefilling:
+            item = self.prefilling.pop()
+            for table in item.tables:
+                self.pages.release(table)
+            self.waiting.appendleft(item.request)
+            return
+        seq = self.active.pop()
+        self.pages.release(seq.pages)
+        self.waiting.appendleft(seq.preempted())
+
     def _decode(self) -> None:
+        self._grow()
+        if not self.active:
+            return
         rows = bucket(len(self.active), 1, self.max_slots)
         seqs = list(self.active)
         ids = np.zeros((rows, 1), np.int32)
@@ -393,6 +450,33 @@ def pool_sharding(state: Any) -> jax.sharding.Sharding:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+
+
+def _memory_budget(
+    kv_cache_gib: float | None, memory_fraction: float | None, sharding: Any
+) -> int | None:
+    """Bytes the page pool may take: `kv_cache_gib`, or `memory_fraction` of the free memory
+    of the device the pool lives on (GPUs and TPUs report it; CPUs do not), or None (no
+    budget: a slot's worth of pages for every slot)."""
+    if kv_cache_gib is not None and memory_fraction is not None:
+        raise ArgumentError("give kv_cache_gib or memory_fraction, not both")
+    if kv_cache_gib is not None:
+        if not kv_cache_gib > 0:
+            raise ArgumentError(f"kv_cache_gib must be > 0, got {kv_cache_gib!r}")
+        return int(kv_cache_gib * 2**30)
+    if memory_fraction is None:
+        return None
+    if not 0 < memory_fraction <= 1:
+        raise ArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    device = next(iter(sharding.device_set))
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        raise ArgumentError(
+            f"memory_fraction needs a device that reports its memory ({device.platform} does "
+            "not); give kv_cache_gib or num_pages instead"
+        )
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return int(free * memory_fraction)
 
 
 def _seed(seed: int, index: int) -> int:

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxtrain.errors import JaxtrainError
 
-__all__ = ["CacheFull", "PageAllocator", "PagedSlots", "empty_pool"]
+__all__ = ["CacheFull", "PageAllocator", "PagedSlots", "empty_pool", "page_bytes"]
 
 Array = jax.Array
 GARBAGE_PAGE = 0
@@ -32,6 +32,13 @@ GARBAGE_PAGE = 0
 
 class CacheFull(JaxtrainError):
     """No free page for a sequence that needs one (the scheduler waits or says so)."""
+
+
+def page_bytes(model: Any, page_size: int) -> int:
+    """Bytes one page takes over every layer (keys and values)."""
+    c = model.config
+    per_layer = 2 * page_size * c.num_key_value_heads * c.head_dim
+    return per_layer * c.num_hidden_layers * jnp.dtype(model.dtype).itemsize
 
 
 def empty_pool(model: Any, num_pages: int, page_size: int) -> list[tuple[Array, Array]]:
@@ -126,8 +133,9 @@ class PageAllocator:
     """Free pages, reference counts and cached prompt prefixes (see the module docstring).
 
     A cached prefix holds one reference to its pages; a sequence using them holds one more
-    each. When the pool runs short, cached prefixes that no sequence uses are evicted, oldest
-    first."""
+    each. When the pool runs short, cached prefixes that no sequence uses are evicted, least
+    recently used first, and of one prefix its last pages first (its first pages are what
+    other prompts share, and a prefix is found from its first page on)."""
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
@@ -135,7 +143,7 @@ class PageAllocator:
         self.num_pages, self.page_size = num_pages, page_size
         self.free = list(range(num_pages - 1, GARBAGE_PAGE, -1))  # pop() hands out low ids
         self.refs = np.zeros(num_pages, np.int32)
-        self.prefixes: dict[str, int] = {}  # prefix key -> page (insertion order = age)
+        self.prefixes: dict[str, int] = {}  # prefix key -> page (order: least recently used first)
 
     @property
     def available(self) -> int:
@@ -171,6 +179,7 @@ class PageAllocator:
             if page is None:
                 break
             pages.append(page)
+        self._touch(keys[: len(pages)])
         return pages
 
     def remember(self, keys: list[str], pages: list[int]) -> None:
@@ -179,6 +188,12 @@ class PageAllocator:
             if key not in self.prefixes:
                 self.prefixes[key] = page
                 self.refs[page] += 1
+        self._touch(keys[: len(pages)])
+
+    def _touch(self, keys: list[str]) -> None:
+        """These prefix pages were just used: most recent now, a prefix's first page last."""
+        for key in reversed(keys):
+            self.prefixes[key] = self.prefixes.pop(key)
 
     def _evict_one(self) -> None:
         for key, page in self.prefixes.items():

@@ -37,11 +37,16 @@ class Completion:
 
 @dataclasses.dataclass
 class Request:
+    """A request waiting for its slots: `prompt` is what its prefill writes. A preempted
+    sample comes back as a request of its own (n = 1, `resume` the sample): its prompt is
+    the sample's prompt and every token it had generated, recomputed on re-admission."""
+
     request_id: int
     prompt: np.ndarray
     params: SamplingParams
     n: int
     on_token: OnToken | None
+    resume: Sequence | None = None
 
 
 @dataclasses.dataclass
@@ -78,6 +83,11 @@ class Sequence:
     def position(self) -> int:
         """Position of the newest token (the next decode step's input)."""
         return len(self.prompt) + len(self.generated) - 1
+
+    def preempted(self) -> Request:
+        """The request that recomputes this sample's cache and goes on decoding it."""
+        tokens = np.concatenate([self.prompt, np.asarray(self.generated, np.int32)])
+        return Request(self.request_id, tokens, self.params, 1, self.on_token, resume=self)
 
     def completion(self, text: str | None, reason: str) -> Completion:
         return Completion(

@@ -194,6 +194,8 @@ def test_bad_requests_are_refused_with_the_reason(model):
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         SamplingParams(temperature=-1.0)
     small = Engine(model, max_slots=2, page_size=4, max_length=16, num_pages=3)
-    small.submit(prompt(8), SamplingParams(max_tokens=8))  # needs 4 pages of the 2 there are
+    with pytest.raises(ArgumentError, match="needs 4 pages of 4 tokens; the KV cache has 2"):
+        small.submit(prompt(8), SamplingParams(max_tokens=8))
+    small.submit(prompt(7), SamplingParams(max_tokens=1), n=2)  # 2 pages each, 1 shared: 3
     with pytest.raises(ArgumentError, match="does not fit the KV cache even alone"):
         small.step()
