@@ -363,7 +363,8 @@ Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.
 
 SERVE_HELP = """usage: jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--api_key KEY]
                       [--max_slots 8] [--page_size 16] [--max_length N] [--num_pages N]
-                      [--model_name NAME] [--max_queue 128] [--request_timeout 600] ...
+                      [--model_name NAME] [--max_queue 128] [--request_timeout 600]
+                      [--warm_up true] ...
 
 Serve a model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
 /v1/chat/completions; streaming, n > 1, usage; GET /health and GET /metrics): a run
@@ -405,4 +406,8 @@ new requests get 503, the running ones finish, then the process exits 0.
   --request_timeout FLOAT  (default: 600)
       Seconds from arrival to the last token; past it the request is cancelled and
       answered 504 (an error event if it streams). 0: no timeout.
+  --warm_up BOOL  (default: true)
+      Compile every prefill and decode shape before the port opens (prompts up to
+      --max_prompt_tokens), so serving compiles nothing; false starts sooner and the first
+      request of each new shape pays its compile.
 """

@@ -4,7 +4,9 @@ jaxtrain serve runs/demo [--host 127.0.0.1] [--port 8000] [--api_key KEY] [--max
 
 The options, their defaults and what each limit answers: SERVE_HELP (cli/help.py) and
 docs/serving.md. Binding anything but loopback without a key is refused here, before the
-model loads, unless `--allow_unauthenticated true` says it is meant.
+model loads, unless `--allow_unauthenticated true` says it is meant. Before the port opens the
+engine compiles every shape a request can reach (`--warm_up false` skips it: a faster start,
+and the first requests of each new shape pay its compile).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from jaxtrain.errors import ArgumentError
 
 if TYPE_CHECKING:
+    from jaxtrain.serving import Engine
     from jaxtrain.serving.limits import ServeLimits
 
 SERVE_USAGE = (
@@ -24,7 +28,7 @@ SERVE_USAGE = (
     "[--allow_unauthenticated false] [--max_slots 8] [--page_size 16] [--max_length N] "
     "[--num_pages N] [--model_name NAME] [--max_body_bytes 4194304] [--max_prompt_tokens N] "
     "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
-    "[--request_timeout 600]"
+    "[--request_timeout 600] [--warm_up true]"
 )
 API_KEY_VARIABLE = "JAXTRAIN_API_KEY"
 
@@ -56,6 +60,7 @@ OPTIONS = {
     "max_stop_length": int,
     "max_queue": int,
     "request_timeout": float,
+    "warm_up": _flag,
 }
 LIMITS = (
     "max_body_bytes",
@@ -87,7 +92,9 @@ def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
     path, rest = split_positional(tokens)
     if path is None:
         raise ArgumentError(f"jaxtrain serve needs MODEL_OR_RUN_DIR.\nusage: {SERVE_USAGE}")
-    options: dict = {"host": "127.0.0.1", "port": 8000, "max_slots": 8, "page_size": 16}
+    options: dict = {
+        "host": "127.0.0.1", "port": 8000, "max_slots": 8, "page_size": 16, "warm_up": True,
+    }  # fmt: skip
     for key, value in parse_overrides(rest).items():
         if key not in OPTIONS:
             raise ArgumentError(f"jaxtrain serve: unknown option --{key}.\nusage: {SERVE_USAGE}")
@@ -122,6 +129,18 @@ def serve_limits(options: dict) -> ServeLimits:
         raise ArgumentError(f"jaxtrain serve: --{err}.") from None
 
 
+def warm_up(engine: Engine, max_prompt_tokens: int | None) -> str:
+    """Compile every shape a request within `max_prompt_tokens` can reach (Engine.warm_up),
+    so that serving compiles nothing; the line `jaxtrain serve` prints about it."""
+    began = time.perf_counter()
+    shapes = engine.warm_up(max_prompt_tokens=max_prompt_tokens)
+    longest = min(max_prompt_tokens or engine.max_length, engine.max_length)
+    return (
+        f"jaxtrain serve: compiled {shapes} shapes in {time.perf_counter() - began:.1f} s "
+        f"(prompts up to {longest} tokens)"
+    )
+
+
 def cmd_serve(tokens: list[str]) -> int:
     path, options = parse_serve_options(tokens)
     try:
@@ -147,6 +166,8 @@ def cmd_serve(tokens: list[str]) -> int:
         max_length=options.get("max_length"),
         num_pages=options.get("num_pages"),
     )
+    if options["warm_up"]:  # before the port opens: the first request compiles nothing
+        print(warm_up(engine, limits.max_prompt_tokens), flush=True)
     app = create_app(
         engine, model_name=name, tokenizer=tokenizer, api_key=options["api_key"], limits=limits
     )

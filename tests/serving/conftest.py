@@ -71,9 +71,14 @@ def free_port() -> Callable[[], int]:
 @pytest.fixture(scope="session")
 def spawn_server() -> Callable[..., tuple[subprocess.Popen, str]]:
     """`spawn(model_dir, *options, env=...)`: a `jaxtrain serve` process answering /health,
-    and its base URL (…/v1). The caller stops it."""
+    and its base URL (…/v1). The caller stops it. Without `--warm_up` in the options the
+    server starts cold (`--warm_up false`): the warm-up of the 1024-token model compiles 88
+    shapes (minutes on two busy cores), which tests of limits and routes do not need;
+    test_serve_load.py and test_serve_warm.py check the warm server."""
 
     def spawn(model: Path, *options: str, env: dict | None = None):
+        if "--warm_up" not in options:
+            options = (*options, "--warm_up", "false")
         port = _free_port()
         environment = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})}
         process = subprocess.Popen(
