@@ -80,11 +80,22 @@ class Slots:
         return keys, values
 
 
-# (model, ids, slots, cache) -> (logits [B, V] of the last token, new cache)
-Decoder = Callable[[Any, Array, Slots, Cache], tuple[Array, Cache]]
+# (model, ids, slots, cache, every) -> (logits [B, V] of the last token, or [B, T, V] of
+# every token with `every`, and the new cache)
+Decoder = Callable[[Any, Array, Slots, Cache, bool], tuple[Array, Cache]]
 
 
-def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache):
+def _head_input(x: Array, every: bool) -> Array:
+    """The positions whose logits are needed: the last only, unless `every` (a speculative
+    step verifies each drafted token)."""
+    return x if every else x[:, -1:]
+
+
+def _head_output(logits: Array, every: bool) -> Array:
+    return logits if every else logits[:, -1]
+
+
+def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache, every=False):
     c, lm = model.config, model.model
     inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
     cos, sin = rope_cos_sin(slots.positions, inv_freq, lm.dtype)
@@ -99,12 +110,12 @@ def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache):
         y = layer.mlp(layer.post_attention_layernorm(x))
         x = x + (y[0] if isinstance(y, tuple) else y)  # a sparse MoE block adds router stats
         new_cache.append((keys, values))
-    h = lm.norm(x[:, -1:])  # only the last position needs logits
+    h = lm.norm(_head_input(x, every))
     logits = lm.embed_tokens.attend(h) if model.lm_head is None else model.lm_head(h)
-    return logits[:, -1], new_cache
+    return _head_output(logits, every), new_cache
 
 
-def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache):
+def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache, every=False):
     lm = model.model
     tables = lm.rope_tables(slots.positions)
     x = lm.embed(ids)
@@ -122,10 +133,11 @@ def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache):
         h = layer.mlp(layer.pre_feedforward_layernorm(x))
         x = x + layer.post_feedforward_layernorm(h)
         new_cache.append((keys, values))
-    return model.output_projection()(lm.norm(x[:, -1:]))[:, -1], new_cache
+    logits = model.output_projection()(lm.norm(_head_input(x, every)))
+    return _head_output(logits, every), new_cache
 
 
-def _gpt2(model: GPT2LMHeadModel, ids: Array, slots: Slots, cache: Cache):
+def _gpt2(model: GPT2LMHeadModel, ids: Array, slots: Slots, cache: Cache, every=False):
     m = model.transformer
     mask = slots.mask()
     x = m.embed(ids, slots.positions)
@@ -136,7 +148,7 @@ def _gpt2(model: GPT2LMHeadModel, ids: Array, slots: Slots, cache: Cache):
         x = x + block.attn.c_proj(cache_attention(q, *slots.read(keys, values), mask))
         x = x + block.mlp(block.ln_2(x))
         new_cache.append((keys, values))
-    return m.wte.attend(m.ln_f(x[:, -1:]))[:, -1], new_cache
+    return _head_output(m.wte.attend(m.ln_f(_head_input(x, every))), every), new_cache
 
 
 def _decoder(model: Any) -> Decoder | None:
@@ -154,11 +166,14 @@ def _decoder(model: Any) -> Decoder | None:
     return decoders.get(type(model))
 
 
-def decode_with_slots(model: Any, ids: Array, slots: Any, cache: Cache) -> tuple[Array, Cache]:
+def decode_with_slots(
+    model: Any, ids: Array, slots: Any, cache: Cache, *, every: bool = False
+) -> tuple[Array, Cache]:
     """The family's cached forward of `ids` with a `slots` object of its own (Slots' interface:
-    positions, mask(window), write, read): logits [B, V] of the last token and the new cache.
-    The serving engine's paged cache goes through here."""
-    return _decoder(model)(model, ids, slots, cache)
+    positions, mask(window), write, read): logits [B, V] of the last token (with `every`,
+    [B, T, V] of every token) and the new cache. The serving engine's paged cache goes
+    through here."""
+    return _decoder(model)(model, ids, slots, cache, every)
 
 
 def supports_kv_cache(model: Any) -> bool:

@@ -52,7 +52,8 @@ from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.serving import requests
 from jaxtrain.serving.paged import PageAllocator, empty_pool, page_bytes, prefix_keys
 from jaxtrain.serving.requests import Completion, OnToken, Prefill, Request
-from jaxtrain.serving.sampling import SamplingParams, sampling_arrays
+from jaxtrain.serving.sampling import Drawn, SamplingParams, sampling_arrays
+from jaxtrain.serving.speculation import ngram_draft
 from jaxtrain.serving.steps import Steps, bucket, buckets
 
 __all__ = ["Completion", "Engine"]
@@ -72,8 +73,10 @@ class Engine:
     sequence (default the model's context); `num_pages`: the pool (default enough for every
     slot at max_length; or `kv_cache_gib` of memory; or `memory_fraction` of the device's free
     memory, on a GPU or TPU); `prefill_tokens`: the tokens (padding included) one prefill call
-    writes, a bound on how long it holds up the sequences decoding; `eos_token_ids`: default
-    the tokenizer's or the config's."""
+    writes, a bound on how long it holds up the sequences decoding; `speculative_tokens`: k > 0
+    drafts up to k tokens per sequence from its own text and verifies them in one step
+    (speculation.py; outputs unchanged); `eos_token_ids`: default the tokenizer's or the
+    config's."""
 
     def __init__(
         self,
@@ -87,8 +90,13 @@ class Engine:
         kv_cache_gib: float | None = None,
         memory_fraction: float | None = None,
         prefill_tokens: int = 512,
+        speculative_tokens: int = 0,
         eos_token_ids: Sequence[int] | None = None,
     ):
+        if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+            raise ArgumentError(
+                f"speculative_tokens must be an integer >= 0 (0: off), got {speculative_tokens!r}"
+            )
         if not supports_kv_cache(model):
             raise ArgumentError(
                 f"the engine decodes with a KV cache; {type(model).__name__} has none (the "
@@ -100,7 +108,7 @@ class Engine:
                 raise ArgumentError(f"{name} must be a positive integer, got {value!r}")
         config = model.config
         self.tokenizer, self.max_slots, self.page_size = tokenizer, max_slots, page_size
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.speculative_tokens = prefill_tokens, speculative_tokens
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
         self.graphdef, self.state = nnx.split(model)
@@ -119,6 +127,7 @@ class Engine:
         self.active: list[requests.Sequence] = []
         self.finished: list[Completion] = []
         self.preemptions = 0  # sequences preempted so far (recomputed later)
+        self.drafted = self.accepted = 0  # speculative tokens proposed and kept so far
         self._ids = itertools.count()
 
     # ------------------------------------------------------------ requests
@@ -345,6 +354,10 @@ class Engine:
         self._grow()
         if not self.active:
             return
+        drafts = self._drafts() if self.speculative_tokens else []
+        if any(len(d) for d in drafts):
+            self._verify(drafts)
+            return
         rows = bucket(len(self.active), 1, self.max_slots)
         seqs = list(self.active)
         ids = np.zeros((rows, 1), np.int32)
@@ -364,6 +377,50 @@ class Engine:
         drawn = jax.device_get(drawn)
         for r, seq in enumerate(seqs):
             self._append(seq, drawn, r)
+
+    def _drafts(self) -> list[np.ndarray]:
+        """Each active sequence's draft: at most speculative_tokens, no more than it may still
+        generate after the next token, and no more than its pages hold (a page is taken for a
+        draft only while one is free: a draft never preempts)."""
+        drafts = []
+        for seq in self.active:
+            room = seq.params.max_tokens - len(seq.generated) - 1
+            tokens = np.concatenate([seq.prompt, np.asarray(seq.generated, np.int32)])
+            draft = ngram_draft(tokens, min(self.speculative_tokens, room))
+            more = (seq.position + len(draft)) // self.page_size + 1 - len(seq.pages)
+            if more > 0 and self.pages.available >= more:
+                seq.pages += self.pages.allocate(more)
+            drafts.append(draft[: len(seq.pages) * self.page_size - 1 - seq.position])
+        return drafts
+
+    def _verify(self, drafts: list[np.ndarray]) -> None:
+        """One step that feeds every sequence's newest token and its draft, keeping the draft
+        tokens its own sampler confirms (speculation.py)."""
+        seqs, k = list(self.active), self.speculative_tokens
+        rows = bucket(len(seqs), 1, self.max_slots)
+        ids = np.zeros((rows, 1 + k), np.int32)
+        start, drafted = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        for r, (seq, draft) in enumerate(zip(seqs, drafts)):
+            ids[r, 0], ids[r, 1 : 1 + len(draft)] = seq.generated[-1], draft
+            start[r], drafted[r] = seq.position, len(draft)
+        seeds = [_seed(s.params.seed, s.index) for s in seqs]
+        last = max(s.position + len(d) for s, d in zip(seqs, drafts))
+        width = self._width(last // self.page_size + 1)
+        drawn, kept, self.pool = self.steps.verify(
+            self.state, self.pool, *map(jax.device_put, (ids, start)),
+            jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
+            jax.device_put(drafted), *sampling_arrays([s.params for s in seqs], seeds, rows),
+        )  # fmt: skip
+        drawn, kept = jax.device_get((drawn, kept))
+        self.drafted += int(drafted.sum())
+        for r, seq in enumerate(seqs):
+            row = Drawn(*(x[r] for x in (drawn.tokens, drawn.logprobs, drawn.top_ids,
+                                         drawn.top_logprobs)))  # fmt: skip
+            for j in range(int(kept[r]) + 1):
+                if seq not in self.active:  # ended at an earlier token of this step
+                    break
+                self.accepted += j > 0
+                self._append(seq, row, j)
 
     def _width(self, pages: int) -> int:
         """Page-table columns of a step whose rows use up to `pages` pages."""
@@ -437,6 +494,12 @@ class Engine:
                 self.state, self.pool, np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32),
                 np.zeros((rows, width), np.int32), *sampling_arrays([], [], rows),
             )  # fmt: skip
+            if self.speculative_tokens:
+                *_, self.pool = self.steps.verify(
+                    self.state, self.pool, np.zeros((rows, 1 + self.speculative_tokens), np.int32),
+                    np.zeros(rows, np.int32), np.zeros((rows, width), np.int32),
+                    np.zeros(rows, np.int32), *sampling_arrays([], [], rows),
+                )  # fmt: skip
         self.pool = self.steps.copy_page(self.pool, 0, 0)  # a group's partial page
         jax.block_until_ready(self.pool)
         return sum(len(shapes) for shapes in self.steps.compiles.values()) - before

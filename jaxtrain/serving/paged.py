@@ -99,10 +99,11 @@ class PagedSlots:
         their pages (padding and positions past a row's table into the garbage page)."""
         keys, values = pool
         p = self.logical
-        index = jnp.clip(p // self.page_size, 0, self.table.shape[1] - 1)
-        page = jnp.take_along_axis(self.table, index, axis=1)
-        page = jnp.where(p >= 0, page, GARBAGE_PAGE)
-        offset = jnp.where(p >= 0, p % self.page_size, 0)
+        index = p // self.page_size
+        inside = (p >= 0) & (index < self.table.shape[1])
+        page = jnp.take_along_axis(self.table, jnp.clip(index, 0, self.table.shape[1] - 1), axis=1)
+        page = jnp.where(inside, page, GARBAGE_PAGE)  # never the table's last page, clipped
+        offset = jnp.where(inside, p % self.page_size, 0)
         return (
             keys.at[page, offset].set(k.astype(keys.dtype)),
             values.at[page, offset].set(v.astype(values.dtype)),

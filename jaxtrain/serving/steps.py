@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -45,18 +46,19 @@ class Steps:
         # Every step returns the pool with the sharding it came in with: a pool whose
         # placement changed would compile each step a second time.
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
-        self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set()}
+        self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set(), "verify": set()}
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
+        self._verify = jax.jit(self._verify_fn, donate_argnums=1)
         self._copy = jax.jit(
             lambda pool, source, target: self._placed(_copy_page(pool, source, target)),
             donate_argnums=0,
         )
 
-    def _forward(self, state, pool, ids, start, table, pad=None):
+    def _forward(self, state, pool, ids, start, table, pad=None, every=False):
         model = nnx.merge(self.graphdef, state)
         slots = PagedSlots.of(start, ids.shape[1], table, self.page_size, pad)
-        logits, pool = decode_with_slots(model, ids, slots, pool)
+        logits, pool = decode_with_slots(model, ids, slots, pool, every=every)
         return logits, self._placed(pool)
 
     def _placed(self, pool: Any) -> Any:
@@ -69,6 +71,20 @@ class Steps:
     def _decode_fn(self, state, pool, ids, start, table, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table)
         return sample_rows(logits, *sampling, start + 1), pool
+
+    def _verify_fn(self, state, pool, ids, start, table, drafted, *sampling):
+        logits, pool = self._forward(state, pool, ids, start, table, every=True)
+        b, t, v = logits.shape
+        positions = (start[:, None] + 1 + jnp.arange(t, dtype=jnp.int32)[None]).reshape(-1)
+        rows = [jnp.repeat(a, t, axis=0) for a in sampling]
+        drawn = sample_rows(logits.reshape(b * t, v), *rows, positions)
+        drawn = jax.tree.map(lambda x: x.reshape(b, t, *x.shape[1:]), drawn)
+        # Draft token j is kept while it equals the token drawn after position j (and every
+        # draft token before it was kept); then the first drawn token that differs.
+        same = ids[:, 1:] == drawn.tokens[:, :-1]
+        same &= jnp.arange(t - 1, dtype=jnp.int32)[None] < drafted[:, None]
+        kept = jnp.cumprod(same.astype(jnp.int32), axis=1).sum(axis=1)
+        return drawn, kept, pool
 
     # ------------------------------------------------------------- calls
     def prefill(
@@ -87,6 +103,13 @@ class Steps:
         `start` [B]; `sampling`: the rows' `sampling_arrays`."""
         self.compiles["decode"].add((ids.shape, table.shape))
         return self._decode(state, pool, ids, start, table, *sampling)
+
+    def verify(self, state, pool, ids, start, table, drafted, *sampling):
+        """Each row's newest token and its draft [B, 1 + k] (the first `drafted` [B] draft
+        tokens real) at positions from `start` [B]: the draw after every position [B, 1 + k]
+        and how many draft tokens each row keeps [B] (speculation.py)."""
+        self.compiles["verify"].add((ids.shape, table.shape))
+        return self._verify(state, pool, ids, start, table, drafted, *sampling)
 
     def copy_page(self, pool: Any, source: int, target: int) -> Any:
         """`pool` with page `target` a copy of page `source` in every layer."""
