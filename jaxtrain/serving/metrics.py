@@ -35,6 +35,7 @@ class EngineStats:
     running: int = 0  # sequences decoding (a request of n samples runs n)
     pages_used: int = 0  # KV pages held by running sequences (cached prefixes not counted)
     pages_total: int = 0  # pages that can be handed out (the reserved page 0 not counted)
+    preemptions: int = 0  # sequences preempted so far (the pool ran out; recomputed later)
 
 
 class Histogram:
@@ -120,6 +121,13 @@ class Metrics:
                     f'jaxtrain_requests_total{{status="{status}"}} {count}'
                     for status, count in sorted(self.requests.items())
                 ],
+            )
+            family(
+                "jaxtrain_preemptions_total",
+                "counter",
+                "Sequences preempted when the KV pool ran out (their pages freed, recomputed "
+                "later).",
+                [f"jaxtrain_preemptions_total {stats.preemptions}"],
             )
             family(
                 "jaxtrain_request_timeouts_total",

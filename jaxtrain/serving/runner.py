@@ -135,25 +135,22 @@ class EngineRunner:
         """Requests that will still wait after the next step admits what the free slots
         take (first come, first served: admission stops at the first that does not fit).
         Counting the whole queue instead would refuse a burst that free slots can take."""
-        free = self.engine.max_slots - self._slots_in_use()
+        free = self.engine.max_slots - self.engine.slots_in_use
         for position, request in enumerate(self.engine.waiting):
             if request.n > free:
                 return len(self.engine.waiting) - position
             free -= request.n
         return 0
 
-    def _slots_in_use(self) -> int:
-        # An engine that prefills in steps holds its prefilling requests' slots too.
-        return getattr(self.engine, "slots_in_use", len(self.engine.active))
-
     def _publish(self) -> None:
         pages = self.engine.pages
         total = pages.num_pages - 1  # page 0 is never handed out
         self.stats = EngineStats(
             waiting=len(self.engine.waiting),
-            running=self._slots_in_use(),
+            running=self.engine.slots_in_use,  # decoding, and prefilling (their slots held)
             pages_used=total - pages.available,
             pages_total=total,
+            preemptions=self.engine.preemptions,
         )
 
     def _on_token(

@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -115,3 +116,58 @@ def test_sigterm_finishes_the_running_stream_refuses_new_requests_and_exits_0(
         if process.poll() is None:
             process.kill()
         reader.join(5)
+
+
+def test_preempted_requests_finish_whole_and_metrics_count_them(model_dir, free_port):
+    """A KV pool too small for four long requests at once: the engine preempts and later
+    recomputes the youngest; every answer, streamed or not, still has exactly the greedy
+    tokens of `generate` (a stream repeats none of them), /metrics' preemption counter is the
+    engine's, and every page comes back."""
+    import uvicorn
+
+    from jaxtrain.cli.served_model import load_served_model
+    from jaxtrain.models import generate
+    from jaxtrain.serving import Engine
+    from jaxtrain.serving.server import create_app
+
+    model, tokenizer, _ = load_served_model(model_dir)
+    # 7 pages of 16 tokens: one sequence of 83 tokens needs 6 of them, four need 24.
+    engine = Engine(model, tokenizer=tokenizer, max_slots=4, num_pages=8, eos_token_ids=[])
+    app = create_app(engine, model_name="tiny", tokenizer=tokenizer)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15]]
+    want = [generate(model, p, max_new_tokens=80, eos_token_id=None).tolist() for p in prompts]
+
+    def ask(i: int) -> list[int]:
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 80, "temperature": 0,
+                "return_token_ids": True, "stream": bool(i % 2)}  # fmt: skip
+        if not i % 2:
+            answer = httpx.post(url, json=body, timeout=120)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["token_ids"]
+        ids = []
+        with httpx.stream("POST", url, json=body, timeout=120) as stream:
+            assert stream.status_code == 200
+            for line in stream.iter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"]
+        return ids
+
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(4)))
+        assert got == want
+        assert engine.preemptions > 0
+        _wait_until_free(engine)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
+        assert f"jaxtrain_preemptions_total {engine.preemptions}" in text
+        assert "jaxtrain_kv_pages_used 0" in text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
