@@ -79,6 +79,12 @@ class Slots:
         rows are contiguous already (a paged cache, jaxtrain/serving, gathers its pages)."""
         return keys, values
 
+    def attention(self, q: Array, keys: Array, values: Array, mask: Array, **kw: Any) -> Array:
+        """The new tokens' attention [B, T, N, H] over the cache (`mask`: self.mask(window);
+        kw: window, scale, logit_cap). A paged cache may read its pages in place instead."""
+        kw.pop("window", None)
+        return cache_attention(q, *self.read(keys, values), mask, **kw)
+
 
 # (model, ids, slots, cache, every) -> (logits [B, V] of the last token, or [B, T, V] of
 # every token with `every`, and the new cache)
@@ -106,7 +112,8 @@ def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache, ever
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         keys, values = slots.write(layer_cache, k, v)
-        x = x + attn.o_proj(cache_attention(q, *slots.read(keys, values), mask))
+        out = slots.attention(q, keys, values, mask, window=c.sliding_window)
+        x = x + attn.o_proj(out)
         y = layer.mlp(layer.post_attention_layernorm(x))
         x = x + (y[0] if isinstance(y, tuple) else y)  # a sparse MoE block adds router stats
         new_cache.append((keys, values))
@@ -126,8 +133,8 @@ def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache, ever
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         keys, values = slots.write(layer_cache, k, v)
         mask = slots.mask(attn.window)
-        out = cache_attention(
-            q, *slots.read(keys, values), mask, scale=attn.scale, logit_cap=attn.cap
+        out = slots.attention(
+            q, keys, values, mask, window=attn.window, scale=attn.scale, logit_cap=attn.cap
         )
         x = x + layer.post_attention_layernorm(attn.o_proj(out))
         h = layer.mlp(layer.pre_feedforward_layernorm(x))
@@ -145,7 +152,7 @@ def _gpt2(model: GPT2LMHeadModel, ids: Array, slots: Slots, cache: Cache, every=
     for block, layer_cache in zip(m.h, cache):
         q, k, v = block.attn.project(block.ln_1(x))
         keys, values = slots.write(layer_cache, k, v)
-        x = x + block.attn.c_proj(cache_attention(q, *slots.read(keys, values), mask))
+        x = x + block.attn.c_proj(slots.attention(q, keys, values, mask))
         x = x + block.mlp(block.ln_2(x))
         new_cache.append((keys, values))
     return _head_output(m.wte.attend(m.ln_f(_head_input(x, every))), every), new_cache

@@ -75,7 +75,10 @@ class Engine:
     memory, on a GPU or TPU); `prefill_tokens`: the tokens (padding included) one prefill call
     writes, a bound on how long it holds up the sequences decoding; `speculative_tokens`: k > 0
     drafts up to k tokens per sequence from its own text and verifies them in one step
-    (speculation.py; outputs unchanged); `eos_token_ids`: default the tokenizer's or the
+    (speculation.py; outputs unchanged); `attention`: how decode steps read the pages,
+    "gather", "pallas" (in place, by JAX's Pallas kernel of the GPU or TPU) or "interpret"
+    (paged.PagedSlots); "auto" is "gather" until the kernel has been measured on a device;
+    `eos_token_ids`: default the tokenizer's or the
     config's."""
 
     def __init__(
@@ -91,11 +94,16 @@ class Engine:
         memory_fraction: float | None = None,
         prefill_tokens: int = 512,
         speculative_tokens: int = 0,
+        attention: str = "auto",
         eos_token_ids: Sequence[int] | None = None,
     ):
         if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
             raise ArgumentError(
                 f"speculative_tokens must be an integer >= 0 (0: off), got {speculative_tokens!r}"
+            )
+        if attention not in ("auto", "gather", "pallas", "interpret"):
+            raise ArgumentError(
+                f"attention must be auto, gather, pallas or interpret, got {attention!r}"
             )
         if not supports_kv_cache(model):
             raise ArgumentError(
@@ -120,7 +128,9 @@ class Engine:
             num_pages = int(min(every_slot, fits))
         self.pool = jax.device_put(empty_pool(model, num_pages, page_size), sharding)
         self.pages = PageAllocator(num_pages, page_size)
-        self.steps = Steps(self.graphdef, page_size, sharding)
+        if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
+            attention = "gather"
+        self.steps = Steps(self.graphdef, page_size, sharding, attention)
         self.eos = set(_eos_ids(eos_token_ids, tokenizer, config))
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Prefill] = []

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.errors import JaxtrainError
+from jaxtrain.models.attention import cache_attention
 
 __all__ = ["CacheFull", "PageAllocator", "PagedSlots", "empty_pool", "page_bytes"]
 
@@ -42,9 +43,10 @@ def page_bytes(model: Any, page_size: int) -> int:
 
 
 def empty_pool(model: Any, num_pages: int, page_size: int) -> list[tuple[Array, Array]]:
-    """Every layer's (keys, values) pool [num_pages, page_size, K, H] in the model's dtype."""
+    """Every layer's (keys, values) pool [K, num_pages, page_size, H] in the model's dtype
+    (kv heads first: the layout the Pallas paged-attention kernels read in place)."""
     c = model.config
-    shape = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
+    shape = (c.num_key_value_heads, num_pages, page_size, c.head_dim)
     return [
         (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
         for _ in range(c.num_hidden_layers)
@@ -58,22 +60,33 @@ class PagedSlots:
 
     `logical` [B, T]: each new token's position in its sequence, -1 for the left padding of
     a prefill (written to the garbage page; it sees only key 0, so its softmax stays finite);
-    `table` [B, max_pages]: each row's physical pages in order."""
+    `table` [B, max_pages]: each row's physical pages in order; `kernel`: how a decode step
+    (one new token per row) attends: "gather" (the pages gathered into a contiguous view, as
+    every step of several tokens does), "pallas" (JAX's Pallas paged-attention kernel of the
+    platform, GPU or TPU, reading the pages in place) or "interpret" (the GPU kernel in
+    Pallas' interpret mode: the kernel's own code on any platform, for tests)."""
 
     logical: Array
     table: Array
     page_size: int = dataclasses.field(metadata=dict(static=True))
+    kernel: str = dataclasses.field(default="gather", metadata=dict(static=True))
 
     @classmethod
     def of(
-        cls, start: Array, tokens: int, table: Array, page_size: int, pad: Array | None = None
+        cls,
+        start: Array,
+        tokens: int,
+        table: Array,
+        page_size: int,
+        pad: Array | None = None,
+        kernel: str = "gather",
     ) -> PagedSlots:
         """`tokens` new tokens per row: `pad` [B] padding tokens first (default none), then
         the real ones from logical position `start` [B] on."""
         pad = jnp.zeros_like(start) if pad is None else pad
         index = jnp.arange(tokens, dtype=jnp.int32)[None, :]
         logical = jnp.where(index < pad[:, None], -1, start[:, None] + index - pad[:, None])
-        return cls(logical, table, page_size)
+        return cls(logical, table, page_size, kernel)
 
     @property
     def positions(self) -> Array:
@@ -97,26 +110,87 @@ class PagedSlots:
     def write(self, pool: tuple[Array, Array], k: Array, v: Array) -> tuple[Array, Array]:
         """The layer's pool with the new tokens' keys and values [B, T, K, H] scattered into
         their pages (padding and positions past a row's table into the garbage page)."""
-        keys, values = pool
+        keys, values = pool  # [K, pages, page_size, H]
         p = self.logical
         index = p // self.page_size
         inside = (p >= 0) & (index < self.table.shape[1])
         page = jnp.take_along_axis(self.table, jnp.clip(index, 0, self.table.shape[1] - 1), axis=1)
         page = jnp.where(inside, page, GARBAGE_PAGE)  # never the table's last page, clipped
         offset = jnp.where(inside, p % self.page_size, 0)
+        heads_first = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, T, K, H] -> [K, B, T, H]
         return (
-            keys.at[page, offset].set(k.astype(keys.dtype)),
-            values.at[page, offset].set(v.astype(values.dtype)),
+            keys.at[:, page, offset].set(heads_first(k).astype(keys.dtype)),
+            values.at[:, page, offset].set(heads_first(v).astype(values.dtype)),
         )
 
     def read(self, keys: Array, values: Array) -> tuple[Array, Array]:
         """Each row's pages gathered in order: [B, max_pages * page_size, K, H]."""
-        b = self.table.shape[0]
+        b, k = self.table.shape[0], keys.shape[0]
 
-        def view(pool: Array) -> Array:
-            return pool[self.table].reshape(b, self.length, *pool.shape[2:])
+        def view(pool: Array) -> Array:  # [K, B, W, S, H] -> [B, W * S, K, H]
+            pages = jnp.moveaxis(pool[:, self.table], 0, 3)
+            return pages.reshape(b, self.length, k, pool.shape[-1])
 
         return view(keys), view(values)
+
+    def attention(
+        self,
+        q: Array,
+        keys: Array,
+        values: Array,
+        mask: Array,
+        *,
+        window: int | None = None,
+        scale: float | None = None,
+        logit_cap: float | None = None,
+    ) -> Array:
+        """The new tokens' attention [B, T, N, H]: a decode step's (T = 1, no sliding window)
+        by the Pallas kernel when `kernel` says so, reading the pages in place; otherwise over
+        the gathered pages."""
+        if self.kernel == "gather" or q.shape[1] != 1 or window is not None:
+            return cache_attention(
+                q, *self.read(keys, values), mask, scale=scale, logit_cap=logit_cap
+            )
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        query = (q[:, 0] * scale).astype(keys.dtype)  # [B, N, H]; the kernels do not scale
+        lengths = (jnp.maximum(self.logical[:, 0], 0) + 1).astype(jnp.int32)
+        out = paged_kernel(self.kernel)(query, keys, values, self.table, lengths, logit_cap)
+        return out[:, None].astype(q.dtype)
+
+
+def paged_kernel(kernel: str):
+    """(q [B, N, H], keys, values [K, pages, S, H], table [B, W], lengths [B], logit_cap) ->
+    [B, N, H]: JAX's Pallas paged attention of the platform ("pallas") or the GPU kernel
+    interpreted ("interpret")."""
+    platform = jax.default_backend()
+    if kernel == "pallas" and platform == "tpu":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+        def tpu(q, keys, values, table, lengths, cap):
+            block = _divisor(table.shape[1], 8)
+            return paged_attention(q, keys, values, lengths, table, attn_logits_soft_cap=cap,
+                                   pages_per_compute_block=block)  # fmt: skip
+
+        return tpu
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    def gpu(q, keys, values, table, lengths, cap):
+        splits = _divisor(table.shape[1], 16)
+        return paged_attention(
+            q, keys, values, table, lengths, k_splits=splits, attn_logits_soft_cap=cap,
+            pages_per_compute_block=_divisor(table.shape[1] // splits, 8),
+            interpret=kernel == "interpret",
+        )  # fmt: skip
+
+    return gpu
+
+
+def _divisor(n: int, most: int) -> int:
+    """The largest power of two <= `most` that divides `n`."""
+    d = most
+    while n % d:
+        d //= 2
+    return d
 
 
 def prefix_keys(tokens: np.ndarray, page_size: int) -> list[str]:

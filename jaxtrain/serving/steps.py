@@ -42,10 +42,11 @@ def buckets(smallest: int, largest: int) -> list[int]:
 class Steps:
     """The jitted steps of one model graph on pages of `page_size` tokens."""
 
-    def __init__(self, graphdef: Any, page_size: int, pool_sharding: Any):
+    def __init__(self, graphdef: Any, page_size: int, pool_sharding: Any, kernel: str = "gather"):
         # Every step returns the pool with the sharding it came in with: a pool whose
         # placement changed would compile each step a second time.
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
+        self.kernel = kernel  # how decode steps attend: PagedSlots.kernel
         self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set(), "verify": set()}
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
@@ -57,7 +58,7 @@ class Steps:
 
     def _forward(self, state, pool, ids, start, table, pad=None, every=False):
         model = nnx.merge(self.graphdef, state)
-        slots = PagedSlots.of(start, ids.shape[1], table, self.page_size, pad)
+        slots = PagedSlots.of(start, ids.shape[1], table, self.page_size, pad, self.kernel)
         logits, pool = decode_with_slots(model, ids, slots, pool, every=every)
         return logits, self._placed(pool)
 
@@ -117,4 +118,4 @@ class Steps:
 
 
 def _copy_page(pool: Any, source: Array, target: Array) -> Any:
-    return jax.tree.map(lambda x: x.at[target].set(x[source]), pool)
+    return jax.tree.map(lambda x: x.at[:, target].set(x[:, source]), pool)

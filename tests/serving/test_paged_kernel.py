@@ -1,0 +1,59 @@
+"""Attention that reads the pages in place: JAX's Pallas paged-attention kernel (the GPU one,
+run in Pallas' interpret mode on this CPU) against the gather path, on one decode step and on
+whole generations of a Llama (grouped-query) and a Gemma 2 (soft-capped logits, sliding
+layers on the gather path): the same outputs and the same greedy tokens."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
+from jaxtrain.serving import Engine, SamplingParams
+from jaxtrain.serving.paged import PagedSlots
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_the_kernel_reads_the_pages_as_the_gather_path_does(cap):
+    rng = np.random.default_rng(0)
+    heads, kv_heads, dim, pages, size, width = 8, 2, 16, 30, 4, 8
+    keys, values = (jnp.asarray(rng.normal(size=(kv_heads, pages, size, dim)), jnp.float32)
+                    for _ in range(2))  # fmt: skip
+    q = jnp.asarray(rng.normal(size=(3, 1, heads, dim)), jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages))[: 3 * width].reshape(3, width))
+    start = jnp.asarray([0, 9, 31], jnp.int32)  # one key, a few pages, the whole table
+    out = {}
+    for kernel in ("gather", "interpret"):
+        slots = PagedSlots.of(start, 1, table, size, kernel=kernel)
+        out[kernel] = slots.attention(q, keys, values, slots.mask(), scale=0.3, logit_cap=cap)
+    np.testing.assert_allclose(out["interpret"], out["gather"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_an_engine_on_the_kernel_decodes_like_generate(family):
+    if family == "llama":
+        config = LlamaConfig(
+            vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            initializer_range=0.3,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    else:
+        config = GemmaConfig(
+            vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+            query_pre_attn_scalar=16, initializer_range=0.3, tie_word_embeddings=False,
+            attn_logit_softcapping=2.0, max_position_embeddings=64,
+        )  # fmt: skip
+        model = GemmaForCausalLM(config, rngs=nnx.Rngs(7))
+    prompts = [np.random.default_rng(n).integers(3, 61, n).tolist() for n in (3, 11, 6)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1)
+    kwargs = dict(max_slots=4, page_size=4, max_length=32, eos_token_ids=[])
+    gathered = Engine(model, **kwargs).generate(prompts, params)
+    kernel = Engine(model, attention="interpret", **kwargs).generate(prompts, params)
+    for a, b, p in zip(kernel, gathered, prompts):
+        assert a[0].token_ids == b[0].token_ids == generate(model, p, max_new_tokens=10).tolist()
+        np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, rtol=1e-5, atol=1e-5)
