@@ -70,6 +70,10 @@ def _number(body: dict, name: str, default: Any, kind: type, low: float | None =
     return kind(value)
 
 
+def _token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name, False)
     if not isinstance(value, bool) and value is not None:
@@ -85,9 +89,12 @@ def parse_request(
     tokenizer: Any,
     max_length: int,
     limits: ServeLimits | None = None,
+    vocab_size: int | None = None,
 ) -> ParsedRequest:
     """The engine's request for an OpenAI completion (`chat` False) or chat body, within
-    `limits` (filled in for the engine: `ServeLimits.for_engine`; None: the context only)."""
+    `limits` (filled in for the engine: `ServeLimits.for_engine`; None: the context only).
+    `vocab_size`: the model's; a token id outside it is refused (400): its embedding would be
+    NaN, and the NaN it writes to the KV cache stays in pages that later requests reuse."""
     limits = limits or ServeLimits().for_engine(max_length, max_length)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
@@ -111,7 +118,7 @@ def parse_request(
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
             ids = list(prompt)
         else:
             raise RequestError(
@@ -119,6 +126,15 @@ def parse_request(
             )
     if not ids:
         raise RequestError(400, "the prompt is empty", "prompt")
+    outside = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if outside:
+        raise RequestError(
+            400,
+            f"token id {outside[0]} is outside this model's vocabulary (ids from 0"
+            + ("" if vocab_size is None else f" to {vocab_size - 1}")
+            + ")",
+            "messages" if chat else "prompt",
+        )
     if len(ids) > limits.max_prompt_tokens:
         raise RequestError(
             400,

@@ -60,6 +60,7 @@ def create_app(
 
     limits = (limits or ServeLimits()).for_engine(engine.max_length, engine.max_slots)
     runner = EngineRunner(engine, max_queue=limits.max_queue)
+    vocab_size = _vocab_size(engine, tokenizer)
     metrics, gate = Metrics(), GateState()
 
     @contextlib.asynccontextmanager
@@ -111,6 +112,7 @@ def create_app(
                 tokenizer=tokenizer,
                 max_length=engine.max_length,
                 limits=limits,
+                vocab_size=vocab_size,
             )
         except RequestError as err:
             return refuse(err)
@@ -159,6 +161,17 @@ def create_app(
     app.state.runner, app.state.gate, app.state.metrics = runner, gate, metrics
     app.state.limits = limits
     return app
+
+
+def _vocab_size(engine: Engine, tokenizer: Any) -> int | None:
+    """The rows of the model's embedding (its config's vocab_size), else the tokenizer's."""
+    from flax import nnx
+
+    config = getattr(nnx.merge(engine.graphdef, engine.state), "config", None)
+    size = getattr(config, "vocab_size", None)
+    if size is None and tokenizer is not None:
+        size = len(tokenizer)
+    return None if size is None else int(size)
 
 
 async def _read_body(request: Any, limit: int) -> bytes:

@@ -90,6 +90,9 @@ def _post(server: str, body, **kw) -> httpx.Response:
         ({"prompt": "x", "stop": ["a", "b", "c"]}, "stop", "invalid_request"),
         ({"prompt": "x", "stop": "123456789"}, "stop", "invalid_request"),
         ({"prompt": "x", "return_token_ids": "yes"}, "return_token_ids", "invalid_request"),
+        # Ids outside the embedding: their NaN would stay in KV pages later requests reuse.
+        ({"prompt": [5, 259]}, "prompt", "invalid_request"),
+        ({"prompt": [-1, 5]}, "prompt", "invalid_request"),
     ],
 )
 def test_each_limit_answers_400_in_openai_s_shape(server, client, body, param, code):
@@ -107,6 +110,8 @@ def test_the_limits_at_their_bound_are_served(server, client):
         model="tiny", prompt=[5] * 32, max_tokens=3, n=2, stop=["12345678", "zz"], temperature=0
     )
     assert len(out.choices) == 2 and out.usage.prompt_tokens == 32
+    last = client.completions.create(model="tiny", prompt=[0, 258], max_tokens=2)
+    assert last.usage.prompt_tokens == 2  # the vocabulary's first and last ids (259 of them)
 
 
 def test_a_body_over_the_limit_answers_413(server, client):

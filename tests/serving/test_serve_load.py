@@ -5,7 +5,8 @@ first events (a client that disconnects) and malformed requests (bad JSON, bad f
 prompt past the server's limit, a body past its size, an unknown model). Then: no 5xx at all
 (as the clients saw it and as the server counted it), every good request answered 200 with a
 well-formed body, every malformed one a 4xx with OpenAI's error shape, the server's memory
-flat after warm-up, and /metrics back to idle: nothing running or waiting, no KV page in use.
+flat after warm-up, /metrics back to idle (nothing running or waiting, no KV page in use), and
+a greedy request answered after the load with the tokens it had before it.
 
 The issue asks for 60 s of load; LOAD_SECONDS is 30 so that the test, with the server's start
 and warm-up (25-35 s on two busy cores), stays near a minute in `make test` (55-70 s here;
@@ -66,6 +67,8 @@ def malformed() -> list[tuple[str, str, dict]]:
         ("n too large", completions, {"json": {**ok, "n": 99}}),
         ("max_tokens", completions, {"json": {**ok, "max_tokens": -3}}),
         ("prompt type", completions, {"json": {**ok, "prompt": [{"a": 1}]}}),
+        ("token id", completions, {"json": {**ok, "prompt": [5, 99_999]}}),
+        ("negative id", completions, {"json": {**ok, "prompt": [-7, 5]}}),
         ("logprobs", completions, {"json": {**ok, "logprobs": 99}}),
         ("stop", completions, {"json": {**ok, "stop": ["a", "b", "c", "d", "e"]}}),
         ("too long", completions, {"json": {**ok, "prompt": LONG_PROMPT}}),
@@ -216,6 +219,14 @@ async def prime(base: str, tally: Tally) -> None:
             await one(http, base, random.Random(0), tally, kind)
 
 
+def greedy_ids(base: str) -> list[int]:
+    body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    answer = httpx.post(base + "/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["token_ids"]
+
+
 def metrics(base: str) -> dict[str, float]:
     text = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=10).text
     values = {}
@@ -234,6 +245,7 @@ def test_64_clients_with_disconnects_and_malformed_requests(model_dir, spawn_ser
         tally = Tally()
         asyncio.run(prime(base, tally))
         assert not tally.failures, tally.failures
+        reference = greedy_ids(base)  # asked again after the load: the same tokens
         before = rss_mb(process.pid)
         deadline = time.monotonic() + LOAD_SECONDS
 
@@ -278,6 +290,7 @@ def test_64_clients_with_disconnects_and_malformed_requests(model_dir, spawn_ser
         assert abs(after - before) < MEMORY_BOUND_MB, (before, samples, after)
         half = samples[len(samples) // 2 :]
         assert len(half) >= 5 and max(half) - half[0] < DRIFT_BOUND_MB, samples
+        assert greedy_ids(base) == reference  # nothing a request did spoilt the KV pool
         health = httpx.get(base.removesuffix("/v1") + "/health", timeout=10)
         assert health.status_code == 200  # still serving
     finally:
