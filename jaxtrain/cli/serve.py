@@ -15,7 +15,7 @@ import ipaddress
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxtrain.errors import ArgumentError
 
@@ -28,7 +28,8 @@ SERVE_USAGE = (
     "[--allow_unauthenticated false] [--max_slots 8] [--page_size 16] [--max_length N] "
     "[--num_pages N] [--model_name NAME] [--max_body_bytes 4194304] [--max_prompt_tokens N] "
     "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
-    "[--request_timeout 600] [--warm_up true]"
+    "[--request_timeout 600] [--warm_up true] [--kv_cache_gib G] [--memory_fraction F] "
+    "[--prefill_tokens 512] [--speculative_tokens 0] [--attention auto]"
 )
 API_KEY_VARIABLE = "JAXTRAIN_API_KEY"
 
@@ -61,7 +62,15 @@ OPTIONS = {
     "max_queue": int,
     "request_timeout": float,
     "warm_up": _flag,
+    "kv_cache_gib": float,
+    "memory_fraction": float,
+    "prefill_tokens": int,
+    "speculative_tokens": int,
+    "attention": str,
 }
+# Options handed to the Engine as they are (it checks them and names the one that is wrong).
+ENGINE_OPTIONS = ("max_length", "num_pages", "kv_cache_gib", "memory_fraction",
+                  "prefill_tokens", "speculative_tokens", "attention")  # fmt: skip
 LIMITS = (
     "max_body_bytes",
     "max_prompt_tokens",
@@ -141,6 +150,16 @@ def warm_up(engine: Engine, max_prompt_tokens: int | None) -> str:
     )
 
 
+def build_engine(model: Any, tokenizer: Any, options: dict) -> Engine:
+    """The engine the options describe (slots, pages, memory budget, prefill chunk,
+    speculation, attention kernel)."""
+    from jaxtrain.serving import Engine
+
+    engine_options = {key: options[key] for key in ENGINE_OPTIONS if key in options}
+    return Engine(model, tokenizer=tokenizer, max_slots=options["max_slots"],
+                  page_size=options["page_size"], **engine_options)  # fmt: skip
+
+
 def cmd_serve(tokens: list[str]) -> int:
     path, options = parse_serve_options(tokens)
     try:
@@ -152,20 +171,12 @@ def cmd_serve(tokens: list[str]) -> int:
         ) from None
     limits = serve_limits(options)  # before the model loads: a bad limit fails fast
     from jaxtrain.cli.served_model import load_served_model
-    from jaxtrain.serving import Engine
     from jaxtrain.serving.drain import serve_until_drained
     from jaxtrain.serving.server import create_app
 
     model, tokenizer, name = load_served_model(path)
     name = options.get("model_name") or name
-    engine = Engine(
-        model,
-        tokenizer=tokenizer,
-        max_slots=options["max_slots"],
-        page_size=options["page_size"],
-        max_length=options.get("max_length"),
-        num_pages=options.get("num_pages"),
-    )
+    engine = build_engine(model, tokenizer, options)
     if options["warm_up"]:  # before the port opens: the first request compiles nothing
         print(warm_up(engine, limits.max_prompt_tokens), flush=True)
     app = create_app(
@@ -175,7 +186,8 @@ def cmd_serve(tokens: list[str]) -> int:
     key = "an API key" if options["api_key"] else "no API key"
     print(
         f"jaxtrain serve: {name} at http://{host}:{port}/v1 ({engine.max_slots} slots, "
-        f"context {engine.max_length} tokens, {key})",
+        f"context {engine.max_length} tokens, {engine.pages.num_pages - 1} KV pages of "
+        f"{engine.page_size}, {key})",
         flush=True,
     )
     serve_until_drained(app, host=host, port=port)

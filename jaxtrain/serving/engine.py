@@ -15,7 +15,7 @@ Each `step()` does three things:
    token in the same call and start decoding.
 3. **Decode** one token for every active sequence, in the smallest bucket of rows that holds
    them, reading the smallest bucket of pages that holds the longest of them (not the whole
-   max_length).
+   max_length). Buckets of tokens and pages are x4 apart (GROWTH), of rows x2.
 
 Pages are taken as sequences grow, not reserved for max_tokens up front: the pool is sized to
 a memory budget (`kv_cache_gib`, or `memory_fraction` of a GPU's or TPU's free memory), and
@@ -60,9 +60,14 @@ __all__ = ["Completion", "Engine"]
 
 SMALLEST_PREFILL = 16
 # Pages: the narrowest page table a step reads. A step's table is as wide as the longest of
-# its sequences needs (a power-of-two bucket of this), so attention reads the pages in use,
-# not max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
+# its sequences needs (a bucket of this, x4 apart), so attention reads the pages in use, not
+# max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
 SMALLEST_TABLE = 8
+# Buckets of prompt tokens and of page-table widths are x4 apart, rows x2: every shape is
+# compiled at start-up (warm_up), and their count multiplies (a 1k context and 8 slots: 45
+# shapes, against 88 with every size x2 apart). A padded call costs at most 4x its tokens'
+# attention and a short chunk's matmuls, never a row's.
+GROWTH = 4
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
@@ -116,6 +121,7 @@ class Engine:
                 raise ArgumentError(f"{name} must be a positive integer, got {value!r}")
         config = model.config
         self.tokenizer, self.max_slots, self.page_size = tokenizer, max_slots, page_size
+        self.vocab_size = config.vocab_size
         self.prefill_tokens, self.speculative_tokens = prefill_tokens, speculative_tokens
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
@@ -159,6 +165,10 @@ class Engine:
         prompt = np.asarray(list(prompt_ids), np.int32)
         if prompt.ndim != 1 or not len(prompt):
             raise ArgumentError("a request needs a non-empty prompt of token ids")
+        vocab = int(self.vocab_size)
+        if prompt.min() < 0 or prompt.max() >= vocab:  # its pages would hold NaN for good
+            bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
+            raise ArgumentError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
         if len(prompt) + params.max_tokens > self.max_length:
             raise ArgumentError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -273,7 +283,7 @@ class Engine:
         return bucket(rows, 1, self.max_slots)
 
     def _prefill_width(self, tokens: int) -> int:
-        return bucket(tokens, SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.prefill_tokens))
+        return bucket(tokens, SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.prefill_tokens), GROWTH)
 
     def _prefill(self) -> None:
         chunk = self._chunk()
@@ -434,7 +444,7 @@ class Engine:
 
     def _width(self, pages: int) -> int:
         """Page-table columns of a step whose rows use up to `pages` pages."""
-        return bucket(pages, SMALLEST_TABLE, self.max_pages)
+        return bucket(pages, SMALLEST_TABLE, self.max_pages, GROWTH)
 
     def _tables(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
         """[rows, width] page tables: each sequence's first `width` pages (the ones it has
@@ -484,10 +494,13 @@ class Engine:
         max_length), so that serving compiles nothing; returns how many shapes it compiled.
         The calls write only the garbage page: every row is padding or idle."""
         longest = min(max_prompt_tokens or self.max_length, self.max_length)
-        widths = buckets(SMALLEST_TABLE, self.max_pages)
+        if self.pages.num_pages - 1 < self.max_slots * self.max_pages:
+            longest = self.max_length  # a preempted sequence comes back as a longer prompt
+        widths = buckets(SMALLEST_TABLE, self.max_pages, GROWTH)
         row_buckets = buckets(1, self.max_slots)
         before = sum(len(shapes) for shapes in self.steps.compiles.values())
-        for r, t in itertools.product(row_buckets, buckets(SMALLEST_PREFILL, self.prefill_tokens)):
+        tokens = buckets(SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.prefill_tokens), GROWTH)
+        for r, t in itertools.product(row_buckets, tokens):
             if (r > 1 and r * t > self.prefill_tokens) or t > self._prefill_width(longest):
                 continue
             for width in widths:

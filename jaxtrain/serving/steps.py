@@ -23,20 +23,20 @@ __all__ = ["Steps", "bucket", "buckets"]
 Array = jax.Array
 
 
-def bucket(n: int, smallest: int, largest: int) -> int:
-    """The smallest power-of-two multiple of `smallest` holding `n` (at most `largest`)."""
+def bucket(n: int, smallest: int, largest: int, factor: int = 2) -> int:
+    """The smallest of `smallest` * factor^k holding `n` (at most `largest`)."""
     size = smallest
     while size < n:
-        size *= 2
+        size *= factor
     return min(size, largest)
 
 
-def buckets(smallest: int, largest: int) -> list[int]:
-    """Every value `bucket(n, smallest, largest)` can take, ascending."""
+def buckets(smallest: int, largest: int, factor: int = 2) -> list[int]:
+    """Every value `bucket(n, smallest, largest, factor)` can take, ascending."""
     sizes = [smallest]
     while sizes[-1] < largest:
-        sizes.append(min(sizes[-1] * 2, largest))
-    return [min(s, largest) for s in sizes]
+        sizes.append(sizes[-1] * factor)
+    return sorted({min(s, largest) for s in sizes})
 
 
 class Steps:

@@ -189,6 +189,10 @@ def test_bad_requests_are_refused_with_the_reason(model):
     engine = Engine(model, max_slots=2, page_size=4, max_length=16)
     with pytest.raises(ArgumentError, match="exceeds the engine's max_length 16"):
         engine.submit(prompt(10), SamplingParams(max_tokens=8))
+    with pytest.raises(ArgumentError, match="token id 61 is outside the vocabulary"):
+        engine.submit([3, VOCAB], SamplingParams(max_tokens=2))
+    with pytest.raises(ArgumentError, match="token id -1 is outside"):
+        engine.submit([-1, 3], SamplingParams(max_tokens=2))
     with pytest.raises(ArgumentError, match="n=3"):
         engine.submit(prompt(3), SamplingParams(max_tokens=4), n=3)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
