@@ -77,6 +77,14 @@ def tree_rss(pid: int) -> int:
         return 0
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of the server's process tree (its own work is not other processes' load)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+
+
 async def stream(client, question: str, max_tokens: int) -> tuple[float, int]:
     """(seconds to the first token, tokens) of one streamed chat answer."""
     start = time.perf_counter()
@@ -135,7 +143,7 @@ def measure(server: str, opts: argparse.Namespace) -> dict:
         asyncio.run(load(base, opts.slots, 16))  # both servers see every batch size once
         _, (lone,) = asyncio.run(load(base, 1, opts.max_tokens))
         result["lone_ttft_s"] = lone[0]
-        busy_before = cpu_sample()
+        busy_before, server_before = cpu_sample(), tree_cpu(process.pid)
         timed = 0.0
         for clients in opts.clients:
             wall, answers = asyncio.run(load(base, clients, opts.max_tokens))
@@ -146,6 +154,7 @@ def measure(server: str, opts: argparse.Namespace) -> dict:
                 "tokens": sum(a[1] for a in answers),
             }
         busy, _, own = (b - a for a, b in zip(busy_before, cpu_sample()))
+        own += tree_cpu(process.pid) - server_before
         result["other_cpu_pct"] = max(busy - own, 0.0) / (timed * (os.cpu_count() or 1)) * 100
         result["peak_rss_mb"] = peak[0] / 2**20
         return result

@@ -2,8 +2,9 @@
 
 Every row of a decode step carries its own settings (temperature, top-k, top-p, seed), as
 arrays, so requests with different settings share one compiled step. A row's draw at
-position p uses `fold_in(key(seed), p)`: it depends on the request alone, never on which
-other requests share the batch, so a seeded request is reproducible.
+position p is one uniform number from `fold_in(key(seed), p)`, placed on the running sum of
+the row's probabilities: it depends on the request alone, never on which other requests
+share the batch, so a seeded request is reproducible.
 
 Which work a step does is decided inside it (`lax.cond` on the rows' settings), not by a
 static flag: a step of greedy rows is an argmax, the vocabulary is sorted only when some row
@@ -136,12 +137,14 @@ def sample_rows(
             (top_p < 1) & (temperature > 0)
         )
         scaled = jax.lax.cond(filters, lambda s: _filtered(s, top_k, top_p), lambda s: s, scaled)
-
-        def draw(row_logits: Array, seed: Array, position: Array) -> Array:
-            key = jax.random.fold_in(jax.random.key(seed), position)
-            return jax.random.categorical(key, row_logits).astype(jnp.int32)
-
-        drawn = jax.vmap(draw)(scaled, seeds, positions)
+        # Inverse-CDF sampling: one uniform per row against the running sum of the row's
+        # probabilities (a token excluded by a filter has an empty interval). A Gumbel draw
+        # (jax.random.categorical) needs a random number per vocabulary entry: 6x the time
+        # on CPU at 32 rows x 49k tokens.
+        keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))
+        uniform = jax.vmap(jax.random.uniform)(keys(seeds, positions))
+        cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+        drawn = jnp.sum(cdf < (uniform * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
