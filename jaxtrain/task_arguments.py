@@ -21,6 +21,7 @@ __all__ = [
     "DPOArguments",
     "DistillationArguments",
     "GRPOArguments",
+    "GRPO_IMPORTANCE_SAMPLING_LEVELS",
     "GRPO_LOSS_TYPES",
     "GRPO_SCALE_REWARDS",
     "KTOArguments",
@@ -32,7 +33,8 @@ __all__ = [
 ]
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+GRPO_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
@@ -132,10 +134,23 @@ class GRPOArguments(TrainingArguments):
     kl_ratio_weight: bool = True
     # The ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high].
     epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets e.g. 0.28)
+    # None: epsilon (DAPO's clip-higher sets e.g. 0.28). With loss_type="cispo" it is the cap
+    # on the ratio itself (min(r, epsilon_high); ScaleRL recommends 5.0), as in TRL.
+    epsilon_high: float | None = None
+    # "token": one ratio per token; "sequence" (GSPO): one per completion, exp of the mean
+    # log-ratio over its tokens, clipped as one (GSPO's paper pairs it with loss_type="grpo").
+    importance_sampling_level: str = "token"
+    # loss_type="sapo": the gate's temperature for tokens of positive advantage (TRL's default).
+    sapo_temperature_pos: float = 1.0
+    # loss_type="sapo": the gate's temperature for the other tokens (TRL's default).
+    sapo_temperature_neg: float = 1.05
+    # DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose
+    # mean (old - new) log-prob over its tokens exceeds this gets no policy loss. None: off.
+    off_policy_mask_threshold: float | None = None
     # Updates per generated batch (the later ones are off-policy, with the old log-probs).
     num_iterations: int = 1
-    # How the token losses are averaged: see docs/tasks.md "GRPO" (grpo, bnpo, dr_grpo, dapo).
+    # The policy term and how token losses are averaged: docs/tasks.md "GRPO" (grpo, bnpo,
+    # dr_grpo, dapo, cispo, sapo).
     loss_type: str = "dapo"
     # Advantages: reward minus the group mean, divided by the group's std ("group"), the
     # batch's ("batch") or not at all ("none", Dr. GRPO).
@@ -166,6 +181,31 @@ class GRPOArguments(TrainingArguments):
             (
                 self.loss_type in GRPO_LOSS_TYPES,
                 f"loss_type={self.loss_type!r} is not one of {GRPO_LOSS_TYPES}",
+            ),
+            (
+                self.importance_sampling_level in GRPO_IMPORTANCE_SAMPLING_LEVELS,
+                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
+                f"{GRPO_IMPORTANCE_SAMPLING_LEVELS}",
+            ),
+            (
+                self.sapo_temperature_pos > 0,
+                f"sapo_temperature_pos={self.sapo_temperature_pos!r} must be > 0 (the sapo gate "
+                "divides by it; TRL's default 1.0)",
+            ),
+            (
+                self.sapo_temperature_neg > 0,
+                f"sapo_temperature_neg={self.sapo_temperature_neg!r} must be > 0 (the sapo gate "
+                "divides by it; TRL's default 1.05)",
+            ),
+            (
+                self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+                f"off_policy_mask_threshold={self.off_policy_mask_threshold!r} must be None (off) "
+                "or >= 0 (a KL threshold, e.g. 0.5)",
+            ),
+            (
+                self.loss_type != "cispo" or self.epsilon_high > 0,
+                f"epsilon_high={self.epsilon_high!r}: with loss_type='cispo' it caps the ratio "
+                "and must be > 0 (TRL recommends 5.0)",
             ),
             (
                 self.scale_rewards in GRPO_SCALE_REWARDS,

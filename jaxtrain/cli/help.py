@@ -175,11 +175,20 @@ def task_fields_help(task: str | None) -> str:
 
 def task_choices(task: str) -> dict[str, tuple]:
     """The allowed values of a task's own fields (DPO's and GRPO's loss_type differ)."""
-    from jaxtrain.task_arguments import DPO_LOSS_TYPES, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS
+    from jaxtrain.task_arguments import (
+        DPO_LOSS_TYPES,
+        GRPO_IMPORTANCE_SAMPLING_LEVELS,
+        GRPO_LOSS_TYPES,
+        GRPO_SCALE_REWARDS,
+    )
 
     return {
         "dpo": {"loss_type": DPO_LOSS_TYPES},
-        "grpo": {"loss_type": GRPO_LOSS_TYPES, "scale_rewards": GRPO_SCALE_REWARDS},
+        "grpo": {
+            "loss_type": GRPO_LOSS_TYPES,
+            "scale_rewards": GRPO_SCALE_REWARDS,
+            "importance_sampling_level": GRPO_IMPORTANCE_SAMPLING_LEVELS,
+        },
     }.get(task, {})
 
 

@@ -25,7 +25,7 @@ from jaxtrain.parallel.process_local import gather_shares
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.base import concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
-from jaxtrain.trainers.grpo_loss import grpo_loss_sums, grpo_normalizer
+from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
 from jaxtrain.trainers.grpo_source import RolloutSource
 from jaxtrain.trainers.rewards import load_reward, reward_name, score_completions
@@ -234,24 +234,27 @@ def grpo_objective(args: GRPOArguments) -> Objective:
             ref = jax.lax.stop_gradient(ref)
         sums = grpo_loss_sums(
             logps, batch.get("old_logps"), ref, batch["advantages"], mask,
-            loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high, max_completion_length=args.max_completion_length,
-            kl_ratio_weight=args.kl_ratio_weight,
+            loss_type=args.loss_type, max_completion_length=args.max_completion_length,
+            **loss_options(args),
         )  # fmt: skip
         mask = mask.astype(jnp.float32)
         tokens = sums["completion_tokens"]
-        return {
+        out = {
             "loss_sum": sums["loss_sum"],
             "tokens": loss_units(args.loss_type, mask).sum(),
             # KL, clip ratio and entropy: means over every completion token of the window, as
-            # TRL logs them (whatever unit the loss is averaged over).
+            # TRL logs them (whatever unit the loss is averaged over; the clip ratio over the
+            # completions at the sequence level).
             "kl_sum": sums["token_kl_sum"],
             "kl_count": tokens,
-            "clip_ratio_sum": sums["token_clipped_sum"],
-            "clip_ratio_count": tokens,
             "entropy_sum": (jax.lax.stop_gradient(entropy) * mask).sum(),
             "entropy_count": tokens,
         }
+        clip_name = clip_metric_name(args.loss_type)  # none for sapo, cispo's own for cispo
+        if clip_name is not None:
+            out[f"{clip_name}_sum"] = sums["clipped_sum"]
+            out[f"{clip_name}_count"] = sums["clipped_count"]
+        return out
 
     def normalizer(batch: dict[str, jax.Array]) -> jax.Array:
         return grpo_normalizer(args.loss_type, batch["labels"][..., 1:] != IGNORE_INDEX)
@@ -259,9 +262,23 @@ def grpo_objective(args: GRPOArguments) -> Objective:
     return Objective(loss_sums=loss_sums, normalizer=normalizer, token_nll=False)
 
 
+def loss_options(args: GRPOArguments) -> dict[str, Any]:
+    """grpo_token_terms's keywords from `args` (clipping, KL, ratio level, sapo, mask)."""
+    return {
+        "beta": args.beta,
+        "epsilon": args.epsilon,
+        "epsilon_high": args.epsilon_high,
+        "kl_ratio_weight": args.kl_ratio_weight,
+        "importance_sampling_level": args.importance_sampling_level,
+        "sapo_temperature_pos": args.sapo_temperature_pos,
+        "sapo_temperature_neg": args.sapo_temperature_neg,
+        "off_policy_mask_threshold": args.off_policy_mask_threshold,
+    }
+
+
 def loss_units(loss_type: str, mask: jax.Array) -> jax.Array:
     """Each row's weight in the unit the loss is averaged over ([B])."""
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return mask.sum(-1)
     if loss_type == "bnpo":
         return mask.sum(-1) / jnp.maximum(mask.sum(), 1.0)

@@ -1,20 +1,33 @@
-"""The GRPO objective as pure functions: group advantages from rewards, and the clipped
-surrogate with a KL penalty for the four loss types (GRPO, BNPO, Dr. GRPO, DAPO).
+"""The GRPO objective as pure functions: group advantages from rewards, and the policy
+surrogate with a KL penalty for TRL 1.16's loss types (GRPO, BNPO, Dr. GRPO, DAPO, CISPO,
+SAPO).
 
-Per completion token t, with r = exp(logp - old_logp) and advantage A of its completion:
+Per completion token t, with the importance ratio r and the advantage A of its completion:
 
-    loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta kl_t
-    kl_t   = exp(ref - logp) - (ref - logp) - 1        (the k3 estimator, always >= 0)
+    clipped surrogate (grpo, bnpo, dr_grpo, dapo):
+        loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
+    cispo (MiniMax-M1): the ratio capped at epsilon_high and held constant, times log p:
+        loss_t = -sg(min(r, epsilon_high)) A logp_t
+    sapo (soft adaptive): a sigmoid gate instead of the clip, tau by the sign of A
+        (tau_pos where A > 0, else tau_neg):
+        loss_t = -(4 / tau) sigmoid(tau (r - 1)) A
+    plus beta kl_t, kl_t = exp(ref - logp) - (ref - logp) - 1 (the k3 estimator, >= 0),
 
 times r when `kl_ratio_weight` (the default, as TRL's use_bias_correction_kl: the KL's
 gradient is then the unbiased reverse-KL gradient also for reused, off-policy batches).
 
-The loss types differ only in how loss_t is averaged (mask: the completion's tokens):
+The ratio: `importance_sampling_level="token"` r_t = exp(logp_t - old_t); "sequence"
+(GSPO) one ratio per completion, exp of the mean of logp - old over its tokens, given to
+each of its tokens (clipped, capped or gated as one). `off_policy_mask_threshold` delta
+(DeepSeek-V3.2's off-policy sequence mask) drops the policy term of a completion whose
+advantage is negative and whose mean old - logp over its tokens exceeds delta.
 
-- grpo:    per completion, the mean over its tokens; then the mean over completions
-- bnpo:    the mean over every token of the micro-batch; then the mean over micro-batches
-- dr_grpo: the sum over every token / (completions x max_completion_length)
-- dapo:    the sum over every token / the completion tokens of the whole update
+The loss types differ in how loss_t is averaged (mask: the completion's tokens):
+
+- grpo, sapo:   per completion, the mean over its tokens; then the mean over completions
+- bnpo:         the mean over every token of the micro-batch; then the mean over micro-batches
+- dr_grpo:      the sum over every token / (completions x max_completion_length)
+- dapo, cispo:  the sum over every token / the completion tokens of the whole update
 
 `grpo_loss` is the loss of one batch (what TRL computes for it with no accumulation);
 `grpo_loss_sums` is the same as objective sums (jaxtrain/objective.py) over a micro-batch,
@@ -30,12 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "CLIPPED_LOSS_TYPES",
+    "clip_metric_name",
     "group_advantages",
     "grpo_loss",
     "grpo_loss_sums",
     "grpo_normalizer",
     "grpo_token_terms",
 ]
+
+# The loss types of the clipped surrogate min(r A, clip(r) A); cispo and sapo have their own.
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def group_advantages(
@@ -77,27 +95,66 @@ class _quiet:
         self._w.__exit__(*exc)
 
 
+def clip_metric_name(loss_type: str) -> str | None:
+    """The name TRL logs the share of clipped tokens under for `loss_type` (None: sapo, whose
+    gate clips nothing)."""
+    if loss_type in CLIPPED_LOSS_TYPES:
+        return "clip_ratio"  # TRL's clip_ratio/region_mean
+    return "cispo_clip_ratio" if loss_type == "cispo" else None
+
+
 def grpo_token_terms(
     logps: jax.Array,
     old_logps: jax.Array | None,
     ref_logps: jax.Array | None,
     advantages: jax.Array,
+    mask: jax.Array,
     *,
+    loss_type: str = "dapo",
     beta: float,
     epsilon: float,
     epsilon_high: float,
     kl_ratio_weight: bool = True,
+    importance_sampling_level: str = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    off_policy_mask_threshold: float | None = None,
 ) -> dict[str, jax.Array]:
-    """Per-token terms [B, T]: "loss" (clipped surrogate + beta kl), "kl", "clipped" (the
-    clip is active: the ratio left [1 - epsilon, 1 + epsilon_high] on the side that the
-    advantage pushes it towards). `old_logps` None: on-policy (old = logps, no gradient);
-    `ref_logps` None: no KL (beta must then be 0)."""
+    """Per-token terms: "loss" [B, T] (the policy term of `loss_type` + beta kl), "kl"
+    [B, T] and, but for sapo, "clipped" (1 where the clip or cap is active: [B, T] per token,
+    [B, 1] per completion at the sequence level). `old_logps` None: on-policy (old = logps,
+    no gradient); `ref_logps` None: no KL (beta must then be 0). mask [B, T]: the completion
+    tokens (the sequence-level ratio and the off-policy mask average over them)."""
     old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
+    mask = mask.astype(jnp.float32)
     adv = advantages[:, None]
-    ratio = jnp.exp(logps - old)
-    clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
-    loss = -jnp.minimum(ratio * adv, clipped_ratio * adv)
-    clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+    log_ratio = logps - old
+    if importance_sampling_level == "sequence":  # GSPO: the completion's mean log-ratio
+        tokens = jnp.maximum(mask.sum(-1, keepdims=True), 1.0)
+        log_ratio = (log_ratio * mask).sum(-1, keepdims=True) / tokens
+    elif importance_sampling_level != "token":
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
+    ratio = jnp.exp(log_ratio)  # [B, T] or [B, 1]
+    out = {}
+    if loss_type in CLIPPED_LOSS_TYPES:
+        clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
+        policy = -jnp.minimum(ratio * adv, clipped_ratio * adv)
+        low = (ratio < 1 - epsilon) & (adv < 0)
+        out["clipped"] = low | ((ratio > 1 + epsilon_high) & (adv > 0))
+    elif loss_type == "cispo":  # the capped ratio is a constant weight on log p's gradient
+        weight = jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high))
+        policy = -weight * adv * logps
+        out["clipped"] = (ratio > epsilon_high) & (adv > 0)
+    elif loss_type == "sapo":
+        tau = jnp.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        policy = -jax.nn.sigmoid(tau * (ratio - 1)) * (4.0 / tau) * adv
+    else:
+        raise ValueError(f"unknown GRPO loss_type {loss_type!r}")
+    if off_policy_mask_threshold is not None:
+        policy = policy * off_policy_keep(
+            jax.lax.stop_gradient(logps), old, advantages, mask, off_policy_mask_threshold
+        )
+    loss = jnp.broadcast_to(policy, logps.shape)
     kl = jnp.zeros_like(logps)
     if beta != 0.0:
         if ref_logps is None:
@@ -107,7 +164,24 @@ def grpo_token_terms(
         if kl_ratio_weight:
             kl = kl * ratio
         loss = loss + beta * kl
-    return {"loss": loss, "kl": kl, "clipped": clipped.astype(jnp.float32)}
+    out = {k: v.astype(jnp.float32) for k, v in out.items()}
+    return {"loss": loss, "kl": kl, **out}
+
+
+def off_policy_keep(
+    logps: jax.Array,
+    sampling_logps: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    threshold: float,
+) -> jax.Array:
+    """[B, 1]: 1 keeps a completion's policy term, 0 drops it: dropped when its advantage is
+    negative and its mean sampling_logps - logps over its tokens (a KL estimate of how far
+    the policy moved off the sampler; a NaN token counts 0) exceeds `threshold`."""
+    drift = jnp.nan_to_num(sampling_logps - logps, nan=0.0) * mask
+    mean = drift.sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1.0)
+    keep = (advantages[:, None] >= 0) | (mean <= threshold)
+    return keep.astype(jnp.float32)
 
 
 def grpo_loss(
@@ -122,24 +196,26 @@ def grpo_loss(
     epsilon: float,
     epsilon_high: float | None = None,
     max_completion_length: int | None = None,
-    kl_ratio_weight: bool = True,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(loss, {"kl", "clip_ratio"}) of one batch: logps/old/ref/mask [B, T] over the
-    completion tokens, advantages [B]. kl and clip_ratio are means over the masked tokens."""
+    """(loss, {"kl", and clip_metric_name(loss_type) if any}) of one batch: logps/old/ref/
+    mask [B, T] over the completion tokens, advantages [B]; `options`: grpo_token_terms's
+    (kl_ratio_weight, importance_sampling_level, sapo temperatures, off_policy_mask_threshold).
+    kl is a mean over the masked tokens; the clip ratio over them, or over the completions at
+    the sequence level (as TRL logs it)."""
     sums = grpo_loss_sums(
         logps, old_logps, ref_logps, advantages, mask,
         loss_type=loss_type, beta=beta, epsilon=epsilon,
         epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-        max_completion_length=max_completion_length or mask.shape[1],
-        kl_ratio_weight=kl_ratio_weight,
+        max_completion_length=max_completion_length or mask.shape[1], **options,
     )  # fmt: skip
     batch = {"completion_tokens": mask.sum(), "rows": jnp.float32(mask.shape[0])}
     normalizer = _normalizer(loss_type, batch, micro_batches=1)
-    tokens = jnp.maximum(sums["completion_tokens"], 1.0)
-    return sums["loss_sum"] / normalizer, {
-        "kl": sums["token_kl_sum"] / tokens,
-        "clip_ratio": sums["token_clipped_sum"] / tokens,
-    }
+    metrics = {"kl": sums["token_kl_sum"] / jnp.maximum(sums["completion_tokens"], 1.0)}
+    name = clip_metric_name(loss_type)
+    if name is not None:
+        metrics[name] = sums["clipped_sum"] / jnp.maximum(sums["clipped_count"], 1.0)
+    return sums["loss_sum"] / normalizer, metrics
 
 
 def grpo_loss_sums(
@@ -150,52 +226,53 @@ def grpo_loss_sums(
     mask: jax.Array,
     *,
     loss_type: str,
-    beta: float,
-    epsilon: float,
-    epsilon_high: float,
     max_completion_length: int,
-    kl_ratio_weight: bool = True,
+    **options: Any,
 ) -> dict[str, jax.Array]:
     """The loss sum of one micro-batch (its normalizer: `grpo_normalizer`), its completion
-    tokens and their sums of KL and clip ratio ("tokens" is the caller's)."""
+    tokens, their KL sum and, but for sapo, "clipped_sum" / "clipped_count" (clipped tokens
+    of the completion tokens; clipped completions of the rows at the sequence level).
+    `options`: grpo_token_terms's keywords."""
     terms = grpo_token_terms(
-        logps, old_logps, ref_logps, advantages,
-        beta=beta, epsilon=epsilon, epsilon_high=epsilon_high, kl_ratio_weight=kl_ratio_weight,
-    )  # fmt: skip
+        logps, old_logps, ref_logps, advantages, mask, loss_type=loss_type, **options
+    )
     mask = mask.astype(jnp.float32)
     masked = terms["loss"] * mask
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss_sum = (masked.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).sum()
     elif loss_type == "bnpo":  # a mean per micro-batch; the normalizer counts micro-batches
         loss_sum = masked.sum() / jnp.maximum(mask.sum(), 1.0)
     elif loss_type == "dr_grpo":
         loss_sum = masked.sum() / max_completion_length
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo"):
         loss_sum = masked.sum()
     else:
         raise ValueError(f"unknown GRPO loss_type {loss_type!r}")
     kl = jax.lax.stop_gradient(terms["kl"]) * mask
-    clipped = terms["clipped"] * mask
-    return {
-        "loss_sum": loss_sum,
-        "completion_tokens": mask.sum(),
-        "token_kl_sum": kl.sum(),
-        "token_clipped_sum": clipped.sum(),
-    }
+    sums = {"loss_sum": loss_sum, "completion_tokens": mask.sum(), "token_kl_sum": kl.sum()}
+    if "clipped" in terms:
+        clipped = terms["clipped"]
+        if options.get("importance_sampling_level") == "sequence":  # TRL counts every row
+            sums["clipped_sum"] = clipped.sum()
+            sums["clipped_count"] = jnp.float32(clipped.shape[0])
+        else:
+            sums["clipped_sum"] = (clipped * mask).sum()
+            sums["clipped_count"] = mask.sum()
+    return sums
 
 
 def _normalizer(loss_type: str, counts: dict[str, jax.Array], micro_batches: int) -> jax.Array:
-    if loss_type in ("grpo", "dr_grpo"):
+    if loss_type in ("grpo", "dr_grpo", "sapo"):
         return counts["rows"]
     if loss_type == "bnpo":
         return jnp.float32(micro_batches)
-    return jnp.maximum(counts["completion_tokens"], 1.0)  # dapo
+    return jnp.maximum(counts["completion_tokens"], 1.0)  # dapo, cispo
 
 
 def grpo_normalizer(loss_type: str, completion_mask: jax.Array) -> jax.Array:
     """What a whole update's loss sums are divided by, from its completion mask [A, M, T]
-    (A micro-batches of M completions): completions (grpo, dr_grpo), micro-batches (bnpo)
-    or completion tokens (dapo)."""
+    (A micro-batches of M completions): completions (grpo, dr_grpo, sapo), micro-batches
+    (bnpo) or completion tokens (dapo, cispo)."""
     counts = {
         "rows": jnp.float32(completion_mask.shape[0] * completion_mask.shape[1]),
         "completion_tokens": completion_mask.astype(jnp.float32).sum(),
