@@ -15,7 +15,8 @@ Each `step()` does three things:
    token in the same call and start decoding.
 3. **Decode** one token for every active sequence, in the smallest bucket of rows that holds
    them, reading the smallest bucket of pages that holds the longest of them (not the whole
-   max_length). Buckets of tokens and pages are x4 apart (GROWTH), of rows x2.
+   max_length). Buckets of rows and of a decode step's pages are x2 apart, of a prefill's
+   tokens and pages x4 (PREFILL_GROWTH).
 
 Pages are taken as sequences grow, not reserved for max_tokens up front: the pool is sized to
 a memory budget (`kv_cache_gib`, or `memory_fraction` of a GPU's or TPU's free memory), and
@@ -50,11 +51,20 @@ from flax import nnx
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.serving import requests
-from jaxtrain.serving.paged import PageAllocator, empty_pool, page_bytes, prefix_keys
-from jaxtrain.serving.requests import Completion, OnToken, Prefill, Request
+from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
+from jaxtrain.serving.pool import pool_pages, pool_sharding
+from jaxtrain.serving.requests import (
+    Completion,
+    OnToken,
+    Prefill,
+    Request,
+    eos_ids,
+    sample_seed,
+)
 from jaxtrain.serving.sampling import Drawn, SamplingParams, sampling_arrays
 from jaxtrain.serving.speculation import ngram_draft
-from jaxtrain.serving.steps import Steps, bucket, buckets
+from jaxtrain.serving.steps import Steps, bucket
+from jaxtrain.serving.warm_up import compile_every_bucket
 
 __all__ = ["Completion", "Engine"]
 
@@ -63,11 +73,11 @@ SMALLEST_PREFILL = 16
 # its sequences needs (a bucket of this, x4 apart), so attention reads the pages in use, not
 # max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
 SMALLEST_TABLE = 8
-# Buckets of prompt tokens and of page-table widths are x4 apart, rows x2: every shape is
-# compiled at start-up (warm_up), and their count multiplies (a 1k context and 8 slots: 45
-# shapes, against 88 with every size x2 apart). A padded call costs at most 4x its tokens'
-# attention and a short chunk's matmuls, never a row's.
-GROWTH = 4
+# A prefill's buckets of tokens and of pages are x4 apart (rows and decode steps' buckets x2):
+# every shape is compiled at start-up (warm_up), and a prefill's three sizes multiply (a 1k
+# context and 8 slots: 49 shapes, against 88 with every size x2 apart). Decode steps keep x2:
+# they run at every token, and attention reads every page of their table.
+PREFILL_GROWTH = 4
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
@@ -128,16 +138,15 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         sharding = pool_sharding(self.state)
         if num_pages is None:
-            budget = _memory_budget(kv_cache_gib, memory_fraction, sharding)
-            every_slot = max_slots * self.max_pages + 1
-            fits = every_slot if budget is None else budget // page_bytes(model, page_size) + 1
-            num_pages = int(min(every_slot, fits))
+            num_pages = pool_pages(model, page_size, max_slots * self.max_pages + 1,
+                                   kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
+                                   sharding=sharding)  # fmt: skip
         self.pool = jax.device_put(empty_pool(model, num_pages, page_size), sharding)
         self.pages = PageAllocator(num_pages, page_size)
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
         self.steps = Steps(self.graphdef, page_size, sharding, attention)
-        self.eos = set(_eos_ids(eos_token_ids, tokenizer, config))
+        self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Prefill] = []
         self.active: list[requests.Sequence] = []
@@ -283,7 +292,8 @@ class Engine:
         return bucket(rows, 1, self.max_slots)
 
     def _prefill_width(self, tokens: int) -> int:
-        return bucket(tokens, SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.prefill_tokens), GROWTH)
+        largest = max(SMALLEST_PREFILL, self.prefill_tokens)
+        return bucket(tokens, SMALLEST_PREFILL, largest, PREFILL_GROWTH)
 
     def _prefill(self) -> None:
         chunk = self._chunk()
@@ -297,7 +307,7 @@ class Engine:
             ids[row, t - take :] = item.request.prompt[item.done : item.done + take]
             start[row], pad[row] = item.done, t - take
             ends.append(item.done + take)
-        width = self._width(max((end - 1) // self.page_size + 1 for end in ends))
+        width = self._width(max((end - 1) // self.page_size + 1 for end in ends), PREFILL_GROWTH)
         tables = self._tables([item.tables[0] for item, _ in chunk], r, width)
         # The samples of every prompt this chunk finishes draw their first token in the call.
         starting = []
@@ -313,7 +323,7 @@ class Engine:
             rows[s], positions[s] = row, len(item.request.prompt)
         sampling = sampling_arrays(
             [item.request.params for _, item, _ in starting],
-            [_seed(item.request.params.seed, i) for _, item, i in starting],
+            [sample_seed(item.request.params.seed, i) for _, item, i in starting],
             self.max_slots,
         )
         drawn, self.pool = self.steps.prefill(
@@ -384,7 +394,7 @@ class Engine:
         start = np.zeros(rows, np.int32)
         for r, seq in enumerate(seqs):
             ids[r, 0], start[r] = seq.generated[-1], seq.position
-        seeds = [_seed(s.params.seed, s.index) for s in seqs]
+        seeds = [sample_seed(s.params.seed, s.index) for s in seqs]
         width = self._width(max(s.position for s in seqs) // self.page_size + 1)
         drawn, self.pool = self.steps.decode(
             self.state,
@@ -423,7 +433,7 @@ class Engine:
         for r, (seq, draft) in enumerate(zip(seqs, drafts)):
             ids[r, 0], ids[r, 1 : 1 + len(draft)] = seq.generated[-1], draft
             start[r], drafted[r] = seq.position, len(draft)
-        seeds = [_seed(s.params.seed, s.index) for s in seqs]
+        seeds = [sample_seed(s.params.seed, s.index) for s in seqs]
         last = max(s.position + len(d) for s, d in zip(seqs, drafts))
         width = self._width(last // self.page_size + 1)
         drawn, kept, self.pool = self.steps.verify(
@@ -442,9 +452,9 @@ class Engine:
                 self.accepted += j > 0
                 self._append(seq, row, j)
 
-    def _width(self, pages: int) -> int:
+    def _width(self, pages: int, growth: int = 2) -> int:
         """Page-table columns of a step whose rows use up to `pages` pages."""
-        return bucket(pages, SMALLEST_TABLE, self.max_pages, GROWTH)
+        return bucket(pages, SMALLEST_TABLE, self.max_pages, growth)
 
     def _tables(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
         """[rows, width] page tables: each sequence's first `width` pages (the ones it has
@@ -491,90 +501,6 @@ class Engine:
     # ------------------------------------------------------------ start-up
     def warm_up(self, max_prompt_tokens: int | None = None) -> int:
         """Compile every bucket a request can reach (prompts up to `max_prompt_tokens`, default
-        max_length), so that serving compiles nothing; returns how many shapes it compiled.
-        The calls write only the garbage page: every row is padding or idle."""
-        longest = min(max_prompt_tokens or self.max_length, self.max_length)
-        if self.pages.num_pages - 1 < self.max_slots * self.max_pages:
-            longest = self.max_length  # a preempted sequence comes back as a longer prompt
-        widths = buckets(SMALLEST_TABLE, self.max_pages, GROWTH)
-        row_buckets = buckets(1, self.max_slots)
-        before = sum(len(shapes) for shapes in self.steps.compiles.values())
-        tokens = buckets(SMALLEST_PREFILL, max(SMALLEST_PREFILL, self.prefill_tokens), GROWTH)
-        for r, t in itertools.product(row_buckets, tokens):
-            if (r > 1 and r * t > self.prefill_tokens) or t > self._prefill_width(longest):
-                continue
-            for width in widths:
-                if width > self._width(math.ceil(longest / self.page_size)):
-                    continue
-                zeros = np.zeros(self.max_slots, np.int32)
-                _, self.pool = self.steps.prefill(
-                    self.state, self.pool, np.zeros((r, t), np.int32), np.zeros(r, np.int32),
-                    np.zeros((r, width), np.int32), np.full(r, t, np.int32), zeros, zeros,
-                    *sampling_arrays([], [], self.max_slots),
-                )  # fmt: skip
-        for rows, width in itertools.product(row_buckets, widths):
-            _, self.pool = self.steps.decode(
-                self.state, self.pool, np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32),
-                np.zeros((rows, width), np.int32), *sampling_arrays([], [], rows),
-            )  # fmt: skip
-            if self.speculative_tokens:
-                *_, self.pool = self.steps.verify(
-                    self.state, self.pool, np.zeros((rows, 1 + self.speculative_tokens), np.int32),
-                    np.zeros(rows, np.int32), np.zeros((rows, width), np.int32),
-                    np.zeros(rows, np.int32), *sampling_arrays([], [], rows),
-                )  # fmt: skip
-        self.pool = self.steps.copy_page(self.pool, 0, 0)  # a group's partial page
-        jax.block_until_ready(self.pool)
-        return sum(len(shapes) for shapes in self.steps.compiles.values()) - before
-
-
-def pool_sharding(state: Any) -> jax.sharding.Sharding:
-    """Where the page pool lives: replicated over the mesh the model's arrays are on (each
-    device computes attention for the rows it holds), or on the model's device."""
-    leaf = next(x for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
-    sharding = leaf.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
-
-
-def _memory_budget(
-    kv_cache_gib: float | None, memory_fraction: float | None, sharding: Any
-) -> int | None:
-    """Bytes the page pool may take: `kv_cache_gib`, or `memory_fraction` of the free memory
-    of the device the pool lives on (GPUs and TPUs report it; CPUs do not), or None (no
-    budget: a slot's worth of pages for every slot)."""
-    if kv_cache_gib is not None and memory_fraction is not None:
-        raise ArgumentError("give kv_cache_gib or memory_fraction, not both")
-    if kv_cache_gib is not None:
-        if not kv_cache_gib > 0:
-            raise ArgumentError(f"kv_cache_gib must be > 0, got {kv_cache_gib!r}")
-        return int(kv_cache_gib * 2**30)
-    if memory_fraction is None:
-        return None
-    if not 0 < memory_fraction <= 1:
-        raise ArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
-    device = next(iter(sharding.device_set))
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        raise ArgumentError(
-            f"memory_fraction needs a device that reports its memory ({device.platform} does "
-            "not); give kv_cache_gib or num_pages instead"
-        )
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return int(free * memory_fraction)
-
-
-def _seed(seed: int, index: int) -> int:
-    """The draw seed of sample `index` of a request seeded `seed` (distinct per sample)."""
-    return (int(seed) * 1_000_003 + index) % (2**32)
-
-
-def _eos_ids(given: Sequence[int] | None, tokenizer: Any, config: Any) -> list[int]:
-    if given is not None:
-        return [int(e) for e in given]
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    eos = eos if isinstance(eos, (list, tuple)) else [eos]
-    return [int(e) for e in eos if e is not None]
+        max_length), so that serving compiles nothing; returns how many shapes it compiled
+        (warm_up.py)."""
+        return compile_every_bucket(self, max_prompt_tokens)

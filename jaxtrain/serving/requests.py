@@ -5,13 +5,14 @@ finished completion handed back."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
 from jaxtrain.serving.sampling import SamplingParams
 
-__all__ = ["Completion", "OnToken"]
+__all__ = ["Completion", "OnToken", "eos_ids", "sample_seed"]
 
 # on_token(request_id, index, token, logprob, top): every new token of sample `index`, with its
 # log-prob and, when the request asked for `logprobs` = k > 0, {token id: log-prob} of the k
@@ -100,3 +101,19 @@ class Sequence:
             self.logprobs,
             self.top_logprobs if self.params.logprobs else None,
         )
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The draw seed of sample `index` of a request seeded `seed` (distinct per sample)."""
+    return (int(seed) * 1_000_003 + index) % (2**32)
+
+
+def eos_ids(given: Iterable[int] | None, tokenizer: Any, config: Any) -> list[int]:
+    """The end-of-sequence ids: those given, else the tokenizer's, else the config's."""
+    if given is not None:
+        return [int(e) for e in given]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    eos = eos if isinstance(eos, (list, tuple)) else [eos]
+    return [int(e) for e in eos if e is not None]

@@ -4,40 +4,21 @@ conditions, seeded sampling independent of the batch, and a fixed set of compile
 from __future__ import annotations
 
 import dataclasses
-import logging
-import re
-from collections import Counter
 
 import jax
-import numpy as np
 import pytest
+from engine_models import VOCAB, CompileLog, prompt, tiny_llama
 from flax import nnx
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models import generate
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 from jaxtrain.serving import Engine, SamplingParams
-
-VOCAB = 61
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.3,  # peaked distributions: greedy tokens are not near-ties
-    )
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(3, VOCAB, n).tolist()
+    return tiny_llama()
 
 
 def test_requests_join_while_others_decode_and_free_their_pages(model):
@@ -125,29 +106,17 @@ def test_seeded_sampling_depends_on_the_request_alone(model):
 
 def test_the_steps_compile_once_per_bucket_over_many_requests(model):
     engine = Engine(model, max_slots=4, page_size=4, max_length=48)
-    compiled: Counter[str] = Counter()
-
-    class Record(logging.Handler):
-        def emit(self, record):
-            found = re.match(r"Compiling (?:jit\()?([\w.<>]+)", record.getMessage())
-            if found:
-                compiled[found.group(1)] += 1
-
-    handler = Record(level=logging.DEBUG)
-    logging.getLogger("jax").addHandler(handler)
     jax.clear_caches()
-    try:
-        with jax.log_compiles(True):
-            for round_ in range(3):
-                batch = [prompt(n, round_ * 10 + n) for n in (2, 5, 9, 14, 7, 3)]
-                params = SamplingParams(max_tokens=5 + round_, temperature=0.8, seed=round_)
-                engine.generate(batch, params)
-            after_warm = sum(compiled.values())
-            engine.generate(
-                [prompt(n, 99 + n) for n in (4, 11, 6, 1, 8, 2)], SamplingParams(max_tokens=7)
-            )
-    finally:
-        logging.getLogger("jax").removeHandler(handler)
+    with CompileLog() as log:
+        for round_ in range(3):
+            batch = [prompt(n, round_ * 10 + n) for n in (2, 5, 9, 14, 7, 3)]
+            params = SamplingParams(max_tokens=5 + round_, temperature=0.8, seed=round_)
+            engine.generate(batch, params)
+        after_warm = sum(log.compiled.values())
+        engine.generate(
+            [prompt(n, 99 + n) for n in (4, 11, 6, 1, 8, 2)], SamplingParams(max_tokens=7)
+        )
+    compiled = log.compiled
     shapes = engine.steps.compiles
     assert compiled["_prefill_fn"] == len(shapes["prefill"]) <= 2  # buckets 16 and 32
     assert compiled["_decode_fn"] == len(shapes["decode"]) <= 3  # 1, 2 and 4 rows

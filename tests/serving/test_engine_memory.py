@@ -7,28 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
+from engine_models import prompt, tiny_llama
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models import generate
 from jaxtrain.serving import Engine, SamplingParams
 from jaxtrain.serving.paged import PageAllocator, prefix_keys
-
-VOCAB = 61
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        initializer_range=0.3,  # peaked distributions: greedy tokens are not near-ties
-    )  # fmt: skip
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(3, VOCAB, n).tolist()
+    return tiny_llama()
 
 
 def run(engine: Engine, batch: list[list[int]], params: SamplingParams) -> tuple[dict, int]:

@@ -5,35 +5,19 @@ equal the training code's for the same tokens, and after `warm_up` nothing compi
 
 from __future__ import annotations
 
-import logging
-import re
-from collections import Counter
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from engine_models import CompileLog, prompt, tiny_llama
 
-from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models import generate
 from jaxtrain.serving import Engine, SamplingParams
 from jaxtrain.training.logps import model_token_logps
-
-VOCAB = 61
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-        initializer_range=0.3,  # peaked distributions: greedy tokens are not near-ties
-    )  # fmt: skip
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(3, VOCAB, n).tolist()
+    return tiny_llama(max_positions=96)
 
 
 def recording(engine: Engine) -> list[tuple[int, int]]:
@@ -123,31 +107,19 @@ def test_after_warm_up_nothing_compiles(model):
     engine = Engine(model, max_slots=4, page_size=4, max_length=64, prefill_tokens=32)
     shapes = engine.warm_up()
     assert shapes == len(engine.steps.compiles["prefill"]) + len(engine.steps.compiles["decode"])
-    compiled: Counter[str] = Counter()
-
-    class Record(logging.Handler):
-        def emit(self, record):
-            found = re.match(r"Compiling (?:jit\()?([\w.<>]+)", record.getMessage())
-            if found:
-                compiled[found.group(1)] += 1
-
-    handler = Record(level=logging.DEBUG)
-    logging.getLogger("jax").addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            rng = np.random.default_rng(0)
-            for round_ in range(4):
-                lengths = rng.integers(1, 50, 5)
-                settings = [
-                    SamplingParams(max_tokens=int(64 - lengths.max()), temperature=0.0),
-                    SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=round_),
-                    SamplingParams(max_tokens=3, temperature=1.2, top_k=5, logprobs=2),
-                ]
-                for i, n in enumerate(lengths):
-                    engine.submit(prompt(int(n), round_ * 9 + i), settings[i % 3], n=1 + i % 2)
-                while not engine.idle:
-                    engine.step()
-    finally:
-        logging.getLogger("jax").removeHandler(handler)
+    with CompileLog() as log:
+        rng = np.random.default_rng(0)
+        for round_ in range(4):
+            lengths = rng.integers(1, 50, 5)
+            settings = [
+                SamplingParams(max_tokens=int(64 - lengths.max()), temperature=0.0),
+                SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=round_),
+                SamplingParams(max_tokens=3, temperature=1.2, top_k=5, logprobs=2),
+            ]
+            for i, n in enumerate(lengths):
+                engine.submit(prompt(int(n), round_ * 9 + i), settings[i % 3], n=1 + i % 2)
+            while not engine.idle:
+                engine.step()
+    compiled = log.compiled
     assert not compiled, compiled
     assert engine.pages.available == engine.pages.num_pages - 1

@@ -7,23 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
+from engine_models import VOCAB, tiny_llama
 
-from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
+from jaxtrain.models import generate
 from jaxtrain.serving import Engine, SamplingParams
 from jaxtrain.serving.speculation import ngram_draft
-
-VOCAB = 61
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.1,  # a random model that falls into loops: drafts get kept
-    )  # fmt: skip
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    return tiny_llama(max_positions=128, initializer_range=0.1)  # it loops: drafts are kept
 
 
 def batch() -> list[list[int]]:

@@ -10,11 +10,9 @@ context manager is thread-local, and the engine steps on a thread of its own."""
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -23,32 +21,11 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from engine_models import CompileLog  # noqa: E402
+
 PROMPT_LIMIT = 64  # the server's --max_prompt_tokens: the warm-up compiles up to it
 WORDS = ["def", "add(a,", "b):", "return", "a", "+", "b", "the", "quick", "brown", "fox",
          "jumps", "import", "os", "print(", "x", "o", "\n"]  # fmt: skip
-
-
-class CompileLog(logging.Handler):
-    """The names JAX's compile log reports (on any thread while it is installed)."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.compiled: Counter[str] = Counter()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        found = re.match(r"Compiling (?:jit\()?([\w.<>]+)", record.getMessage())
-        if found:
-            self.compiled[found.group(1)] += 1
-
-    def __enter__(self) -> CompileLog:
-        self.was = jax.config.jax_log_compiles
-        jax.config.update("jax_log_compiles", True)
-        logging.getLogger("jax").addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger("jax").removeHandler(self)
-        jax.config.update("jax_log_compiles", self.was)
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
