@@ -124,7 +124,8 @@ def test_help_names_grpo_and_its_own_loss_types(capsys):
     text = capsys.readouterr().out
     assert "The trainer: lm, sft, dpo, reward, distill, grpo, kto, orpo or cpo" in text
     loss_type = text.split("--loss_type STR", 1)[1].split("\n  --", 1)[0]
-    assert "One of: grpo, bnpo, dr_grpo, dapo." in loss_type and "sigmoid" not in loss_type
+    assert "One of: grpo, bnpo, dr_grpo, dapo, cispo, sapo." in loss_type
+    assert "sigmoid" not in loss_type
     assert main(["train", "--task", "dpo", "--help"]) == 0
     assert "One of: sigmoid, ipo, hinge." in capsys.readouterr().out
 

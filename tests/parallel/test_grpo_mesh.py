@@ -84,7 +84,11 @@ def test_two_processes_each_generating_their_share_train_like_one(tmp_path):
         for mine, theirs in zip(two["logs"], single["logs"]):
             assert mine.keys() == theirs.keys()
             for key in sorted(k for k in mine if not k.endswith(TIMED)):
-                np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-5, err_msg=key)
+                # atol: a GRPO loss of a round's first update sums advantages that cancel, so
+                # it is ~0 (5e-9 vs 0.0 seen), where two processes' summation order shows.
+                np.testing.assert_allclose(
+                    mine[key], theirs[key], rtol=1e-5, atol=1e-7, err_msg=key
+                )
         assert len(two["evals"]) == 2
         for mine, theirs in zip(two["evals"], single["evals"]):
             assert mine == theirs
