@@ -63,22 +63,10 @@ from jaxtrain.serving.requests import (
 )
 from jaxtrain.serving.sampling import Drawn, SamplingParams, sampling_arrays
 from jaxtrain.serving.speculation import ngram_draft
-from jaxtrain.serving.steps import Steps, bucket
+from jaxtrain.serving.steps import PREFILL_GROWTH, Steps, bucket, chunk_tokens, table_width
 from jaxtrain.serving.warm_up import compile_every_bucket
 
 __all__ = ["Completion", "Engine"]
-
-SMALLEST_PREFILL = 16
-# Pages: the narrowest page table a step reads. A step's table is as wide as the longest of
-# its sequences needs (a bucket of this, x4 apart), so attention reads the pages in use, not
-# max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
-SMALLEST_TABLE = 8
-# A prefill's buckets of tokens and of pages are x4 apart (rows and decode steps' buckets x2):
-# every shape is compiled at start-up (warm_up), and a prefill's three sizes multiply (a 1k
-# context and 8 slots: 49 shapes, against 88 with every size x2 apart). Decode steps keep x2:
-# they run at every token, and attention reads every page of their table.
-PREFILL_GROWTH = 4
-GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class Engine:
@@ -292,8 +280,7 @@ class Engine:
         return bucket(rows, 1, self.max_slots)
 
     def _prefill_width(self, tokens: int) -> int:
-        largest = max(SMALLEST_PREFILL, self.prefill_tokens)
-        return bucket(tokens, SMALLEST_PREFILL, largest, PREFILL_GROWTH)
+        return chunk_tokens(tokens, self.prefill_tokens)
 
     def _prefill(self) -> None:
         chunk = self._chunk()
@@ -453,8 +440,7 @@ class Engine:
                 self._append(seq, row, j)
 
     def _width(self, pages: int, growth: int = 2) -> int:
-        """Page-table columns of a step whose rows use up to `pages` pages."""
-        return bucket(pages, SMALLEST_TABLE, self.max_pages, growth)
+        return table_width(pages, self.max_pages, growth)
 
     def _tables(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
         """[rows, width] page tables: each sequence's first `width` pages (the ones it has

@@ -18,9 +18,19 @@ from jaxtrain.models.kv_cache import decode_with_slots
 from jaxtrain.serving.paged import PagedSlots
 from jaxtrain.serving.sampling import Drawn, sample_rows
 
-__all__ = ["Steps", "bucket", "buckets"]
+__all__ = ["Steps", "bucket", "buckets", "chunk_tokens", "table_width"]
 
 Array = jax.Array
+SMALLEST_PREFILL = 16
+# Pages: the narrowest page table a step reads. A step's table is as wide as the longest of
+# its sequences needs (a bucket of this), so attention reads the pages in use, not
+# max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
+SMALLEST_TABLE = 8
+# A prefill's buckets of tokens and of pages are x4 apart (rows and decode steps' buckets x2):
+# every shape is compiled at start-up (warm_up.py), and a prefill's three sizes multiply (a 1k
+# context and 8 slots: 49 shapes, against 88 with every size x2 apart). Decode steps keep x2:
+# they run at every token, and attention reads every page of their table.
+PREFILL_GROWTH = 4
 
 
 def bucket(n: int, smallest: int, largest: int, factor: int = 2) -> int:
@@ -37,6 +47,17 @@ def buckets(smallest: int, largest: int, factor: int = 2) -> list[int]:
     while sizes[-1] < largest:
         sizes.append(sizes[-1] * factor)
     return sorted({min(s, largest) for s in sizes})
+
+
+def table_width(pages: int, max_pages: int, growth: int = 2) -> int:
+    """Page-table columns of a step whose rows use up to `pages` pages."""
+    return bucket(pages, SMALLEST_TABLE, max_pages, growth)
+
+
+def chunk_tokens(tokens: int, budget: int) -> int:
+    """Token columns of a prefill whose longest chunk has `tokens` tokens (`budget`: the
+    engine's prefill_tokens)."""
+    return bucket(tokens, SMALLEST_PREFILL, max(SMALLEST_PREFILL, budget), PREFILL_GROWTH)
 
 
 class Steps:
