@@ -8,6 +8,7 @@ PYTEST_ARGS ?=
 # Files go out in collection order (--no-loadscope-reorder; xdist would send the files with
 # the most tests first), which tests/conftest.py starts with the longest file, the docs' blocks.
 TEST_WORKERS ?= 2
+# --durations: the 40 slowest tests end every log (CI's too), where the suite's time goes.
 
 .PHONY: demo test test-gguf lint format bench docs clean
 
@@ -51,7 +52,7 @@ format: $(VENV)/.installed-test
 	$(BIN)/ruff check --fix jaxtrain tests bench
 
 test: lint
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
 
 $(VENV)/.installed-docs: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[docs]'

@@ -2,7 +2,8 @@
 
 - `run.py`: where a run starts (fresh, resumed, `resume_from`), its saves, keep-N, close;
 - `compat.py`: whether a checkpoint fits this run (model, optimizer), trimming the metric log;
-- `files.py`: the files on disk (committed steps, restore, metadata).
+- `files.py`: the files on disk (committed steps, restore, metadata);
+- `lock.py`: one run at a time in an output_dir.
 """
 
 from jaxtrain.checkpointing.files import (
@@ -15,6 +16,7 @@ from jaxtrain.checkpointing.files import (
     restore_params,
     restore_state,
 )
+from jaxtrain.checkpointing.lock import hold_output_dir
 from jaxtrain.checkpointing.run import (
     CheckpointSettings,
     RunCheckpoints,
@@ -32,6 +34,7 @@ __all__ = [
     "checkpoints_root",
     "committed_steps",
     "find_checkpoint",
+    "hold_output_dir",
     "load_checked",
     "read_metadata",
     "restore_extra",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps
+from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps, hold_output_dir
 from jaxtrain.config.sections import LoopSettings
 from jaxtrain.data.batch_source import DataExhausted
 from jaxtrain.observability.compiles import memory_summary
@@ -87,6 +87,11 @@ class TrainingLoop:
         self.read_step = 0  # the last step whose results were read (it ran)
 
     def run(self) -> TrainerOutput:
+        # Held from the plan to the last commit: a second run into this directory is refused.
+        with hold_output_dir(self.args.output_dir, take=self.trainer.runtime.is_main_process):
+            return self._run()
+
+    def _run(self) -> TrainerOutput:
         trainer, args, checkpoints = self.trainer, self.args, self.trainer.checkpoints
         # Named in the line of a lost peer process (multi-host).
         note_checkpoints(checkpoints.root, committed_steps)

@@ -95,7 +95,8 @@ def main(out: Path, mode: str, port: str = "", process_id: str = "0") -> None:
         def on_evaluate(self, trainer, metrics, step):
             evals.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
 
-    trainer = train(out / "run", [Record()], distributed)
+    # Its own directory per run: the one-process run writes at the same time as the two.
+    trainer = train(out / f"run_{mode}", [Record()], distributed)
     output = trainer.train()
     np.savez(out / f"{name}.npz", **gathered(output.state))
     last = trainer.train_source._round
