@@ -301,11 +301,7 @@ class _Saver:
             self._failed = True
             step = self._saving
             target = self.root / str(step) if step is not None else self.root
-            if jax.process_index() == 0:
-                # Every uncommitted directory, not only this step's: an async write's failure
-                # can surface at the next save, after its own step's directory was made.
-                for leftover in self.root.glob("*.orbax-checkpoint-tmp*"):
-                    shutil.rmtree(leftover, ignore_errors=True)
+            self._remove_uncommitted()
             text = f"{type(err).__name__}: {err}"
             full = "No space left on device" in text or getattr(err, "errno", None) == 28
             cause = "the disk is full" if full else "the write failed"
@@ -321,6 +317,13 @@ class _Saver:
                 "run the same command again to resume."
             ) from err
 
+    def _remove_uncommitted(self) -> None:
+        """Every uncommitted directory, not only this step's: an async write's failure can
+        surface at the next save, after its own step's directory was made."""
+        if jax.process_index() == 0:
+            for leftover in self.root.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+
     def wait(self) -> None:
         with self._failures():
             self._manager.wait_until_finished()
@@ -333,6 +336,10 @@ class _Saver:
                     self._prune()
             finally:
                 self._manager.close()
+                if self._failed:
+                    # Writes of the failed save still in flight when it was cleaned up (a
+                    # loaded machine left a directory behind once) have ended now.
+                    self._remove_uncommitted()
 
 
 def _barrier(name: str) -> None:
