@@ -23,6 +23,7 @@ __all__ = [
     "GRPOArguments",
     "GRPO_IMPORTANCE_SAMPLING_LEVELS",
     "GRPO_LOSS_TYPES",
+    "GRPO_SAMPLER_CORRECTIONS",
     "GRPO_SCALE_REWARDS",
     "KTOArguments",
     "ORPOArguments",
@@ -36,6 +37,10 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 GRPO_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
+# TRL's vllm_importance_sampling_mode values, and "none" (its correction off).
+GRPO_SAMPLER_CORRECTIONS = (
+    "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+)  # fmt: skip
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
@@ -147,6 +152,19 @@ class GRPOArguments(TrainingArguments):
     # DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose
     # mean (old - new) log-prob over its tokens exceeds this gets no policy loss. None: off.
     off_policy_mask_threshold: float | None = None
+    # Correct for the sampler drawing from another distribution than the trainer scores
+    # (TRL's vllm_importance_sampling_mode; "none" is its correction off): each completion
+    # token's loss is weighted by exp(trainer - sampler log-prob), per token ("token_*") or
+    # per completion ("sequence_*": the sum over its tokens), clipped to [min, max]
+    # ("*_truncate") or zeroed outside it ("*_mask"); the off-policy mask then reads the
+    # sampler's log-probs. The engine samples from the trainer's own parameters, so in a
+    # synchronous float32 run the weight is 1 up to rounding (sampling/sampling_logp_difference
+    # on every run's logs says how far): it pays when the sampler's weights differ.
+    sampler_correction: str = "none"
+    # sampler_correction's lower bound C_min (TRL's vllm_importance_sampling_clip_min); None: none.
+    sampler_correction_min: float | None = None
+    # sampler_correction's upper bound C_max (TRL's vllm_importance_sampling_clip_max, 3.0).
+    sampler_correction_max: float | None = 3.0
     # Updates per generated batch (the later ones are off-policy, with the old log-probs).
     num_iterations: int = 1
     # The policy term and how token losses are averaged: docs/tasks.md "GRPO" (grpo, bnpo,
@@ -201,6 +219,17 @@ class GRPOArguments(TrainingArguments):
                 self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
                 f"off_policy_mask_threshold={self.off_policy_mask_threshold!r} must be None (off) "
                 "or >= 0 (a KL threshold, e.g. 0.5)",
+            ),
+            (
+                self.sampler_correction in GRPO_SAMPLER_CORRECTIONS,
+                f"sampler_correction={self.sampler_correction!r} is not one of "
+                f"{GRPO_SAMPLER_CORRECTIONS}",
+            ),
+            (
+                None in (self.sampler_correction_min, self.sampler_correction_max)
+                or self.sampler_correction_min <= self.sampler_correction_max,
+                f"sampler_correction_min={self.sampler_correction_min!r} is above "
+                f"sampler_correction_max={self.sampler_correction_max!r}",
             ),
             (
                 self.loss_type != "cispo" or self.epsilon_high > 0,

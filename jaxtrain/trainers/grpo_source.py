@@ -22,6 +22,7 @@ those one process would sample.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,8 +38,9 @@ from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
-from jaxtrain.serving import Engine, SamplingParams
+from jaxtrain.serving import Completion, Engine, SamplingParams
 from jaxtrain.task_arguments import GRPOArguments
+from jaxtrain.trainers.grpo_agreement import round_agreement
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
 from jaxtrain.trainers.grpo_round import GeneratedRound
@@ -87,7 +89,7 @@ class RolloutSource:
         self._program: Any = None
         self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
         self._last_batch_time: float | None = None
-        self._old_logps_fn = None
+        self._old_logps_fn = self._agreement_fn = None
         self.engine: Engine | None = None  # made at the first round, from the policy
         self.process_index, self.process_count = jax.process_index(), layout.process_count
         self._local_rest: Any = None  # the policy's frozen part on this process's devices
@@ -130,6 +132,9 @@ class RolloutSource:
         }
         if args.num_iterations > 1:
             shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
+        if args.sampler_correction != "none":
+            shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
+            shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
         return {
             k: jax.ShapeDtypeStruct(
                 shape, dtype, sharding=self.layout.sharding(len(shape), micro_axis=True)
@@ -209,7 +214,7 @@ class RolloutSource:
         rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
         n, clen = len(rows), args.max_completion_length
         mine = self.local_rows(np.arange(n))  # the round's rows this process generates
-        tokens = self.gather_rows(self.sample(state, rows, mine, step))
+        tokens, sampled_logps = (self.gather_rows(x) for x in self.sample(state, rows, mine, step))
         generation_s = time.perf_counter() - start
         is_eos = np.isin(tokens, self.eos_token_ids)
         ended = is_eos.any(1)
@@ -230,11 +235,18 @@ class RolloutSource:
         rewards = np.nansum(per_func * self.reward_weights, axis=1)
         rewards[unscored] = np.nan
         advantages, equal = group_advantages(rewards, g, args.scale_rewards)
-        host = self._train_rows(rows, tokens, length, scored, advantages)
+        host = self._train_rows(rows, tokens, length, scored, advantages, sampled_logps)
         host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
         placed = self.layout.to_global(host, micro_axis=True)
+        # The trainer's log-probs of the tokens just sampled, from the parameters that sampled
+        # them: the later updates' old log-probs, and what the sampler's are compared with.
+        trainer_logps = self._old_logps(state, placed)
+        sampler_logps = placed.pop("sampler_logps")
         if args.num_iterations > 1:  # later updates compare with the sampling policy
-            placed["old_logps"] = self._old_logps(state, placed)
+            placed["old_logps"] = trainer_logps
+        weight, agreement_logs = self._agreement(trainer_logps, sampler_logps, placed["labels"])
+        if args.sampler_correction != "none":
+            placed["sampler_logps"], placed["sampler_weight"] = sampler_logps, weight
         logs = {
             "reward": float(np.nanmean(rewards)),
             "reward_std": float(np.nanstd(rewards, ddof=1)) if n > 1 else 0.0,
@@ -244,6 +256,7 @@ class RolloutSource:
             "completions/max_length": float(length.max()),
             "completions/clipped_ratio": float((~ended).mean()),
             "time/generation_s": generation_s,
+            **agreement_logs,
         }
         for j, fn in enumerate(self.reward_funcs):
             column = per_func[:, j]
@@ -273,12 +286,15 @@ class RolloutSource:
         every = gather_from_processes(local.reshape(a, -1, *local.shape[1:]))  # [P, A, M/P]
         return np.concatenate(list(every), axis=1).reshape(-1, *local.shape[1:])
 
-    def sample(self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int) -> np.ndarray:
+    def sample(
+        self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Completions [len(mine), max_completion_length] of the round's rows at positions
         `mine` (whole groups of num_generations) from the live parameters, on the engine
         (serving/): one prefill per prompt, its pages shared by the group. The prompt at
         place j of the round draws with the round's seed + j, whichever process samples it.
-        A completion that ended is filled with its end-of-sequence id."""
+        A completion that ended is filled with its end-of-sequence id. With them, the
+        sampler's log-prob of each token (after the temperature; 0 after the end)."""
         args, g = self.args, self.args.num_generations
         round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
         firsts = mine[::g]
@@ -290,16 +306,19 @@ class RolloutSource:
         )
         fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
         tokens = np.full((len(mine), args.max_completion_length), fill, np.int32)
+        logps = np.zeros((len(mine), args.max_completion_length), np.float32)
         for p, group in enumerate(groups):
             for i, completion in enumerate(group):
-                tokens[p * g + i, : len(completion)] = completion
-        return tokens
+                n = len(completion.token_ids)
+                tokens[p * g + i, :n] = completion.token_ids
+                logps[p * g + i, :n] = completion.logprobs
+        return tokens, logps
 
     def complete(
         self, state: Any, prompts: list[np.ndarray], n: int, seeds: list[int]
-    ) -> list[list[list[int]]]:
-        """`n` completions of each prompt (token ids, ending at their EOS or at
-        max_completion_length) from `state`'s policy; prompt i draws with `seeds[i]`. On
+    ) -> list[list[Completion]]:
+        """`n` completions of each prompt (ending at their EOS or at max_completion_length,
+        in the order of their index) from `state`'s policy; prompt i draws with `seeds[i]`. On
         several processes, on this process's devices only (every process calls it at the
         same point: the policy's copy is gathered)."""
         args = self.args
@@ -319,6 +338,7 @@ class RolloutSource:
                 page_size=16,
                 max_length=self.sequence_length,
                 eos_token_ids=self.eos_token_ids,
+                logprobs_mode="processed",  # scored as the trainer scores them
             )
             self.engine.warm_up(max_prompt_tokens=args.max_prompt_length)
         self.engine.update_state(nnx.split(policy)[1])
@@ -337,21 +357,27 @@ class RolloutSource:
         while any(len(done[i]) < n for i in ids):
             for completion in self.engine.step():
                 done[completion.request_id].append(completion)
-        return [[c.token_ids for c in sorted(done[i], key=lambda c: c.index)] for i in ids]
+        return [sorted(done[i], key=lambda c: c.index) for i in ids]
 
-    def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
+    def _train_rows(
+        self, rows, tokens, length, scored, advantages, sampled_logps
+    ) -> dict[str, np.ndarray]:
         """[A, M, T] rows: prompt then completion, right-padded (causal attention never
-        lets a real token see the padding); labels are the scored completion tokens."""
-        n = len(rows)
-        ids = np.full((n, self.sequence_length), self.pad_source.pad_token_id, np.int32)
-        labels = np.full((n, self.sequence_length), IGNORE_INDEX, np.int32)
+        lets a real token see the padding); labels are the scored completion tokens; the
+        sampler's log-probs [A, M, T - 1] where the trainer's log-prob of each token is."""
+        n, t = len(rows), self.sequence_length
+        ids = np.full((n, t), self.pad_source.pad_token_id, np.int32)
+        labels = np.full((n, t), IGNORE_INDEX, np.int32)
+        sampler = np.zeros((n, t - 1), np.float32)
         for i, r in enumerate(rows):
             p, c = self.prompts.ids[r], tokens[i, : length[i]]
             ids[i, : len(p)], ids[i, len(p) : len(p) + len(c)] = p, c
+            sampler[i, len(p) - 1 : len(p) - 1 + len(c)] = sampled_logps[i, : len(c)]
             if scored[i]:
                 labels[i, len(p) : len(p) + len(c)] = c
         a = self.args.gradient_accumulation_steps
-        host = {"input_ids": ids, "labels": labels, "advantages": advantages}
+        host = {"input_ids": ids, "labels": labels, "advantages": advantages,
+                "sampler_logps": sampler}  # fmt: skip
         return {k: v.reshape(a, n // a, *v.shape[1:]) for k, v in host.items()}
 
     def _old_logps(self, state: Any, batch: dict[str, jax.Array]) -> jax.Array:
@@ -371,3 +397,23 @@ class RolloutSource:
             state.params, program.frozen_state(), batch["input_ids"], batch["labels"]
         )
         return jax.device_put(out, self.layout.sharding(3, micro_axis=True))
+
+    def _agreement(
+        self, trainer_logps: jax.Array, sampler_logps: jax.Array, labels: jax.Array
+    ) -> tuple[jax.Array | None, dict[str, float]]:
+        """The sampler correction's weights [A, M, T - 1] (None without a correction) and the
+        round's agreement logs (grpo_agreement.py), over its scored completion tokens."""
+        if self._agreement_fn is None:
+            args = self.args
+            self._agreement_fn = jax.jit(
+                functools.partial(
+                    round_agreement,
+                    mode=args.sampler_correction,
+                    low=args.sampler_correction_min,
+                    high=args.sampler_correction_max,
+                )
+            )
+        weight, logs = self._agreement_fn(trainer_logps, sampler_logps, labels)
+        if weight is not None:
+            weight = jax.device_put(weight, self.layout.sharding(3, micro_axis=True))
+        return weight, {k: float(v) for k, v in logs.items()}

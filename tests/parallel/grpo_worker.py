@@ -49,7 +49,8 @@ class FixedCompletions(GRPOTrainer):
         for i, e in enumerate(ends):
             if e <= COMPLETION:
                 tokens[i, e - 1] = 3
-        return tokens[mine]
+        # The sampler's log-probs are 0: the agreement this logs is not what the test checks.
+        return tokens[mine], np.zeros(tokens[mine].shape, np.float32)
 
 
 def length_reward(prompts, completions, **_):
