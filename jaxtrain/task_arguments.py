@@ -165,6 +165,10 @@ class GRPOArguments(TrainingArguments):
     sampler_correction_min: float | None = None
     # sampler_correction's upper bound C_max (TRL's vllm_importance_sampling_clip_max, 3.0).
     sampler_correction_max: float | None = 3.0
+    # DAPO's dynamic sampling: a group whose rewards are all equal has no signal (advantage
+    # 0), so it is replaced by a group of another prompt, sampled again; up to this many more
+    # passes per round (0: off). Groups still equal after the last pass train as they are.
+    dynamic_sampling_passes: int = 0
     # Updates per generated batch (the later ones are off-policy, with the old log-probs).
     num_iterations: int = 1
     # The policy term and how token losses are averaged: docs/tasks.md "GRPO" (grpo, bnpo,
@@ -261,6 +265,11 @@ class GRPOArguments(TrainingArguments):
             (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
             (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
             (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+            (
+                isinstance(self.dynamic_sampling_passes, int) and self.dynamic_sampling_passes >= 0,
+                f"dynamic_sampling_passes={self.dynamic_sampling_passes!r} must be an integer "
+                ">= 0 (0: off)",
+            ),
             (
                 1 <= self.eval_num_generations <= self.total_batch_size,
                 f"eval_num_generations={self.eval_num_generations} must lie in [1, "

@@ -4,7 +4,9 @@ Each round (num_iterations updates) takes total_batch_size / num_generations pro
 (PromptLoader: a pure function of seed and step), samples num_generations completions of each
 from the live parameters the loop hands to `next(step, state)` (the compiled KV-cache sampler,
 on the run's mesh), scores them with the reward functions on the host, turns the rewards into
-advantages per group and lays the rows out as the train step's batch. The later updates of a
+advantages per group and lays the rows out as the train step's batch (with dynamic sampling,
+a group whose rewards are all equal is first replaced by a group of another prompt, drawn
+by seed and round, in up to dynamic_sampling_passes more passes). The later updates of a
 round reuse its batch (with the log-probs of the policy that sampled it); a checkpoint inside
 a round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact.
 The train step's shapes are fixed (prompts left-padded to max_prompt_length, completions
@@ -208,33 +210,42 @@ class RolloutSource:
         self, state: Any, step: int
     ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray]]:
         """The scored completions of `step`'s prompts as a global train batch, its logs, and
-        this process's input_ids and labels on the host."""
+        this process's input_ids and labels on the host. With dynamic sampling, the groups
+        whose rewards are all equal are replaced by groups of other prompts, pass by pass."""
         args, g = self.args, self.args.num_generations
-        start = time.perf_counter()
         rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
-        n, clen = len(rows), args.max_completion_length
+        n = len(rows)
         mine = self.local_rows(np.arange(n))  # the round's rows this process generates
-        tokens, sampled_logps = (self.gather_rows(x) for x in self.sample(state, rows, mine, step))
+        # This process's rows: their completions, sampler log-probs and reward columns.
+        start = time.perf_counter()
+        tokens_here, logps_here = self.sample(state, rows, mine, step)
         generation_s = time.perf_counter() - start
-        is_eos = np.isin(tokens, self.eos_token_ids)
-        ended = is_eos.any(1)
-        length = np.where(ended, is_eos.argmax(1) + 1, clen)
-        scored = ~(~ended & args.mask_truncated_completions)
-        texts = self.tokenizer.batch_decode(
-            [tokens[i, : length[i]].tolist() for i in range(n)], skip_special_tokens=True
-        )
-        per_func = self.gather_rows(
-            score_completions(
-                self.reward_funcs,
-                [self.prompts.values[r] for r in rows[mine]],
-                [texts[i] for i in mine],
-                {k: [v[r] for r in rows[mine]] for k, v in self.prompts.columns.items()},
+        scores_here = self._score(rows, mine, tokens_here)
+        per_func = self.gather_rows(scores_here)
+        rewards, advantages, equal = self._advantages(per_func)
+        used, replaced, passes = set(rows.tolist()), 0, 0
+        for attempt in range(1, args.dynamic_sampling_passes + 1):
+            groups = np.flatnonzero(equal[::g])  # every process finds the same ones
+            fresh = self.order.refill_rows(step, attempt, len(groups), np.asarray(sorted(used)))
+            if not len(groups) or not len(fresh):
+                break
+            groups = groups[: len(fresh)]
+            rows[(groups[:, None] * g + np.arange(g)).ravel()] = np.repeat(fresh, g)
+            used.update(fresh.tolist())
+            again = np.isin(mine // g, groups)  # this process's rows of those groups
+            start = time.perf_counter()
+            tokens_here[again], logps_here[again] = self.sample(
+                state, rows, mine[again], step, attempt
             )
-        )
-        unscored = np.isnan(per_func).all(1)
-        rewards = np.nansum(per_func * self.reward_weights, axis=1)
-        rewards[unscored] = np.nan
-        advantages, equal = group_advantages(rewards, g, args.scale_rewards)
+            generation_s += time.perf_counter() - start
+            scores_here[again] = self._score(rows, mine[again], tokens_here[again])
+            per_func = self.gather_rows(scores_here)
+            rewards, advantages, equal = self._advantages(per_func)
+            replaced, passes = replaced + len(groups), attempt
+        tokens, sampled_logps = self.gather_rows(tokens_here), self.gather_rows(logps_here)
+        length, ended = self._lengths(tokens)
+        scored = ~(~ended & args.mask_truncated_completions)
+        texts = self._texts(tokens, length)
         host = self._train_rows(rows, tokens, length, scored, advantages, sampled_logps)
         host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
         placed = self.layout.to_global(host, micro_axis=True)
@@ -258,12 +269,50 @@ class RolloutSource:
             "time/generation_s": generation_s,
             **agreement_logs,
         }
+        if args.dynamic_sampling_passes:
+            logs["dynamic_sampling/replaced_groups"] = float(replaced)
+            logs["dynamic_sampling/passes"] = float(passes)
         for j, fn in enumerate(self.reward_funcs):
             column = per_func[:, j]
             if not np.isnan(column).all():
                 logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+
+    def _lengths(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each completion's length (its EOS included) and whether it ended."""
+        is_eos = np.isin(tokens, self.eos_token_ids)
+        ended = is_eos.any(1)
+        return np.where(ended, is_eos.argmax(1) + 1, tokens.shape[1]), ended
+
+    def _texts(self, tokens: np.ndarray, length: np.ndarray) -> list[str]:
+        return self.tokenizer.batch_decode(
+            [tokens[i, : length[i]].tolist() for i in range(len(tokens))],
+            skip_special_tokens=True,
+        )
+
+    def _score(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The reward functions' values [len(positions), functions] of the completions
+        `tokens` of the round's rows at `positions` (NaN: a function did not score one)."""
+        if not len(positions):
+            return np.zeros((0, len(self.reward_funcs)))
+        texts = self._texts(tokens, self._lengths(tokens)[0])
+        prompt_rows = rows[positions]
+        return score_completions(
+            self.reward_funcs,
+            [self.prompts.values[r] for r in prompt_rows],
+            texts,
+            {k: [v[r] for r in prompt_rows] for k, v in self.prompts.columns.items()},
+        )
+
+    def _advantages(self, per_func: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(weighted rewards, NaN where no function scored; advantages; group all equal)."""
+        unscored = np.isnan(per_func).all(1)
+        rewards = np.nansum(per_func * self.reward_weights, axis=1)
+        rewards[unscored] = np.nan
+        advantages, equal = group_advantages(rewards, self.args.num_generations,
+                                             self.args.scale_rewards)  # fmt: skip
+        return rewards, advantages, equal
 
     # ------------------------------------------------------------ processes
     def local_rows(self, rows: np.ndarray, *, micro_axis: bool = False) -> np.ndarray:
@@ -287,14 +336,15 @@ class RolloutSource:
         return np.concatenate(list(every), axis=1).reshape(-1, *local.shape[1:])
 
     def sample(
-        self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int
+        self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int, attempt: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         """Completions [len(mine), max_completion_length] of the round's rows at positions
         `mine` (whole groups of num_generations) from the live parameters, on the engine
         (serving/): one prefill per prompt, its pages shared by the group. The prompt at
         place j of the round draws with the round's seed + j, whichever process samples it.
         A completion that ended is filled with its end-of-sequence id. With them, the
-        sampler's log-prob of each token (after the temperature; 0 after the end)."""
+        sampler's log-prob of each token (after the temperature; 0 after the end). Dynamic
+        sampling's pass `attempt` draws with other seeds (the round's seed + attempt x groups)."""
         args, g = self.args, self.args.num_generations
         round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
         firsts = mine[::g]
@@ -302,7 +352,7 @@ class RolloutSource:
             state,
             [self.prompts.ids[rows[i]] for i in firsts],
             g,
-            [round_seed + i // g for i in firsts],
+            [round_seed + attempt * (len(rows) // g) + i // g for i in firsts],
         )
         fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
         tokens = np.full((len(mine), args.max_completion_length), fill, np.int32)

@@ -42,7 +42,7 @@ class FixedCompletions(GRPOTrainer):
         super().__init__(**kwargs)
         self.train_source.sample = self.fixed_tokens  # what RolloutSource.sample returns
 
-    def fixed_tokens(self, state, rows, mine, step):
+    def fixed_tokens(self, state, rows, mine, step, attempt=0):
         rng = np.random.default_rng([int(rows.sum()), step])
         tokens = rng.integers(4, len(WORDS), (len(rows), COMPLETION)).astype(np.int32)
         ends = rng.integers(1, COMPLETION + 2, len(rows))  # some never end (truncated)
