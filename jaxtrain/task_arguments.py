@@ -23,6 +23,7 @@ __all__ = [
     "GRPOArguments",
     "GRPO_IMPORTANCE_SAMPLING_LEVELS",
     "GRPO_LOSS_TYPES",
+    "GRPO_SAMPLER_CORRECTIONS",
     "GRPO_SCALE_REWARDS",
     "KTOArguments",
     "ORPOArguments",
@@ -36,6 +37,10 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 GRPO_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
+# TRL's vllm_importance_sampling_mode values, and "none" (its correction off).
+GRPO_SAMPLER_CORRECTIONS = (
+    "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+)  # fmt: skip
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
@@ -147,6 +152,23 @@ class GRPOArguments(TrainingArguments):
     # DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose
     # mean (old - new) log-prob over its tokens exceeds this gets no policy loss. None: off.
     off_policy_mask_threshold: float | None = None
+    # Correct for the sampler drawing from another distribution than the trainer scores
+    # (TRL's vllm_importance_sampling_mode; "none" is its correction off): each completion
+    # token's loss is weighted by exp(trainer - sampler log-prob), per token ("token_*") or
+    # per completion ("sequence_*": the sum over its tokens), clipped to [min, max]
+    # ("*_truncate") or zeroed outside it ("*_mask"); the off-policy mask then reads the
+    # sampler's log-probs. The engine samples from the trainer's own parameters, so in a
+    # synchronous float32 run the weight is 1 up to rounding (sampling/sampling_logp_difference
+    # on every run's logs says how far): it pays when the sampler's weights differ.
+    sampler_correction: str = "none"
+    # sampler_correction's lower bound C_min (TRL's vllm_importance_sampling_clip_min); None: none.
+    sampler_correction_min: float | None = None
+    # sampler_correction's upper bound C_max (TRL's vllm_importance_sampling_clip_max, 3.0).
+    sampler_correction_max: float | None = 3.0
+    # DAPO's dynamic sampling: a group whose rewards are all equal has no signal (advantage
+    # 0), so it is replaced by a group of another prompt, sampled again; up to this many more
+    # passes per round (0: off). Groups still equal after the last pass train as they are.
+    dynamic_sampling_passes: int = 0
     # Updates per generated batch (the later ones are off-policy, with the old log-probs).
     num_iterations: int = 1
     # The policy term and how token losses are averaged: docs/tasks.md "GRPO" (grpo, bnpo,
@@ -203,6 +225,17 @@ class GRPOArguments(TrainingArguments):
                 "or >= 0 (a KL threshold, e.g. 0.5)",
             ),
             (
+                self.sampler_correction in GRPO_SAMPLER_CORRECTIONS,
+                f"sampler_correction={self.sampler_correction!r} is not one of "
+                f"{GRPO_SAMPLER_CORRECTIONS}",
+            ),
+            (
+                None in (self.sampler_correction_min, self.sampler_correction_max)
+                or self.sampler_correction_min <= self.sampler_correction_max,
+                f"sampler_correction_min={self.sampler_correction_min!r} is above "
+                f"sampler_correction_max={self.sampler_correction_max!r}",
+            ),
+            (
                 self.loss_type != "cispo" or self.epsilon_high > 0,
                 f"epsilon_high={self.epsilon_high!r}: with loss_type='cispo' it caps the ratio "
                 "and must be > 0 (TRL recommends 5.0)",
@@ -232,6 +265,11 @@ class GRPOArguments(TrainingArguments):
             (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
             (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
             (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+            (
+                isinstance(self.dynamic_sampling_passes, int) and self.dynamic_sampling_passes >= 0,
+                f"dynamic_sampling_passes={self.dynamic_sampling_passes!r} must be an integer "
+                ">= 0 (0: off)",
+            ),
             (
                 1 <= self.eval_num_generations <= self.total_batch_size,
                 f"eval_num_generations={self.eval_num_generations} must lie in [1, "

@@ -179,6 +179,7 @@ def task_choices(task: str) -> dict[str, tuple]:
         DPO_LOSS_TYPES,
         GRPO_IMPORTANCE_SAMPLING_LEVELS,
         GRPO_LOSS_TYPES,
+        GRPO_SAMPLER_CORRECTIONS,
         GRPO_SCALE_REWARDS,
     )
 
@@ -188,6 +189,7 @@ def task_choices(task: str) -> dict[str, tuple]:
             "loss_type": GRPO_LOSS_TYPES,
             "scale_rewards": GRPO_SCALE_REWARDS,
             "importance_sampling_level": GRPO_IMPORTANCE_SAMPLING_LEVELS,
+            "sampler_correction": GRPO_SAMPLER_CORRECTIONS,
         },
     }.get(task, {})
 

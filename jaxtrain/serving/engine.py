@@ -82,7 +82,8 @@ class Engine:
     "gather", "pallas" (in place, by JAX's Pallas kernel of the GPU or TPU) or "interpret"
     (paged.PagedSlots); "auto" is "gather" until the kernel has been measured on a device;
     `eos_token_ids`: default the tokenizer's or the
-    config's."""
+    config's; `logprobs_mode`: "raw" (the model's distribution) or "processed" (after each
+    request's temperature, what an RL trainer scores a token with: sampling.py)."""
 
     def __init__(
         self,
@@ -99,6 +100,7 @@ class Engine:
         speculative_tokens: int = 0,
         attention: str = "auto",
         eos_token_ids: Sequence[int] | None = None,
+        logprobs_mode: str = "raw",
     ):
         if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
             raise ArgumentError(
@@ -108,6 +110,8 @@ class Engine:
             raise ArgumentError(
                 f"attention must be auto, gather, pallas or interpret, got {attention!r}"
             )
+        if logprobs_mode not in ("raw", "processed"):
+            raise ArgumentError(f"logprobs_mode must be raw or processed, got {logprobs_mode!r}")
         if not supports_kv_cache(model):
             raise ArgumentError(
                 f"the engine decodes with a KV cache; {type(model).__name__} has none (the "
@@ -133,7 +137,9 @@ class Engine:
         self.pages = PageAllocator(num_pages, page_size)
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
-        self.steps = Steps(self.graphdef, page_size, sharding, attention)
+        self.steps = Steps(
+            self.graphdef, page_size, sharding, attention, logprobs_mode == "processed"
+        )
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Prefill] = []

@@ -23,7 +23,8 @@ OnToken = Callable[[int, int, int, float, "dict[int, float] | None"], None]
 @dataclasses.dataclass
 class Completion:
     """One finished sample of a request. `logprobs`: each generated token's log-prob under
-    the model (log_softmax of its logits, before temperature and filters); `top_logprobs`:
+    the model (log_softmax of its logits, before temperature and filters; after the
+    temperature on an engine of logprobs_mode="processed"); `top_logprobs`:
     with SamplingParams.logprobs = k > 0, the k most likely tokens' at each position."""
 
     request_id: int

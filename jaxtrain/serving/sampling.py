@@ -14,7 +14,10 @@ once, at start-up, whatever its clients send.
 
 Log-probs are the model's own distribution, log_softmax(logits) in float32, before
 temperature, top-k and top-p (what the training code scores a token with at temperature 1,
-and what OpenAI's and vLLM's APIs return by default).
+and what OpenAI's and vLLM's APIs return by default). With `processed` they are after the
+row's temperature, before top-k and top-p: log_softmax(logits / temperature), the
+distribution an RL trainer scores a sampled token with (vLLM's "processed_logprobs", which
+TRL's importance-sampling correction reads).
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ def sample_rows(
     seeds: Array,  # [B] uint32
     top_logprobs: Array,  # [B] int32: alternatives each row wants ranked (0: none)
     positions: Array,  # [B] int32: the position of the token being drawn
+    processed: bool = False,  # log-probs after the temperature (module docstring)
 ) -> Drawn:
     """Each row's next token under its own settings and its log-probs (module docstring)."""
     logits = logits.astype(jnp.float32)
@@ -148,6 +152,8 @@ def sample_rows(
         return jnp.where(temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    if processed:  # a greedy row (temperature 0) keeps the model's own distribution
+        logits = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 

@@ -63,11 +63,19 @@ def chunk_tokens(tokens: int, budget: int) -> int:
 class Steps:
     """The jitted steps of one model graph on pages of `page_size` tokens."""
 
-    def __init__(self, graphdef: Any, page_size: int, pool_sharding: Any, kernel: str = "gather"):
+    def __init__(
+        self,
+        graphdef: Any,
+        page_size: int,
+        pool_sharding: Any,
+        kernel: str = "gather",
+        processed_logprobs: bool = False,
+    ):
         # Every step returns the pool with the sharding it came in with: a pool whose
         # placement changed would compile each step a second time.
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
         self.kernel = kernel  # how decode steps attend: PagedSlots.kernel
+        self.processed = processed_logprobs  # log-probs after temperature (sampling.py)
         self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set(), "verify": set()}
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
@@ -88,18 +96,18 @@ class Steps:
 
     def _prefill_fn(self, state, pool, ids, start, table, pad, rows, positions, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table, pad)
-        return sample_rows(logits[rows], *sampling, positions), pool
+        return sample_rows(logits[rows], *sampling, positions, self.processed), pool
 
     def _decode_fn(self, state, pool, ids, start, table, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table)
-        return sample_rows(logits, *sampling, start + 1), pool
+        return sample_rows(logits, *sampling, start + 1, self.processed), pool
 
     def _verify_fn(self, state, pool, ids, start, table, drafted, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table, every=True)
         b, t, v = logits.shape
         positions = (start[:, None] + 1 + jnp.arange(t, dtype=jnp.int32)[None]).reshape(-1)
         rows = [jnp.repeat(a, t, axis=0) for a in sampling]
-        drawn = sample_rows(logits.reshape(b * t, v), *rows, positions)
+        drawn = sample_rows(logits.reshape(b * t, v), *rows, positions, self.processed)
         drawn = jax.tree.map(lambda x: x.reshape(b, t, *x.shape[1:]), drawn)
         # Draft token j is kept while it equals the token drawn after position j (and every
         # draft token before it was kept); then the first drawn token that differs.

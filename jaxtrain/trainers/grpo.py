@@ -150,7 +150,8 @@ class GRPOTrainer(Trainer):
         eos = set(source.eos_token_ids)
         texts, lengths = [], []
         for group in groups:
-            for tokens in group:
+            for completion in group:
+                tokens = completion.token_ids
                 texts.append(
                     self.processing_class.decode(
                         [t for t in tokens if t not in eos], skip_special_tokens=True
@@ -235,6 +236,7 @@ def grpo_objective(args: GRPOArguments) -> Objective:
         sums = grpo_loss_sums(
             logps, batch.get("old_logps"), ref, batch["advantages"], mask,
             loss_type=args.loss_type, max_completion_length=args.max_completion_length,
+            sampler_logps=batch.get("sampler_logps"), sampler_weight=batch.get("sampler_weight"),
             **loss_options(args),
         )  # fmt: skip
         mask = mask.astype(jnp.float32)

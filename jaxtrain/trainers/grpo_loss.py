@@ -119,12 +119,17 @@ def grpo_token_terms(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     off_policy_mask_threshold: float | None = None,
+    sampler_logps: jax.Array | None = None,
+    sampler_weight: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Per-token terms: "loss" [B, T] (the policy term of `loss_type` + beta kl), "kl"
     [B, T] and, but for sapo, "clipped" (1 where the clip or cap is active: [B, T] per token,
     [B, 1] per completion at the sequence level). `old_logps` None: on-policy (old = logps,
     no gradient); `ref_logps` None: no KL (beta must then be 0). mask [B, T]: the completion
-    tokens (the sequence-level ratio and the off-policy mask average over them)."""
+    tokens (the sequence-level ratio and the off-policy mask average over them).
+    `sampler_weight` [B, T] (grpo_agreement.sampler_ratio): the policy term's weight for the
+    sampler/trainer mismatch; the off-policy mask then measures the drift from
+    `sampler_logps`, the sampler's own log-probs, as TRL does with its vLLM log-probs."""
     old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
     mask = mask.astype(jnp.float32)
     adv = advantages[:, None]
@@ -151,10 +156,13 @@ def grpo_token_terms(
     else:
         raise ValueError(f"unknown GRPO loss_type {loss_type!r}")
     if off_policy_mask_threshold is not None:
+        sampled = old if sampler_logps is None else sampler_logps
         policy = policy * off_policy_keep(
-            jax.lax.stop_gradient(logps), old, advantages, mask, off_policy_mask_threshold
+            jax.lax.stop_gradient(logps), sampled, advantages, mask, off_policy_mask_threshold
         )
     loss = jnp.broadcast_to(policy, logps.shape)
+    if sampler_weight is not None:  # after the mask, before the KL term: as TRL orders them
+        loss = loss * sampler_weight
     kl = jnp.zeros_like(logps)
     if beta != 0.0:
         if ref_logps is None:

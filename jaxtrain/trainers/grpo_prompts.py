@@ -127,6 +127,14 @@ class PromptLoader:
         order = epoch_order(self.num_rows, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         return order[within * self.prompts : (within + 1) * self.prompts].astype(np.int32)
 
+    def refill_rows(self, step: int, attempt: int, count: int, exclude: np.ndarray) -> np.ndarray:
+        """Up to `count` other rows for dynamic sampling's `attempt`-th pass of `step`'s round:
+        a pure function of the seed, the round and the pass (a resumed run draws the same),
+        none of `exclude` (the round's prompts so far)."""
+        key = [self.seed, 0x5EED, step // self.num_iterations, attempt]
+        order = np.random.default_rng(key).permutation(self.num_rows)
+        return order[~np.isin(order, exclude)][:count].astype(np.int32)
+
     def data_state(self, step: int) -> dict[str, Any]:
         return {"kind": "grpo_prompts", "step": int(step), "seed": self.seed,
                 "num_rows": self.num_rows, "prompts": self.prompts}  # fmt: skip

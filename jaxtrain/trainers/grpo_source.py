@@ -4,7 +4,9 @@ Each round (num_iterations updates) takes total_batch_size / num_generations pro
 (PromptLoader: a pure function of seed and step), samples num_generations completions of each
 from the live parameters the loop hands to `next(step, state)` (the compiled KV-cache sampler,
 on the run's mesh), scores them with the reward functions on the host, turns the rewards into
-advantages per group and lays the rows out as the train step's batch. The later updates of a
+advantages per group and lays the rows out as the train step's batch (with dynamic sampling,
+a group whose rewards are all equal is first replaced by a group of another prompt, drawn
+by seed and round, in up to dynamic_sampling_passes more passes). The later updates of a
 round reuse its batch (with the log-probs of the policy that sampled it); a checkpoint inside
 a round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact.
 The train step's shapes are fixed (prompts left-padded to max_prompt_length, completions
@@ -22,6 +24,7 @@ those one process would sample.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,8 +40,9 @@ from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
-from jaxtrain.serving import Engine, SamplingParams
+from jaxtrain.serving import Completion, Engine, SamplingParams
 from jaxtrain.task_arguments import GRPOArguments
+from jaxtrain.trainers.grpo_agreement import round_agreement
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
 from jaxtrain.trainers.grpo_round import GeneratedRound
@@ -87,7 +91,7 @@ class RolloutSource:
         self._program: Any = None
         self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
         self._last_batch_time: float | None = None
-        self._old_logps_fn = None
+        self._old_logps_fn = self._agreement_fn = None
         self.engine: Engine | None = None  # made at the first round, from the policy
         self.process_index, self.process_count = jax.process_index(), layout.process_count
         self._local_rest: Any = None  # the policy's frozen part on this process's devices
@@ -130,6 +134,9 @@ class RolloutSource:
         }
         if args.num_iterations > 1:
             shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
+        if args.sampler_correction != "none":
+            shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
+            shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
         return {
             k: jax.ShapeDtypeStruct(
                 shape, dtype, sharding=self.layout.sharding(len(shape), micro_axis=True)
@@ -203,38 +210,54 @@ class RolloutSource:
         self, state: Any, step: int
     ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray]]:
         """The scored completions of `step`'s prompts as a global train batch, its logs, and
-        this process's input_ids and labels on the host."""
+        this process's input_ids and labels on the host. With dynamic sampling, the groups
+        whose rewards are all equal are replaced by groups of other prompts, pass by pass."""
         args, g = self.args, self.args.num_generations
-        start = time.perf_counter()
         rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
-        n, clen = len(rows), args.max_completion_length
+        n = len(rows)
         mine = self.local_rows(np.arange(n))  # the round's rows this process generates
-        tokens = self.gather_rows(self.sample(state, rows, mine, step))
+        # This process's rows: their completions, sampler log-probs and reward columns.
+        start = time.perf_counter()
+        tokens_here, logps_here = self.sample(state, rows, mine, step)
         generation_s = time.perf_counter() - start
-        is_eos = np.isin(tokens, self.eos_token_ids)
-        ended = is_eos.any(1)
-        length = np.where(ended, is_eos.argmax(1) + 1, clen)
-        scored = ~(~ended & args.mask_truncated_completions)
-        texts = self.tokenizer.batch_decode(
-            [tokens[i, : length[i]].tolist() for i in range(n)], skip_special_tokens=True
-        )
-        per_func = self.gather_rows(
-            score_completions(
-                self.reward_funcs,
-                [self.prompts.values[r] for r in rows[mine]],
-                [texts[i] for i in mine],
-                {k: [v[r] for r in rows[mine]] for k, v in self.prompts.columns.items()},
+        scores_here = self._score(rows, mine, tokens_here)
+        per_func = self.gather_rows(scores_here)
+        rewards, advantages, equal = self._advantages(per_func)
+        used, replaced, passes = set(rows.tolist()), 0, 0
+        for attempt in range(1, args.dynamic_sampling_passes + 1):
+            groups = np.flatnonzero(equal[::g])  # every process finds the same ones
+            fresh = self.order.refill_rows(step, attempt, len(groups), np.asarray(sorted(used)))
+            if not len(groups) or not len(fresh):
+                break
+            groups = groups[: len(fresh)]
+            rows[(groups[:, None] * g + np.arange(g)).ravel()] = np.repeat(fresh, g)
+            used.update(fresh.tolist())
+            again = np.isin(mine // g, groups)  # this process's rows of those groups
+            start = time.perf_counter()
+            tokens_here[again], logps_here[again] = self.sample(
+                state, rows, mine[again], step, attempt
             )
-        )
-        unscored = np.isnan(per_func).all(1)
-        rewards = np.nansum(per_func * self.reward_weights, axis=1)
-        rewards[unscored] = np.nan
-        advantages, equal = group_advantages(rewards, g, args.scale_rewards)
-        host = self._train_rows(rows, tokens, length, scored, advantages)
+            generation_s += time.perf_counter() - start
+            scores_here[again] = self._score(rows, mine[again], tokens_here[again])
+            per_func = self.gather_rows(scores_here)
+            rewards, advantages, equal = self._advantages(per_func)
+            replaced, passes = replaced + len(groups), attempt
+        tokens, sampled_logps = self.gather_rows(tokens_here), self.gather_rows(logps_here)
+        length, ended = self._lengths(tokens)
+        scored = ~(~ended & args.mask_truncated_completions)
+        texts = self._texts(tokens, length)
+        host = self._train_rows(rows, tokens, length, scored, advantages, sampled_logps)
         host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
         placed = self.layout.to_global(host, micro_axis=True)
+        # The trainer's log-probs of the tokens just sampled, from the parameters that sampled
+        # them: the later updates' old log-probs, and what the sampler's are compared with.
+        trainer_logps = self._old_logps(state, placed)
+        sampler_logps = placed.pop("sampler_logps")
         if args.num_iterations > 1:  # later updates compare with the sampling policy
-            placed["old_logps"] = self._old_logps(state, placed)
+            placed["old_logps"] = trainer_logps
+        weight, agreement_logs = self._agreement(trainer_logps, sampler_logps, placed["labels"])
+        if args.sampler_correction != "none":
+            placed["sampler_logps"], placed["sampler_weight"] = sampler_logps, weight
         logs = {
             "reward": float(np.nanmean(rewards)),
             "reward_std": float(np.nanstd(rewards, ddof=1)) if n > 1 else 0.0,
@@ -244,13 +267,52 @@ class RolloutSource:
             "completions/max_length": float(length.max()),
             "completions/clipped_ratio": float((~ended).mean()),
             "time/generation_s": generation_s,
+            **agreement_logs,
         }
+        if args.dynamic_sampling_passes:
+            logs["dynamic_sampling/replaced_groups"] = float(replaced)
+            logs["dynamic_sampling/passes"] = float(passes)
         for j, fn in enumerate(self.reward_funcs):
             column = per_func[:, j]
             if not np.isnan(column).all():
                 logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+
+    def _lengths(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each completion's length (its EOS included) and whether it ended."""
+        is_eos = np.isin(tokens, self.eos_token_ids)
+        ended = is_eos.any(1)
+        return np.where(ended, is_eos.argmax(1) + 1, tokens.shape[1]), ended
+
+    def _texts(self, tokens: np.ndarray, length: np.ndarray) -> list[str]:
+        return self.tokenizer.batch_decode(
+            [tokens[i, : length[i]].tolist() for i in range(len(tokens))],
+            skip_special_tokens=True,
+        )
+
+    def _score(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The reward functions' values [len(positions), functions] of the completions
+        `tokens` of the round's rows at `positions` (NaN: a function did not score one)."""
+        if not len(positions):
+            return np.zeros((0, len(self.reward_funcs)))
+        texts = self._texts(tokens, self._lengths(tokens)[0])
+        prompt_rows = rows[positions]
+        return score_completions(
+            self.reward_funcs,
+            [self.prompts.values[r] for r in prompt_rows],
+            texts,
+            {k: [v[r] for r in prompt_rows] for k, v in self.prompts.columns.items()},
+        )
+
+    def _advantages(self, per_func: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(weighted rewards, NaN where no function scored; advantages; group all equal)."""
+        unscored = np.isnan(per_func).all(1)
+        rewards = np.nansum(per_func * self.reward_weights, axis=1)
+        rewards[unscored] = np.nan
+        advantages, equal = group_advantages(rewards, self.args.num_generations,
+                                             self.args.scale_rewards)  # fmt: skip
+        return rewards, advantages, equal
 
     # ------------------------------------------------------------ processes
     def local_rows(self, rows: np.ndarray, *, micro_axis: bool = False) -> np.ndarray:
@@ -273,12 +335,16 @@ class RolloutSource:
         every = gather_from_processes(local.reshape(a, -1, *local.shape[1:]))  # [P, A, M/P]
         return np.concatenate(list(every), axis=1).reshape(-1, *local.shape[1:])
 
-    def sample(self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int) -> np.ndarray:
+    def sample(
+        self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int, attempt: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Completions [len(mine), max_completion_length] of the round's rows at positions
         `mine` (whole groups of num_generations) from the live parameters, on the engine
         (serving/): one prefill per prompt, its pages shared by the group. The prompt at
         place j of the round draws with the round's seed + j, whichever process samples it.
-        A completion that ended is filled with its end-of-sequence id."""
+        A completion that ended is filled with its end-of-sequence id. With them, the
+        sampler's log-prob of each token (after the temperature; 0 after the end). Dynamic
+        sampling's pass `attempt` draws with other seeds (the round's seed + attempt x groups)."""
         args, g = self.args, self.args.num_generations
         round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
         firsts = mine[::g]
@@ -286,20 +352,23 @@ class RolloutSource:
             state,
             [self.prompts.ids[rows[i]] for i in firsts],
             g,
-            [round_seed + i // g for i in firsts],
+            [round_seed + attempt * (len(rows) // g) + i // g for i in firsts],
         )
         fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
         tokens = np.full((len(mine), args.max_completion_length), fill, np.int32)
+        logps = np.zeros((len(mine), args.max_completion_length), np.float32)
         for p, group in enumerate(groups):
             for i, completion in enumerate(group):
-                tokens[p * g + i, : len(completion)] = completion
-        return tokens
+                n = len(completion.token_ids)
+                tokens[p * g + i, :n] = completion.token_ids
+                logps[p * g + i, :n] = completion.logprobs
+        return tokens, logps
 
     def complete(
         self, state: Any, prompts: list[np.ndarray], n: int, seeds: list[int]
-    ) -> list[list[list[int]]]:
-        """`n` completions of each prompt (token ids, ending at their EOS or at
-        max_completion_length) from `state`'s policy; prompt i draws with `seeds[i]`. On
+    ) -> list[list[Completion]]:
+        """`n` completions of each prompt (ending at their EOS or at max_completion_length,
+        in the order of their index) from `state`'s policy; prompt i draws with `seeds[i]`. On
         several processes, on this process's devices only (every process calls it at the
         same point: the policy's copy is gathered)."""
         args = self.args
@@ -319,6 +388,7 @@ class RolloutSource:
                 page_size=16,
                 max_length=self.sequence_length,
                 eos_token_ids=self.eos_token_ids,
+                logprobs_mode="processed",  # scored as the trainer scores them
             )
             self.engine.warm_up(max_prompt_tokens=args.max_prompt_length)
         self.engine.update_state(nnx.split(policy)[1])
@@ -337,21 +407,27 @@ class RolloutSource:
         while any(len(done[i]) < n for i in ids):
             for completion in self.engine.step():
                 done[completion.request_id].append(completion)
-        return [[c.token_ids for c in sorted(done[i], key=lambda c: c.index)] for i in ids]
+        return [sorted(done[i], key=lambda c: c.index) for i in ids]
 
-    def _train_rows(self, rows, tokens, length, scored, advantages) -> dict[str, np.ndarray]:
+    def _train_rows(
+        self, rows, tokens, length, scored, advantages, sampled_logps
+    ) -> dict[str, np.ndarray]:
         """[A, M, T] rows: prompt then completion, right-padded (causal attention never
-        lets a real token see the padding); labels are the scored completion tokens."""
-        n = len(rows)
-        ids = np.full((n, self.sequence_length), self.pad_source.pad_token_id, np.int32)
-        labels = np.full((n, self.sequence_length), IGNORE_INDEX, np.int32)
+        lets a real token see the padding); labels are the scored completion tokens; the
+        sampler's log-probs [A, M, T - 1] where the trainer's log-prob of each token is."""
+        n, t = len(rows), self.sequence_length
+        ids = np.full((n, t), self.pad_source.pad_token_id, np.int32)
+        labels = np.full((n, t), IGNORE_INDEX, np.int32)
+        sampler = np.zeros((n, t - 1), np.float32)
         for i, r in enumerate(rows):
             p, c = self.prompts.ids[r], tokens[i, : length[i]]
             ids[i, : len(p)], ids[i, len(p) : len(p) + len(c)] = p, c
+            sampler[i, len(p) - 1 : len(p) - 1 + len(c)] = sampled_logps[i, : len(c)]
             if scored[i]:
                 labels[i, len(p) : len(p) + len(c)] = c
         a = self.args.gradient_accumulation_steps
-        host = {"input_ids": ids, "labels": labels, "advantages": advantages}
+        host = {"input_ids": ids, "labels": labels, "advantages": advantages,
+                "sampler_logps": sampler}  # fmt: skip
         return {k: v.reshape(a, n // a, *v.shape[1:]) for k, v in host.items()}
 
     def _old_logps(self, state: Any, batch: dict[str, jax.Array]) -> jax.Array:
@@ -371,3 +447,23 @@ class RolloutSource:
             state.params, program.frozen_state(), batch["input_ids"], batch["labels"]
         )
         return jax.device_put(out, self.layout.sharding(3, micro_axis=True))
+
+    def _agreement(
+        self, trainer_logps: jax.Array, sampler_logps: jax.Array, labels: jax.Array
+    ) -> tuple[jax.Array | None, dict[str, float]]:
+        """The sampler correction's weights [A, M, T - 1] (None without a correction) and the
+        round's agreement logs (grpo_agreement.py), over its scored completion tokens."""
+        if self._agreement_fn is None:
+            args = self.args
+            self._agreement_fn = jax.jit(
+                functools.partial(
+                    round_agreement,
+                    mode=args.sampler_correction,
+                    low=args.sampler_correction_min,
+                    high=args.sampler_correction_max,
+                )
+            )
+        weight, logs = self._agreement_fn(trainer_logps, sampler_logps, labels)
+        if weight is not None:
+            weight = jax.device_put(weight, self.layout.sharding(3, micro_axis=True))
+        return weight, {k: float(v) for k, v in logs.items()}

@@ -42,14 +42,15 @@ class FixedCompletions(GRPOTrainer):
         super().__init__(**kwargs)
         self.train_source.sample = self.fixed_tokens  # what RolloutSource.sample returns
 
-    def fixed_tokens(self, state, rows, mine, step):
+    def fixed_tokens(self, state, rows, mine, step, attempt=0):
         rng = np.random.default_rng([int(rows.sum()), step])
         tokens = rng.integers(4, len(WORDS), (len(rows), COMPLETION)).astype(np.int32)
         ends = rng.integers(1, COMPLETION + 2, len(rows))  # some never end (truncated)
         for i, e in enumerate(ends):
             if e <= COMPLETION:
                 tokens[i, e - 1] = 3
-        return tokens[mine]
+        # The sampler's log-probs are 0: the agreement this logs is not what the test checks.
+        return tokens[mine], np.zeros(tokens[mine].shape, np.float32)
 
 
 def length_reward(prompts, completions, **_):

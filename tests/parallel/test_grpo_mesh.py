@@ -86,8 +86,11 @@ def test_two_processes_each_generating_their_share_train_like_one(tmp_path):
             for key in sorted(k for k in mine if not k.endswith(TIMED)):
                 # atol: a GRPO loss of a round's first update sums advantages that cancel, so
                 # it is ~0 (5e-9 vs 0.0 seen), where two processes' summation order shows.
+                # The sampler/trainer difference is float rounding itself (~2e-6): it differs
+                # with the devices' layout, and both are ~0.
+                atol = 1e-5 if key.startswith("sampling/") else 1e-7
                 np.testing.assert_allclose(
-                    mine[key], theirs[key], rtol=1e-5, atol=1e-7, err_msg=key
+                    mine[key], theirs[key], rtol=1e-5, atol=atol, err_msg=key
                 )
         assert len(two["evals"]) == 2
         for mine, theirs in zip(two["evals"], single["evals"]):

@@ -103,6 +103,26 @@ def test_logprobs_equal_the_training_codes_for_the_same_tokens(model):
     assert plain.top_logprobs is None and len(plain.logprobs) == 3
 
 
+def test_processed_logprobs_are_the_training_codes_at_the_request_temperature(model):
+    """logprobs_mode="processed": log_softmax(logits / temperature), as GRPO scores a sampled
+    token, for each request's own temperature (greedy rows keep the model's own)."""
+    engine = Engine(model, max_slots=4, page_size=4, max_length=48, logprobs_mode="processed")
+    batch = [prompt(n, 40 + n) for n in (5, 11)]
+    for temperature in (0.7, 1.6, 0.0):
+        params = SamplingParams(max_tokens=8, temperature=temperature, seed=2, ignore_eos=True)
+        for p, group in zip(batch, engine.generate(batch, params)):
+            ids = jnp.asarray([p + group[0].token_ids])
+            trained, _ = model_token_logps(model, ids, ids, temperature=temperature or 1.0)
+            want = np.asarray(trained[0, len(p) - 1 :])
+            np.testing.assert_allclose(group[0].logprobs, want, rtol=1e-5, atol=1e-6)
+    raw = Engine(model, max_slots=4, page_size=4, max_length=48)
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=2, ignore_eos=True)
+    got = raw.generate(batch[:1], params)[0][0]
+    processed = engine.generate(batch[:1], params)[0][0]
+    assert got.token_ids == processed.token_ids  # the draw is the same; only the scores differ
+    assert not np.allclose(got.logprobs, processed.logprobs, atol=1e-3)
+
+
 def test_after_warm_up_nothing_compiles(model):
     engine = Engine(model, max_slots=4, page_size=4, max_length=64, prefill_tokens=32)
     shapes = engine.warm_up()
