@@ -185,6 +185,10 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, param_dtype: DTy
 class SparseMoeBlock(nnx.Module):
     """Router + experts (+ optional gated shared expert). ``block(x) -> (y, [balance, z])``."""
 
+    # The stacked per-expert kernels [experts, inputs, ...outputs]: a QLoRA base stores them
+    # quantized like the projections' (quantization/kernel.py), read with `[...]` either way.
+    expert_kernels = ("gate_up", "down")
+
     def __init__(self, config: MoeConfig, *, dtype: DType, param_dtype: DType, rngs: nnx.Rngs):
         c = config
         e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size

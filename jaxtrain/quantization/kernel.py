@@ -130,6 +130,17 @@ def quantized_kernel(
     the kernel's logical axes; an ArgumentError names a kernel whose rows the block does not
     divide."""
     in_ndim = dense_in_ndim(module.equation)
+    axes = tuple(module.kernel.get_metadata().get("logical_axes") or ())
+    return _quantized(kernel, axes, in_ndim, name, quantization)
+
+
+def _quantized(
+    kernel: jax.Array,
+    axes: tuple[str | None, ...],
+    in_ndim: int | None,
+    name: str,
+    quantization: BaseQuantization,
+) -> QuantizedKernel:
     rows = math.prod(kernel.shape[: in_ndim or 1])
     kind, block = quantization.kind, quantization.block
     if in_ndim is None or (kind == "nf4" and (rows % block or rows % 2)):
@@ -140,11 +151,20 @@ def quantized_kernel(
             f"{name} {tuple(kernel.shape)}; set --quantization_block_size to a "
             f"divisor of {rows} ({hint}), or use --quantization int8."
         )
-    axes = tuple(module.kernel.get_metadata().get("logical_axes") or ())
     return QuantizedKernel(
         kernel, axes, in_ndim, kind=kind, block=rows if kind == "int8" else block,
         double=quantization.double,
     )  # fmt: skip
+
+
+def expert_kernels(model: nnx.Module) -> dict[str, tuple[nnx.Module, str]]:
+    """path -> (module, attribute) of every stacked expert kernel: the `expert_kernels` of a
+    mixture-of-experts block ([experts, inputs, ...outputs], most of a MoE model's weights)."""
+    return {
+        f"{path_str(path)}/{attr}": (module, attr)
+        for path, module in nnx.iter_modules(model)
+        for attr in getattr(module, "expert_kernels", ())
+    }
 
 
 def quantizable_projections(model: nnx.Module) -> dict[str, Projection]:
@@ -169,12 +189,20 @@ def quantizable_projections(model: nnx.Module) -> dict[str, Projection]:
 
 def quantize_base(model: nnx.Module, kind: str, block: int, *, double: bool = False) -> nnx.Module:
     """Every frozen Projection kernel of `model` (a LoRA base: its adapters stay float and
-    trainable) replaced by a QuantizedKernel, in place; the output head stays float. An
-    ArgumentError names a kernel whose rows the block does not divide."""
+    trainable) and every frozen stacked expert kernel replaced by a QuantizedKernel, in place;
+    the output head stays float. An ArgumentError names a kernel whose rows the block does
+    not divide. An expert kernel is quantized along its experts' input rows (experts x
+    inputs rows), its codes and scales replicated (not split over ep)."""
     quantization = BaseQuantization(kind, block, double)
     for name, module in quantizable_projections(model).items():
         if isinstance(module.kernel, Frozen):  # a quantized kernel is not Frozen: done
             module.kernel = quantized_kernel(module, module.kernel.get_value(), name, quantization)
+    for name, (module, attr) in expert_kernels(model).items():
+        kernel = getattr(module, attr)
+        if isinstance(kernel, Frozen):
+            axes = tuple(kernel.get_metadata().get("logical_axes") or ())
+            quantized = _quantized(kernel.get_value(), axes, 2, name, quantization)
+            setattr(module, attr, quantized)
     return model
 
 
@@ -190,6 +218,12 @@ def dequantize_base(model: nnx.Module) -> nnx.Module:
         if isinstance(module, Projection) and isinstance(module.kernel, QuantizedKernel):
             quantized = module.kernel
             module.kernel = Frozen(quantized.dequantized, logical_axes=quantized.logical_axes)
+    for module, attr in expert_kernels(model).values():
+        quantized = getattr(module, attr)
+        if isinstance(quantized, QuantizedKernel):
+            setattr(
+                module, attr, Frozen(quantized.dequantized, logical_axes=quantized.logical_axes)
+            )
     return model
 
 

@@ -16,6 +16,8 @@ from flax import nnx
 from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.config.sections import ModelSettings
 from jaxtrain.errors import ArgumentError
+from jaxtrain.models import MoeConfig, MoeForCausalLM
+from jaxtrain.models.moe import SparseMoeBlock
 from jaxtrain.quantization import QuantizedKernel, dequantize_base, quantized_bytes
 from jaxtrain.training.program import ModelParts
 
@@ -88,7 +90,31 @@ def test_param_dtype_stores_the_frozen_base_but_not_its_codes_and_scales(factory
 
 
 def test_forward_and_adapter_gradients_equal_lora_on_the_dequantized_base():
-    quantized = qlora_model()
+    assert_equals_lora_on_the_dequantized_base(qlora_model())
+
+
+def test_a_moe_base_stores_its_experts_quantized_too():
+    """The experts are most of a MoE model's weights (they were once left in float): they are
+    quantized like the projections, and the model still equals LoRA on its dequantized base."""
+    config = MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    args = TrainingArguments(lora_rank=4, lora_alpha=8, quantization="nf4", seed=3)
+    model = MoeForCausalLM(config, rngs=nnx.Rngs(0))
+    model = ModelParts.adopt(model, ModelSettings.from_arguments(args)).model
+    blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == 2
+    for block in blocks:
+        assert isinstance(block.gate_up, QuantizedKernel), block.gate_up
+        assert isinstance(block.down, QuantizedKernel), block.down
+    stored, bf16 = quantized_bytes(model)
+    assert stored / bf16 <= 0.30
+    assert_equals_lora_on_the_dequantized_base(model)
+
+
+def assert_equals_lora_on_the_dequantized_base(quantized) -> None:
     randomized_adapters(quantized)
     float_base = dequantize_base(nnx.clone(quantized))  # the same numbers, stored in float
     assert not [m for _, m in nnx.iter_modules(float_base) if isinstance(m, QuantizedKernel)]
