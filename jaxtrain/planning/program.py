@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.observability.compiles import memory_summary
@@ -275,39 +274,23 @@ def plan_program(
 
 
 def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
-    """Memory and compile time of GRPO's sampler (the KV-cache generator of
-    trainers/grpo_source.py) on the policy's parameters: total_batch_size completions of
-    max_completion_length tokens after left-padded prompts of max_prompt_length."""
+    """Memory and compile time of the engine GRPO samples on (trainers/grpo_source.py): every
+    prefill and decode bucket it compiles, on the policy's parameters and its page pool."""
     from flax import nnx
 
-    from jaxtrain.models.generation import sampler_for
+    from jaxtrain.serving.plan import plan_engine
+    from jaxtrain.trainers.grpo_source import rollout_engine_shape
 
     abstract = program.abstract_state()
     policy = nnx.merge(program.graphdef, abstract.params, program.rest).model
-    graphdef, params = nnx.split(policy)
-    rows, prompt = args.total_batch_size, args.max_prompt_length
-    start = time.perf_counter()
-    executable = (
-        sampler_for(
-            max_new_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-        )
-        .lower(
-            graphdef,
-            params,
-            jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
-            jax.ShapeDtypeStruct((rows,), jnp.int32),
-            jax.eval_shape(lambda: jax.random.key(0)),
-        )
-        .compile()
+    figures = plan_engine(
+        policy,
+        rollout_engine_shape(args),
+        max_prompt_tokens=args.max_prompt_length,
+        logprobs_mode="processed",
     )
-    platform = program.mesh.devices.flat[0].platform
-    return {
-        "memory": memory_summary(executable, platform),
-        "compile_seconds": time.perf_counter() - start,
-    }
+    return {"memory": {k: figures[k] for k in ("peak", "temporaries", "pool_bytes")},
+            "shapes": figures["shapes"], "compile_seconds": figures["compile_seconds"]}  # fmt: skip
 
 
 def shape_estimate(

@@ -90,6 +90,16 @@ def details(entry: dict[str, Any], accel_name: str) -> list[str]:
         "  (state donated: outputs written over inputs)",
         f"    peak              {human_bytes(fig['peak_bytes']):>12}  "
         f"({figure_of([entry])}'s buffer assignment)",
+        *(
+            [
+                f"    GRPO engine       {human_bytes(fig['sampler']['memory']['pool_bytes']):>12}  "
+                f"page pool, held through the run; its largest step peaks at "
+                f"{human_bytes(fig['sampler']['memory']['peak'])} "
+                f"({sum(fig['sampler']['shapes'].values())} shapes)"
+            ]
+            if "sampler" in fig
+            else []
+        ),
         f"    by shapes         {human_bytes(fig['shape_estimate_bytes']):>12}  (state, gradients, "
         f"activations, two layers gathered: {'fits' if est['fits_by_shapes'] else 'does not fit'})",
         f"  FLOPs per step: model {fig['model_flops']:.3e} (causal, as the Trainer logs them); "

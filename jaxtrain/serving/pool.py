@@ -16,8 +16,8 @@ __all__ = ["pool_pages", "pool_sharding"]
 def pool_sharding(state: Any) -> jax.sharding.Sharding:
     """Where the page pool lives: replicated over the mesh the model's arrays are on (each
     device computes attention for the rows it holds), or on the model's device."""
-    leaf = next(x for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
-    sharding = leaf.sharding
+    leaf = next(x for x in jax.tree.leaves(state) if getattr(x, "sharding", None) is not None)
+    sharding = leaf.sharding  # an array's, or the planned one of a jax.ShapeDtypeStruct
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))

@@ -1,9 +1,11 @@
-"""Compiling every step shape an engine can reach before its first request, so that serving
-and GRPO rounds compile nothing. Each call writes only the garbage page: every row of a
-prefill is padding, every row of a decode step idle."""
+"""Every step shape an engine can reach, compiled before its first request so that serving
+and GRPO rounds compile nothing (`compile_every_bucket`), or compiled from shapes alone by
+`jaxtrain plan` (serving/plan.py). Each warm-up call writes only the garbage page: every row
+of a prefill is padding, every row of a decode step idle."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -21,42 +23,69 @@ from jaxtrain.serving.steps import (
     table_width,
 )
 
-__all__ = ["compile_every_bucket"]
+__all__ = ["EngineShape", "compile_every_bucket", "step_calls"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """What an engine's compiled shapes depend on (serving.Engine's arguments of the same
+    names; `num_pages` None: a slot's worth of pages for every slot, and the garbage page)."""
+
+    max_slots: int
+    page_size: int
+    max_length: int
+    num_pages: int | None = None
+    prefill_tokens: int = 512
+    speculative_tokens: int = 0
+
+    @property
+    def max_pages(self) -> int:
+        return math.ceil(self.max_length / self.page_size)
+
+    @property
+    def pages(self) -> int:
+        return self.num_pages or self.max_slots * self.max_pages + 1
+
+
+def step_calls(shape: EngineShape, max_prompt_tokens: int | None = None) -> list[tuple[str, tuple]]:
+    """(step, its arguments after the state and the pool) of every shape an engine of `shape`
+    can call, for prompts up to `max_prompt_tokens` (default max_length; every length when
+    the pool can preempt, since a preempted sequence comes back as a longer prompt)."""
+    s, growth = shape, PREFILL_GROWTH
+    longest = min(max_prompt_tokens or s.max_length, s.max_length)
+    if s.pages - 1 < s.max_slots * s.max_pages:
+        longest = s.max_length
+    rows = buckets(1, s.max_slots)
+    tokens = buckets(SMALLEST_PREFILL, max(SMALLEST_PREFILL, s.prefill_tokens), growth)
+    widest = table_width(math.ceil(longest / s.page_size), s.max_pages, growth)
+    widths = [w for w in buckets(SMALLEST_TABLE, s.max_pages, growth) if w <= widest]
+    zeros = np.zeros(s.max_slots, np.int32)
+    calls = []
+    for r, t, width in itertools.product(rows, tokens, widths):
+        if (r > 1 and r * t > s.prefill_tokens) or t > chunk_tokens(longest, s.prefill_tokens):
+            continue  # a chunk never has this shape
+        args = (np.zeros((r, t), np.int32), np.zeros(r, np.int32), np.zeros((r, width), np.int32),
+                np.full(r, t, np.int32), zeros, zeros, *sampling_arrays([], [], s.max_slots))  # fmt: skip
+        calls.append(("prefill", args))
+    for r, width in itertools.product(rows, buckets(SMALLEST_TABLE, s.max_pages)):
+        idle = (np.zeros(r, np.int32), np.zeros((r, width), np.int32))
+        sampling = sampling_arrays([], [], r)
+        calls.append(("decode", (np.zeros((r, 1), np.int32), *idle, *sampling)))
+        if s.speculative_tokens:
+            ids = np.zeros((r, 1 + s.speculative_tokens), np.int32)
+            calls.append(("verify", (ids, *idle, np.zeros(r, np.int32), *sampling)))
+    return calls
 
 
 def compile_every_bucket(engine: Any, max_prompt_tokens: int | None = None) -> int:
-    """Compile the engine's prefill shapes for prompts up to `max_prompt_tokens` (default
-    max_length; every length when the pool can preempt, since a preempted sequence comes back
-    as a longer prompt), and every decode (and speculative) shape; returns how many shapes
-    were compiled. `engine`: a serving.Engine (not imported: it calls this)."""
+    """Compile every shape of `step_calls` on `engine` (a serving.Engine, not imported: it
+    calls this); returns how many shapes were compiled."""
     e = engine
-    longest = min(max_prompt_tokens or e.max_length, e.max_length)
-    if e.pages.num_pages - 1 < e.max_slots * e.max_pages:
-        longest = e.max_length
-    rows = buckets(1, e.max_slots)
-    tokens = buckets(SMALLEST_PREFILL, max(SMALLEST_PREFILL, e.prefill_tokens), PREFILL_GROWTH)
-    widest = table_width(math.ceil(longest / e.page_size), e.max_pages, PREFILL_GROWTH)
-    widths = [w for w in buckets(SMALLEST_TABLE, e.max_pages, PREFILL_GROWTH) if w <= widest]
+    shape = EngineShape(e.max_slots, e.page_size, e.max_length, e.pages.num_pages,
+                        e.prefill_tokens, e.speculative_tokens)  # fmt: skip
     before = sum(len(shapes) for shapes in e.steps.compiles.values())
-    zeros = np.zeros(e.max_slots, np.int32)
-    for r, t, width in itertools.product(rows, tokens, widths):
-        if (r > 1 and r * t > e.prefill_tokens) or t > chunk_tokens(longest, e.prefill_tokens):
-            continue  # a chunk never has this shape
-        _, e.pool = e.steps.prefill(
-            e.state, e.pool, np.zeros((r, t), np.int32), np.zeros(r, np.int32),
-            np.zeros((r, width), np.int32), np.full(r, t, np.int32), zeros, zeros,
-            *sampling_arrays([], [], e.max_slots),
-        )  # fmt: skip
-    for r, width in itertools.product(rows, buckets(SMALLEST_TABLE, e.max_pages)):
-        idle = (np.zeros(r, np.int32), np.zeros((r, width), np.int32))
-        _, e.pool = e.steps.decode(
-            e.state, e.pool, np.zeros((r, 1), np.int32), *idle, *sampling_arrays([], [], r)
-        )
-        if e.speculative_tokens:
-            *_, e.pool = e.steps.verify(
-                e.state, e.pool, np.zeros((r, 1 + e.speculative_tokens), np.int32), *idle,
-                np.zeros(r, np.int32), *sampling_arrays([], [], r),
-            )  # fmt: skip
+    for kind, args in step_calls(shape, max_prompt_tokens):
+        *_, e.pool = getattr(e.steps, kind)(e.state, e.pool, *args)
     e.pool = e.steps.copy_page(e.pool, 0, 0)  # a group's partial page, copied for its samples
     jax.block_until_ready(e.pool)
     return sum(len(shapes) for shapes in e.steps.compiles.values()) - before

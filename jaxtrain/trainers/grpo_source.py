@@ -41,6 +41,7 @@ from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
 from jaxtrain.serving import Completion, Engine, SamplingParams
+from jaxtrain.serving.warm_up import EngineShape
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.grpo_agreement import round_agreement
 from jaxtrain.trainers.grpo_loss import group_advantages
@@ -49,9 +50,19 @@ from jaxtrain.trainers.grpo_round import GeneratedRound
 from jaxtrain.trainers.rewards import reward_name, score_completions
 from jaxtrain.training.logps import model_token_logps
 
-__all__ = ["RolloutSource"]
+__all__ = ["RolloutSource", "rollout_engine_shape"]
 
 logger = logging.getLogger("jaxtrain.trainers.grpo")
+
+
+def rollout_engine_shape(args: GRPOArguments) -> EngineShape:
+    """The engine GRPO samples on: a slot per completion of an update, pages of 16 tokens,
+    rows of a prompt and its completion (what `jaxtrain plan --task grpo` compiles too)."""
+    return EngineShape(
+        max_slots=args.total_batch_size,
+        page_size=16,
+        max_length=args.max_prompt_length + args.max_completion_length,
+    )
 
 
 class RolloutSource:
@@ -382,11 +393,12 @@ class RolloutSource:
             params = process_local_state(params, self.layout.mesh)
             policy = nnx.merge(graphdef, params, self._local_rest)
         if self.engine is None:
+            shape = rollout_engine_shape(args)
             self.engine = Engine(
                 policy,
-                max_slots=args.total_batch_size,
-                page_size=16,
-                max_length=self.sequence_length,
+                max_slots=shape.max_slots,
+                page_size=shape.page_size,
+                max_length=shape.max_length,
                 eos_token_ids=self.eos_token_ids,
                 logprobs_mode="processed",  # scored as the trainer scores them
             )

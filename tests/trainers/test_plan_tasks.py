@@ -12,6 +12,7 @@ import pytest
 from conftest import addition_pairs, tiny_arguments, tiny_config, tiny_model
 
 from jaxtrain.planning.program import plan_program
+from jaxtrain.serving.warm_up import step_calls
 from jaxtrain.trainers import (
     DPOArguments,
     DPOTrainer,
@@ -22,6 +23,7 @@ from jaxtrain.trainers import (
     ORPOArguments,
     ORPOTrainer,
 )
+from jaxtrain.trainers.grpo_source import rollout_engine_shape
 
 
 def run_peak(out: Path) -> float:
@@ -78,7 +80,10 @@ def test_a_preference_plan_is_its_run_s_compiled_step(
     assert plan_peak(task, args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
 
 
-def test_a_grpo_plan_is_the_grpo_run_s_compiled_step(tokenizer, tmp_path):
+def test_a_grpo_plan_is_the_grpo_run_s_step_and_engine(tokenizer, tmp_path):
+    """The train step's peak, and the engine GRPO samples on (it once planned the pre-engine
+    sampler instead): the shapes it compiles, its page pool, and the largest of its programs'
+    temporaries and peaks, as the run's own engine compiles them from its real arrays."""
     args = tiny_arguments(
         GRPOArguments,
         tmp_path,
@@ -91,45 +96,35 @@ def test_a_grpo_plan_is_the_grpo_run_s_compiled_step(tokenizer, tmp_path):
         beta=0.04,
     )
     prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
-    GRPOTrainer(
+    trainer = GRPOTrainer(
         arguments=args,
         model=tiny_model(),
         reward_funcs=[lambda prompts, completions, **_: [1.0] * len(completions)],
         dataset_train=prompts,
         processing_class=tokenizer,
         devices=jax.devices()[:1],
-    ).train()
-    assert plan_peak("grpo", args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
-
-
-def test_a_grpo_plan_compiles_its_sampler_too(tmp_path):
-    from jaxtrain.models.generation import sampler_for
-
-    args = GRPOArguments(
-        output_dir=str(tmp_path / "never-written"),
-        max_steps=1,
-        total_batch_size=8,
-        num_generations=4,
-        max_prompt_length=8,
-        max_completion_length=3,
-        beta=0.04,
     )
-    figures = plan_program(tiny_config(), args, jax.devices()[:1], task="grpo")
-    sampler = figures["sampler"]["memory"]
-    assert sampler["peak"] > 0 and not (tmp_path / "never-written").exists()
-    # The sampler's program is the one GRPO runs: the same compile from real arrays.
-    from flax import nnx
-
-    graphdef, params = nnx.split(tiny_model())
-    real = sampler_for(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=None)
-    executable = real.lower(
-        graphdef,
-        params,
-        jax.numpy.zeros((8, 8), jax.numpy.int32),
-        jax.numpy.zeros((8,), jax.numpy.int32),
-        jax.random.key(0),
-    ).compile()
-    assert executable.memory_analysis().temp_size_in_bytes == sampler["temporaries"]
+    trainer.train()
+    assert plan_peak("grpo", args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
+    nowhere = dataclasses.replace(args, output_dir=str(tmp_path / "never-written"))
+    planned = plan_program(tiny_config(), nowhere, jax.devices()[:1], task="grpo")["sampler"]
+    engine = trainer.train_source.engine
+    assert planned["shapes"] == {k: len(v) for k, v in engine.steps.compiles.items() if v}
+    pool = sum(x.nbytes for x in jax.tree.leaves(engine.pool))
+    assert planned["memory"]["pool_bytes"] == pool > 0
+    shape = rollout_engine_shape(args)
+    jitted = {"prefill": engine.steps._prefill, "decode": engine.steps._decode}
+    real = [
+        jitted[kind].lower(engine.state, engine.pool, *call).compile().memory_analysis()
+        for kind, call in step_calls(shape, args.max_prompt_length)
+    ]
+    assert planned["memory"]["temporaries"] == max(m.temp_size_in_bytes for m in real)
+    peak = max(
+        m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+        for m in real
+    )  # fmt: skip
+    assert planned["memory"]["peak"] == peak > pool
 
 
 def test_a_qlora_plan_counts_the_quantized_base_as_the_run_does(tmp_path):
