@@ -102,6 +102,10 @@ class TrainingArguments:
     adam_epsilon: float = 1e-8
     # Momentum of sgd.
     momentum: float = 0.9
+    # The dtype AdamW's first moment (Lion's, SGD's, Muon's momentum) is stored in, e.g.
+    # "bfloat16": a quarter less optimizer state for AdamW, half for the others. None: the
+    # parameters' dtype. The second moment stays in the parameters' dtype.
+    mu_dtype: str | None = None
     # Global-norm gradient clipping; None or 0 disables it.
     clip_grad: float | None = 1.0
 

@@ -160,6 +160,11 @@ def check_general(args: Any) -> None:
             f"TrainingArguments.max_steps must be > 0, or -1 to train for num_train_epochs; "
             f"got {args.max_steps}."
         )
+    if args.mu_dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ArgumentError(
+            f"TrainingArguments.mu_dtype={args.mu_dtype!r}: use bfloat16, float16, float32 or "
+            "None (the parameters' dtype)."
+        )
     for name in ("adam_beta1", "adam_beta2", "momentum", "min_lr_ratio"):
         value = getattr(args, name)
         if not 0 <= value < 1 and not (name == "min_lr_ratio" and value == 1):

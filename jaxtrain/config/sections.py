@@ -39,6 +39,7 @@ class OptimizerSettings:
     adam_epsilon: float
     momentum: float
     clip_grad: float | None
+    mu_dtype: str | None
 
     @classmethod
     def from_arguments(cls, args: Any) -> OptimizerSettings:

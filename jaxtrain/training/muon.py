@@ -132,14 +132,21 @@ def _is_masked(x: Any) -> bool:
 
 
 def orthogonalised_momentum(
-    specs: Callable[[Any], Any], *, beta: float, eps: float, mesh: Mesh | None = None
+    specs: Callable[[Any], Any],
+    *,
+    beta: float,
+    eps: float,
+    mesh: Mesh | None = None,
+    mu_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Nesterov momentum (mu <- beta mu + (1 - beta) g; step along beta mu + (1 - beta) g),
     orthogonalised matrix by matrix. `specs(tree)`: the MuonDimensionNumbers of each leaf of
-    the tree the transformation sees (MaskedNode where optax.partition masked a leaf)."""
+    the tree the transformation sees (MaskedNode where optax.partition masked a leaf). mu is
+    kept in `mu_dtype` (default float32), computed in float32."""
+    kept = jnp.dtype(mu_dtype or jnp.float32)
 
     def init(params: Any) -> MuonMomentum:
-        return MuonMomentum(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        return MuonMomentum(jax.tree.map(lambda p: jnp.zeros(p.shape, kept), params))
 
     def update(updates: Any, state: MuonMomentum, params: Any = None):
         del params
@@ -154,6 +161,8 @@ def orthogonalised_momentum(
         done = _orthogonalise([(leaves[i], spec_leaves[i]) for i in real], eps, mesh)
         for i, y in zip(real, done):
             leaves[i] = y.astype(leaves[i].dtype)
-        return jax.tree.unflatten(treedef, leaves), MuonMomentum(mu)
+        return jax.tree.unflatten(treedef, leaves), MuonMomentum(
+            jax.tree.map(lambda m: m.astype(kept), mu)
+        )
 
     return optax.GradientTransformation(init, update)

@@ -139,6 +139,7 @@ class _Hyper(NamedTuple):
     momentum: float
     logical_axes: Any
     mesh: Any  # Muon spreads its matrices over the mesh's devices (training/muon.py)
+    mu_dtype: Any = None  # the first moment's (momentum's) dtype; None: the parameters'
 
 
 def _decay_mask(tree: Any) -> Any:
@@ -223,17 +224,25 @@ def muon_dimension_numbers(params: Any, logical_axes: Any = None) -> Any:
 
 
 def _adamw(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
-    return optax.adamw(lr, h.b1, h.b2, h.eps, weight_decay=h.weight_decay, mask=_decay_mask)
+    return optax.adamw(
+        lr, h.b1, h.b2, h.eps, weight_decay=h.weight_decay, mask=_decay_mask, mu_dtype=h.mu_dtype
+    )
 
 
 def _lion(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
     # b1/b2 are passed through as given; the Lion paper uses b2=0.99.
-    return optax.lion(lr, h.b1, h.b2, weight_decay=h.weight_decay, mask=_decay_mask)
+    return optax.lion(
+        lr, h.b1, h.b2, weight_decay=h.weight_decay, mask=_decay_mask, mu_dtype=h.mu_dtype
+    )
 
 
 def _sgd(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
     # Decay after the momentum trace, so it is decoupled from the momentum buffer.
-    trace = optax.trace(decay=h.momentum, nesterov=False) if h.momentum else optax.identity()
+    trace = (
+        optax.trace(decay=h.momentum, nesterov=False, accumulator_dtype=h.mu_dtype)
+        if h.momentum
+        else optax.identity()
+    )
     decay = optax.add_decayed_weights(h.weight_decay, mask=_decay_mask)
     return optax.chain(trace, decay, optax.scale_by_learning_rate(lr))
 
@@ -301,13 +310,14 @@ def _muon(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientT
         )
 
     muon = optax.chain(
-        orthogonalised_momentum(muon_specs, beta=h.momentum, eps=h.eps, mesh=h.mesh),
+        orthogonalised_momentum(
+            muon_specs, beta=h.momentum, eps=h.eps, mesh=h.mesh, mu_dtype=h.mu_dtype
+        ),
         _consistent_rms(muon_specs),
         optax.add_decayed_weights(h.weight_decay),  # decoupled, x the scheduled lr below
         optax.scale_by_learning_rate(lr),
     )
-    adamw = optax.adamw(lr, h.b1, h.b2, h.eps, weight_decay=h.weight_decay, mask=_decay_mask)
-    return optax.partition({"muon": muon, "adamw": adamw}, labels)
+    return optax.partition({"muon": muon, "adamw": _adamw(lr, params, h)}, labels)
 
 
 _OPTIMIZERS: dict[str, Callable[[Any, Any, _Hyper], optax.GradientTransformation]] = {
@@ -332,12 +342,15 @@ def build_optimizer(
     momentum: float = 0.9,
     logical_axes: Any = None,
     mesh: Any = None,
+    mu_dtype: str | None = None,
 ) -> optax.GradientTransformation:
     """Build one of ``OPTIMIZERS`` for ``params``; ``clip_grad`` (global norm) runs first.
 
     ``momentum`` is SGD's momentum and Muon's ``beta``; ``b1``/``b2``/``eps`` drive AdamW, Lion
     (b1, b2) and Muon's AdamW branch. ``logical_axes`` and ``mesh`` (the run's, over whose
-    devices Muon spreads its matrices) only matter for muon.
+    devices Muon spreads its matrices) only matter for muon. ``mu_dtype``: the dtype AdamW's
+    first moment, Lion's, SGD's and Muon's momentum are kept in (computed in float32;
+    adafactor keeps none); None: the parameters'.
     """
     key = _canonical(name, OPTIMIZERS, "optimizer")
     _require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
@@ -346,7 +359,7 @@ def build_optimizer(
     for field, value in (("b1", b1), ("b2", b2), ("momentum", momentum)):
         _require(0 <= value < 1, f"{field} must be in [0, 1), got {value}")
     _require(eps > 0, f"eps must be > 0, got {eps}")
-    hyper = _Hyper(float(weight_decay), b1, b2, eps, momentum, logical_axes, mesh)
+    hyper = _Hyper(float(weight_decay), b1, b2, eps, momentum, logical_axes, mesh, mu_dtype)
     tx = _OPTIMIZERS[key](schedule, params, hyper)
     if clip_grad:
         tx = optax.chain(optax.clip_by_global_norm(clip_grad), tx)
@@ -382,5 +395,6 @@ def run_optimizer(
         momentum=settings.momentum,
         logical_axes=logical_axes,
         mesh=mesh,
+        mu_dtype=settings.mu_dtype,
     )
     return optimizer, schedule

@@ -10,6 +10,8 @@ import pytest
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
+from jaxtrain import TrainingArguments
+from jaxtrain.errors import ArgumentError
 from jaxtrain.training.optim import (
     OPTIMIZERS,
     SCHEDULERS,
@@ -332,3 +334,39 @@ def test_adam_betas_and_epsilon_reach_the_trainer_s_optimizer(tmp_path):
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
     assert any(not np.allclose(a, b, rtol=1e-3) for a, b in zip(got, defaults, strict=True))
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "muon"])
+def test_mu_dtype_keeps_the_momentum_in_bfloat16_and_still_learns(name):
+    """Each optimizer's first moment (momentum) is stored in mu_dtype; AdamW's second moment
+    stays float32; the steps still reduce the loss like float32 moments do."""
+    graphdef, params, rest = _split(0)
+    _, teacher, _ = _split(1)
+    tokens = jnp.arange(10) % 10
+    target = nnx.merge(graphdef, teacher, rest)(tokens)
+
+    def loss_fn(p):
+        return jnp.mean((nnx.merge(graphdef, p, rest)(tokens) - target) ** 2)
+
+    tx = build_optimizer(name, 0.03, params, momentum=0.5, mu_dtype="bfloat16")
+    opt_state = tx.init(params)
+    sizes = [x.size for x in jax.tree.leaves(params)]
+    moments = [x for x in jax.tree.leaves(opt_state) if x.size in sizes]
+    bf16 = [x for x in moments if x.dtype == jnp.bfloat16]
+    # One momentum per parameter (Muon's AdamW branch: its own, for the rest)
+    assert len(bf16) == len(sizes), [x.dtype for x in moments]
+    if name == "adamw":  # nu: one more float32 array per parameter
+        assert sum(x.dtype == jnp.float32 for x in moments) == len(sizes)
+    losses = []
+    for _ in range(20):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    assert all(x.dtype == jnp.bfloat16 for x in bf16)
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_mu_dtype_is_checked():
+    with pytest.raises(ArgumentError, match="mu_dtype='bf16'"):
+        TrainingArguments(mu_dtype="bf16")

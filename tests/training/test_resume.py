@@ -57,6 +57,22 @@ def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert read_metadata(resumed.checkpoint_path)["data_state"]["step"] == 24
 
 
+def test_bfloat16_moments_are_saved_as_such_and_resume_bit_exactly(tmp_path):
+    """mu_dtype="bfloat16": the checkpoint holds AdamW's first moment in bfloat16 and a run
+    stopped and resumed ends bit-equal to an uninterrupted one."""
+    expected = tiny_trainer(str(tmp_path / "straight"), max_steps=6, mu_dtype="bfloat16").train()
+    interrupted = tiny_trainer(str(tmp_path / "resumed"), max_steps=6, mu_dtype="bfloat16")
+    interrupted.callbacks.append(LossRecorder(stop_at=3))
+    interrupted.train()
+    restarted = tiny_trainer(str(tmp_path / "resumed"), max_steps=6, mu_dtype="bfloat16")
+    restored = restarted.load_checkpoint(tmp_path / "resumed" / "checkpoints" / "3")
+    dtypes = [x.dtype for x in jax.tree.leaves(restored.opt_state) if x.ndim]
+    assert dtypes.count(np.dtype("bfloat16")) == dtypes.count(np.dtype("float32")) > 0
+    resumed = restarted.train()
+    for a, b in zip(leaves(expected.state), leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_resume_trims_log_records_past_the_checkpoint(tmp_path):
     run = tmp_path / "run"
     tiny_trainer(str(run), max_steps=4).train()
