@@ -11,8 +11,11 @@ said on the page. The repository's configs/ is linked into the working directory
 
 Everything runs shortened by one environment variable, JAXTRAIN_MAX_STEPS=1 (every run
 stops after 1 update and evaluates at most 1 batch; the long-context examples still train a
-32k-token row), on 8 simulated CPU devices (the mesh examples need them); the ViT block also
-runs as written, unshortened, for its accuracy.
+32k-token row). The Python blocks run on 8 simulated CPU devices (the mesh examples need
+them); a shell command runs on one device, as on a laptop, unless its page says
+`<!-- docs test: 8 devices -->` (its commands train on a mesh): a default run on 8 simulated
+devices is an 8-way FSDP one, several times slower to compile. The ViT block also runs as
+written, unshortened, for its accuracy.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ FENCE = re.compile(
     re.M | re.S,
 )
 RUN = ("python", "bash")
+MESH_PAGE = "<!-- docs test: 8 devices -->"  # a page whose shell commands need a mesh
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Block:
     kind: str  # python, bash, file (a titled block) or skip (a `not run` block)
     code: str
     target: str = ""  # the file of a titled block; the reason of a skipped one
+    devices: int = 1  # the simulated devices a shell command runs on
 
 
 def pages() -> list[Path]:
@@ -64,6 +69,7 @@ def pages() -> list[Path]:
 
 def page_blocks(path: Path) -> list[Block]:
     text, name = path.read_text(), str(path.relative_to(ROOT))
+    devices = 8 if MESH_PAGE in text else 1
     blocks = []
     for match in FENCE.finditer(text):
         line = text.count("\n", 0, match.start("code")) + 1
@@ -74,7 +80,7 @@ def page_blocks(path: Path) -> list[Block]:
         elif title:
             blocks.append(Block(name, line, "file", code, title.group(1)))
         elif match.group("lang") in RUN:
-            blocks.append(Block(name, line, match.group("lang"), code))
+            blocks.append(Block(name, line, match.group("lang"), code, devices=devices))
     return blocks
 
 
@@ -91,12 +97,14 @@ RUNNER = """
 import json, os, subprocess, sys
 blocks = json.load(open(sys.argv[1]))
 namespace = {"__name__": "__main__"}
-for page, line, kind, code, target in blocks:
+for page, line, kind, code, target, devices in blocks:
     print(f"--- {page}:{line} ({kind})", flush=True)
     if kind == "python":
         exec(compile(code, f"{page}:{line}", "exec"), namespace)
     elif kind == "bash":
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code])
+        flags = f"--xla_force_host_platform_device_count={devices}"
+        env = {**os.environ, "XLA_FLAGS": flags}
+        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], env=env)
         if done.returncode != 0:
             sys.exit(f"{page}:{line}: the shell block exited {done.returncode}")
     elif kind == "file":
@@ -130,7 +138,7 @@ def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...
 
 
 def as_rows(blocks: list[Block]) -> list[tuple]:
-    return [(b.page, b.line, b.kind, b.code, b.target) for b in blocks]
+    return [(b.page, b.line, b.kind, b.code, b.target, b.devices) for b in blocks]
 
 
 def test_the_pages_have_their_examples_and_the_nav_every_page():
@@ -140,6 +148,10 @@ def test_the_pages_have_their_examples_and_the_nav_every_page():
     assert kinds.count("python") >= 15 and kinds.count("bash") >= 8, kinds
     assert any("ViTForImageClassification" in b.code for b in blocks if b.kind == "python")
     assert {"config.yaml", "pairs.yaml", "my_rewards.py"} <= {b.target for b in blocks}
+    # The long-context page's command trains on an sp mesh: it keeps its 8 devices.
+    assert [b.page for b in blocks if b.devices == 8 and b.kind == "bash"] == [
+        "docs/long-context.md"
+    ]
     # Every page of docs/ is in the nav (none unreachable), every nav entry exists.
     listed = {p.resolve() for p in pages()[1:]}
     assert all(p.is_file() for p in listed)
@@ -177,6 +189,7 @@ def test_the_vit_block_reaches_the_accuracy_it_claims(tmp_path):
         "python",
         "from flax import nnx\nfrom jaxtrain import TrainingArguments\n",
         "",
+        1,
     )
     result_line = (
         "",
@@ -184,6 +197,7 @@ def test_the_vit_block_reaches_the_accuracy_it_claims(tmp_path):
         "python",
         'vit_accuracy = vit_trainer.evaluate(vit_out.state)["eval/accuracy"]',
         "",
+        1,
     )
     result = run_blocks(
         tmp_path, [imports, *as_rows([vit]), result_line], {}, keep=("vit_accuracy",)

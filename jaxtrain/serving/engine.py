@@ -491,8 +491,10 @@ class Engine:
         self.finished.append(seq.completion(text, reason))
 
     # ------------------------------------------------------------ start-up
-    def warm_up(self, max_prompt_tokens: int | None = None) -> int:
+    def warm_up(
+        self, max_prompt_tokens: int | None = None, max_prefill_rows: int | None = None
+    ) -> int:
         """Compile every bucket a request can reach (prompts up to `max_prompt_tokens`, default
-        max_length), so that serving compiles nothing; returns how many shapes it compiled
-        (warm_up.py)."""
-        return compile_every_bucket(self, max_prompt_tokens)
+        max_length; at most `max_prefill_rows` prompts waiting at once, default max_slots), so
+        that serving compiles nothing; returns how many shapes it compiled (warm_up.py)."""
+        return compile_every_bucket(self, max_prompt_tokens, max_prefill_rows)

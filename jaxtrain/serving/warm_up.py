@@ -18,6 +18,7 @@ from jaxtrain.serving.steps import (
     PREFILL_GROWTH,
     SMALLEST_PREFILL,
     SMALLEST_TABLE,
+    bucket,
     buckets,
     chunk_tokens,
     table_width,
@@ -47,21 +48,27 @@ class EngineShape:
         return self.num_pages or self.max_slots * self.max_pages + 1
 
 
-def step_calls(shape: EngineShape, max_prompt_tokens: int | None = None) -> list[tuple[str, tuple]]:
+def step_calls(
+    shape: EngineShape, max_prompt_tokens: int | None = None, max_prefill_rows: int | None = None
+) -> list[tuple[str, tuple]]:
     """(step, its arguments after the state and the pool) of every shape an engine of `shape`
     can call, for prompts up to `max_prompt_tokens` (default max_length; every length when
-    the pool can preempt, since a preempted sequence comes back as a longer prompt)."""
+    the pool can preempt, since a preempted sequence comes back as a longer prompt), at most
+    `max_prefill_rows` of them waiting at once (default max_slots: a prefill call takes the
+    waiting prompts; GRPO knows how many it submits)."""
     s, growth = shape, PREFILL_GROWTH
     longest = min(max_prompt_tokens or s.max_length, s.max_length)
     if s.pages - 1 < s.max_slots * s.max_pages:
         longest = s.max_length
+    waiting = min(max_prefill_rows or s.max_slots, s.max_slots)
     rows = buckets(1, s.max_slots)
+    prefill_rows = [r for r in rows if r < waiting] + [bucket(waiting, 1, s.max_slots)]
     tokens = buckets(SMALLEST_PREFILL, max(SMALLEST_PREFILL, s.prefill_tokens), growth)
     widest = table_width(math.ceil(longest / s.page_size), s.max_pages, growth)
     widths = [w for w in buckets(SMALLEST_TABLE, s.max_pages, growth) if w <= widest]
     zeros = np.zeros(s.max_slots, np.int32)
     calls = []
-    for r, t, width in itertools.product(rows, tokens, widths):
+    for r, t, width in itertools.product(prefill_rows, tokens, widths):
         if (r > 1 and r * t > s.prefill_tokens) or t > chunk_tokens(longest, s.prefill_tokens):
             continue  # a chunk never has this shape
         args = (np.zeros((r, t), np.int32), np.zeros(r, np.int32), np.zeros((r, width), np.int32),
@@ -77,14 +84,16 @@ def step_calls(shape: EngineShape, max_prompt_tokens: int | None = None) -> list
     return calls
 
 
-def compile_every_bucket(engine: Any, max_prompt_tokens: int | None = None) -> int:
+def compile_every_bucket(
+    engine: Any, max_prompt_tokens: int | None = None, max_prefill_rows: int | None = None
+) -> int:
     """Compile every shape of `step_calls` on `engine` (a serving.Engine, not imported: it
     calls this); returns how many shapes were compiled."""
     e = engine
     shape = EngineShape(e.max_slots, e.page_size, e.max_length, e.pages.num_pages,
                         e.prefill_tokens, e.speculative_tokens)  # fmt: skip
     before = sum(len(shapes) for shapes in e.steps.compiles.values())
-    for kind, args in step_calls(shape, max_prompt_tokens):
+    for kind, args in step_calls(shape, max_prompt_tokens, max_prefill_rows):
         *_, e.pool = getattr(e.steps, kind)(e.state, e.pool, *args)
     e.pool = e.steps.copy_page(e.pool, 0, 0)  # a group's partial page, copied for its samples
     jax.block_until_ready(e.pool)

@@ -112,6 +112,7 @@ class GRPOTrainer(Trainer):
             layout=runtime.plan.batch,
             pad_source=self,  # the Trainer's pad id, resolved once it has the model
             eos_token_ids=eos_ids,
+            eval_prompts=eval_prompts,
         )
         super().__init__(
             arguments=args,

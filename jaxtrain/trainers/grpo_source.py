@@ -84,8 +84,10 @@ class RolloutSource:
         layout: BatchLayout,
         pad_source: Any,
         eos_token_ids: list[int],
+        eval_prompts: Prompts | None = None,
     ):
         self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
+        self.eval_prompts = eval_prompts  # sampled by GRPOTrainer.evaluate on this engine
         self.reward_funcs, self.reward_weights = list(reward_funcs), reward_weights
         self.layout, self.pad_source, self.eos_token_ids = layout, pad_source, eos_token_ids
         self.order = PromptLoader(
@@ -402,7 +404,7 @@ class RolloutSource:
                 eos_token_ids=self.eos_token_ids,
                 logprobs_mode="processed",  # scored as the trainer scores them
             )
-            self.engine.warm_up(max_prompt_tokens=args.max_prompt_length)
+            self.engine.warm_up(*self._warm_up_limits())
         self.engine.update_state(nnx.split(policy)[1])
         settings = [
             SamplingParams(
@@ -420,6 +422,17 @@ class RolloutSource:
             for completion in self.engine.step():
                 done[completion.request_id].append(completion)
         return [sorted(done[i], key=lambda c: c.index) for i in ids]
+
+    def _warm_up_limits(self) -> tuple[int, int]:
+        """(the longest prompt, the most prompts one call submits) of the rounds and the
+        evaluations on this process: the engine's warm-up compiles no shape beyond them."""
+        every = [self.prompts] + ([self.eval_prompts] if self.eval_prompts is not None else [])
+        longest = max(len(ids) for prompts in every for ids in prompts.ids)
+        per_round = self.args.total_batch_size // self.process_count // self.args.num_generations
+        per_eval = 0
+        if self.eval_prompts is not None:  # contiguous shares, the first ones the larger
+            per_eval = -(-len(self.eval_prompts) // self.process_count)
+        return longest, max(per_round, per_eval)
 
     def _train_rows(
         self, rows, tokens, length, scored, advantages, sampled_logps
