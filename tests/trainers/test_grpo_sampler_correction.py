@@ -36,6 +36,7 @@ from test_grpo_trl_objectives import (  # noqa: E402
     P,
     batch,  # noqa: F401  (a module fixture)
     checkpoints,  # noqa: F401  (a module fixture)
+    loss_grad_and_means,
     torch_logps,
 )
 
@@ -140,21 +141,8 @@ def run_jaxtrain(policy, prompt, completion, mask, sampler, options, tmp_path):
         "sampler_logps": jnp.asarray(full),
         "sampler_weight": weight,
     }
-    objective = grpo_objective(args)
-    graphdef, params, rest = nnx.split(task, nnx.Param, ...)
-
-    def loss_of(params):
-        sums = objective.loss_sums(nnx.merge(graphdef, params, rest), micro, None)
-        return sums["loss_sum"] / objective.normalizer(jax.tree.map(lambda x: x[None], micro)), sums
-
-    (loss, sums), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-    grad = jnp.sqrt(sum((g.astype(jnp.float32) ** 2).sum() for g in jax.tree.leaves(grads)))
-    means = {
-        key[: -len("_sum")]: float(value) / float(sums[key[: -len("_sum")] + "_count"])
-        for key, value in sums.items()
-        if key.endswith("_sum") and key != "loss_sum"
-    }
-    return float(loss), float(grad), {**means, **{k: float(v) for k, v in logs.items()}}
+    loss, grad, means = loss_grad_and_means(grpo_objective(args), task, micro)
+    return loss, grad, {**means, **{k: float(v) for k, v in logs.items()}}
 
 
 @pytest.mark.parametrize("case", list(CASES))

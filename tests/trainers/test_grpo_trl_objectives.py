@@ -179,6 +179,12 @@ def run_jaxtrain(checkpoints, prompt, completion, mask, advantages, old, options
         full = np.zeros((B, P + C - 1), np.float32)
         full[:, P - 1 :] = old
         micro["old_logps"] = jnp.asarray(full)
+    return loss_grad_and_means(objective, task, micro)
+
+
+def loss_grad_and_means(objective, task, micro) -> tuple[float, float, dict[str, float]]:
+    """The objective's loss of one micro-batch (over its normalizer), its gradient norm, and
+    each logged mean (sum / count)."""
     graphdef, params, rest = nnx.split(task, nnx.Param, ...)
 
     def loss_of(params):

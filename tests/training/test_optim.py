@@ -139,8 +139,8 @@ def _arrays(params):
     return {jax.tree_util.keystr(p): np.asarray(x[...] if is_var(x) else x) for p, x in flat}
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_every_optimizer_reduces_a_regression_loss(name):
+def _regression():
+    """(params, loss_fn): Tiny fitting another Tiny's outputs."""
     graphdef, params, rest = _split(0)
     _, teacher, _ = _split(1)
     tokens = jnp.arange(10) % 10
@@ -149,6 +149,12 @@ def test_every_optimizer_reduces_a_regression_loss(name):
     def loss_fn(p):
         return jnp.mean((nnx.merge(graphdef, p, rest)(tokens) - target) ** 2)
 
+    return params, loss_fn
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_reduces_a_regression_loss(name):
+    params, loss_fn = _regression()
     tx = build_optimizer(name, 0.03, params, weight_decay=1e-4, clip_grad=10.0, momentum=0.5)
     opt_state = tx.init(params)
 
@@ -340,14 +346,7 @@ def test_adam_betas_and_epsilon_reach_the_trainer_s_optimizer(tmp_path):
 def test_mu_dtype_keeps_the_momentum_in_bfloat16_and_still_learns(name):
     """Each optimizer's first moment (momentum) is stored in mu_dtype; AdamW's second moment
     stays float32; the steps still reduce the loss like float32 moments do."""
-    graphdef, params, rest = _split(0)
-    _, teacher, _ = _split(1)
-    tokens = jnp.arange(10) % 10
-    target = nnx.merge(graphdef, teacher, rest)(tokens)
-
-    def loss_fn(p):
-        return jnp.mean((nnx.merge(graphdef, p, rest)(tokens) - target) ** 2)
-
+    params, loss_fn = _regression()
     tx = build_optimizer(name, 0.03, params, momentum=0.5, mu_dtype="bfloat16")
     opt_state = tx.init(params)
     sizes = [x.size for x in jax.tree.leaves(params)]
