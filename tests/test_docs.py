@@ -69,7 +69,7 @@ def pages() -> list[Path]:
 
 def page_blocks(path: Path) -> list[Block]:
     text, name = path.read_text(), str(path.relative_to(ROOT))
-    devices = 8 if MESH_PAGE in text else 1
+    devices = 8 if re.search(f"^{re.escape(MESH_PAGE)}$", text, re.M) else 1  # a line of its own
     blocks = []
     for match in FENCE.finditer(text):
         line = text.count("\n", 0, match.start("code")) + 1
