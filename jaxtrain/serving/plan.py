@@ -39,12 +39,11 @@ def plan_engine(
     pool = jax.eval_shape(lambda: empty_pool(model, shape.pages, shape.page_size))
     pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), pool)
     steps = Steps(graphdef, shape.page_size, sharding, "gather", logprobs_mode == "processed")
-    jitted = {"prefill": steps._prefill, "decode": steps._decode, "verify": steps._verify}
     platform = next(iter(sharding.device_set)).platform
     start, peaks, temporaries, shapes = time.perf_counter(), [], [], {}
     for kind, args in step_calls(shape, max_prompt_tokens):
         abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-        memory = memory_summary(jitted[kind].lower(state, pool, *abstract).compile(), platform)
+        memory = memory_summary(steps.lower(kind, state, pool, *abstract).compile(), platform)
         shapes[kind] = shapes.get(kind, 0) + 1
         if memory is not None:
             peaks.append(memory["peak"])

@@ -141,6 +141,12 @@ class Steps:
         self.compiles["verify"].add((ids.shape, table.shape))
         return self._verify(state, pool, ids, start, table, drafted, *sampling)
 
+    def lower(self, kind: str, state: Any, pool: Any, *args: Any) -> Any:
+        """The `kind` step ("prefill", "decode" or "verify") lowered for these arguments
+        (arrays, or jax.ShapeDtypeStructs), not run: what `jaxtrain plan` compiles."""
+        steps = {"prefill": self._prefill, "decode": self._decode, "verify": self._verify}
+        return steps[kind].lower(state, pool, *args)
+
     def copy_page(self, pool: Any, source: int, target: int) -> Any:
         """`pool` with page `target` a copy of page `source` in every layer."""
         return self._copy(pool, np.int32(source), np.int32(target))

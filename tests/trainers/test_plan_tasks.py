@@ -118,9 +118,8 @@ def test_a_grpo_plan_is_the_grpo_run_s_step_and_engine(tokenizer, tmp_path):
     pool = sum(x.nbytes for x in jax.tree.leaves(engine.pool))
     assert planned["memory"]["pool_bytes"] == pool > 0
     shape = rollout_engine_shape(args)
-    jitted = {"prefill": engine.steps._prefill, "decode": engine.steps._decode}
     real = [
-        jitted[kind].lower(engine.state, engine.pool, *call).compile().memory_analysis()
+        engine.steps.lower(kind, engine.state, engine.pool, *call).compile().memory_analysis()
         for kind, call in step_calls(shape, args.max_prompt_length)
     ]
     assert planned["memory"]["temporaries"] == max(m.temp_size_in_bytes for m in real)
