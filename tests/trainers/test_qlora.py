@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import addition_pairs, tiny_arguments, tiny_model
+from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model
 from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
@@ -269,3 +269,46 @@ def test_lora_with_remat_trains_like_without(tmp_path, quantization):
         Trainer(arguments=args, model=model, dataset_train=rows()).train()
         losses[remat] = [r["loss"] for r in _logs(out)]
     np.testing.assert_allclose(losses["nothing_saveable"], losses["none"], rtol=1e-5)
+
+
+def _base_model(seed: int = 0):
+    return tiny_model(seed, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("task", ["kto", "orpo", "cpo", "reward", "distill"])
+def test_every_other_task_trains_on_an_nf4_base(tokenizer, tmp_path, task):
+    """Each task trainer takes QLoRA as SFT, DPO and GRPO do (tested above): its policy's base
+    is stored quantized, only the adapters (and a reward model's score head) train, and its
+    loss falls. Distillation quantizes the student; its teacher stays a float model."""
+    from jaxtrain import trainers
+
+    classes = {
+        "kto": (trainers.KTOTrainer, trainers.KTOArguments),
+        "orpo": (trainers.ORPOTrainer, trainers.ORPOArguments),
+        "cpo": (trainers.CPOTrainer, trainers.CPOArguments),
+        "reward": (trainers.RewardTrainer, TrainingArguments),
+        "distill": (trainers.DistillationTrainer, trainers.DistillationArguments),
+    }
+    trainer_class, arguments_class = classes[task]
+    args = tiny_arguments(
+        arguments_class, tmp_path, max_steps=8, lora_rank=8, lora_alpha=32, quantization="nf4",
+        learning_rate=5e-2,
+    )  # fmt: skip
+    extra = {}
+    rows = addition_pairs(32)
+    if task == "distill":
+        extra["teacher_model"] = _base_model(seed=1)
+        rows = [{"text": f"{r['prompt']} {r['chosen']}"} for r in rows]
+    seen = StepMetrics()
+    trainer = trainer_class(
+        arguments=args, model=_base_model(), dataset_train=rows, processing_class=tokenizer,
+        callbacks=[seen], **extra,
+    )  # fmt: skip
+    policy = trainer.program.parts.model
+    policy = getattr(policy, "model", policy)  # a task model's policy (the teacher is apart)
+    assert [m for _, m in nnx.iter_modules(policy) if isinstance(m, QuantizedKernel)]
+    trainer.train()
+    trained = [str(path) for path, _ in nnx.to_flat_state(trainer.program.abstract_state().params)]
+    assert all("lora" in p or "score" in p for p in trained), trained
+    losses = [s["loss_sum"] / max(s["tokens"], 1.0) for s in seen.steps]
+    assert losses[-1] < losses[0], losses
