@@ -11,7 +11,9 @@ The other processes of a multi-host run share the directory and take no lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -20,6 +22,9 @@ from pathlib import Path
 from jaxtrain.checkpointing.files import CheckpointError
 
 LOCK_NAME = ".jaxtrain.lock"
+# flock's errors on a file system that has no locks (not "held by another process").
+UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+logger = logging.getLogger("jaxtrain.checkpointing")
 
 
 @contextlib.contextmanager
@@ -42,6 +47,17 @@ def hold_output_dir(output_dir: str | Path, *, take: bool = True) -> Iterator[No
                 "directory overwrite each other's checkpoints. Wait for that run to end, or "
                 "choose another output_dir."
             ) from None
+        except OSError as err:
+            if err.errno not in UNSUPPORTED:
+                raise
+            # Some cluster file systems (Lustre mounted without flock) have no locks: the run
+            # goes on unguarded, and says so.
+            logger.warning(
+                "output_dir %s is on a file system without file locks (%s): a second run "
+                "started into it would not be refused.",
+                output_dir,
+                err.strerror,
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield

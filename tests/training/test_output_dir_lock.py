@@ -1,6 +1,9 @@
 """A second run into an output_dir another run is writing is refused, naming the holder; the
 directory is free again the moment that run ends, even by kill -9."""
 
+import errno
+import fcntl
+import logging
 import os
 import subprocess
 import sys
@@ -10,7 +13,7 @@ from pathlib import Path
 import pytest
 import tiny_run
 
-from jaxtrain.checkpointing import CheckpointError, committed_steps
+from jaxtrain.checkpointing import CheckpointError, committed_steps, hold_output_dir
 
 WORKER = Path(tiny_run.__file__)
 
@@ -47,3 +50,19 @@ def test_a_second_run_is_refused_while_the_first_writes_and_not_after_a_kill(tmp
     )
     output = third.train()
     assert int(output.state.step) == steps[-1] + 1
+
+
+def test_a_file_system_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    """Lustre mounted without flock answers ENOSYS: the run is not refused for it, and the log
+    says a second run into the directory would not be."""
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    entered = False
+    level = caplog.at_level(logging.WARNING, logger="jaxtrain.checkpointing")
+    with level, hold_output_dir(tmp_path / "run"):
+        entered = True
+    assert entered
+    assert "without file locks (Function not implemented)" in caplog.text
