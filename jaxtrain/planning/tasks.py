@@ -12,7 +12,8 @@ objective and the batch its train step takes, from shapes alone, as its trainer 
 - grpo: the policy beside a frozen reference when beta > 0 (with LoRA the base is the policy
   without adapters), the clipped surrogate on generated rows of max_prompt_length +
   max_completion_length tokens with their advantages (and old log-probs when
-  num_iterations > 1).
+  num_iterations > 1, the sampler's log-probs and weights with a sampler_correction): the
+  batch is the rollout source's own `rollout_batch`.
 """
 
 from __future__ import annotations
@@ -103,12 +104,10 @@ def task_batch(task: str, args: Any) -> dict[str, jax.ShapeDtypeStruct]:
     if task == "kto":
         kl = {f"KL_{k}": ints(t) for k in PAIR_KEYS} if args.loss_type == "kto" else {}
         return {**{k: ints(t) for k in PAIR_KEYS}, **kl, "label": floats()}
-    if task == "grpo":
-        t = args.max_prompt_length + args.max_completion_length
-        batch = {"input_ids": ints(t), "labels": ints(t), "advantages": floats()}
-        if args.num_iterations > 1:
-            batch["old_logps"] = floats(t - 1)
-        return batch
+    if task == "grpo":  # the source's own definition (its sampler correction's arrays too)
+        from jaxtrain.trainers.grpo_source import rollout_batch
+
+        return rollout_batch(args)
     keys = ["input_ids", "attention_mask", "labels"]
     if args.packing:
         keys += ["segment_ids", "positions"]

@@ -50,7 +50,7 @@ from jaxtrain.trainers.grpo_round import GeneratedRound
 from jaxtrain.trainers.rewards import reward_name, score_completions
 from jaxtrain.training.logps import model_token_logps
 
-__all__ = ["RolloutSource", "rollout_engine_shape"]
+__all__ = ["RolloutSource", "rollout_batch", "rollout_engine_shape"]
 
 logger = logging.getLogger("jaxtrain.trainers.grpo")
 
@@ -63,6 +63,24 @@ def rollout_engine_shape(args: GRPOArguments) -> EngineShape:
         page_size=16,
         max_length=args.max_prompt_length + args.max_completion_length,
     )
+
+
+def rollout_batch(args: GRPOArguments) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global train batch a round makes ([A, M, ...], unplaced): what the source hands the
+    step and what `jaxtrain plan --task grpo` compiles it for."""
+    a = args.gradient_accumulation_steps
+    m, t = args.total_batch_size // a, args.max_prompt_length + args.max_completion_length
+    shapes = {
+        "input_ids": ((a, m, t), jnp.int32),
+        "labels": ((a, m, t), jnp.int32),
+        "advantages": ((a, m), jnp.float32),
+    }
+    if args.num_iterations > 1:
+        shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
+    if args.sampler_correction != "none":
+        shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
+        shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
+    return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
 
 class RolloutSource:
@@ -138,23 +156,11 @@ class RolloutSource:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The generated train batch's shapes, dtypes and shardings ([A, M, ...] global)."""
-        args, a = self.args, self.args.gradient_accumulation_steps
-        m, t = args.total_batch_size // a, self.sequence_length
-        shapes = {
-            "input_ids": ((a, m, t), jnp.int32),
-            "labels": ((a, m, t), jnp.int32),
-            "advantages": ((a, m), jnp.float32),
-        }
-        if args.num_iterations > 1:
-            shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
-        if args.sampler_correction != "none":
-            shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
-            shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
         return {
             k: jax.ShapeDtypeStruct(
-                shape, dtype, sharding=self.layout.sharding(len(shape), micro_axis=True)
+                x.shape, x.dtype, sharding=self.layout.sharding(x.ndim, micro_axis=True)
             )
-            for k, (shape, dtype) in shapes.items()
+            for k, x in rollout_batch(self.args).items()
         }
 
     def next(self, step: int, state: Any) -> SourceBatch:
