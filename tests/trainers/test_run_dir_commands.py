@@ -25,8 +25,10 @@ RUNS = {
     "cpo": ("pairs", {"loss_type": "simpo", "cpo_alpha": 0.0}, ("eval/rewards/margins",)),
     "grpo": (
         "prompts",
+        # This session's GRPO options ride along: set from a config file, then taken out.
         {"reward": "last_number_matches", "num_generations": 2, "max_prompt_length": 8,
-         "max_completion_length": 3},
+         "max_completion_length": 3, "sampler_correction": "sequence_mask",
+         "dynamic_sampling_passes": 2, "mu_dtype": "bfloat16"},
         (),
     ),
 }  # fmt: skip
