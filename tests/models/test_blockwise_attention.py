@@ -82,10 +82,14 @@ def test_blockwise_equals_dense_outputs_and_gradients(name, blocks):
             block_q=blocks[0], block_k=blocks[1],
         )  # fmt: skip
 
+    # Compiled whole: run op by op, every primitive of the block loop compiled on its own.
     def loss_and_grads(fn):
-        return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+        loss = jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2))
+        return jax.jit(loss)(q, k, v)
 
-    np.testing.assert_allclose(blockwise(q, k, v), dense(q, k, v), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        jax.jit(blockwise)(q, k, v), jax.jit(dense)(q, k, v), rtol=RTOL, atol=ATOL
+    )
     (want_loss, want), (got_loss, got) = loss_and_grads(dense), loss_and_grads(blockwise)
     np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
     for g, w in zip(got, want, strict=True):
@@ -153,7 +157,7 @@ def model_loss_and_grads(model: nnx.Module, implementation: str, batch: dict) ->
         sums = causal_lm_loss_sums(nnx.merge(graphdef, params, rest), batch, None)
         return sums["loss_sum"] / sums["tokens"]
 
-    return jax.value_and_grad(loss)(params)
+    return jax.jit(jax.value_and_grad(loss))(params)  # compiled whole, not op by op
 
 
 def packed_batch(t: int, vocab: int) -> dict:
