@@ -11,11 +11,12 @@ said on the page. The repository's configs/ is linked into the working directory
 
 Everything runs shortened by one environment variable, JAXTRAIN_MAX_STEPS=1 (every run
 stops after 1 update and evaluates at most 1 batch; the long-context examples still train a
-32k-token row). The Python blocks run on 8 simulated CPU devices (the mesh examples need
-them); a shell command runs on one device, as on a laptop, unless its page says
-`<!-- docs test: 8 devices -->` (its commands train on a mesh): a default run on 8 simulated
-devices is an 8-way FSDP one, several times slower to compile. The ViT block also runs as
-written, unshortened, for its accuracy.
+32k-token row). Blocks run on one device, as on a laptop, except on a page that says
+`<!-- docs test: 8 devices -->` (its examples train on a mesh): its shell commands run on 8
+simulated CPU devices, and its Python blocks in a second interpreter on 8 devices, once the
+first has run every other block, after Getting started's Python blocks (the names every page
+builds on). A default run on 8 simulated devices is an 8-way FSDP one, several times slower to
+compile. The ViT block also runs as written, unshortened, for its accuracy.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ FENCE = re.compile(
     re.M | re.S,
 )
 RUN = ("python", "bash")
-MESH_PAGE = "<!-- docs test: 8 devices -->"  # a page whose shell commands need a mesh
+MESH_PAGE = "<!-- docs test: 8 devices -->"  # a page whose examples need a mesh
+PRELUDE = "docs/getting-started.md"  # its Python blocks define what the other pages use
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Block:
     kind: str  # python, bash, file (a titled block) or skip (a `not run` block)
     code: str
     target: str = ""  # the file of a titled block; the reason of a skipped one
-    devices: int = 1  # the simulated devices a shell command runs on
+    devices: int = 1  # the simulated devices the block runs on
 
 
 def pages() -> list[Path]:
@@ -102,8 +104,7 @@ for page, line, kind, code, target, devices in blocks:
     if kind == "python":
         exec(compile(code, f"{page}:{line}", "exec"), namespace)
     elif kind == "bash":
-        flags = f"--xla_force_host_platform_device_count={devices}"
-        env = {**os.environ, "XLA_FLAGS": flags}
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
         done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], env=env)
         if done.returncode != 0:
             sys.exit(f"{page}:{line}: the shell block exited {done.returncode}")
@@ -113,6 +114,10 @@ for page, line, kind, code, target, devices in blocks:
 if "docs_result" in sys.argv[2:]:
     json.dump({k: namespace[k] for k in sys.argv[3:]}, open("docs_result.json", "w"))
 """
+
+
+def device_flag(count: int) -> str:
+    return f"--xla_force_host_platform_device_count={count}"
 
 
 def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...] = ()) -> dict:
@@ -148,10 +153,13 @@ def test_the_pages_have_their_examples_and_the_nav_every_page():
     assert kinds.count("python") >= 15 and kinds.count("bash") >= 8, kinds
     assert any("ViTForImageClassification" in b.code for b in blocks if b.kind == "python")
     assert {"config.yaml", "pairs.yaml", "my_rewards.py"} <= {b.target for b in blocks}
-    # The long-context page's command trains on an sp mesh: it keeps its 8 devices.
+    # The long-context page's command trains on an sp mesh: it keeps its 8 devices, and so
+    # do the Python examples of the mesh pages (a dp x ep MoE run, meshes, ring attention).
     assert [b.page for b in blocks if b.devices == 8 and b.kind == "bash"] == [
         "docs/long-context.md"
     ]
+    mesh_pages = {b.page for b in blocks if b.devices == 8 and b.kind == "python"}
+    assert mesh_pages == {"docs/models.md", "docs/parallelism.md", "docs/long-context.md"}
     # Every page of docs/ is in the nav (none unreachable), every nav entry exists.
     listed = {p.resolve() for p in pages()[1:]}
     assert all(p.is_file() for p in listed)
@@ -169,13 +177,14 @@ def test_the_readme_is_what_a_newcomer_needs():
 
 
 def test_every_python_block_and_shell_command_of_the_docs_runs_in_order(tmp_path):
-    env = {
-        "JAXTRAIN_MAX_STEPS": "1",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "HF_HUB_OFFLINE": "1",
-        "RAY_AUTH_MODE": "disabled",
-    }
-    run_blocks(tmp_path, as_rows(all_blocks()), env)
+    env = {"JAXTRAIN_MAX_STEPS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    blocks = all_blocks()
+    on_a_mesh = [b for b in blocks if b.kind == "python" and b.devices == 8]
+    laptop = [b for b in blocks if b not in on_a_mesh]
+    run_blocks(tmp_path, as_rows(laptop), {**env, "XLA_FLAGS": device_flag(1)})
+    prelude = [b for b in blocks if b.kind == "python" and b.page == PRELUDE]
+    assert prelude and on_a_mesh
+    run_blocks(tmp_path, as_rows(prelude + on_a_mesh), {**env, "XLA_FLAGS": device_flag(8)})
 
 
 def test_the_vit_block_reaches_the_accuracy_it_claims(tmp_path):
