@@ -4,17 +4,20 @@ import sys
 
 import pytest
 
+from jaxtrain.cache import MAX_CACHE_BYTES  # imports no jax: the settings below still apply
+
 # Tests share one tokenizer cache per session, never the user's ~/.cache.
 os.environ.setdefault("JAXTRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))
 # And one XLA program cache for every process a test starts, from its first compile (not only
-# from a Trainer's). Programs that compile in under a second stay out (JAX's default): kept
-# too, every eager op of a test was written to it, and the suite ran no faster (48 min from
-# an empty cache instead of 46). The size cap turns on JAX's file lock, which keeps a process
-# from reading an entry another is still writing.
+# from a Trainer's), set before anything imports jax. Programs that compile in under a second
+# stay out (JAX's default): kept too, every eager op of a test was written to it under the
+# lock, and the suite from an empty cache took 2,907 s instead of 2,785 (test_qlora 145 ->
+# 435 s). The size cap (jaxtrain's own) turns on JAX's file lock, which keeps a process from
+# reading an entry another is still writing.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["JAXTRAIN_CACHE"], "xla")
 )
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_CACHE_BYTES))
 
 
 # The file that runs longest (every docs block, 10-20 minutes) starts first: started last, it

@@ -72,7 +72,7 @@ class StepProfiler:
         import jax
 
         # Everything in flight stays out of the trace: the step, and the metrics and logs
-        # dispatched after it (under load they ran inside the window, a kernel counted once).
+        # dispatched after it, which under load could still be running when the trace starts.
         jax.block_until_ready((state, jax.live_arrays()))
         began = time.perf_counter()
         self.directory.mkdir(parents=True, exist_ok=True)
