@@ -99,12 +99,12 @@ RUNNER = """
 import json, os, subprocess, sys
 blocks = json.load(open(sys.argv[1]))
 namespace = {"__name__": "__main__"}
-for page, line, kind, code, target, devices in blocks:
+for page, line, kind, code, target, xla_flags in blocks:
     print(f"--- {page}:{line} ({kind})", flush=True)
     if kind == "python":
         exec(compile(code, f"{page}:{line}", "exec"), namespace)
     elif kind == "bash":
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        env = {**os.environ, "XLA_FLAGS": xla_flags}  # a shell block's own device count
         done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], env=env)
         if done.returncode != 0:
             sys.exit(f"{page}:{line}: the shell block exited {done.returncode}")
@@ -143,7 +143,7 @@ def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...
 
 
 def as_rows(blocks: list[Block]) -> list[tuple]:
-    return [(b.page, b.line, b.kind, b.code, b.target, b.devices) for b in blocks]
+    return [(b.page, b.line, b.kind, b.code, b.target, device_flag(b.devices)) for b in blocks]
 
 
 def test_the_pages_have_their_examples_and_the_nav_every_page():
@@ -198,7 +198,7 @@ def test_the_vit_block_reaches_the_accuracy_it_claims(tmp_path):
         "python",
         "from flax import nnx\nfrom jaxtrain import TrainingArguments\n",
         "",
-        1,
+        device_flag(1),
     )
     result_line = (
         "",
@@ -206,7 +206,7 @@ def test_the_vit_block_reaches_the_accuracy_it_claims(tmp_path):
         "python",
         'vit_accuracy = vit_trainer.evaluate(vit_out.state)["eval/accuracy"]',
         "",
-        1,
+        device_flag(1),
     )
     result = run_blocks(
         tmp_path, [imports, *as_rows([vit]), result_line], {}, keep=("vit_accuracy",)
