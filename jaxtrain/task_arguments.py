@@ -191,10 +191,22 @@ class GRPOArguments(TrainingArguments):
     # weighted reward reaches eval_pass_threshold.
     eval_num_generations: int = 4
     eval_pass_threshold: float = 1.0
+    # CLI: tools the model may call, as module:function paths (Python: GRPOTrainer(tools=)).
+    tools: list[str] | None = None
+    # CLI: an environment class as module:Class (Python: GRPOTrainer(environment_factory=)).
+    environment: str | None = None
+    # Rounds of tool calls per rollout at most (TRL's max_tool_calling_iterations); None: as
+    # many as fit in max_completion_length.
+    max_tool_calling_iterations: int | None = None
+    # Seconds a tool call may take before the model is answered with a timeout error; None:
+    # no limit (TRL has none; a hung tool would then stop the run).
+    tool_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if isinstance(self.tools, str):
+            self.tools = [t.strip() for t in self.tools.split(",") if t.strip()]
         # A row is a prompt then its completion: the length the step is compiled for.
         self.max_sequence_length = self.max_prompt_length + self.max_completion_length
         if isinstance(self.reward, str):
@@ -223,6 +235,15 @@ class GRPOArguments(TrainingArguments):
                 self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
                 f"off_policy_mask_threshold={self.off_policy_mask_threshold!r} must be None (off) "
                 "or >= 0 (a KL threshold, e.g. 0.5)",
+            ),
+            (
+                self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations!r} must be None "
+                "(no limit) or >= 0",
+            ),
+            (
+                self.tool_timeout is None or self.tool_timeout > 0,
+                f"tool_timeout={self.tool_timeout!r} must be None (no limit) or seconds > 0",
             ),
             (
                 self.sampler_correction in GRPO_SAMPLER_CORRECTIONS,

@@ -279,7 +279,7 @@ def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
     from flax import nnx
 
     from jaxtrain.serving.plan import plan_engine
-    from jaxtrain.trainers.grpo_source import rollout_engine_shape
+    from jaxtrain.trainers.grpo_sampler import rollout_engine_shape
 
     abstract = program.abstract_state()
     policy = nnx.merge(program.graphdef, abstract.params, program.rest).model

@@ -26,10 +26,11 @@ tokens they had, prefilled again) and go on decoding. A draw depends only on the
 seed and the token's position, so a preempted sequence gives the tokens it would have given.
 
 A sequence that ends (an end-of-sequence id, a stop string, max_tokens) frees its slot and
-its pages at once; the next waiting request takes them in the next step. A prompt's full
-pages stay cached (evicted least recently used first when pages run short), so a later
-request with the same prefix (a shared system prompt) prefills only the rest. Every token comes with its
-log-prob (and, on request, the top alternatives'): sampling.py.
+its pages at once. A prompt's full pages stay cached, and a finished sequence's too (evicted
+least recently used first when pages run short), so a later request with the same prefix (a
+shared system prompt, a chat's next turn, a tool's answer appended to a completion) prefills
+only the rest. Every token comes with its log-prob (and, on request, the top alternatives'):
+sampling.py.
 
 The model's state is an argument of every compiled step: `update_state(state)` swaps in live
 parameters (GRPO's policy after each update) without a recompile. `warm_up()` compiles every
@@ -484,6 +485,10 @@ class Engine:
 
     def _finish(self, seq: requests.Sequence, reason: str) -> None:
         self.active.remove(seq)
+        # Its written pages stay cached like a prompt's, for a request continuing its text (the
+        # newest token has no KV yet: it would be the next step's input).
+        full, size = seq.position // self.page_size, self.page_size
+        self.pages.remember(prefix_keys(seq.tokens[: full * size], size), seq.pages[:full])
         self.pages.release(seq.pages)
         text = seq.text
         if text is None and self.tokenizer is not None:

@@ -86,10 +86,14 @@ class Sequence:
         """Position of the newest token (the next decode step's input)."""
         return len(self.prompt) + len(self.generated) - 1
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """The prompt then the tokens generated so far."""
+        return np.concatenate([self.prompt, np.asarray(self.generated, np.int32)])
+
     def preempted(self) -> Request:
         """The request that recomputes this sample's cache and goes on decoding it."""
-        tokens = np.concatenate([self.prompt, np.asarray(self.generated, np.int32)])
-        return Request(self.request_id, tokens, self.params, 1, self.on_token, resume=self)
+        return Request(self.request_id, self.tokens, self.params, 1, self.on_token, resume=self)
 
     def completion(self, text: str | None, reason: str) -> Completion:
         return Completion(

@@ -28,7 +28,9 @@ from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
 from jaxtrain.trainers.grpo_source import RolloutSource
-from jaxtrain.trainers.rewards import load_reward, reward_name, score_completions
+from jaxtrain.trainers.rewards import load_callable, load_reward, reward_name
+from jaxtrain.trainers.tool_chat import check_tool_template
+from jaxtrain.trainers.tools import ToolCalls
 from jaxtrain.training.logps import model_token_logps
 from jaxtrain.training.program import Objective
 from jaxtrain.training.trainer import Trainer
@@ -42,7 +44,9 @@ class GRPOTrainer(Trainer):
     `reward_funcs`: callables `fn(prompts, completions, **columns) -> list[float | None]`
     (default: `arguments.reward`, paths or built-ins). `reference_model`: the KL reference
     when beta > 0 (default: a frozen copy of `model` now; with LoRA the base without the
-    adapters, no copy).
+    adapters, no copy). `tools` (functions) and `environment_factory` (a class with
+    `reset(**row)`, whose public methods are tools): the model may call them, over several
+    turns (tools.py, tool_rollouts.py; default `arguments.tools` / `arguments.environment`).
     """
 
     loss_is_token_nll = False
@@ -55,6 +59,8 @@ class GRPOTrainer(Trainer):
         dataset_train: Any = None,
         processing_class: Any = None,
         reference_model: Any = None,
+        tools: Sequence[Callable] | None = None,
+        environment_factory: Callable | None = None,
         **kwargs: Any,
     ):
         args = arguments if arguments is not None else GRPOArguments()
@@ -66,7 +72,9 @@ class GRPOTrainer(Trainer):
                 "completions decoded for the reward functions)."
             )
         self.grpo_args = args
-        self.reward_funcs = reward_funcs = self._reward_funcs(reward_funcs, args)
+        tool_calls = self._tool_calls(tools, environment_factory, args, processing_class)
+        extra = [tool_calls.reward] if tool_calls is not None and tool_calls.reward else []
+        self.reward_funcs = reward_funcs = self._reward_funcs(reward_funcs, args, extra)
         weights = args.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
             raise ArgumentError(
@@ -75,12 +83,15 @@ class GRPOTrainer(Trainer):
             )
         if dataset_train is None:
             raise ArgumentError("GRPOTrainer needs dataset_train (the prompts).")
-        prompts = read_prompts(dataset_train, processing_class, args.max_prompt_length)
+        shown = tool_calls.schema_tools if tool_calls is not None else None
+        prompts = read_prompts(dataset_train, processing_class, args.max_prompt_length, shown)
         self.prompt_truncated_share = prompts.truncated_share
         dataset_eval = kwargs.pop("dataset_eval", None)
         eval_prompts = None
         if dataset_eval is not None:  # prompts whose completions are scored, not trained on
-            eval_prompts = read_prompts(dataset_eval, processing_class, args.max_prompt_length)
+            eval_prompts = read_prompts(
+                dataset_eval, processing_class, args.max_prompt_length, shown
+            )
         runtime = task_runtime(args, kwargs)
         check_process_groups(args, runtime.process_count)
         sequence_length = args.max_prompt_length + args.max_completion_length
@@ -113,6 +124,7 @@ class GRPOTrainer(Trainer):
             pad_source=self,  # the Trainer's pad id, resolved once it has the model
             eos_token_ids=eos_ids,
             eval_prompts=eval_prompts,
+            tool_calls=tool_calls,
         )
         super().__init__(
             arguments=args,
@@ -147,30 +159,14 @@ class GRPOTrainer(Trainer):
         # Each process completes and scores its contiguous share of the prompts.
         shares = np.array_split(np.arange(len(prompts)), source.process_count)
         mine = shares[source.process_index]
-        groups = source.complete(state, [prompts.ids[i] for i in mine], k, [seed + i for i in mine])
-        eos = set(source.eos_token_ids)
-        texts, lengths = [], []
-        for group in groups:
-            for completion in group:
-                tokens = completion.token_ids
-                texts.append(
-                    self.processing_class.decode(
-                        [t for t in tokens if t not in eos], skip_special_tokens=True
-                    )
-                )
-                lengths.append(len(tokens))
-        index = [i for i in mine for _ in range(k)]
+        index = np.repeat(mine, k)
+        rollouts, episodes = source.roll(state, prompts, index, k, [seed + i for i in mine])
         scores = np.zeros((0, len(self.reward_funcs)))  # a process with no prompts
-        if texts:
-            scores = score_completions(
-                self.reward_funcs,
-                [prompts.values[i] for i in index],
-                texts,
-                {name: [column[i] for i in index] for name, column in prompts.columns.items()},
-            )
+        if len(index):
+            scores = source.score(prompts, index, rollouts, episodes)
         sizes = [len(share) * k for share in shares]
         per_func = gather_shares(scores, sizes)
-        lengths = gather_shares(np.asarray(lengths, np.float64), sizes)
+        lengths = gather_shares(rollouts.model_lengths.astype(np.float64), sizes)
         rewards = np.nansum(per_func * source.reward_weights, axis=1)
         passed = (rewards >= args.eval_pass_threshold).reshape(len(prompts), k).any(1)
         logs = {
@@ -178,16 +174,37 @@ class GRPOTrainer(Trainer):
             f"eval/pass@{k}": float(passed.mean()),
             "eval/completions/mean_length": float(np.mean(lengths)),
         }
+        if source.tool_calls is not None:  # calls per episode and failed calls, all processes
+            calls = gather_shares(rollouts.calls.astype(np.float64), sizes)
+            failures = gather_shares(rollouts.failures.astype(np.float64), sizes)
+            logs["eval/tools/calls_per_episode"] = float(calls.mean())
+            logs["eval/tools/failures"] = float(failures.sum())
         for j, fn in enumerate(self.reward_funcs):
             if not np.isnan(per_func[:, j]).all():
                 logs[f"eval/rewards/{reward_name(fn)}"] = float(np.nanmean(per_func[:, j]))
         return logs
 
     @staticmethod
-    def _reward_funcs(funcs: Any, args: GRPOArguments) -> list[Callable]:
+    def _tool_calls(
+        tools: Any, environment_factory: Any, args: GRPOArguments, tokenizer: Any
+    ) -> ToolCalls | None:
+        """The run's tools (given, or loaded from `args.tools` / `args.environment`), after
+        checking that the chat template shows tool calls and that they can be parsed."""
+        if tools is None and args.tools:
+            tools = [load_callable(spec, "tool") for spec in args.tools]
+        if environment_factory is None and args.environment:
+            environment_factory = load_callable(args.environment, "environment")
+        if not tools and environment_factory is None:
+            return None
+        check_tool_template(tokenizer)
+        return ToolCalls(tools, environment_factory)
+
+    @staticmethod
+    def _reward_funcs(funcs: Any, args: GRPOArguments, extra: list[Callable]) -> list[Callable]:
         if funcs is None:
             funcs = [load_reward(s, format_pattern=args.format_pattern) for s in args.reward or []]
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+        funcs += extra  # an environment's get_reward
         if not funcs:
             raise ArgumentError(
                 "GRPOTrainer needs reward functions: reward_funcs=[fn, ...] or "

@@ -12,7 +12,7 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.units import epoch_order
 from jaxtrain.errors import ArgumentError
 
-__all__ = ["PromptLoader", "Prompts", "read_prompts"]
+__all__ = ["PromptLoader", "Prompts", "chat_ids", "observed_prompt", "read_prompts"]
 
 logger = logging.getLogger("jaxtrain.trainers.grpo")
 PROMPT_ID_COLUMNS = ("prompt_ids", "input_ids")
@@ -29,17 +29,37 @@ class Prompts:
         values: list[Any],
         columns: dict[str, list],
         truncated_share: float = 0.0,
+        column: str = "prompt",
     ):
         self.ids, self.values, self.columns = ids, values, columns
-        self.truncated_share = truncated_share
+        self.truncated_share, self.column = truncated_share, column
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def row(self, index: int) -> dict[str, Any]:
+        """Row `index` of the dataset, as an environment's reset(**row) receives it."""
+        return {self.column: self.values[index], **{k: v[index] for k, v in self.columns.items()}}
 
-def read_prompts(dataset: Any, tokenizer: Any, limit: int) -> Prompts:
+
+def chat_ids(tokenizer: Any, messages: list, tools: list | None = None) -> list[int]:
+    """A chat prompt's tokens: the template's text (showing `tools`) ready for the answer."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def observed_prompt(messages: list, observation: str) -> list:
+    """The prompt with an environment's observation after its last message's text (TRL's)."""
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": last["content"] + observation}]
+
+
+def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: list | None = None) -> Prompts:
     """Every prompt tokenized (left-truncated to `limit` tokens, with a warning giving the
-    share), what reward functions receive as `prompts`, and the other columns."""
+    share), what reward functions receive as `prompts`, and the other columns. Chat prompts
+    show the model `tools` (their schemas, as the chat template writes them)."""
     rows = _rows(dataset)
     if not rows:
         raise DatasetError("dataset_train is empty; pass at least one prompt row")
@@ -55,14 +75,19 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int) -> Prompts:
             f"dataset_train has columns {names}; GRPO prompts are a `prompt` text column, "
             "chat `messages` (or a `prompt` list of messages), or token ids (`prompt_ids`)"
         )
+    if tools and kind != "chat":
+        raise DatasetError(
+            f"GRPO with tools needs chat prompts (a `prompt` or `messages` list of messages): "
+            f"the tools are shown to the model through the chat template; this dataset's "
+            f"prompts are {kind}"
+        )
     ids, shown, cut = [], [], 0
     for i, row in enumerate(rows):
         value = row[used[0]]
         if kind == "text":
             tokens, text = tokenizer(value, add_special_tokens=True)["input_ids"], value
         elif kind == "chat":
-            text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
-            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            tokens = chat_ids(tokenizer, value, tools)
             text = value  # reward functions get the messages, as TRL passes them
         else:
             tokens, text = list(value), tokenizer.decode(list(value))
@@ -78,7 +103,7 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int) -> Prompts:
             cut, len(rows), 100 * cut / len(rows), limit,
         )  # fmt: skip
     columns = {c: [r[c] for r in rows] for c in names if c not in used}
-    return Prompts(ids, shown, columns, truncated_share=cut / len(rows))
+    return Prompts(ids, shown, columns, truncated_share=cut / len(rows), column=used[0])
 
 
 def _rows(dataset: Any) -> list[dict[str, Any]]:

@@ -36,33 +36,25 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.data.batch_source import SourceBatch
-from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
-from jaxtrain.serving import Completion, Engine, SamplingParams
-from jaxtrain.serving.warm_up import EngineShape
+from jaxtrain.serving import Engine
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.grpo_agreement import round_agreement
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
 from jaxtrain.trainers.grpo_round import GeneratedRound
+from jaxtrain.trainers.grpo_sampler import RolloutSampler, completion_logs
 from jaxtrain.trainers.rewards import reward_name, score_completions
+from jaxtrain.trainers.rollout_rows import RolloutRows
+from jaxtrain.trainers.tool_rollouts import Episode
+from jaxtrain.trainers.tools import ToolCalls
 from jaxtrain.training.logps import model_token_logps
 
-__all__ = ["RolloutSource", "rollout_batch", "rollout_engine_shape"]
+__all__ = ["RolloutSource", "rollout_batch"]
 
 logger = logging.getLogger("jaxtrain.trainers.grpo")
-
-
-def rollout_engine_shape(args: GRPOArguments) -> EngineShape:
-    """The engine GRPO samples on: a slot per completion of an update, pages of 16 tokens,
-    rows of a prompt and its completion (what `jaxtrain plan --task grpo` compiles too)."""
-    return EngineShape(
-        max_slots=args.total_batch_size,
-        page_size=16,
-        max_length=args.max_prompt_length + args.max_completion_length,
-    )
 
 
 def rollout_batch(args: GRPOArguments) -> dict[str, jax.ShapeDtypeStruct]:
@@ -103,6 +95,7 @@ class RolloutSource:
         pad_source: Any,
         eos_token_ids: list[int],
         eval_prompts: Prompts | None = None,
+        tool_calls: ToolCalls | None = None,
     ):
         self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
         self.eval_prompts = eval_prompts  # sampled by GRPOTrainer.evaluate on this engine
@@ -123,9 +116,24 @@ class RolloutSource:
         self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
         self._last_batch_time: float | None = None
         self._old_logps_fn = self._agreement_fn = None
-        self.engine: Engine | None = None  # made at the first round, from the policy
         self.process_index, self.process_count = jax.process_index(), layout.process_count
         self._local_rest: Any = None  # the policy's frozen part on this process's devices
+        self.sampler = RolloutSampler(
+            args,
+            tokenizer,
+            eos_token_ids=eos_token_ids,
+            pad_source=pad_source,
+            prompt_sets=[prompts] + ([eval_prompts] if eval_prompts is not None else []),
+            processes=self.process_count,
+            tool_calls=tool_calls,
+        )
+        self.tool_calls = tool_calls
+        self._episodes: dict[int, Episode] = {}  # this round's multi-turn rollouts, by row
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine the rollouts are sampled on (made at the first round)."""
+        return self.sampler.engine
 
     @property
     def sequence_length(self) -> int:
@@ -237,9 +245,9 @@ class RolloutSource:
         mine = self.local_rows(np.arange(n))  # the round's rows this process generates
         # This process's rows: their completions, sampler log-probs and reward columns.
         start = time.perf_counter()
-        tokens_here, logps_here = self.sample(state, rows, mine, step)
+        here = self.sample(state, rows, mine, step)
         generation_s = time.perf_counter() - start
-        scores_here = self._score(rows, mine, tokens_here)
+        scores_here = self._score(rows, mine, here)
         per_func = self.gather_rows(scores_here)
         rewards, advantages, equal = self._advantages(per_func)
         used, replaced, passes = set(rows.tolist()), 0, 0
@@ -253,19 +261,23 @@ class RolloutSource:
             used.update(fresh.tolist())
             again = np.isin(mine // g, groups)  # this process's rows of those groups
             start = time.perf_counter()
-            tokens_here[again], logps_here[again] = self.sample(
-                state, rows, mine[again], step, attempt
-            )
+            here.assign(again, self.sample(state, rows, mine[again], step, attempt))
             generation_s += time.perf_counter() - start
-            scores_here[again] = self._score(rows, mine[again], tokens_here[again])
+            scores_here[again] = self._score(rows, mine[again], here.select(again))
             per_func = self.gather_rows(scores_here)
             rewards, advantages, equal = self._advantages(per_func)
             replaced, passes = replaced + len(groups), attempt
-        tokens, sampled_logps = self.gather_rows(tokens_here), self.gather_rows(logps_here)
-        length, ended = self._lengths(tokens)
+        every = RolloutRows(**{k: self.gather_rows(v) for k, v in here.arrays().items()})
+        ended = every.ended(self.eos_token_ids)
         scored = ~(~ended & args.mask_truncated_completions)
-        texts = self._texts(tokens, length)
-        host = self._train_rows(rows, tokens, length, scored, advantages, sampled_logps)
+        texts = every.texts(self.tokenizer)
+        host = every.train_rows(
+            scored,
+            advantages,
+            sequence_length=self.sequence_length,
+            pad_token_id=self.pad_source.pad_token_id,
+            accumulation=args.gradient_accumulation_steps,
+        )
         host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
         placed = self.layout.to_global(host, micro_axis=True)
         # The trainer's log-probs of the tokens just sampled, from the parameters that sampled
@@ -281,10 +293,7 @@ class RolloutSource:
             "reward": float(np.nanmean(rewards)),
             "reward_std": float(np.nanstd(rewards, ddof=1)) if n > 1 else 0.0,
             "frac_reward_zero_std": float(equal.reshape(-1, g)[:, 0].mean()),
-            "completions/mean_length": float(length.mean()),
-            "completions/min_length": float(length.min()),
-            "completions/max_length": float(length.max()),
-            "completions/clipped_ratio": float((~ended).mean()),
+            **completion_logs(every, ended, tools=self.tool_calls is not None),
             "time/generation_s": generation_s,
             **agreement_logs,
         }
@@ -298,30 +307,35 @@ class RolloutSource:
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
 
-    def _lengths(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each completion's length (its EOS included) and whether it ended."""
-        is_eos = np.isin(tokens, self.eos_token_ids)
-        ended = is_eos.any(1)
-        return np.where(ended, is_eos.argmax(1) + 1, tokens.shape[1]), ended
-
-    def _texts(self, tokens: np.ndarray, length: np.ndarray) -> list[str]:
-        return self.tokenizer.batch_decode(
-            [tokens[i, : length[i]].tolist() for i in range(len(tokens))],
-            skip_special_tokens=True,
-        )
-
-    def _score(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def _score(self, rows: np.ndarray, positions: np.ndarray, rollouts: RolloutRows) -> np.ndarray:
         """The reward functions' values [len(positions), functions] of the completions
-        `tokens` of the round's rows at `positions` (NaN: a function did not score one)."""
+        `rollouts` of the round's rows at `positions` (NaN: a function did not score one)."""
         if not len(positions):
             return np.zeros((0, len(self.reward_funcs)))
-        texts = self._texts(tokens, self._lengths(tokens)[0])
-        prompt_rows = rows[positions]
+        episodes = [self._episodes[int(p)] for p in positions] if self.tool_calls else None
+        return self.score(self.prompts, rows[positions], rollouts, episodes)
+
+    def score(
+        self,
+        prompts: Prompts,
+        prompt_rows: np.ndarray,
+        rollouts: RolloutRows,
+        episodes: list[Episode] | None,
+    ) -> np.ndarray:
+        """The reward functions' values [N, functions] of `rollouts`, the completions of
+        prompts[prompt_rows]. After tools, reward functions also receive each conversation
+        (`completion_messages`: the model's turns and the tools' answers, TRL's completions)
+        and, with an environment_factory, the rollouts' `environments`."""
+        columns = {k: [v[r] for r in prompt_rows] for k, v in prompts.columns.items()}
+        if episodes is not None:
+            columns["completion_messages"] = [e.messages for e in episodes]
+            if self.tool_calls.factory is not None:
+                columns["environments"] = [e.toolbox.environment for e in episodes]
         return score_completions(
             self.reward_funcs,
-            [self.prompts.values[r] for r in prompt_rows],
-            texts,
-            {k: [v[r] for r in prompt_rows] for k, v in self.prompts.columns.items()},
+            [prompts.values[r] for r in prompt_rows],
+            rollouts.texts(self.tokenizer),
+            columns,
         )
 
     def _advantages(self, per_func: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -356,41 +370,26 @@ class RolloutSource:
 
     def sample(
         self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int, attempt: int = 0
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Completions [len(mine), max_completion_length] of the round's rows at positions
-        `mine` (whole groups of num_generations) from the live parameters, on the engine
-        (serving/): one prefill per prompt, its pages shared by the group. The prompt at
-        place j of the round draws with the round's seed + j, whichever process samples it.
-        A completion that ended is filled with its end-of-sequence id. With them, the
-        sampler's log-prob of each token (after the temperature; 0 after the end). Dynamic
-        sampling's pass `attempt` draws with other seeds (the round's seed + attempt x groups)."""
-        args, g = self.args, self.args.num_generations
+    ) -> RolloutRows:
+        """The completions of the round's rows at positions `mine` (whole groups of
+        num_generations) from the live parameters, on the engine (serving/). The prompt at
+        place j of the round draws with the round's seed + j, whichever process samples it;
+        dynamic sampling's pass `attempt` with other seeds (the round's seed + attempt x
+        groups)."""
+        g = self.args.num_generations
         round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
-        firsts = mine[::g]
-        groups = self.complete(
-            state,
-            [self.prompts.ids[rows[i]] for i in firsts],
-            g,
-            [round_seed + attempt * (len(rows) // g) + i // g for i in firsts],
-        )
-        fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
-        tokens = np.full((len(mine), args.max_completion_length), fill, np.int32)
-        logps = np.zeros((len(mine), args.max_completion_length), np.float32)
-        for p, group in enumerate(groups):
-            for i, completion in enumerate(group):
-                n = len(completion.token_ids)
-                tokens[p * g + i, :n] = completion.token_ids
-                logps[p * g + i, :n] = completion.logprobs
-        return tokens, logps
+        seeds = [round_seed + attempt * (len(rows) // g) + i // g for i in mine[::g]]
+        out, episodes = self.roll(state, self.prompts, rows[mine], g, seeds)
+        for position, episode in zip(mine, episodes or []):
+            self._episodes[int(position)] = episode
+        return out
 
-    def complete(
-        self, state: Any, prompts: list[np.ndarray], n: int, seeds: list[int]
-    ) -> list[list[Completion]]:
-        """`n` completions of each prompt (ending at their EOS or at max_completion_length,
-        in the order of their index) from `state`'s policy; prompt i draws with `seeds[i]`. On
-        several processes, on this process's devices only (every process calls it at the
-        same point: the policy's copy is gathered)."""
-        args = self.args
+    def roll(
+        self, state: Any, prompts: Prompts, prompt_rows: np.ndarray, g: int, seeds: list[int]
+    ) -> tuple[RolloutRows, list[Episode] | None]:
+        """RolloutSampler.roll from `state`'s policy. On several processes, on this
+        process's devices only (every process calls it at the same point: the policy's copy
+        is gathered)."""
         policy = self._program.model_from_state(state)
         if self.process_count > 1:
             # Trained parameters are gathered every round; the rest (a LoRA or QLoRA base,
@@ -400,66 +399,8 @@ class RolloutSource:
                 self._local_rest = process_local_state(rest, self.layout.mesh)
             params = process_local_state(params, self.layout.mesh)
             policy = nnx.merge(graphdef, params, self._local_rest)
-        if self.engine is None:
-            shape = rollout_engine_shape(args)
-            self.engine = Engine(
-                policy,
-                max_slots=shape.max_slots,
-                page_size=shape.page_size,
-                max_length=shape.max_length,
-                eos_token_ids=self.eos_token_ids,
-                logprobs_mode="processed",  # scored as the trainer scores them
-            )
-            self.engine.warm_up(*self._warm_up_limits())
-        self.engine.update_state(nnx.split(policy)[1])
-        settings = [
-            SamplingParams(
-                max_tokens=args.max_completion_length,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k or 0,
-                seed=seed,
-            )  # fmt: skip
-            for seed in seeds
-        ]
-        ids = [self.engine.submit(p, s, n=n) for p, s in zip(prompts, settings)]
-        done: dict[int, list] = {i: [] for i in ids}
-        while any(len(done[i]) < n for i in ids):
-            for completion in self.engine.step():
-                done[completion.request_id].append(completion)
-        return [sorted(done[i], key=lambda c: c.index) for i in ids]
-
-    def _warm_up_limits(self) -> tuple[int, int]:
-        """(the longest prompt, the most prompts one call submits) of the rounds and the
-        evaluations on this process: the engine's warm-up compiles no shape beyond them."""
-        every = [self.prompts] + ([self.eval_prompts] if self.eval_prompts is not None else [])
-        longest = max(len(ids) for prompts in every for ids in prompts.ids)
-        per_round = self.args.total_batch_size // self.process_count // self.args.num_generations
-        per_eval = 0
-        if self.eval_prompts is not None:  # contiguous shares, the first ones the larger
-            per_eval = -(-len(self.eval_prompts) // self.process_count)
-        return longest, max(per_round, per_eval)
-
-    def _train_rows(
-        self, rows, tokens, length, scored, advantages, sampled_logps
-    ) -> dict[str, np.ndarray]:
-        """[A, M, T] rows: prompt then completion, right-padded (causal attention never
-        lets a real token see the padding); labels are the scored completion tokens; the
-        sampler's log-probs [A, M, T - 1] where the trainer's log-prob of each token is."""
-        n, t = len(rows), self.sequence_length
-        ids = np.full((n, t), self.pad_source.pad_token_id, np.int32)
-        labels = np.full((n, t), IGNORE_INDEX, np.int32)
-        sampler = np.zeros((n, t - 1), np.float32)
-        for i, r in enumerate(rows):
-            p, c = self.prompts.ids[r], tokens[i, : length[i]]
-            ids[i, : len(p)], ids[i, len(p) : len(p) + len(c)] = p, c
-            sampler[i, len(p) - 1 : len(p) - 1 + len(c)] = sampled_logps[i, : len(c)]
-            if scored[i]:
-                labels[i, len(p) : len(p) + len(c)] = c
-        a = self.args.gradient_accumulation_steps
-        host = {"input_ids": ids, "labels": labels, "advantages": advantages,
-                "sampler_logps": sampler}  # fmt: skip
-        return {k: v.reshape(a, n // a, *v.shape[1:]) for k, v in host.items()}
+        self.sampler.load(policy)
+        return self.sampler.roll(prompts, prompt_rows, g, seeds)
 
     def _old_logps(self, state: Any, batch: dict[str, jax.Array]) -> jax.Array:
         program, t = self._program, self.args.temperature

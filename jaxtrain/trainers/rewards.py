@@ -80,7 +80,7 @@ def format_regex(pattern: str) -> RewardFunc:
 BUILTINS = ("last_number_matches", "format_regex")
 
 
-def _import_from_here(module_name: str) -> Any:
+def import_from_here(module_name: str) -> Any:
     """Import `module_name`, finding it in the current directory too: the `jaxtrain` console
     script (unlike `python -m`) does not put it on sys.path, and a reward module beside the
     data is the common case."""
@@ -104,21 +104,26 @@ def load_reward(spec: str, *, format_pattern: str | None = None) -> RewardFunc:
                 "the format_regex reward needs a pattern: set format_pattern (--format_pattern)."
             )
         return format_regex(format_pattern)
+    return load_callable(spec, "reward", f"nor a built-in ({', '.join(BUILTINS)})")
+
+
+def load_callable(spec: str, what: str, alternatives: str = "") -> Callable:
+    """A function or class from `module:name` (or `module.name`): a reward, a tool or an
+    environment named on the command line."""
     module_name, sep, attr = spec.partition(":")
     if not sep:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
         raise ArgumentError(
-            f"reward {spec!r} is not module:function (e.g. my_rewards:exact_answer) nor a "
-            f"built-in ({', '.join(BUILTINS)})."
+            f"{what} {spec!r} is not module:name (e.g. my_module:my_{what}) {alternatives}".strip()
         )
     try:
-        fn = getattr(_import_from_here(module_name), attr)
+        found = getattr(import_from_here(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ArgumentError(f"reward {spec!r} cannot be loaded: {exc}") from exc
-    if not callable(fn):
-        raise ArgumentError(f"reward {spec!r} is not callable.")
-    return fn
+        raise ArgumentError(f"{what} {spec!r} cannot be loaded: {exc}") from exc
+    if not callable(found):
+        raise ArgumentError(f"{what} {spec!r} is not callable.")
+    return found
 
 
 def _call(fn: RewardFunc, prompts: list[Any], completions: list[str], columns: dict) -> Any:

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer  # noqa: E402
+from jaxtrain.trainers.rollout_rows import MODEL, RolloutRows  # noqa: E402
 
 WORDS = ["<pad>", "<unk>", "<s>", "</s>"] + [str(i) for i in range(20)] + ["+", "what", "is", "?"]
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -46,11 +47,16 @@ class FixedCompletions(GRPOTrainer):
         rng = np.random.default_rng([int(rows.sum()), step])
         tokens = rng.integers(4, len(WORDS), (len(rows), COMPLETION)).astype(np.int32)
         ends = rng.integers(1, COMPLETION + 2, len(rows))  # some never end (truncated)
-        for i, e in enumerate(ends):
-            if e <= COMPLETION:
-                tokens[i, e - 1] = 3
-        # The sampler's log-probs are 0: the agreement this logs is not what the test checks.
-        return tokens[mine], np.zeros(tokens[mine].shape, np.float32)
+        out = RolloutRows.empty(len(mine), 6, COMPLETION, 3)
+        for j, i in enumerate(mine):
+            n = min(ends[i], COMPLETION)
+            if ends[i] <= COMPLETION:
+                tokens[i, n - 1] = 3
+            # The sampler's log-probs are 0: the agreement this logs is not what the test
+            # checks.
+            prompt = self.train_source.prompts.ids[rows[i]]
+            out.put(j, prompt, tokens[i, :n], np.zeros(n), MODEL)
+        return out
 
 
 def length_reward(prompts, completions, **_):

@@ -23,7 +23,7 @@ from jaxtrain.trainers import (
     ORPOArguments,
     ORPOTrainer,
 )
-from jaxtrain.trainers.grpo_source import rollout_engine_shape
+from jaxtrain.trainers.grpo_sampler import rollout_engine_shape
 
 
 def run_peak(out: Path) -> float:
