@@ -61,6 +61,26 @@ def test_a_group_shares_its_prompt_pages_and_a_later_request_reuses_the_prefix(m
     assert prefills == [13, 15 - 12]  # the cached 3 pages (12 tokens) are not prefilled again
 
 
+def test_a_request_continuing_a_finished_sequence_prefills_only_what_is_new(model):
+    """A tool's answer appended to a completion (a chat's next turn): the finished
+    sequence's written pages are cached, and the continuation decodes as from scratch."""
+    engine = Engine(model, max_slots=2, page_size=4, max_length=48, eos_token_ids=[])
+    prefills = []
+    original = engine.steps.prefill
+    engine.steps.prefill = lambda *a: prefills.append(int((a[2] != 0).sum())) or original(*a)
+    first = prompt(6, 7)
+    greedy = SamplingParams(max_tokens=11, temperature=0.0)
+    [done] = engine.generate([first], greedy)[0]
+    answer = prompt(5, 8)  # what a tool said
+    rest = first + done.token_ids + answer  # 22 tokens: 16 written before (4 full pages)
+    [turn] = engine.generate([rest], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert prefills == [6, len(rest) - 16]
+    fresh = Engine(model, max_slots=2, page_size=4, max_length=48, eos_token_ids=[])
+    again = fresh.generate([rest], SamplingParams(max_tokens=6, temperature=0.0))[0][0]
+    assert turn.token_ids == again.token_ids
+    assert engine.pages.available == engine.pages.num_pages - 1  # cached pages are evictable
+
+
 def test_stop_ids_stop_strings_and_max_tokens(model):
     class Digits:  # a tokenizer for the stop strings: token t is the text "t,"
         eos_token_id = None

@@ -1,0 +1,304 @@
+"""GRPO with tools on the engine: a tiny model taught here to call a calculator, rollouts
+that go on after the tools' answers, the answers' tokens out of the loss, environments per
+rollout, failures answered (never raised), and an exact resume inside a round."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from tool_chat_fixtures import add, broken, tool_tokenizer
+
+from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.data.errors import DatasetError
+from jaxtrain.errors import ArgumentError
+from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.trainers import GRPOArguments, GRPOTrainer
+from jaxtrain.trainers.grpo_loss import grpo_loss
+from jaxtrain.trainers.grpo_prompts import chat_ids
+from jaxtrain.trainers.tool_chat import parse_turn, response_template
+from jaxtrain.trainers.tool_rollouts import Episode, play_tool_turns
+from jaxtrain.trainers.tools import Toolbox
+from jaxtrain.training.logps import model_token_logps
+
+# A short ChatML template that writes tool calls as <tool_call> JSON (Hermes' format): the
+# tokenizer has no response_template, so jaxtrain reads the calls with its own for it.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 5}}\n</tool_call><|im_end|>'
+
+
+def rows(n: int = 4) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"add 2 and 5 ({i})"}], "want": 7}
+            for i in range(n)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [CALL, "<tool_response>\n7\n</tool_response>", TEMPLATE, "add 2 and 5 (0)"]
+    return tool_tokenizer(TEMPLATE, texts + ["{'error': 'the broken tool broke'}"])
+
+
+@pytest.fixture(scope="module")
+def caller(tok):
+    """A tiny Llama trained (a few hundred adam steps) to answer every prompt with CALL."""
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    ids, labels = [], []
+    for row in rows(8):
+        prompt = chat_ids(tok, row["prompt"], [add])
+        call = tok(CALL, add_special_tokens=False)["input_ids"]
+        ids.append(prompt + call)
+        labels.append([IGNORE_INDEX] * len(prompt) + call)
+    width = max(map(len, ids))
+    ids = jnp.asarray([x + [0] * (width - len(x)) for x in ids])
+    labels = jnp.asarray([x + [IGNORE_INDEX] * (width - len(x)) for x in labels])
+    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss(model):
+            logps, mask = model_token_logps(model, ids, labels)
+            return -(logps * mask).sum() / mask.sum()
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    for _ in range(300):
+        value = step(model, optimizer)
+    assert float(value) < 0.05, float(value)
+    return nnx.state(model)
+
+
+def fresh_caller(tok, caller):
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(1))
+    nnx.update(model, jax.tree.map(jnp.copy, caller))
+    return model
+
+
+class Logs:
+    def __init__(self, stop_after=None):
+        self.logs, self.completions, self.stop_after = {}, {}, stop_after
+
+    def on_step_end(self, trainer, state, metrics, step):
+        self.completions[step] = list(trainer.last_completions)
+        if step == self.stop_after:
+            trainer.should_stop = True
+
+    def on_log(self, trainer, logs, step):
+        self.logs[step] = dict(logs)
+
+
+def says_seven(prompts, completions, completion_messages, **_):
+    """1 when a tool answered 7 in the conversation (TRL's completions, as messages)."""
+    return [float(any(m["role"] == "tool" and m["content"] == "7" for m in conversation))
+            for conversation in completion_messages]  # fmt: skip
+
+
+def arguments(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "run"), total_batch_size=8, num_generations=2,
+        max_prompt_length=40, max_completion_length=96, max_steps=2, learning_rate=1e-3,
+        warmup_steps=0, logging_steps=1, progress_bar="none", save_final=False,
+        run_report=False, temperature=0.7, max_tool_calling_iterations=2, seed=3,
+    )  # fmt: skip
+    return GRPOArguments(**{**values, **overrides})
+
+
+def test_rollouts_call_the_tool_and_its_answer_is_out_of_the_loss(tok, caller, tmp_path):
+    logs = Logs()
+    trainer = GRPOTrainer(
+        arguments=arguments(tmp_path),
+        model=fresh_caller(tok, caller),
+        reward_funcs=[says_seven],
+        dataset_train=rows(),
+        processing_class=tok,
+        tools=[add, broken],
+        callbacks=[logs],
+    )
+    trainer.train()
+    first = logs.logs[1]
+    assert first["tools/call_frequency"] >= 1 and first["tools/failure_frequency"] == 0
+    assert first["rewards/says_seven"] == 1.0  # every rollout got the calculator's answer
+    assert 0 < first["tools/environment_token_share"] < 1
+    source = trainer.train_source
+    batch = source._round.host
+    ids, labels = batch["input_ids"].reshape(8, -1), batch["labels"].reshape(8, -1)
+    for i, episode in source._episodes.items():
+        p, n = len(episode.prompt), len(episode.tokens)
+        # The tokens trained on are the tokens sampled and the tools' answers, as they were.
+        assert ids[i, p : p + n].tolist() == episode.tokens
+        assert (labels[i, p : p + n] != IGNORE_INDEX).tolist() == episode.from_model
+        assert not all(episode.from_model)  # a tool answered in every rollout
+        assert episode.messages[1] == {"role": "tool", "name": "add", "content": "7"}
+    # No gradient reaches the log-prob of a token a tool wrote.
+    mask = labels[:, 1:] != IGNORE_INDEX
+    logps = jnp.asarray(np.random.default_rng(0).normal(-2, 0.5, mask.shape), jnp.float32)
+    advantages = jnp.asarray([1.0, -1.0] * 4)
+
+    def loss(logps):
+        return grpo_loss(logps, None, None, advantages, jnp.asarray(mask), loss_type="dapo",
+                         beta=0.0, epsilon=0.2, epsilon_high=0.2, max_completion_length=96)[0]  # fmt: skip
+
+    grad = np.asarray(jax.grad(loss)(logps))
+    assert (grad[~mask] == 0).all() and (grad[mask] != 0).all()
+
+
+class Counter:
+    """An environment: its tool counts, its reward reads the count, reset says the goal."""
+
+    def __init__(self):
+        self.count, self.goal = 0, None
+
+    def reset(self, want, **_):
+        self.count, self.goal = 0, want
+        return f" Reach {want}."
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.count += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+def test_an_environment_per_rollout_whose_reward_reads_its_state(tok, caller, tmp_path):
+    logs = Logs()
+    trainer = GRPOTrainer(
+        arguments=arguments(tmp_path, max_steps=1),
+        model=fresh_caller(tok, caller),
+        dataset_train=rows(),
+        processing_class=tok,
+        environment_factory=Counter,
+        callbacks=[logs],
+    )
+    trainer.train()
+    episodes = trainer.train_source._episodes
+    environments = {id(e.toolbox.environment) for e in episodes.values()}
+    assert len(environments) == 8  # one per rollout
+    for episode in episodes.values():
+        assert episode.toolbox.environment.count == episode.calls
+        assert tok.decode(episode.prompt).count("Reach 7.") == 1  # the observation
+    assert logs.logs[1]["rewards/Counter"] == np.mean([e.calls for e in episodes.values()])
+
+
+def test_resume_inside_a_multi_turn_round_is_exact(tok, caller, tmp_path):
+    args = dict(max_steps=4, num_iterations=2, save_steps=1)
+    whole, part, rest = Logs(), Logs(stop_after=3), Logs()
+
+    def run(out, seen):
+        trainer = GRPOTrainer(
+            arguments=arguments(out, **args),
+            model=fresh_caller(tok, caller),
+            reward_funcs=[says_seven],
+            dataset_train=rows(),
+            processing_class=tok,
+            tools=[add],
+            callbacks=[seen],
+        )
+        return jax.tree.leaves(jax.device_get(trainer.train().state.params))
+
+    full = run(tmp_path / "a", whole)
+    run(tmp_path / "b", part)
+    resumed = run(tmp_path / "b", rest)
+    assert sorted(rest.completions) == [4]
+    assert rest.completions[4] == whole.completions[4]
+    assert rest.logs[4]["loss"] == whole.logs[4]["loss"]
+    for a, b in zip(full, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- failures are answers
+def test_every_failing_call_is_answered_and_counted(tok):
+    import time
+
+    def slow(seconds: float) -> str:
+        """Sleeps.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "done"
+
+    box = Toolbox([add, broken, slow])
+    call = lambda name, **arguments: {"type": "function",  # noqa: E731
+                                      "function": {"name": name, "arguments": arguments}}  # fmt: skip
+    assert box.call(call("add", a=1, b=2), 5.0) == ("add", "3", False)
+    for made, said in [
+        (call("nope"), "{'error': 'Tool nope not found.'}"),
+        (call("add", a=1, c=2), "unexpected keyword argument 'c'"),
+        (call("broken", text="x"), "{'error': 'the broken tool broke'}"),
+        (call("slow", seconds=5), "slow did not answer within 0.2 s"),
+    ]:
+        start = time.perf_counter()
+        name, answer, failed = box.call(made, 0.2)
+        assert failed and said in answer, answer
+        assert time.perf_counter() - start < 2
+
+
+def test_a_malformed_call_is_answered_and_the_rollout_goes_on(tok):
+    template = response_template(tok)
+    prompt = chat_ids(tok, rows(1)[0]["prompt"], [add])
+    bad = tok('<tool_call>\n{"name": "add", "arguments": {"a": 2\n</tool_call><|im_end|>',
+              add_special_tokens=False)["input_ids"]  # fmt: skip
+    turn = parse_turn(tok, template, bad, prompt, [add])
+    assert turn.malformed and not turn.calls
+    plain = tok("It is 7.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert parse_turn(tok, template, plain, prompt, [add]).message["content"] == "It is 7."
+    episode = Episode(list(prompt), Toolbox([add]), list(bad), [0.0] * len(bad))
+    asked = []
+
+    def generate(asks):
+        asked.extend(asks)
+        return [(plain, [0.0] * len(plain)) for _ in asks]
+
+    play_tool_turns([episode], generate, tok, template, max_completion_length=200,
+                    max_iterations=3, timeout=1.0, seed=lambda i, r: 0)  # fmt: skip
+    assert episode.calls == episode.failures == 1 and len(asked) == 1
+    assert "malformed tool call" in episode.messages[1]["content"]
+    assert episode.tokens[-len(plain) :] == plain and episode.from_model[-1]
+
+
+def test_tools_need_a_template_that_shows_them_and_chat_prompts(tmp_path, tok, caller, tokenizer):
+    """`tokenizer`: the task tests' word-level one, whose template has no tool turns."""
+    with pytest.raises(ArgumentError, match="drops tool calls or tool answers"):
+        GRPOTrainer(arguments=arguments(tmp_path), model=fresh_caller(tok, caller),
+                    reward_funcs=[says_seven], dataset_train=rows(), processing_class=tokenizer,
+                    tools=[add])  # fmt: skip
+    with pytest.raises(DatasetError, match="needs chat prompts"):
+        GRPOTrainer(arguments=arguments(tmp_path), model=fresh_caller(tok, caller),
+                    reward_funcs=[says_seven], dataset_train=[{"prompt": "add 2 and 5"}] * 4,
+                    processing_class=tok, tools=[add])  # fmt: skip
