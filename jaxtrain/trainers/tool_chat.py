@@ -3,8 +3,8 @@ parsing), and the tokens that append tools' answers to a conversation.
 
 Parsing goes through the tokenizer's `response_template` (transformers' chat response
 parsing, which types a call's arguments with the tool's JSON schema). A tokenizer without one
-whose template writes calls as `<tool_call>{json}</tool_call>` (Qwen 2.5 / 3, Hermes, SmolLM3:
-ChatML) gets that format's template; any other tokenizer must be given one.
+whose template writes calls as `<tool_call>{json}</tool_call>` in ChatML turns (Qwen 2.5 / 3,
+Hermes, SmolLM3, TOOL_CHAT_TEMPLATE) gets that format's; any other must be given one.
 """
 
 from __future__ import annotations
@@ -15,9 +15,33 @@ from typing import Any
 
 from jaxtrain.errors import ArgumentError
 
-__all__ = ["ToolTurn", "check_tool_template", "parse_turn", "response_template", "tool_suffix_ids"]
+__all__ = [
+    "TOOL_CHAT_TEMPLATE",
+    "ToolTurn",
+    "check_tool_template",
+    "parse_turn",
+    "response_template",
+    "tool_suffix_ids",
+]
 
 HERMES_OPEN = "<tool_call>"
+
+# A chat template for a tokenizer that has none with tools (a base model taught to call
+# them): ChatML turns ended by the tokenizer's own end-of-sequence token, the tools' names
+# and JSON schemas in a system turn, calls as <tool_call> JSON, answers as a user turn.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n{% for t in tools %}"
+    "{{ t | tojson }}\n{% endfor %}{{ eos_token }}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}{{ eos_token }}\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response>{{ eos_token }}\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ eos_token }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class ToolTurn:

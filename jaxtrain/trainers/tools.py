@@ -105,6 +105,14 @@ class ToolCalls:
             self._pool = [probe]  # instances are reused round after round, reset each time
         if not self.schema_tools:
             raise ArgumentError("tools: give at least one tool (a function or an environment)")
+        names = [tool.__name__ for tool in self.schema_tools]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            where = f" and {type(probe).__name__}'s methods" if environment_factory else ""
+            raise ArgumentError(
+                f"two tools are named {twice[0]!r} (among the functions in tools{where}): the "
+                "model calls tools by name; rename one"
+            )
 
     def toolboxes(self, rows: list[dict[str, Any]]) -> tuple[list[Toolbox], list[str | None]]:
         """A toolbox per rollout of `rows` (their dataset rows) and what each environment's

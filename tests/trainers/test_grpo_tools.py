@@ -23,26 +23,14 @@ from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer
 from jaxtrain.trainers.grpo_loss import grpo_loss
 from jaxtrain.trainers.grpo_prompts import chat_ids
-from jaxtrain.trainers.tool_chat import parse_turn, response_template
+from jaxtrain.trainers.tool_chat import TOOL_CHAT_TEMPLATE, parse_turn, response_template
 from jaxtrain.trainers.tool_rollouts import Episode, play_tool_turns
 from jaxtrain.trainers.tools import Toolbox
 from jaxtrain.training.logps import model_token_logps
 
-# A short ChatML template that writes tool calls as <tool_call> JSON (Hermes' format): the
-# tokenizer has no response_template, so jaxtrain reads the calls with its own for it.
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-    "\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
-    "\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# jaxtrain's ChatML template with tools (<tool_call> JSON): the tokenizer has no
+# response_template, so jaxtrain reads the calls with its own for that format.
+TEMPLATE = TOOL_CHAT_TEMPLATE
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 5}}\n</tool_call><|im_end|>'
 
 
@@ -53,20 +41,26 @@ def rows(n: int = 4) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tok():
-    texts = [CALL, "<tool_response>\n7\n</tool_response>", TEMPLATE, "add 2 and 5 (0)"]
+    texts = [CALL, "<tool_response>\n7\n</tool_response>", "add 2 and 5 (0) Reach 7."]
+    shown = tool_tokenizer(TEMPLATE, [])  # to render the prompts the BPE then compresses
+    texts += [shown.apply_chat_template(r["prompt"], tools=[add, broken], tokenize=False)
+              for r in rows(2)]  # fmt: skip
     return tool_tokenizer(TEMPLATE, texts + ["{'error': 'the broken tool broke'}"])
 
 
 @pytest.fixture(scope="module")
 def caller(tok):
-    """A tiny Llama trained (a few hundred adam steps) to answer every prompt with CALL."""
+    """A tiny Llama trained (a few hundred adam steps) to answer every prompt with CALL
+    (with and without the Counter environment's observation)."""
     config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                         max_position_embeddings=512, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id)  # fmt: skip
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     ids, labels = [], []
-    for row in rows(8):
+    observed = [{"prompt": [{"role": "user", "content": m["content"] + " Reach 7."}]}
+                for r in rows(8) for m in r["prompt"]]  # fmt: skip
+    for row in rows(8) + observed:  # with Counter's observation too
         prompt = chat_ids(tok, row["prompt"], [add])
         call = tok(CALL, add_special_tokens=False)["input_ids"]
         ids.append(prompt + call)
@@ -95,7 +89,7 @@ def caller(tok):
 def fresh_caller(tok, caller):
     config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                         max_position_embeddings=512, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id)  # fmt: skip
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(1))
     nnx.update(model, jax.tree.map(jnp.copy, caller))
@@ -124,7 +118,7 @@ def says_seven(prompts, completions, completion_messages, **_):
 def arguments(tmp_path, **overrides):
     values = dict(
         output_dir=str(tmp_path / "run"), total_batch_size=8, num_generations=2,
-        max_prompt_length=40, max_completion_length=96, max_steps=2, learning_rate=1e-3,
+        max_prompt_length=144, max_completion_length=64, max_steps=2, learning_rate=1e-3,
         warmup_steps=0, logging_steps=1, progress_bar="none", save_final=False,
         run_report=False, temperature=0.7, max_tool_calling_iterations=2, seed=3,
     )  # fmt: skip
@@ -139,7 +133,7 @@ def test_rollouts_call_the_tool_and_its_answer_is_out_of_the_loss(tok, caller, t
         reward_funcs=[says_seven],
         dataset_train=rows(),
         processing_class=tok,
-        tools=[add, broken],
+        tools=[add],  # as the model was taught: the prompt shows this one
         callbacks=[logs],
     )
     trainer.train()
@@ -164,7 +158,7 @@ def test_rollouts_call_the_tool_and_its_answer_is_out_of_the_loss(tok, caller, t
 
     def loss(logps):
         return grpo_loss(logps, None, None, advantages, jnp.asarray(mask), loss_type="dapo",
-                         beta=0.0, epsilon=0.2, epsilon_high=0.2, max_completion_length=96)[0]  # fmt: skip
+                         beta=0.0, epsilon=0.2, epsilon_high=0.2, max_completion_length=64)[0]  # fmt: skip
 
     grad = np.asarray(jax.grad(loss)(logps))
     assert (grad[~mask] == 0).all() and (grad[mask] != 0).all()
@@ -209,9 +203,11 @@ def test_an_environment_per_rollout_whose_reward_reads_its_state(tok, caller, tm
     environments = {id(e.toolbox.environment) for e in episodes.values()}
     assert len(environments) == 8  # one per rollout
     for episode in episodes.values():
-        assert episode.toolbox.environment.count == episode.calls
+        assert episode.toolbox.environment.count == episode.calls - episode.failures
         assert tok.decode(episode.prompt).count("Reach 7.") == 1  # the observation
-    assert logs.logs[1]["rewards/Counter"] == np.mean([e.calls for e in episodes.values()])
+    made = [e.calls - e.failures for e in episodes.values()]
+    assert logs.logs[1]["rewards/Counter"] == np.mean(made)
+    assert logs.logs[1]["tools/call_frequency"] >= 1
 
 
 def test_resume_inside_a_multi_turn_round_is_exact(tok, caller, tmp_path):
@@ -238,6 +234,26 @@ def test_resume_inside_a_multi_turn_round_is_exact(tok, caller, tmp_path):
     assert rest.logs[4]["loss"] == whole.logs[4]["loss"]
     for a, b in zip(full, resumed, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_command_line_names_tools_and_the_environment(tok, caller, tmp_path):
+    """--tools module:function,... and --environment module:Class (found on sys.path)."""
+    args = arguments(tmp_path, tools="tool_chat_fixtures:broken, tool_chat_fixtures:add",
+                     environment="test_grpo_tools:Counter")  # fmt: skip
+    assert args.tools == ["tool_chat_fixtures:broken", "tool_chat_fixtures:add"]
+    with pytest.raises(ArgumentError, match="two tools are named .add.*Counter"):
+        GRPOTrainer(arguments=args, model=fresh_caller(tok, caller), dataset_train=rows(),
+                    processing_class=tok)  # fmt: skip
+    args.tools = args.tools[:1]
+    trainer = GRPOTrainer(arguments=args, model=fresh_caller(tok, caller), dataset_train=rows(),
+                          processing_class=tok)  # fmt: skip
+    shown = trainer.train_source.tool_calls.schema_tools
+    assert [t.__name__ for t in shown] == ["broken", "add"]  # Counter.add after the functions
+    assert [f.__name__ for f in trainer.reward_funcs] == ["Counter"]
+    with pytest.raises(ArgumentError, match="tool 'tool_chat_fixtures:nope' cannot be loaded"):
+        GRPOTrainer(arguments=arguments(tmp_path, tools=["tool_chat_fixtures:nope"]),
+                    model=fresh_caller(tok, caller), dataset_train=rows(), processing_class=tok,
+                    reward_funcs=[says_seven])  # fmt: skip
 
 
 # ---------------------------------------------------------------- failures are answers
