@@ -15,6 +15,7 @@ from typing import Any
 from jaxtrain.serving.limits import ServeLimits
 from jaxtrain.serving.logprobs_api import chat_logprobs, completion_logprobs, requested
 from jaxtrain.serving.sampling import SamplingParams
+from jaxtrain.serving.tool_api import ToolRequest, read_tools, template_messages, tool_message
 
 __all__ = ["ParsedRequest", "RequestError", "chunk", "error_body", "parse_request", "response"]
 
@@ -55,6 +56,7 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool = False  # vLLM's extension: the prompt's and each sample's ids
     logprobs: int | None = None  # alternatives per token wanted; None: no log-probs
+    tools: ToolRequest | None = None  # the tools shown; the samples' calls are read back
 
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
@@ -107,12 +109,20 @@ def parse_request(
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list of messages", "messages")
+        tools = read_tools(body, tokenizer, RequestError)
+        messages = template_messages(messages, RequestError)
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                messages,
+                tools=tools.tools if tools else None,
+                add_generation_prompt=True,
+                tokenize=True,
+            )
         except Exception as err:  # a malformed message or a tokenizer without a template
             raise RequestError(400, f"the messages cannot be rendered: {err}", "messages") from None
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     else:
+        tools = None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -196,6 +206,7 @@ def parse_request(
         include_usage=bool(stream_options.get("include_usage", False)),
         return_token_ids=_flag(body, "return_token_ids"),
         logprobs=logprobs,
+        tools=tools,
     )
 
 
@@ -236,11 +247,16 @@ def response(
     for i, sample in enumerate(samples):
         text = sample.text or ""
         choice: dict[str, Any] = {"index": i}
-        if request.chat:
+        choice["finish_reason"] = sample.finish_reason
+        if request.tools is not None:
+            choice["message"], called = tool_message(
+                request.tools, tokenizer, sample.token_ids, request.prompt_ids
+            )
+            choice["finish_reason"] = "tool_calls" if called else sample.finish_reason
+        elif request.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["finish_reason"] = sample.finish_reason
         choice["logprobs"] = logprobs_field(
             request, tokenizer, sample.token_ids, sample.logprobs, sample.top_logprobs
         )
@@ -271,6 +287,7 @@ def chunk(
     first: bool = False,
     token_ids: list[int] | None = None,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One server-sent event of a stream: sample `index`'s new text, or its end. With
     `return_token_ids`, the ids of the tokens that arrived since the sample's last event
@@ -279,6 +296,8 @@ def chunk(
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:  # whole calls, each with its place in the list
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}

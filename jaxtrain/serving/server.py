@@ -34,6 +34,7 @@ from jaxtrain.serving.openai_api import (
     usage,
 )
 from jaxtrain.serving.runner import EngineRunner, Event, QueueFull
+from jaxtrain.serving.tool_api import tool_message
 
 __all__ = ["create_app"]
 
@@ -239,7 +240,8 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
     sent_ids = dict.fromkeys(range(parsed.n), 0)  # and token ids (return_token_ids)
     finished: dict[int, int] = {}
 
-    def event(index: int, text: str | None, reason: str | None, first: bool = False) -> str:
+    def event(index: int, text: str | None, reason: str | None, first: bool = False,
+              tool_calls: list | None = None) -> str:  # fmt: skip
         new = slice(sent_ids[index], len(ids[index]))  # the tokens this event carries
         sent_ids[index] = len(ids[index])
         logprobs = None
@@ -250,7 +252,7 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
             )
         body = chunk(
             parsed, model_name, stream_id, index, text, reason, first=first,
-            token_ids=ids[index][new], logprobs=logprobs,
+            token_ids=ids[index][new], logprobs=logprobs, tool_calls=tool_calls,
         )  # fmt: skip
         return f"data: {json.dumps(body)}\n\n"
 
@@ -269,6 +271,8 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
                 ids[i].append(item.token)
                 lps[i].append(item.logprob)
                 tops[i].append(item.top_logprobs or {})
+                if parsed.tools is not None:  # a call is read whole: the text waits for the end
+                    continue
                 text = tokenizer.decode(ids[i], skip_special_tokens=True)
                 safe = len(text) - hold if parsed.params.stop else len(text)
                 if text.endswith("\ufffd"):  # half of a multi-byte character
@@ -283,7 +287,13 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
                 tops[i] = list(completion.top_logprobs or [{}] * len(ids[i]))
                 final = completion.text or ""
                 rest = final[sent[i] :] if len(final) > sent[i] else ""
-                yield event(i, rest or None, completion.finish_reason)
+                if parsed.tools is not None:
+                    message, called = tool_message(parsed.tools, tokenizer, ids[i],
+                                                   parsed.prompt_ids)  # fmt: skip
+                    reason = "tool_calls" if called else completion.finish_reason
+                    yield event(i, message["content"], reason, tool_calls=message.get("tool_calls"))
+                else:
+                    yield event(i, rest or None, completion.finish_reason)
                 finished[i] = len(completion.token_ids)
         if parsed.include_usage:
             tail = chunk(parsed, model_name, stream_id, 0, None, None)

@@ -22,6 +22,7 @@ from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
+from jaxtrain.serving.tool_chat import check_tool_template
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.base import concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
@@ -29,7 +30,6 @@ from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_n
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
 from jaxtrain.trainers.grpo_source import RolloutSource
 from jaxtrain.trainers.rewards import load_callable, load_reward, reward_name
-from jaxtrain.trainers.tool_chat import check_tool_template
 from jaxtrain.trainers.tools import ToolCalls
 from jaxtrain.training.logps import model_token_logps
 from jaxtrain.training.program import Objective

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jaxtrain.trainers.tool_chat import ToolTurn, parse_turn, tool_suffix_ids
+from jaxtrain.serving.tool_chat import ToolTurn, parse_turn, tool_suffix_ids
 from jaxtrain.trainers.tools import Toolbox
 
 __all__ = ["Episode", "Generate", "play_tool_turns"]

@@ -11,22 +11,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
-from tool_chat_fixtures import add, broken, tool_tokenizer
+from tool_chat_fixtures import add, broken, tool_caller, tool_tokenizer
 
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.errors import ArgumentError
-from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.serving.tool_chat import TOOL_CHAT_TEMPLATE, parse_turn, response_template
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer
 from jaxtrain.trainers.grpo_loss import grpo_loss
 from jaxtrain.trainers.grpo_prompts import chat_ids
-from jaxtrain.trainers.tool_chat import TOOL_CHAT_TEMPLATE, parse_turn, response_template
 from jaxtrain.trainers.tool_rollouts import Episode, play_tool_turns
 from jaxtrain.trainers.tools import Toolbox
-from jaxtrain.training.logps import model_token_logps
 
 # jaxtrain's ChatML template with tools (<tool_call> JSON): the tokenizer has no
 # response_template, so jaxtrain reads the calls with its own for that format.
@@ -50,48 +47,16 @@ def tok():
 
 @pytest.fixture(scope="module")
 def caller(tok):
-    """A tiny Llama trained (a few hundred adam steps) to answer every prompt with CALL
-    (with and without the Counter environment's observation)."""
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id)  # fmt: skip
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-    ids, labels = [], []
-    observed = [{"prompt": [{"role": "user", "content": m["content"] + " Reach 7."}]}
+    """Parameters of a tiny Llama that answers every prompt with CALL (with and without the
+    Counter environment's observation)."""
+    observed = [[{"role": "user", "content": m["content"] + " Reach 7."}]
                 for r in rows(8) for m in r["prompt"]]  # fmt: skip
-    for row in rows(8) + observed:  # with Counter's observation too
-        prompt = chat_ids(tok, row["prompt"], [add])
-        call = tok(CALL, add_special_tokens=False)["input_ids"]
-        ids.append(prompt + call)
-        labels.append([IGNORE_INDEX] * len(prompt) + call)
-    width = max(map(len, ids))
-    ids = jnp.asarray([x + [0] * (width - len(x)) for x in ids])
-    labels = jnp.asarray([x + [IGNORE_INDEX] * (width - len(x)) for x in labels])
-    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer):
-        def loss(model):
-            logps, mask = model_token_logps(model, ids, labels)
-            return -(logps * mask).sum() / mask.sum()
-
-        value, grads = nnx.value_and_grad(loss)(model)
-        optimizer.update(model, grads)
-        return value
-
-    for _ in range(300):
-        value = step(model, optimizer)
-    assert float(value) < 0.05, float(value)
-    return nnx.state(model)
+    chats = [r["prompt"] for r in rows(8)] + observed
+    return nnx.state(tool_caller(tok, chats, [add], CALL))
 
 
 def fresh_caller(tok, caller):
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id)  # fmt: skip
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(1))
+    model = tool_caller(tok, [], [add], CALL, steps=0)  # the architecture, then its weights
     nnx.update(model, jax.tree.map(jnp.copy, caller))
     return model
 
@@ -121,6 +86,7 @@ def arguments(tmp_path, **overrides):
         max_prompt_length=144, max_completion_length=64, max_steps=2, learning_rate=1e-3,
         warmup_steps=0, logging_steps=1, progress_bar="none", save_final=False,
         run_report=False, temperature=0.7, max_tool_calling_iterations=2, seed=3,
+        eval_num_generations=2, eval_steps=100,
     )  # fmt: skip
     return GRPOArguments(**{**values, **overrides})
 
@@ -135,8 +101,9 @@ def test_rollouts_call_the_tool_and_its_answer_is_out_of_the_loss(tok, caller, t
         processing_class=tok,
         tools=[add],  # as the model was taught: the prompt shows this one
         callbacks=[logs],
+        dataset_eval=rows(2),
     )
-    trainer.train()
+    output = trainer.train()
     first = logs.logs[1]
     assert first["tools/call_frequency"] >= 1 and first["tools/failure_frequency"] == 0
     assert first["rewards/says_seven"] == 1.0  # every rollout got the calculator's answer
@@ -162,6 +129,10 @@ def test_rollouts_call_the_tool_and_its_answer_is_out_of_the_loss(tok, caller, t
 
     grad = np.asarray(jax.grad(loss)(logps))
     assert (grad[~mask] == 0).all() and (grad[mask] != 0).all()
+    # The evaluation runs the same tool loop: calls per episode, failures, rewards.
+    scores = trainer.evaluate(output.state)
+    assert scores["eval/tools/calls_per_episode"] >= 1 and scores["eval/tools/failures"] == 0
+    assert scores["eval/rewards/says_seven"] == 1.0
 
 
 class Counter:

@@ -70,3 +70,49 @@ def tiny_llama(tokenizer, path: Path, seed: int = 0) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model.save_pretrained(path)
     return path
+
+
+def tool_caller(tokenizer, conversations: list[list[dict]], tools: list, answer: str, steps=300):
+    """A tiny jaxtrain Llama trained (adam, `steps` full-batch steps) to answer each of
+    `conversations` (shown `tools`) with `answer`: a model that calls a tool when asked."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxtrain.data.collate import IGNORE_INDEX
+    from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+    from jaxtrain.trainers.grpo_prompts import chat_ids
+    from jaxtrain.training.logps import model_token_logps
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    if not steps:
+        return model
+    reply = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    ids, labels = [], []
+    for messages in conversations:
+        prompt = chat_ids(tokenizer, messages, tools)
+        ids.append(prompt + reply)
+        labels.append([IGNORE_INDEX] * len(prompt) + reply)
+    width = max(map(len, ids))
+    ids = jnp.asarray([x + [0] * (width - len(x)) for x in ids])
+    labels = jnp.asarray([x + [IGNORE_INDEX] * (width - len(x)) for x in labels])
+    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss(model):
+            logps, mask = model_token_logps(model, ids, labels)
+            return -(logps * mask).sum() / mask.sum()
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    for _ in range(steps):
+        value = step(model, optimizer)
+    assert float(value) < 0.05, f"the caller did not learn its answer (loss {float(value)})"
+    return model

@@ -30,17 +30,17 @@ HERMES_OPEN = "<tool_call>"
 # them): ChatML turns ended by the tokenizer's own end-of-sequence token, the tools' names
 # and JSON schemas in a system turn, calls as <tool_call> JSON, answers as a user turn.
 TOOL_CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n{% for t in tools %}"
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n{% for t in tools %}"
     "{{ t | tojson }}\n{% endfor %}{{ eos_token }}\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
     '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
     "\n</tool_call>{% endfor %}{{ eos_token }}\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
     "\n</tool_response>{{ eos_token }}\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ eos_token }}\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
