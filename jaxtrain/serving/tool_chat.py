@@ -27,11 +27,14 @@ __all__ = [
 HERMES_OPEN = "<tool_call>"
 
 # A chat template for a tokenizer that has none with tools (a base model taught to call
-# them): ChatML turns ended by the tokenizer's own end-of-sequence token, the tools' names
-# and JSON schemas in a system turn, calls as <tool_call> JSON, answers as a user turn.
+# them): ChatML turns ended by the tokenizer's own end-of-sequence token, the tools' JSON
+# schemas and the call format in a system turn, calls as <tool_call> JSON, answers as a user
+# turn.
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nYou may call these tools:\n{% for t in tools %}"
-    "{{ t | tojson }}\n{% endfor %}{{ eos_token }}\n{% endif %}"
+    "{{ t | tojson }}\n{% endfor %}To call one, answer <tool_call>\n"
+    '{"name": <its name>, "arguments": <an object>}\n</tool_call>'
+    "{{ eos_token }}\n{% endif %}"
     "{% for m in messages %}"
     "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
     "{% for c in m.tool_calls or [] %}<tool_call>\n"

@@ -83,7 +83,7 @@ def says_seven(prompts, completions, completion_messages, **_):
 def arguments(tmp_path, **overrides):
     values = dict(
         output_dir=str(tmp_path / "run"), total_batch_size=8, num_generations=2,
-        max_prompt_length=144, max_completion_length=64, max_steps=2, learning_rate=1e-3,
+        max_prompt_length=192, max_completion_length=64, max_steps=2, learning_rate=1e-3,
         warmup_steps=0, logging_steps=1, progress_bar="none", save_final=False,
         run_report=False, temperature=0.7, max_tool_calling_iterations=2, seed=3,
         eval_num_generations=2, eval_steps=100,
