@@ -9,10 +9,12 @@ a group whose rewards are all equal is first replaced by a group of another prom
 by seed and round, in up to dynamic_sampling_passes more passes). The later updates of a
 round reuse its batch (with the log-probs of the policy that sampled it); a checkpoint inside
 a round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact.
-The train step's shapes are fixed (prompts left-padded to max_prompt_length, completions
-max_completion_length), so it compiles once; the engine compiles every bucket of its prefill
-and decode steps when it is made, before the first round samples (`Engine.warm_up`), and
-nothing after.
+With tools (GRPOTrainer's `tools`, `environment_factory`) a rollout goes on through its tool
+calls, the tools' answers appended to its tokens and masked out of the loss (grpo_sampler.py,
+tool_rollouts.py, rollout_rows.py). The train step's shapes are fixed (a row is a prompt of at
+most max_prompt_length tokens, then its completion, right-padded to their sum), so it compiles
+once; the engine compiles every bucket of its prefill and decode steps when it is made, before
+the first round samples (`Engine.warm_up`), and nothing after.
 
 On several processes each generates the completions of its own rows of every micro-batch
 (whole groups: the layout's contiguous share of each micro-batch) on an engine of its own,
