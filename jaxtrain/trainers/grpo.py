@@ -73,7 +73,7 @@ class GRPOTrainer(Trainer):
             )
         self.grpo_args = args
         tool_calls = self._tool_calls(tools, environment_factory, args, processing_class)
-        extra = [tool_calls.reward] if tool_calls is not None and tool_calls.reward else []
+        extra = tool_calls.rewards if tool_calls is not None else []  # environments' get_reward
         self.reward_funcs = reward_funcs = self._reward_funcs(reward_funcs, args, extra)
         weights = args.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
@@ -83,7 +83,7 @@ class GRPOTrainer(Trainer):
             )
         if dataset_train is None:
             raise ArgumentError("GRPOTrainer needs dataset_train (the prompts).")
-        shown = tool_calls.schema_tools if tool_calls is not None else None
+        shown = tool_calls.shown if tool_calls is not None else None  # each row's tools
         prompts = read_prompts(dataset_train, processing_class, args.max_prompt_length, shown)
         self.prompt_truncated_share = prompts.truncated_share
         dataset_eval = kwargs.pop("dataset_eval", None)

@@ -56,10 +56,11 @@ def observed_prompt(messages: list, observation: str) -> list:
     return [*messages[:-1], {**last, "content": last["content"] + observation}]
 
 
-def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: list | None = None) -> Prompts:
+def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: Any = None) -> Prompts:
     """Every prompt tokenized (left-truncated to `limit` tokens, with a warning giving the
     share), what reward functions receive as `prompts`, and the other columns. Chat prompts
-    show the model `tools` (their schemas, as the chat template writes them)."""
+    show the model `tools` (their schemas, as the chat template writes them), or
+    `tools(row, index)`, a row's own."""
     rows = _rows(dataset)
     if not rows:
         raise DatasetError("dataset_train is empty; pass at least one prompt row")
@@ -87,7 +88,7 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: list | None = 
         if kind == "text":
             tokens, text = tokenizer(value, add_special_tokens=True)["input_ids"], value
         elif kind == "chat":
-            tokens = chat_ids(tokenizer, value, tools)
+            tokens = chat_ids(tokenizer, value, tools(row, i) if callable(tools) else tools)
             text = value  # reward functions get the messages, as TRL passes them
         else:
             tokens, text = list(value), tokenizer.decode(list(value))

@@ -93,8 +93,8 @@ class RolloutSampler:
         if self.tool_calls is not None:
             boxes, seen = self.tool_calls.toolboxes([prompts.row(r) for r in prompt_rows])
             ids = [
-                x if o is None else self._observed(prompts.values[r], o)
-                for x, r, o in zip(ids, prompt_rows, seen)
+                x if o is None else self._observed(prompts.values[r], o, box.tools)
+                for x, r, o, box in zip(ids, prompt_rows, seen, boxes)
             ]
         asks: list[Ask] = []
         for p, seed in enumerate(seeds):
@@ -158,11 +158,9 @@ class RolloutSampler:
         done = self.run([(ids, 1, seed, room) for ids, room, seed in asks])
         return [(group[0].token_ids, group[0].logprobs) for group in done]
 
-    def _observed(self, messages: list, observation: str) -> np.ndarray:
+    def _observed(self, messages: list, observation: str, tools: list) -> np.ndarray:
         """A prompt with its environment's observation, tokenized (left-cut to fit)."""
-        tokens = chat_ids(
-            self.tokenizer, observed_prompt(messages, observation), self.tool_calls.schema_tools
-        )
+        tokens = chat_ids(self.tokenizer, observed_prompt(messages, observation), tools)
         return np.asarray(tokens[-self.args.max_prompt_length :], np.int32)
 
     def _warm_up_limits(self) -> tuple[int, int]:

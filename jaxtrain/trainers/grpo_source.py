@@ -331,7 +331,7 @@ class RolloutSource:
         columns = {k: [v[r] for r in prompt_rows] for k, v in prompts.columns.items()}
         if episodes is not None:
             columns["completion_messages"] = [e.messages for e in episodes]
-            if self.tool_calls.factory is not None:
+            if self.tool_calls.factories:
                 columns["environments"] = [e.toolbox.environment for e in episodes]
         return score_completions(
             self.reward_funcs,

@@ -76,55 +76,79 @@ def _run(tool: Callable, arguments: dict[str, Any], timeout: float | None) -> An
 
 class ToolCalls:
     """The tools of every rollout (GRPOTrainer's `tools` and `environment_factory`) and the
-    environments of the current round, made and reset per rollout."""
+    environments of the current round, made and reset per rollout. `environment_factory` is
+    one factory, or several by name (`{name: factory}`, TRL's shape): each row's `environment`
+    column names its own, and its prompt shows that environment's tools only."""
 
-    def __init__(self, tools: Sequence[Callable] | None, environment_factory: Callable | None):
+    def __init__(self, tools: Sequence[Callable] | None, environment_factory: Any):
         self.tools = list(tools or [])
         for tool in self.tools:
             if not callable(tool) or not getattr(tool, "__name__", None):
                 raise ArgumentError(f"tool {tool!r} is not a named function")
-        if isinstance(environment_factory, dict):
-            raise ArgumentError(
-                "environment_factory takes one factory (a class or function returning an "
-                "environment); several environments chosen per row are not supported yet."
-            )
+        self.by_row = isinstance(environment_factory, dict)
+        factories = environment_factory if self.by_row else {None: environment_factory}
+        if self.by_row and not factories:
+            raise ArgumentError("environment_factory is an empty dict; name one environment")
         self.factory = environment_factory
-        self.reward: Callable | None = None
-        self.schema_tools = self.tools  # what the chat template shows: functions + methods
-        if environment_factory is not None:
-            probe = environment_factory()
+        self.factories = {k: f for k, f in factories.items() if f is not None}
+        self.rewards: list[Callable] = []
+        self._pools: dict[Any, list[Any]] = {}  # instances reused round after round
+        self._shown: dict[Any, list[Callable]] = {None: self.tools}
+        for name, factory in self.factories.items():
+            probe = factory()
             if not callable(getattr(probe, "reset", None)):
                 raise ArgumentError(
                     f"environment_factory made a {type(probe).__name__}, which has no reset() "
                     "method; an environment needs reset(**row) (it may return an observation "
                     "appended to the prompt)."
                 )
-            self.schema_tools = Toolbox(self.tools, probe).tools
-            if callable(getattr(probe, "get_reward", None)):
-                self.reward = environment_reward(type(probe))
-            self._pool = [probe]  # instances are reused round after round, reset each time
+            self._shown[name] = Toolbox(self.tools, probe).tools
+            _check_names(self._shown[name], type(probe).__name__)
+            has_reward = callable(getattr(probe, "get_reward", None))
+            if has_reward and type(probe) not in [r.environment for r in self.rewards]:
+                self.rewards.append(environment_reward(type(probe)))
+            self._pools[name] = [probe]
+        # Every tool a prompt may show (the template check, the warm-up's prompt lengths).
+        self.schema_tools = list({id(t): t for v in self._shown.values() for t in v}.values())
         if not self.schema_tools:
             raise ArgumentError("tools: give at least one tool (a function or an environment)")
-        names = [tool.__name__ for tool in self.schema_tools]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            where = f" and {type(probe).__name__}'s methods" if environment_factory else ""
+        _check_names(self.tools, None)
+
+    def environment_of(self, row: dict[str, Any], index: int | None = None) -> Any:
+        """The name of `row`'s environment (None with one factory or none)."""
+        if not self.by_row:
+            return None
+        name = row.get("environment")
+        if name not in self.factories:
+            where = f"row {index}" if index is not None else "a row"
             raise ArgumentError(
-                f"two tools are named {twice[0]!r} (among the functions in tools{where}): the "
-                "model calls tools by name; rename one"
+                f"{where} has environment={name!r}; environment_factory names "
+                f"{sorted(self.factories)}: give each row an `environment` column among them"
             )
+        return name
+
+    def shown(self, row: dict[str, Any], index: int | None = None) -> list[Callable]:
+        """The tools `row`'s prompt shows the model."""
+        return self._shown[self.environment_of(row, index) if self.factories else None]
 
     def toolboxes(self, rows: list[dict[str, Any]]) -> tuple[list[Toolbox], list[str | None]]:
         """A toolbox per rollout of `rows` (their dataset rows) and what each environment's
         reset returned (an observation for the prompt, or None)."""
-        if self.factory is None:
+        if not self.factories:
             box = Toolbox(self.tools)
             return [box] * len(rows), [None] * len(rows)
-        while len(self._pool) < len(rows):
-            self._pool.append(self.factory())
+        taken: dict[Any, int] = {}
         boxes, observations = [], []
-        for environment, row in zip(self._pool, rows):
-            observation = environment.reset(**row)
+        for row in rows:
+            name = self.environment_of(row)
+            pool, k = self._pools[name], taken.get(name, 0)
+            if k == len(pool):
+                pool.append(self.factories[name]())
+            environment, taken[name] = pool[k], k + 1
+            arguments = {
+                key: v for key, v in row.items() if not (self.by_row and key == "environment")
+            }
+            observation = environment.reset(**arguments)
             if observation is not None and not isinstance(observation, str):
                 raise ArgumentError(
                     f"{type(environment).__name__}.reset returned {type(observation).__name__}; "
@@ -135,6 +159,17 @@ class ToolCalls:
         return boxes, observations
 
 
+def _check_names(tools: list[Callable], environment: str | None) -> None:
+    names = [tool.__name__ for tool in tools]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        where = f" and {environment}'s methods" if environment else ""
+        raise ArgumentError(
+            f"two tools are named {twice[0]!r} (among the functions in tools{where}): the "
+            "model calls tools by name; rename one"
+        )
+
+
 def environment_reward(cls: type) -> Callable:
     """A reward function that asks each rollout's environment (of class `cls`) for its
     reward, named after the class."""
@@ -143,4 +178,5 @@ def environment_reward(cls: type) -> Callable:
         return [e.get_reward() if type(e) is cls else None for e in environments]
 
     reward.__name__ = cls.__name__
+    reward.environment = cls  # type: ignore[attr-defined]
     return reward

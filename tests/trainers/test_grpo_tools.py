@@ -181,6 +181,45 @@ def test_an_environment_per_rollout_whose_reward_reads_its_state(tok, caller, tm
     assert logs.logs[1]["tools/call_frequency"] >= 1
 
 
+class Multiplier:
+    """Another environment, without a reward of its own."""
+
+    def reset(self, **row):
+        return None
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        return a * b
+
+
+def test_environments_chosen_per_row_show_their_own_tools(tok, caller, tmp_path):
+    """TRL's dict environment_factory: each row's `environment` column picks one."""
+    picked = [{**row, "environment": ["count", "mul"][i % 2]} for i, row in enumerate(rows())]
+    trainer = GRPOTrainer(
+        arguments=arguments(tmp_path), model=fresh_caller(tok, caller), dataset_train=picked,
+        processing_class=tok, environment_factory={"count": Counter, "mul": Multiplier},
+    )  # fmt: skip
+    prompts = trainer.train_source.prompts
+    for i in range(len(picked)):
+        text = tok.decode(prompts.ids[i])
+        assert ('"multiply"' in text) == (i % 2 == 1) and ('"add"' in text) == (i % 2 == 0)
+    boxes, seen = trainer.train_source.tool_calls.toolboxes(picked)
+    assert [type(b.environment).__name__ for b in boxes] == ["Counter", "Multiplier"] * 2
+    assert seen == [" Reach 7.", None] * 2  # reset got the row without `environment`
+    assert [f.__name__ for f in trainer.reward_funcs] == ["Counter"]
+    with pytest.raises(ArgumentError, match="row 1 has environment='div'"):
+        GRPOTrainer(
+            arguments=arguments(tmp_path), model=fresh_caller(tok, caller),
+            dataset_train=[picked[0], {**picked[1], "environment": "div"}] * 2,
+            processing_class=tok, environment_factory={"count": Counter, "mul": Multiplier},
+        )  # fmt: skip
+
+
 def test_resume_inside_a_multi_turn_round_is_exact(tok, caller, tmp_path):
     args = dict(max_steps=4, num_iterations=2, save_steps=1)
     whole, part, rest = Logs(), Logs(stop_after=3), Logs()
