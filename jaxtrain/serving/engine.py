@@ -50,8 +50,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.serving import requests
+from jaxtrain.serving.engine_options import check_engine_options
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
 from jaxtrain.serving.pool import pool_pages, pool_sharding
 from jaxtrain.serving.requests import (
@@ -103,25 +103,9 @@ class Engine:
         eos_token_ids: Sequence[int] | None = None,
         logprobs_mode: str = "raw",
     ):
-        if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
-            raise ArgumentError(
-                f"speculative_tokens must be an integer >= 0 (0: off), got {speculative_tokens!r}"
-            )
-        if attention not in ("auto", "gather", "pallas", "interpret"):
-            raise ArgumentError(
-                f"attention must be auto, gather, pallas or interpret, got {attention!r}"
-            )
-        if logprobs_mode not in ("raw", "processed"):
-            raise ArgumentError(f"logprobs_mode must be raw or processed, got {logprobs_mode!r}")
-        if not supports_kv_cache(model):
-            raise ArgumentError(
-                f"the engine decodes with a KV cache; {type(model).__name__} has none (the "
-                "Llama family and its dropless MoE, Gemma 2 / 3 and GPT-2 have)."
-            )
-        for name, value in (("max_slots", max_slots), ("page_size", page_size),
-                            ("prefill_tokens", prefill_tokens)):  # fmt: skip
-            if not isinstance(value, int) or value < 1:
-                raise ArgumentError(f"{name} must be a positive integer, got {value!r}")
+        check_engine_options(model, max_slots=max_slots, page_size=page_size,
+                             prefill_tokens=prefill_tokens, speculative_tokens=speculative_tokens,
+                             attention=attention, logprobs_mode=logprobs_mode)  # fmt: skip
         config = model.config
         self.tokenizer, self.max_slots, self.page_size = tokenizer, max_slots, page_size
         self.vocab_size = config.vocab_size
