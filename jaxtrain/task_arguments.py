@@ -1,4 +1,5 @@
-"""The arguments class of each `--task` (SFTArguments, DPOArguments, DistillationArguments).
+"""The arguments classes of the tasks (SFTArguments, DPOArguments, DistillationArguments...);
+each task's definition in jaxtrain/tasks names its own.
 
 Part of the configuration: it imports nothing of the implementation, so the command line
 can parse and check a task's fields (and say which task a field belongs to) before jax,
@@ -16,11 +17,11 @@ __all__ = [
     "CPO_LOSS_TYPES",
     "DPO_LOSS_TYPES",
     "KTO_LOSS_TYPES",
-    "TASK_ARGUMENTS",
     "CPOArguments",
     "DPOArguments",
     "DistillationArguments",
     "GRPOArguments",
+    "RolloutArguments",
     "GRPO_IMPORTANCE_SAMPLING_LEVELS",
     "GRPO_LOSS_TYPES",
     "GRPO_SAMPLER_CORRECTIONS",
@@ -28,9 +29,6 @@ __all__ = [
     "KTOArguments",
     "ORPOArguments",
     "SFTArguments",
-    "check_task_fields",
-    "task_arguments_class",
-    "task_of_field",
 ]
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -117,8 +115,9 @@ class DistillationArguments(TrainingArguments):
 
 
 @dataclasses.dataclass
-class GRPOArguments(TrainingArguments):
-    """GRPO (online RL from reward functions). `total_batch_size` counts completions: each
+class RolloutArguments(TrainingArguments):
+    """What the online RL tasks (GRPO, RLOO) share: sampling completions of prompts, scoring
+    them with reward functions, tools, evaluation. `total_batch_size` counts completions: each
     update sees total_batch_size / num_generations prompts, num_generations completions each.
     `max_sequence_length` is set to max_prompt_length + max_completion_length (a row)."""
 
@@ -134,49 +133,13 @@ class GRPOArguments(TrainingArguments):
     # Weight of the KL penalty to the reference (the start model; with LoRA, the base without
     # adapters). 0 keeps no reference at all.
     beta: float = 0.0
-    # The KL term times the ratio pi / pi_old (TRL's use_bias_correction_kl, its default):
-    # an unbiased KL gradient on reused batches; False: the plain k3 estimator.
-    kl_ratio_weight: bool = True
     # The ratio pi / pi_old is clipped to [1 - epsilon, 1 + epsilon_high].
     epsilon: float = 0.2
     # None: epsilon (DAPO's clip-higher sets e.g. 0.28). With loss_type="cispo" it is the cap
     # on the ratio itself (min(r, epsilon_high); ScaleRL recommends 5.0), as in TRL.
     epsilon_high: float | None = None
-    # "token": one ratio per token; "sequence" (GSPO): one per completion, exp of the mean
-    # log-ratio over its tokens, clipped as one (GSPO's paper pairs it with loss_type="grpo").
-    importance_sampling_level: str = "token"
-    # loss_type="sapo": the gate's temperature for tokens of positive advantage (TRL's default).
-    sapo_temperature_pos: float = 1.0
-    # loss_type="sapo": the gate's temperature for the other tokens (TRL's default).
-    sapo_temperature_neg: float = 1.05
-    # DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose
-    # mean (old - new) log-prob over its tokens exceeds this gets no policy loss. None: off.
-    off_policy_mask_threshold: float | None = None
-    # Correct for the sampler drawing from another distribution than the trainer scores
-    # (TRL's vllm_importance_sampling_mode; "none" is its correction off): each completion
-    # token's loss is weighted by exp(trainer - sampler log-prob), per token ("token_*") or
-    # per completion ("sequence_*": the sum over its tokens), clipped to [min, max]
-    # ("*_truncate") or zeroed outside it ("*_mask"); the off-policy mask then reads the
-    # sampler's log-probs. The engine samples from the trainer's own parameters, so in a
-    # synchronous float32 run the weight is 1 up to rounding (sampling/sampling_logp_difference
-    # on every run's logs says how far): it pays when the sampler's weights differ.
-    sampler_correction: str = "none"
-    # sampler_correction's lower bound C_min (TRL's vllm_importance_sampling_clip_min); None: none.
-    sampler_correction_min: float | None = None
-    # sampler_correction's upper bound C_max (TRL's vllm_importance_sampling_clip_max, 3.0).
-    sampler_correction_max: float | None = 3.0
-    # DAPO's dynamic sampling: a group whose rewards are all equal has no signal (advantage
-    # 0), so it is replaced by a group of another prompt, sampled again; up to this many more
-    # passes per round (0: off). Groups still equal after the last pass train as they are.
-    dynamic_sampling_passes: int = 0
     # Updates per generated batch (the later ones are off-policy, with the old log-probs).
     num_iterations: int = 1
-    # The policy term and how token losses are averaged: docs/tasks.md "GRPO" (grpo, bnpo,
-    # dr_grpo, dapo, cispo, sapo).
-    loss_type: str = "dapo"
-    # Advantages: reward minus the group mean, divided by the group's std ("group"), the
-    # batch's ("batch") or not at all ("none", Dr. GRPO).
-    scale_rewards: str = "group"
     # Completions cut at max_completion_length (no eos) get no loss.
     mask_truncated_completions: bool = False
     # One weight per reward function (default all 1).
@@ -211,7 +174,100 @@ class GRPOArguments(TrainingArguments):
         self.max_sequence_length = self.max_prompt_length + self.max_completion_length
         if isinstance(self.reward, str):
             self.reward = [r.strip() for r in self.reward.split(",") if r.strip()]
-        checks = [
+        _check(type(self).__name__, [*self.task_checks(), *self._rollout_checks()])
+        if self.packing:
+            raise ArgumentError(
+                f"{type(self).__name__}.packing: rollout rows cannot be packed; set packing=False."
+            )
+        super().__post_init__()
+
+    def task_checks(self) -> list[tuple[bool, str]]:
+        """The (ok, message) checks of a subclass's own fields, said first."""
+        return []
+
+    def _rollout_checks(self) -> list[tuple[bool, str]]:
+        return [
+            (
+                self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations!r} must be None "
+                "(no limit) or >= 0",
+            ),
+            (
+                self.tool_timeout is None or self.tool_timeout > 0,
+                f"tool_timeout={self.tool_timeout!r} must be None (no limit) or seconds > 0",
+            ),
+            (
+                isinstance(self.num_generations, int) and self.num_generations >= 2,
+                f"num_generations={self.num_generations!r}: a group needs at least 2 completions "
+                "(its mean is the baseline); set num_generations >= 2",
+            ),
+            (
+                self.total_batch_size % max(self.num_generations, 1) == 0,
+                f"total_batch_size={self.total_batch_size} counts completions and must be a "
+                f"multiple of num_generations={self.num_generations} (prompts x group)",
+            ),
+            (self.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
+            (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
+            (self.temperature > 0, f"temperature must be > 0 (sampling), got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (
+                self.top_k is None or self.top_k >= 1,
+                f"top_k must be None or >= 1, got {self.top_k}",
+            ),
+            (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
+            (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
+            (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+            (
+                1 <= self.eval_num_generations <= self.total_batch_size,
+                f"eval_num_generations={self.eval_num_generations} must lie in [1, "
+                f"total_batch_size={self.total_batch_size}] (the engine's slots)",
+            ),
+        ]
+
+
+@dataclasses.dataclass
+class GRPOArguments(RolloutArguments):
+    """GRPO (online RL from reward functions): RolloutArguments and GRPO's objective."""
+
+    # The KL term times the ratio pi / pi_old (TRL's use_bias_correction_kl, its default):
+    # an unbiased KL gradient on reused batches; False: the plain k3 estimator.
+    kl_ratio_weight: bool = True
+    # "token": one ratio per token; "sequence" (GSPO): one per completion, exp of the mean
+    # log-ratio over its tokens, clipped as one (GSPO's paper pairs it with loss_type="grpo").
+    importance_sampling_level: str = "token"
+    # loss_type="sapo": the gate's temperature for tokens of positive advantage (TRL's default).
+    sapo_temperature_pos: float = 1.0
+    # loss_type="sapo": the gate's temperature for the other tokens (TRL's default).
+    sapo_temperature_neg: float = 1.05
+    # DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose
+    # mean (old - new) log-prob over its tokens exceeds this gets no policy loss. None: off.
+    off_policy_mask_threshold: float | None = None
+    # Correct for the sampler drawing from another distribution than the trainer scores
+    # (TRL's vllm_importance_sampling_mode; "none" is its correction off): each completion
+    # token's loss is weighted by exp(trainer - sampler log-prob), per token ("token_*") or
+    # per completion ("sequence_*": the sum over its tokens), clipped to [min, max]
+    # ("*_truncate") or zeroed outside it ("*_mask"); the off-policy mask then reads the
+    # sampler's log-probs. The engine samples from the trainer's own parameters, so in a
+    # synchronous float32 run the weight is 1 up to rounding (sampling/sampling_logp_difference
+    # on every run's logs says how far): it pays when the sampler's weights differ.
+    sampler_correction: str = "none"
+    # sampler_correction's lower bound C_min (TRL's vllm_importance_sampling_clip_min); None: none.
+    sampler_correction_min: float | None = None
+    # sampler_correction's upper bound C_max (TRL's vllm_importance_sampling_clip_max, 3.0).
+    sampler_correction_max: float | None = 3.0
+    # DAPO's dynamic sampling: a group whose rewards are all equal has no signal (advantage
+    # 0), so it is replaced by a group of another prompt, sampled again; up to this many more
+    # passes per round (0: off). Groups still equal after the last pass train as they are.
+    dynamic_sampling_passes: int = 0
+    # The policy term and how token losses are averaged: docs/tasks.md "GRPO" (grpo, bnpo,
+    # dr_grpo, dapo, cispo, sapo).
+    loss_type: str = "dapo"
+    # Advantages: reward minus the group mean, divided by the group's std ("group"), the
+    # batch's ("batch") or not at all ("none", Dr. GRPO).
+    scale_rewards: str = "group"
+
+    def task_checks(self) -> list[tuple[bool, str]]:
+        return [
             (
                 self.loss_type in GRPO_LOSS_TYPES,
                 f"loss_type={self.loss_type!r} is not one of {GRPO_LOSS_TYPES}",
@@ -237,15 +293,6 @@ class GRPOArguments(TrainingArguments):
                 "or >= 0 (a KL threshold, e.g. 0.5)",
             ),
             (
-                self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
-                f"max_tool_calling_iterations={self.max_tool_calling_iterations!r} must be None "
-                "(no limit) or >= 0",
-            ),
-            (
-                self.tool_timeout is None or self.tool_timeout > 0,
-                f"tool_timeout={self.tool_timeout!r} must be None (no limit) or seconds > 0",
-            ),
-            (
                 self.sampler_correction in GRPO_SAMPLER_CORRECTIONS,
                 f"sampler_correction={self.sampler_correction!r} is not one of "
                 f"{GRPO_SAMPLER_CORRECTIONS}",
@@ -266,45 +313,11 @@ class GRPOArguments(TrainingArguments):
                 f"scale_rewards={self.scale_rewards!r} is not one of {GRPO_SCALE_REWARDS}",
             ),
             (
-                isinstance(self.num_generations, int) and self.num_generations >= 2,
-                f"num_generations={self.num_generations!r}: a group needs at least 2 completions "
-                "(its mean is the baseline); set num_generations >= 2",
-            ),
-            (
-                self.total_batch_size % max(self.num_generations, 1) == 0,
-                f"total_batch_size={self.total_batch_size} counts completions and must be a "
-                f"multiple of num_generations={self.num_generations} (prompts x group)",
-            ),
-            (self.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
-            (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
-            (self.temperature > 0, f"temperature must be > 0 (sampling), got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (
-                self.top_k is None or self.top_k >= 1,
-                f"top_k must be None or >= 1, got {self.top_k}",
-            ),
-            (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
-            (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
-            (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
-            (
                 isinstance(self.dynamic_sampling_passes, int) and self.dynamic_sampling_passes >= 0,
                 f"dynamic_sampling_passes={self.dynamic_sampling_passes!r} must be an integer "
                 ">= 0 (0: off)",
             ),
-            (
-                1 <= self.eval_num_generations <= self.total_batch_size,
-                f"eval_num_generations={self.eval_num_generations} must lie in [1, "
-                f"total_batch_size={self.total_batch_size}] (the engine's slots)",
-            ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ArgumentError(f"GRPOArguments.{message}.")
-        if self.packing:
-            raise ArgumentError(
-                "GRPOArguments.packing: GRPO rows cannot be packed; set packing=False."
-            )
-        super().__post_init__()
 
 
 @dataclasses.dataclass
@@ -391,63 +404,3 @@ class CPOArguments(TrainingArguments):
             ],
         )
         super().__post_init__()
-
-
-# `--task` -> its arguments class (the trainer classes: jaxtrain.trainers.tasks.TASKS).
-TASK_ARGUMENTS: dict[str, type[TrainingArguments]] = {
-    "lm": TrainingArguments,
-    "sft": SFTArguments,
-    "dpo": DPOArguments,
-    "reward": TrainingArguments,
-    "distill": DistillationArguments,
-    "grpo": GRPOArguments,
-    "kto": KTOArguments,
-    "orpo": ORPOArguments,
-    "cpo": CPOArguments,
-}
-
-
-def task_arguments_class(task: str) -> type[TrainingArguments]:
-    """The arguments class of `task`; ArgumentError naming the known tasks."""
-    if task not in TASK_ARGUMENTS:
-        raise ArgumentError(
-            f"--task {task!r} is not a task; use one of {', '.join(TASK_ARGUMENTS)} "
-            "(lm: the plain causal LM Trainer)."
-        )
-    return TASK_ARGUMENTS[task]
-
-
-def task_of_field(name: str) -> list[str]:
-    """The tasks whose arguments class has field `name` and TrainingArguments has not."""
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    if name in base:
-        return []
-    return [
-        task
-        for task, cls in TASK_ARGUMENTS.items()
-        if name in {f.name for f in dataclasses.fields(cls)}
-    ]
-
-
-def check_task_fields(fields: list[str], task: str, source: str) -> None:
-    """ArgumentError when `fields` hold another task's fields (a DPO config's beta given to
-    --task reward): it names each field's task and this task's own fields."""
-    own = {f.name for f in dataclasses.fields(task_arguments_class(task))}
-    foreign = {name: task_of_field(name) for name in fields if name not in own}
-    foreign = {name: tasks for name, tasks in foreign.items() if tasks}
-    if not foreign:
-        return
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    extra = sorted(own - base)
-    listed = "; ".join(
-        f"{name} is a field of --task {' / '.join(t)}" for name, t in foreign.items()
-    )
-    mine = (
-        f"its own fields beyond TrainingArguments are {', '.join(extra)}"
-        if extra
-        else ("it has only the TrainingArguments fields")
-    )
-    raise ArgumentError(
-        f"{source} is used with --task {task}, but {listed}. --task {task} does not read "
-        f"them ({mine}): remove them, or run the task they belong to."
-    )

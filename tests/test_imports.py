@@ -229,6 +229,7 @@ LAYERS = (
     ("jaxtrain.evaluation",),
     ("jaxtrain.training",),
     ("jaxtrain.trainers",),
+    ("jaxtrain.tasks",),  # each task's definition: its arguments, trainer, model, objective
     ("jaxtrain.planning",),
     ("jaxtrain.distributed",),
     ("jaxtrain.cli", "jaxtrain"),  # the package's __init__ re-exports the public API

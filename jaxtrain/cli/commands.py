@@ -19,21 +19,22 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
         resolve_config_with_sources,
         save_config,
         split_config,
+        typed_model_section,
     )
     from jaxtrain.cli.run_dir import build_data, build_model
 
     dry_run = "--dry_run" in tokens
     path, rest = split_positional([t for t in tokens if t != "--dry_run"])
     config, sources = resolve_config_with_sources(path, parse_overrides(rest))
-    from jaxtrain.cli.task import check_task_data, task_trainer
+    from jaxtrain.tasks import DEFAULT_TASK, get_task, trainer_setup
 
-    task = str(config.get("task") or "lm")
+    task = str(config.get("task") or DEFAULT_TASK)
     try:
         args, model_section, data, sample = split_config(
             config,
             path or "the command line",
             sources,
-            task_check=lambda resolved: check_task_data(task, resolved),
+            task_check=get_task(task).check_data,
         )
     except ArgumentError as err:
         raise explain_source(err, sources) from None
@@ -64,8 +65,8 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
         model = ModelFactory(lambda: build_model(model_section, tokenizer, seed=args.seed))
         section = run_model_section(model.abstract())
     resolved = {**args.to_dict(), "model": section, "data": data, "sample": sample}
-    trainer_class, task_kwargs, task_config = task_trainer(
-        task, config, data, tokenizer, args, build_model
+    trainer_class, task_kwargs, task_config = trainer_setup(
+        task, config, data, tokenizer, args, build_model, typed_model_section
     )
     resolved.update(task_config)
 
@@ -100,7 +101,8 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
         print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
     if output.stop_reason == "time_limit":
         return EXIT_TIME_LIMIT
-    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0 and task != "reward":
+    writes_text = get_task(task).generates
+    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0 and writes_text:
         # The trained causal LM (a task trainer's policy or student), not the task's container.
         model = trainer.model_from_state(output.state)
         try:
@@ -133,9 +135,12 @@ def sample_top_k(model: Any, tokenizer: Any, top_k: int | None) -> tuple[int | N
 def _with_fits(err: OutOfMemoryError, trainer: Any, task: str, model: dict) -> OutOfMemoryError:
     """The out-of-memory line with settings that would fit, found by compiling the run's
     step with one change each (planning/fit.py). Only for what plan compiles: a language
-    model's own objective, without LoRA, in one process (every process would compile)."""
+    model's own objective (the default task), without LoRA, in one process (every process
+    would compile)."""
+    from jaxtrain.tasks import DEFAULT_TASK
+
     args = trainer.arguments
-    if task != "lm" or args.lora_rank or trainer.runtime.process_count > 1:
+    if task != DEFAULT_TASK or args.lora_rank or trainer.runtime.process_count > 1:
         return err
     from jaxtrain.planning.fit import search_fits
 
@@ -237,7 +242,7 @@ def cmd_sample(tokens: list[str]) -> int:
     from jaxtrain.cli.run_config import SAMPLE_KEYS, typed_section
 
     run, overrides = _restore(tokens, with_eval_data=False)
-    if run.sections.task == "reward":
+    if not run.sections.task.generates:
         raise ArgumentError(
             "jaxtrain sample: this run trained a reward model, which scores text and does not "
             "generate it. Use `jaxtrain eval RUN_DIR` for its pair accuracy, or `jaxtrain "

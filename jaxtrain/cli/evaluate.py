@@ -82,7 +82,7 @@ def load_model(path: str, checkpoint: str | None) -> tuple[Any, Any]:
         from jaxtrain.cli.run_dir import restore_run
 
         run = restore_run(path, checkpoint)
-        if run.sections.task == "reward":
+        if not run.sections.task.generates:
             raise ArgumentError(f"{path} trained a reward model, which lm-eval tasks cannot score.")
         if run.sections.tokenizer is None:
             raise ArgumentError(f"{path} has no tokenizer/ to encode the tasks' text with.")

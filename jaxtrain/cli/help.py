@@ -159,46 +159,26 @@ def inherited_docs(cls: type) -> dict[str, str]:
 def task_fields_help(task: str | None) -> str:
     """The fields a task adds to TrainingArguments: of `task`, or of every task."""
     from jaxtrain.arguments import TrainingArguments
-    from jaxtrain.task_arguments import TASK_ARGUMENTS
+    from jaxtrain.tasks import TASKS
 
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     blocks = []
-    for name, cls in TASK_ARGUMENTS.items():
+    for name, definition in TASKS.items():
+        cls = definition.arguments
         extra = {f.name for f in dataclasses.fields(cls)} - base
         if extra and task in (None, name):
             blocks.append(
                 f"--task {name} ({cls.__name__}: top level of CONFIG or --field value):\n"
-                + dataclass_help(cls, choices=task_choices(name), only=extra)
+                + dataclass_help(cls, choices=definition.choices, only=extra)
             )
     return "\n\n".join(blocks)
 
 
-def task_choices(task: str) -> dict[str, tuple]:
-    """The allowed values of a task's own fields (DPO's and GRPO's loss_type differ)."""
-    from jaxtrain.task_arguments import (
-        DPO_LOSS_TYPES,
-        GRPO_IMPORTANCE_SAMPLING_LEVELS,
-        GRPO_LOSS_TYPES,
-        GRPO_SAMPLER_CORRECTIONS,
-        GRPO_SCALE_REWARDS,
-    )
-
-    return {
-        "dpo": {"loss_type": DPO_LOSS_TYPES},
-        "grpo": {
-            "loss_type": GRPO_LOSS_TYPES,
-            "scale_rewards": GRPO_SCALE_REWARDS,
-            "importance_sampling_level": GRPO_IMPORTANCE_SAMPLING_LEVELS,
-            "sampler_correction": GRPO_SAMPLER_CORRECTIONS,
-        },
-    }.get(task, {})
-
-
 def task_names() -> str:
-    """ "lm, sft, ... or grpo": every task `--task` takes."""
-    from jaxtrain.task_arguments import TASK_ARGUMENTS
+    """ "lm, cpo, ... or sft": every task `--task` takes."""
+    from jaxtrain.tasks import TASKS
 
-    names = list(TASK_ARGUMENTS)
+    names = list(TASKS)
     return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
@@ -218,9 +198,9 @@ def train_help(task: str | None = None) -> str:
     from jaxtrain.config import tables as checks
     from jaxtrain.config.tables import OPTIMIZERS, REMAT_POLICIES, SCHEDULERS, TRUNCATION_MODES
     from jaxtrain.models import LlamaConfig
-    from jaxtrain.task_arguments import TASK_ARGUMENTS, task_arguments_class
+    from jaxtrain.tasks import TASKS, get_task
 
-    arguments_class = TrainingArguments if task is None else task_arguments_class(task)
+    arguments_class = TrainingArguments if task is None else get_task(task).arguments
 
     choices = {
         "optimizer": OPTIMIZERS,
@@ -245,7 +225,7 @@ def train_help(task: str | None = None) -> str:
     )
     return f"""usage: jaxtrain train{which} [CONFIG.yaml|json] [--field value ...] [--model.field value]
                       [--data.field value] [--sample.field value] [--dry_run]
-                      [--task {"|".join(TASK_ARGUMENTS)}]
+                      [--task {"|".join(TASKS)}]
 
 Train a model. With no CONFIG and no --model.pretrained the demo's settings are the base
 (a small Llama on the embedded corpus: `jaxtrain train` alone runs the demo); with a CONFIG

@@ -182,6 +182,7 @@ def cmd_plan(tokens: list[str]) -> int:
     from jaxtrain.planning.report import details, ranked, table
     from jaxtrain.planning.roofline import estimate
     from jaxtrain.planning.targets import TPU_GENERATIONS, topology_chips
+    from jaxtrain.tasks import DEFAULT_TASK
 
     options, rest = split_plan_options(tokens)
     accel = accelerator(options["accelerator"])
@@ -241,7 +242,7 @@ def cmd_plan(tokens: list[str]) -> int:
         "meshes": meshes,
         "layers": options["layers"],
         "attention": attention,
-        "task": str(config.get("task") or "lm"),
+        "task": str(config.get("task") or DEFAULT_TASK),
         "accelerator": key,
         "topology": options["topology"],
         "compiler": options["compiler"],

@@ -241,12 +241,12 @@ def split_config(
     """-> (TrainingArguments, model section, data section, sample section), all validated.
     `task_check(config)`, when given, runs once the keys are known to belong to the task and
     before the arguments are built (`jaxtrain train`: what the task needs from the data)."""
-    from jaxtrain.task_arguments import check_task_fields, task_arguments_class
+    from jaxtrain.tasks import DEFAULT_TASK, check_task_fields, get_task
 
     fields = {k: v for k, v in config.items() if k not in SECTIONS and k != "task"}
     # `task` (sft, dpo, reward, distill) picks the arguments class: DPOArguments has beta...
-    task = str(config.get("task") or "lm")
-    arguments_class = task_arguments_class(task)
+    task = str(config.get("task") or DEFAULT_TASK)
+    arguments_class = get_task(task).arguments
     check_task_fields(list(fields), task, source)
     if task_check is not None:
         task_check(config)

@@ -144,8 +144,11 @@ class RunSections:
     config: dict[str, Any]  # the whole file: its task and the task's sections (teacher)
 
     @property
-    def task(self) -> str:
-        return str(self.config.get("task") or "lm")
+    def task(self) -> Any:
+        """The run's task definition (jaxtrain.tasks.Task)."""
+        from jaxtrain.tasks import DEFAULT_TASK, get_task
+
+        return get_task(str(self.config.get("task") or DEFAULT_TASK))
 
 
 def load_run(run_dir: str | Path) -> RunSections:
@@ -169,13 +172,13 @@ def load_run(run_dir: str | Path) -> RunSections:
 
 def frozen_base_weights(sections: RunSections, *, frozen_parts: bool = True) -> str | None:
     """What of a run is not in its checkpoints but comes from its base model's weights: LoRA's
-    frozen base, DPO's reference (None: the checkpoint's parameters are the whole model).
-    `frozen_parts=False`: the task's frozen models (DPO's reference) are not wanted."""
+    frozen base, a task's reference (None: the checkpoint's parameters are the whole model).
+    `frozen_parts=False`: the task's frozen models (a reference) are not wanted."""
     args = sections.args
     if getattr(args, "lora_rank", 0):
         return "LoRA's frozen base weights"
-    if frozen_parts and sections.task == "dpo" and not getattr(args, "reference_free", False):
-        return "DPO's reference model"
+    if frozen_parts and sections.task.needs_base_weights(args):
+        return f"{sections.task.name.upper()}'s reference model"
     return None
 
 
@@ -184,9 +187,9 @@ def rebuild_model(sections: RunSections, *, sharding_for: Any = None, frozen_par
 
     A run fine-tuned from a pretrained directory (`base_model` in its model section) is
     rebuilt from those weights: a checkpoint holds only the trained parameters, and frozen
-    parts (LoRA's base, DPO's reference) must be the base's, never a fresh random init. A base
+    parts (LoRA's base, a task's reference) must be the base's, never a fresh random init. A base
     directory that is gone is an error when such parts need it (`frozen_parts=False`: the
-    task's frozen models, DPO's reference, are not).
+    task's frozen models, a reference, are not).
     """
     from jaxtrain.cli.pretrained import pretrained_load_options, run_model_section
 
@@ -252,7 +255,6 @@ class RestoredRun:
         `jaxtrain.hf.save_pretrained` (max_shard_size, dtype, training_summary, ...)."""
         from jaxtrain.data.padding import resolve_pad_token_id
         from jaxtrain.hf.model_card import training_summary
-        from jaxtrain.trainers.tasks import save_task_model
 
         args, tokenizer = self.sections.args, self.sections.tokenizer
         kwargs.setdefault("tokenizer", tokenizer)
@@ -260,8 +262,8 @@ class RestoredRun:
         summary = training_summary(args, self.model(), self.state)
         kwargs["training_summary"] = {**summary, **kwargs.get("training_summary", {})}
         pad = resolve_pad_token_id(tokenizer, self.program.parts.config)
-        return save_task_model(
-            self.sections.task, self.program, self.state, directory, pad_token_id=pad, **kwargs
+        return self.sections.task.save_model(
+            self.program, self.state, directory, pad_token_id=pad, **kwargs
         )
 
 
@@ -270,8 +272,8 @@ def restore_run(
 ) -> RestoredRun:
     """Rebuild a finished (or interrupted) run's model and restore a checkpoint into it.
 
-    The model is the run's task model without its frozen parts (trainers/tasks.py
-    `task_model`): what the checkpoint holds, all that sampling and export need, so neither
+    The model is the run's task model without its frozen parts (`Task.model` of
+    jaxtrain/tasks): what the checkpoint holds, all that sampling and export need, so neither
     the task's training data nor its frozen models (a reference, a teacher) are read.
     `with_eval_data` also rebuilds the run's task Trainer with the eval set (for `jaxtrain
     eval`: the task's data format, loss and frozen parts). `checkpoint` defaults to the
@@ -288,13 +290,12 @@ def restore_run(
         state = trainer.load_checkpoint(checkpoint)
         return RestoredRun(trainer.program, state, checkpoint, sections, trainer)
     from jaxtrain.config.sections import ModelSettings
-    from jaxtrain.trainers.tasks import task_model
     from jaxtrain.training.program import ModelParts, Program
     from jaxtrain.training.trainer_checkpoints import load_program_state
 
     args = sections.args
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for, frozen_parts=False)
-    model = task_model(sections.task, lambda: model, args, frozen=False)
+    model = sections.task.model(lambda: model, args, frozen=False)
     parts = ModelParts.adopt(model, ModelSettings.from_arguments(args))
     # The schedule's length does not change the optimizer state's structure.
     program = Program(parts, runtime, args, schedule_length=max(args.max_steps, 1))
@@ -304,17 +305,22 @@ def restore_run(
 
 def _eval_trainer(sections: RunSections, runtime: Any) -> Any:
     """The run's task Trainer over its eval set (no training data)."""
-    from jaxtrain.cli.task import task_trainer
-    from jaxtrain.trainers.tasks import TASKS
+    from jaxtrain.cli.run_config import typed_model_section
+    from jaxtrain.tasks import trainer_setup
 
-    no_eval_set = TASKS[sections.task].no_eval_set
-    if no_eval_set:
-        raise ArgumentError(no_eval_set)
+    if sections.task.no_eval_set:
+        raise ArgumentError(sections.task.no_eval_set)
     args, tokenizer = sections.args, sections.tokenizer
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for)
     evaluation = build_data(sections.data, args.max_sequence_length)[1]
-    trainer_class, task_kwargs, _ = task_trainer(
-        sections.task, sections.config, sections.data, tokenizer, args, build_model
+    trainer_class, task_kwargs, _ = trainer_setup(
+        sections.task.name,
+        sections.config,
+        sections.data,
+        tokenizer,
+        args,
+        build_model,
+        typed_model_section,
     )
     return trainer_class(
         arguments=args,

@@ -32,7 +32,7 @@ def load_served_model(path: str | Path) -> tuple[Any, Any, str]:
         from jaxtrain.cli.run_dir import restore_run
 
         run = restore_run(source)
-        if run.sections.task == "reward":
+        if not run.sections.task.generates:
             raise ArgumentError(
                 f"{path} trained a reward model: it scores text, it does not serve it."
             )

@@ -1,7 +1,7 @@
 """The usage text of `jaxtrain` (a leaf: every command module may quote it)."""
 
-from jaxtrain.config.tables import TASKS
 from jaxtrain.errors import ArgumentError
+from jaxtrain.tasks import TASKS
 
 EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]"
 

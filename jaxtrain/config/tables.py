@@ -38,20 +38,6 @@ MIXTURE_EXHAUSTED = ("restart", "stop")
 MESH_AXES = ("dp", "fsdp", "ep", "tp", "sp")
 DISTRIBUTED_MODES = ("auto", "on", "off")
 
-# The tasks of `jaxtrain train --task` and `jaxtrain plan --task`: name -> (trainer class in
-# jaxtrain.trainers, arguments class in jaxtrain.task_arguments, needs a frozen reference).
-TASKS: dict[str, tuple[str, str, str]] = {
-    "lm": ("Trainer", "TrainingArguments", "no"),
-    "sft": ("SFTTrainer", "SFTArguments", "no"),
-    "dpo": ("DPOTrainer", "DPOArguments", "yes (a frozen copy; none when reference_free)"),
-    "reward": ("RewardTrainer", "TrainingArguments", "no"),
-    "distill": ("DistillationTrainer", "DistillationArguments", "a teacher"),
-    "grpo": ("GRPOTrainer", "GRPOArguments", "when beta > 0 (the base without LoRA)"),
-    "kto": ("KTOTrainer", "KTOArguments", "yes (a frozen copy)"),
-    "orpo": ("ORPOTrainer", "ORPOArguments", "no"),
-    "cpo": ("CPOTrainer", "CPOArguments", "no (SimPO: loss_type simpo)"),
-}
-
 # models/lora.py: the groups of `lora_targets` and the projection names of every family
 # (Llama's fused qkv_proj / gate_up_proj, GPT-2's attn.c_attn, ViT's qkv ...).
 LORA_GROUPS: dict[str, tuple[str, ...]] = {

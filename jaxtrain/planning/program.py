@@ -32,7 +32,7 @@ import numpy as np
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.planning.hlo import KINDS, collectives
 from jaxtrain.planning.hlo_costs import matmul_flops, memory_traffic
-from jaxtrain.planning.tasks import task_batch, task_model_and_objective
+from jaxtrain.tasks import DEFAULT_TASK, get_task
 
 # Compiling the whole model is the default up to this many layers.
 WHOLE_MODEL_LAYERS = 4
@@ -148,26 +148,35 @@ def compiled_figures(program: Any, executable: Any) -> dict[str, Any]:
 
 
 def plan_step_program(
-    config: Any, args: Any, devices: list[Any], attention: str | None = None, task: str = "lm"
+    config: Any,
+    args: Any,
+    devices: list[Any],
+    attention: str | None = None,
+    task: str = DEFAULT_TASK,
 ):
     """The Program of a `task` run of `config` with `args` over `devices` (nothing
-    allocated): the task's model with its frozen parts and its objective (tasks.py)."""
+    allocated): the task's model with its frozen parts and its objective, as its definition
+    (jaxtrain/tasks) says its trainer builds them."""
+    definition = get_task(task)
+    build = model_factory(config, attention).build
     from jaxtrain.config.sections import ModelSettings
     from jaxtrain.parallel import ModelFactory
     from jaxtrain.runtime import Runtime
     from jaxtrain.training.program import ModelParts, Program
 
-    build, objective = task_model_and_objective(task, model_factory(config, attention).build, args)
     runtime = Runtime.from_arguments(args, devices)
-    parts = ModelParts.adopt(ModelFactory(build), ModelSettings.from_arguments(args))
+    model = ModelFactory(lambda: definition.model(build, args))
+    parts = ModelParts.adopt(model, ModelSettings.from_arguments(args))
     schedule = max(args.max_steps, 1)
+    objective = None if definition.objective is None else definition.objective(args)
     return Program(parts, runtime, args, schedule_length=schedule, objective=objective)
 
 
-def compile_step(program: Any, args: Any, task: str = "lm") -> tuple[dict[str, Any], float]:
+def compile_step(program: Any, args: Any, task: str = DEFAULT_TASK) -> tuple[dict[str, Any], float]:
     """(figures, compile seconds) of a Program's train step, compiled from shapes."""
     start = time.perf_counter()
-    step = program.compile_train_step(program.abstract_state(), task_batch(task, args))
+    batch = get_task(task).batch(args)
+    step = program.compile_train_step(program.abstract_state(), batch)
     seconds = time.perf_counter() - start
     return compiled_figures(program, step.compiled.executable), seconds
 
@@ -210,7 +219,7 @@ def plan_program(
     *,
     layers: str = "auto",
     attention: str | None = None,
-    task: str = "lm",
+    task: str = DEFAULT_TASK,
 ) -> dict[str, Any]:
     """Everything `jaxtrain plan` reads from the compiled step for one mesh (args'
     sharding_axis_dims) over `devices`. `layers`: "all" compiles the whole model, "unit" the
@@ -268,7 +277,7 @@ def plan_program(
         sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
     )
     figures["model_flops"] = model_flops(config, args, figures["num_parameters"])
-    if task == "grpo":  # its rollouts run the KV-cache sampler between updates
+    if get_task(task).samples_on_engine:  # its rollouts run on the engine between updates
         figures["sampler"] = sampler_figures(full, args)
     return figures
 

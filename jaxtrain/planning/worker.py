@@ -21,11 +21,11 @@ def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from jaxtrain.errors import JaxtrainError
     from jaxtrain.planning.program import build_config, plan_program
     from jaxtrain.planning.targets import STAND_INS, compile_target
-    from jaxtrain.task_arguments import task_arguments_class
+    from jaxtrain.tasks import DEFAULT_TASK, get_task
 
     config = build_config(spec["model"])
-    task = spec.get("task", "lm")
-    arguments_class = task_arguments_class(task)
+    task = spec.get("task", DEFAULT_TASK)
+    arguments_class = get_task(task).arguments
     base = arguments_class.from_dict(spec["arguments"], source="the plan's arguments")
     target, devices = compile_target(spec)
     attention = spec.get("attention")

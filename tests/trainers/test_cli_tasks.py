@@ -124,7 +124,9 @@ def test_bad_preference_rows_exit_2_naming_row_and_column(files, capsys):
 
 def test_an_unknown_task_names_the_tasks(files, capsys):
     assert main(["train", config(files, "ppo", "pairs")]) == 2
-    assert "sft, dpo, reward, distill" in capsys.readouterr().err
+    from jaxtrain.tasks import TASKS
+
+    assert f"use one of {', '.join(TASKS)} (lm:" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -143,15 +145,16 @@ def base_dir(files, tokenizer):
 
 @pytest.mark.parametrize(
     "task, rows, extra",
-    [("dpo", "pairs", {"beta": 0.2}), ("sft", "sft", {"lora_rank": 4})],
-    ids=["dpo_reference", "lora_base"],
+    [("dpo", "pairs", {"beta": 0.2}), ("kto", "pairs", {}), ("sft", "sft", {"lora_rank": 4})],
+    ids=["dpo_reference", "kto_reference", "lora_base"],
 )
 def test_eval_of_a_fine_tuned_run_rebuilds_its_frozen_parts_from_the_base(
     files, base_dir, task, rows, extra, capsys
 ):
-    """DPO's reference and LoRA's base are not in a checkpoint: `jaxtrain eval` rebuilds them
-    from the run's pretrained base, so it reports the run's own final evaluation (a random
-    init of them gave another loss), and refuses when the base directory is gone."""
+    """A reference (DPO's, KTO's) and LoRA's base are not in a checkpoint: `jaxtrain eval`
+    rebuilds them from the run's pretrained base, so it reports the run's own final evaluation
+    (a random init of them gave another loss), and refuses when the base directory is gone
+    (KTO's once evaluated against a random reference: only DPO's was known to need it)."""
     run_dir = files["root"] / f"run_{task}_from_base"
     settings = {"save_final": True, "output_dir": str(run_dir), "evaluation_strategy": "steps"}
     path = Path(config(files, task, rows, eval_rows=rows, **extra, **settings))

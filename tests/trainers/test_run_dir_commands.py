@@ -11,7 +11,7 @@ import pytest
 from test_cli_tasks import MODEL, config, files, write_rows  # noqa: F401 (files: a fixture)
 
 from jaxtrain.cli import main
-from jaxtrain.trainers.tasks import TASKS
+from jaxtrain.tasks import TASKS
 
 # task -> (its rows, its settings, metrics of its own that eval reports; (): no eval set)
 RUNS = {

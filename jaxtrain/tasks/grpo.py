@@ -1,0 +1,66 @@
+"""--task grpo: group relative policy optimization on completions the policy samples (on the
+serving engine) and reward functions score, beside a frozen reference when beta > 0 (with
+LoRA the reference is the base without adapters)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtrain.errors import ArgumentError
+from jaxtrain.task_arguments import (
+    GRPO_IMPORTANCE_SAMPLING_LEVELS,
+    GRPO_LOSS_TYPES,
+    GRPO_SAMPLER_CORRECTIONS,
+    GRPO_SCALE_REWARDS,
+    GRPOArguments,
+)
+from jaxtrain.tasks.task import Task, imported
+
+
+def _check_data(config: dict[str, Any]) -> None:
+    data = config.get("data") or {}
+    if data.get("source", "default") != "files":
+        raise ArgumentError(
+            "--task grpo samples completions of prompts and scores them with reward functions: "
+            "set --data.source files --data.train_files PROMPTS.jsonl (rows with a `prompt`, "
+            "plus the columns your rewards read, e.g. `answer`) and --reward "
+            "last_number_matches (or module:function)."
+        )
+    if data.get("eval_files"):
+        raise ArgumentError(
+            "--task grpo does not evaluate during training yet: drop --data.eval_files."
+        )
+    if not config.get("reward"):
+        raise ArgumentError(
+            "--task grpo needs reward functions: --reward last_number_matches, format_regex "
+            "(with --format_pattern REGEX) or module:function, comma-separated."
+        )
+
+
+def _frozen(args: Any) -> dict[str, bool]:
+    return {"reference": args.beta > 0 and not args.lora_rank}
+
+
+TASK = Task(
+    name="grpo",
+    arguments=GRPOArguments,
+    trainer="jaxtrain.trainers.grpo:GRPOTrainer",
+    rows="prompt, messages or prompt_ids (+ columns for the rewards)",
+    # The rollout source's own batch: the sampler correction's arrays too.
+    batch=imported("jaxtrain.trainers.grpo_source:rollout_batch"),
+    objective=imported("jaxtrain.trainers.grpo:grpo_objective"),
+    frozen=_frozen,
+    check_data=_check_data,
+    no_eval_set=(
+        "a GRPO run has no eval set to evaluate: --task grpo trains without data.eval_files "
+        "(its reward functions score sampled completions). Score it with `jaxtrain evaluate "
+        "RUN_DIR --tasks ...`, or read `jaxtrain sample RUN_DIR`."
+    ),
+    samples_on_engine=True,
+    choices={
+        "loss_type": GRPO_LOSS_TYPES,
+        "scale_rewards": GRPO_SCALE_REWARDS,
+        "importance_sampling_level": GRPO_IMPORTANCE_SAMPLING_LEVELS,
+        "sampler_correction": GRPO_SAMPLER_CORRECTIONS,
+    },
+)
