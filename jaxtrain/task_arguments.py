@@ -9,6 +9,7 @@ the data or the model are touched. The trainers import these classes from here.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from jaxtrain.arguments import TrainingArguments
 from jaxtrain.errors import ArgumentError
@@ -21,6 +22,7 @@ __all__ = [
     "DPOArguments",
     "DistillationArguments",
     "GRPOArguments",
+    "RLOOArguments",
     "RolloutArguments",
     "GRPO_IMPORTANCE_SAMPLING_LEVELS",
     "GRPO_LOSS_TYPES",
@@ -316,6 +318,38 @@ class GRPOArguments(RolloutArguments):
                 isinstance(self.dynamic_sampling_passes, int) and self.dynamic_sampling_passes >= 0,
                 f"dynamic_sampling_passes={self.dynamic_sampling_passes!r} must be an integer "
                 ">= 0 (0: off)",
+            ),
+        ]
+
+
+@dataclasses.dataclass
+class RLOOArguments(RolloutArguments):
+    """RLOO (REINFORCE leave-one-out; Ahmadian et al. 2024) as TRL 1.16's RLOOTrainer: each
+    completion's baseline is the mean reward of the other completions of its prompt; the KL to
+    the reference is a penalty on the reward (not a loss term); one clipped ratio per
+    completion. The defaults are TRL's (num_generations 2, beta 0.05)."""
+
+    num_generations: int = 2
+    # The KL penalty's weight: reward - beta x sum over the completion of (log pi_old - log
+    # pi_ref), the log-probs taken when it was sampled. 0 keeps no reference.
+    beta: float = 0.05
+    # Advantages divided by their std over the whole batch (after their mean is taken out).
+    normalize_advantages: bool = False
+    # [low, high]: the weighted reward is clipped to it before the KL penalty; None: not.
+    reward_clip_range: list[float] | None = None
+    # RLOO has no dynamic sampling and no sampler correction (TRL's RLOOTrainer neither); the
+    # rollout source reads them.
+    dynamic_sampling_passes: ClassVar[int] = 0
+    sampler_correction: ClassVar[str] = "none"
+    sampler_correction_min: ClassVar[float | None] = None
+    sampler_correction_max: ClassVar[float | None] = None
+
+    def task_checks(self) -> list[tuple[bool, str]]:
+        clip = self.reward_clip_range
+        return [
+            (
+                clip is None or (len(clip) == 2 and float(clip[0]) <= float(clip[1])),
+                f"reward_clip_range={clip!r} must be None or [low, high] with low <= high",
             ),
         ]
 

@@ -4,6 +4,7 @@ LoRA the reference is the base without adapters)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from jaxtrain.errors import ArgumentError
@@ -17,22 +18,23 @@ from jaxtrain.task_arguments import (
 from jaxtrain.tasks.task import Task, imported
 
 
-def _check_data(config: dict[str, Any]) -> None:
+def check_prompt_files(task: str, config: dict[str, Any]) -> None:
+    """What an online RL task needs of the config: prompt files, no eval files, rewards."""
     data = config.get("data") or {}
     if data.get("source", "default") != "files":
         raise ArgumentError(
-            "--task grpo samples completions of prompts and scores them with reward functions: "
+            f"--task {task} samples completions of prompts and scores them with reward functions: "
             "set --data.source files --data.train_files PROMPTS.jsonl (rows with a `prompt`, "
             "plus the columns your rewards read, e.g. `answer`) and --reward "
             "last_number_matches (or module:function)."
         )
     if data.get("eval_files"):
         raise ArgumentError(
-            "--task grpo does not evaluate during training yet: drop --data.eval_files."
+            f"--task {task} does not evaluate during training yet: drop --data.eval_files."
         )
     if not config.get("reward"):
         raise ArgumentError(
-            "--task grpo needs reward functions: --reward last_number_matches, format_regex "
+            f"--task {task} needs reward functions: --reward last_number_matches, format_regex "
             "(with --format_pattern REGEX) or module:function, comma-separated."
         )
 
@@ -50,7 +52,7 @@ TASK = Task(
     batch=imported("jaxtrain.trainers.grpo_source:rollout_batch"),
     objective=imported("jaxtrain.trainers.grpo:grpo_objective"),
     frozen=_frozen,
-    check_data=_check_data,
+    check_data=partial(check_prompt_files, "grpo"),
     no_eval_set=(
         "a GRPO run has no eval set to evaluate: --task grpo trains without data.eval_files "
         "(its reward functions score sampled completions). Score it with `jaxtrain evaluate "

@@ -1,5 +1,5 @@
 """Task trainers on the base Trainer: SFT, DPO, KTO, ORPO, CPO/SimPO, reward model,
-distillation, GRPO (and LoRA, which TrainingArguments turns on for any of them)."""
+distillation, GRPO, RLOO (and LoRA, which TrainingArguments turns on for any of them)."""
 
 from jaxtrain.trainers.cpo import CPOArguments, CPOTrainer, cpo_losses
 from jaxtrain.trainers.distill import DistillationArguments, DistillationTrainer
@@ -10,6 +10,7 @@ from jaxtrain.trainers.grpo_loss import group_advantages, grpo_loss
 from jaxtrain.trainers.kto import KTOArguments, KTOTrainer, kto_losses, unpair_preferences
 from jaxtrain.trainers.orpo import ORPOArguments, ORPOTrainer
 from jaxtrain.trainers.reward import RewardModel, RewardTrainer
+from jaxtrain.trainers.rloo import RLOOArguments, RLOOTrainer, rloo_advantages
 from jaxtrain.trainers.sft import SFTArguments, SFTTrainer
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "KTOTrainer",
     "ORPOArguments",
     "ORPOTrainer",
+    "RLOOArguments",
+    "RLOOTrainer",
     "RewardModel",
     "RewardTrainer",
     "SFTArguments",
@@ -38,5 +41,6 @@ __all__ = [
     "grpo_loss",
     "kto_losses",
     "reference_logps",
+    "rloo_advantages",
     "unpair_preferences",
 ]

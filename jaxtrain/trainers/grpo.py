@@ -23,7 +23,7 @@ from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
 from jaxtrain.serving.tool_chat import check_tool_template
-from jaxtrain.task_arguments import GRPOArguments
+from jaxtrain.task_arguments import GRPOArguments, RolloutArguments
 from jaxtrain.trainers.base import concrete_model, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
@@ -50,10 +50,18 @@ class GRPOTrainer(Trainer):
     """
 
     loss_is_token_nll = False
+    # What a task on GRPO's rollouts changes (RLOOTrainer): its arguments, the source that
+    # samples and scores, its objective.
+    arguments_class: type[RolloutArguments] = GRPOArguments
+    source_class: type[RolloutSource] = RolloutSource
+
+    @staticmethod
+    def task_objective(args: Any) -> Objective:
+        return grpo_objective(args)
 
     def __init__(
         self,
-        arguments: GRPOArguments | None = None,
+        arguments: RolloutArguments | None = None,
         model: Any = None,
         reward_funcs: Callable | Sequence[Callable] | None = None,
         dataset_train: Any = None,
@@ -63,12 +71,13 @@ class GRPOTrainer(Trainer):
         environment_factory: Callable | None = None,
         **kwargs: Any,
     ):
-        args = arguments if arguments is not None else GRPOArguments()
-        if not isinstance(args, GRPOArguments):
-            raise ArgumentError("GRPOTrainer needs GRPOArguments (num_generations, beta, ...).")
+        name, wanted = type(self).__name__, self.arguments_class
+        args = arguments if arguments is not None else wanted()
+        if not isinstance(args, wanted):
+            raise ArgumentError(f"{name} needs {wanted.__name__} (num_generations, beta, ...).")
         if processing_class is None:
             raise ArgumentError(
-                "GRPOTrainer needs processing_class=tokenizer (prompts are tokenized and "
+                f"{name} needs processing_class=tokenizer (prompts are tokenized and "
                 "completions decoded for the reward functions)."
             )
         self.grpo_args = args
@@ -78,11 +87,11 @@ class GRPOTrainer(Trainer):
         weights = args.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
             raise ArgumentError(
-                f"GRPOArguments.reward_weights has {len(weights)} weights for "
+                f"{type(args).__name__}.reward_weights has {len(weights)} weights for "
                 f"{len(reward_funcs)} reward functions; give one per function."
             )
         if dataset_train is None:
-            raise ArgumentError("GRPOTrainer needs dataset_train (the prompts).")
+            raise ArgumentError(f"{name} needs dataset_train (the prompts).")
         shown = tool_calls.shown if tool_calls is not None else None  # each row's tools
         prompts = read_prompts(dataset_train, processing_class, args.max_prompt_length, shown)
         self.prompt_truncated_share = prompts.truncated_share
@@ -114,7 +123,7 @@ class GRPOTrainer(Trainer):
             eos = getattr(getattr(model, "config", None), "eos_token_id", None)
         eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
                    if e is not None]  # fmt: skip
-        source = RolloutSource(
+        source = self.source_class(
             args,
             prompts,
             tokenizer=processing_class,
@@ -132,7 +141,7 @@ class GRPOTrainer(Trainer):
             dataset_train=dataset_train,
             processing_class=processing_class,
             train_source=source,
-            objective=grpo_objective(args),
+            objective=self.task_objective(args),
             **kwargs,
         )
 
@@ -154,7 +163,7 @@ class GRPOTrainer(Trainer):
         pass@k (the share of prompts with a completion reaching eval_pass_threshold)."""
         args, prompts, source = self.grpo_args, self.eval_loader, self.train_source
         if prompts is None:
-            raise ArgumentError("GRPOTrainer.evaluate needs dataset_eval (prompts).")
+            raise ArgumentError(f"{type(self).__name__}.evaluate needs dataset_eval (prompts).")
         k, seed = args.eval_num_generations, args.seed + 0x5EED
         # Each process completes and scores its contiguous share of the prompts.
         shares = np.array_split(np.arange(len(prompts)), source.process_count)
@@ -186,7 +195,7 @@ class GRPOTrainer(Trainer):
 
     @staticmethod
     def _tool_calls(
-        tools: Any, environment_factory: Any, args: GRPOArguments, tokenizer: Any
+        tools: Any, environment_factory: Any, args: RolloutArguments, tokenizer: Any
     ) -> ToolCalls | None:
         """The run's tools (given, or loaded from `args.tools` / `args.environment`), after
         checking that the chat template shows tool calls and that they can be parsed."""
@@ -199,16 +208,19 @@ class GRPOTrainer(Trainer):
         check_tool_template(tokenizer)
         return ToolCalls(tools, environment_factory)
 
-    @staticmethod
-    def _reward_funcs(funcs: Any, args: GRPOArguments, extra: list[Callable]) -> list[Callable]:
+    @classmethod
+    def _reward_funcs(
+        cls, funcs: Any, args: RolloutArguments, extra: list[Callable]
+    ) -> list[Callable]:
         if funcs is None:
             funcs = [load_reward(s, format_pattern=args.format_pattern) for s in args.reward or []]
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         funcs += extra  # an environment's get_reward
         if not funcs:
             raise ArgumentError(
-                "GRPOTrainer needs reward functions: reward_funcs=[fn, ...] or "
-                "GRPOArguments.reward (e.g. ['last_number_matches'] or ['my_module:fn'])."
+                f"{cls.__name__} needs reward functions: reward_funcs=[fn, ...] or "
+                f"{cls.arguments_class.__name__}.reward (e.g. ['last_number_matches'] or "
+                "['my_module:fn'])."
             )
         for fn in funcs:
             if not callable(fn):
@@ -216,7 +228,7 @@ class GRPOTrainer(Trainer):
         return funcs
 
 
-def check_process_groups(args: GRPOArguments, processes: int) -> None:
+def check_process_groups(args: RolloutArguments, processes: int) -> None:
     """On several processes each generates whole groups of its rows of every micro-batch."""
     if processes == 1:
         return

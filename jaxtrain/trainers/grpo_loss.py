@@ -36,6 +36,9 @@ whose `loss_sum / grpo_normalizer(global batch)` is that loss for any accumulati
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -43,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "quiet_nan_warnings",
     "CLIPPED_LOSS_TYPES",
     "clip_metric_name",
     "group_advantages",
@@ -67,7 +71,7 @@ def group_advantages(
     """
     rewards = np.asarray(rewards, np.float64)
     groups = rewards.reshape(-1, num_generations)
-    with np.errstate(invalid="ignore", divide="ignore"), _quiet():
+    with np.errstate(invalid="ignore", divide="ignore"), quiet_nan_warnings():
         mean = np.repeat(np.nanmean(groups, axis=1), num_generations)
         group_std = np.repeat(np.nanstd(groups, axis=1, ddof=1), num_generations)
         if scale_rewards == "batch":
@@ -81,18 +85,12 @@ def group_advantages(
     return np.nan_to_num(advantages, nan=0.0).astype(np.float32), equal
 
 
-class _quiet:
+@contextlib.contextmanager
+def quiet_nan_warnings() -> Iterator[None]:
     """numpy's "mean of empty slice" warnings off: an all-NaN group is handled (-> 0)."""
-
-    def __enter__(self):
-        import warnings
-
-        self._w = warnings.catch_warnings()
-        self._w.__enter__()
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc: Any):
-        self._w.__exit__(*exc)
+        yield
 
 
 def clip_metric_name(loss_type: str) -> str | None:

@@ -138,6 +138,11 @@ class RolloutSource:
         return self.sampler.engine
 
     @property
+    def program(self) -> Any:
+        """The Program whose parameters the rollouts sample from (set by `open`)."""
+        return self._program
+
+    @property
     def sequence_length(self) -> int:
         return self.args.max_prompt_length + self.args.max_completion_length
 
@@ -285,6 +290,7 @@ class RolloutSource:
         # The trainer's log-probs of the tokens just sampled, from the parameters that sampled
         # them: the later updates' old log-probs, and what the sampler's are compared with.
         trainer_logps = self._old_logps(state, placed)
+        equal, penalty_logs = self.final_advantages(state, placed, trainer_logps, rewards, equal)
         sampler_logps = placed.pop("sampler_logps")
         if args.num_iterations > 1:  # later updates compare with the sampling policy
             placed["old_logps"] = trainer_logps
@@ -298,6 +304,7 @@ class RolloutSource:
             **completion_logs(every, ended, tools=self.tool_calls is not None),
             "time/generation_s": generation_s,
             **agreement_logs,
+            **penalty_logs,
         }
         if args.dynamic_sampling_passes:
             logs["dynamic_sampling/replaced_groups"] = float(replaced)
@@ -308,6 +315,20 @@ class RolloutSource:
                 logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
         self.last_completions = texts  # for inspection (tests, callbacks)
         return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+
+    def final_advantages(
+        self,
+        state: Any,
+        placed: dict[str, jax.Array],
+        trainer_logps: jax.Array,
+        rewards: np.ndarray,
+        equal: np.ndarray,
+    ) -> tuple[np.ndarray, dict[str, float]]:
+        """Advantages that need the round's log-probs (RLOO's KL-penalized reward) replace
+        `placed["advantages"]` here; returns (each group's rewards all equal [N], logs). GRPO's
+        are final before the rows are placed."""
+        del state, placed, trainer_logps, rewards
+        return equal, {}
 
     def _score(self, rows: np.ndarray, positions: np.ndarray, rollouts: RolloutRows) -> np.ndarray:
         """The reward functions' values [len(positions), functions] of the completions

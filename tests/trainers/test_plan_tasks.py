@@ -22,6 +22,8 @@ from jaxtrain.trainers import (
     KTOTrainer,
     ORPOArguments,
     ORPOTrainer,
+    RLOOArguments,
+    RLOOTrainer,
 )
 from jaxtrain.trainers.grpo_sampler import rollout_engine_shape
 
@@ -132,6 +134,25 @@ def test_a_grpo_plan_is_the_grpo_run_s_step_and_engine(tokenizer, tmp_path):
         for m in real
     )  # fmt: skip
     assert planned["memory"]["peak"] == peak > pool
+
+
+def test_an_rloo_plan_is_the_rloo_run_s_step_and_plans_its_engine(tokenizer, tmp_path):
+    """RLOO's step (a ratio per completion, no reference in the step, old log-probs on later
+    updates) is what its plan compiles; the plan includes the engine it samples on."""
+    args = tiny_arguments(
+        RLOOArguments, tmp_path, max_steps=1, total_batch_size=8, num_generations=4,
+        max_prompt_length=8, max_completion_length=3, num_iterations=2,
+    )  # fmt: skip
+    prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
+    RLOOTrainer(
+        arguments=args, model=tiny_model(), dataset_train=prompts, processing_class=tokenizer,
+        reward_funcs=[lambda prompts, completions, **_: [1.0] * len(completions)],
+        devices=jax.devices()[:1],
+    ).train()  # fmt: skip
+    assert plan_peak("rloo", args, tmp_path) == pytest.approx(run_peak(tmp_path), rel=1e-6)
+    nowhere = dataclasses.replace(args, output_dir=str(tmp_path / "never-written"))
+    planned = plan_program(tiny_config(), nowhere, jax.devices()[:1], task="rloo")
+    assert planned["sampler"]["memory"]["pool_bytes"] > 0
 
 
 def test_a_qlora_plan_counts_the_quantized_base_as_the_run_does(tmp_path):

@@ -31,6 +31,12 @@ RUNS = {
          "dynamic_sampling_passes": 2, "mu_dtype": "bfloat16"},
         (),
     ),
+    "rloo": (
+        "prompts",
+        {"reward": "last_number_matches", "num_generations": 2, "max_prompt_length": 8,
+         "max_completion_length": 3, "normalize_advantages": True},
+        (),
+    ),
 }  # fmt: skip
 
 
