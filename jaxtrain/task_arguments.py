@@ -142,6 +142,11 @@ class RolloutArguments(TrainingArguments):
     epsilon_high: float | None = None
     # Updates per generated batch (the later ones are off-policy, with the old log-probs).
     num_iterations: int = 1
+    # Asynchronous rollouts: the next rounds are sampled in the background while this one
+    # trains, from the parameters of their time, at most this many rounds behind the policy
+    # that trains on them (their ratio to the sampling policy corrects for it). 0: each round
+    # sampled from the current parameters, then trained (synchronous).
+    max_staleness: int = 0
     # Completions cut at max_completion_length (no eos) get no loss.
     mask_truncated_completions: bool = False
     # One weight per reward function (default all 1).
@@ -219,6 +224,10 @@ class RolloutArguments(TrainingArguments):
             (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
             (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
             (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+            (
+                isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+                f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0: synchronous)",
+            ),
             (
                 1 <= self.eval_num_generations <= self.total_batch_size,
                 f"eval_num_generations={self.eval_num_generations} must lie in [1, "

@@ -162,6 +162,7 @@ class GRPOTrainer(Trainer):
         the mean weighted reward, each function's mean, the mean completion length, and
         pass@k (the share of prompts with a completion reaching eval_pass_threshold)."""
         args, prompts, source = self.grpo_args, self.eval_loader, self.train_source
+        source.settle()  # the engine finishes the rounds sampled ahead first
         if prompts is None:
             raise ArgumentError(f"{type(self).__name__}.evaluate needs dataset_eval (prompts).")
         k, seed = args.eval_num_generations, args.seed + 0x5EED
@@ -232,6 +233,11 @@ def check_process_groups(args: RolloutArguments, processes: int) -> None:
     """On several processes each generates whole groups of its rows of every micro-batch."""
     if processes == 1:
         return
+    if args.max_staleness:
+        raise ArgumentError(
+            f"max_staleness={args.max_staleness}: asynchronous rollouts run in one process for "
+            f"now (this run has {processes}); set max_staleness=0, or run in one process."
+        )
     micro = args.total_batch_size // args.gradient_accumulation_steps
     share, g = micro // processes, args.num_generations
     if micro % processes or share % g:

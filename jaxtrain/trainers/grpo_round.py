@@ -18,6 +18,8 @@ __all__ = ["GeneratedRound"]
 
 # The `kind` of a round's details in a checkpoint's metadata (what wrote its extra arrays).
 ROUND_KIND = "grpo_round"
+# ... of several rounds: the current one (if inside it) and those sampled ahead (async).
+ROUNDS_KIND = "grpo_rounds"
 
 
 @dataclasses.dataclass
@@ -45,6 +47,34 @@ class GeneratedRound:
         }
         return details, self.batch
 
+    @staticmethod
+    def checkpoint_rounds(
+        rounds: list[GeneratedRound], num_iterations: int
+    ) -> tuple[dict[str, Any], dict[str, dict[str, jax.Array]]]:
+        """(JSON details, arrays) of several rounds, each under its generation."""
+        details = [r.checkpoint(num_iterations)[0] for r in rounds]
+        arrays = {str(r.generation): r.batch for r in rounds}
+        return {"kind": ROUNDS_KIND, "num_iterations": num_iterations, "rounds": details}, arrays
+
+    @classmethod
+    def restored_rounds(
+        cls,
+        details: dict[str, Any],
+        restore: Callable[[Any], Any],
+        abstract_batch: dict[str, jax.ShapeDtypeStruct],
+    ) -> list[GeneratedRound]:
+        """The rounds `checkpoint_rounds` kept (none from a checkpoint of another kind)."""
+        if details.get("kind") == ROUND_KIND:
+            return [cls.restored(details, restore, abstract_batch)]
+        if details.get("kind") != ROUNDS_KIND:
+            return []
+        keys = [str(r["generation"]) for r in details["rounds"]]
+        batches = restore({k: abstract_batch for k in keys})
+        return [
+            cls.restored(r, lambda _, k=k: batches[k], abstract_batch)
+            for r, k in zip(details["rounds"], keys)
+        ]
+
     @classmethod
     def restored(
         cls,
@@ -62,15 +92,4 @@ class GeneratedRound:
             logs={k: float(v) for k, v in details["logs"].items()},
             completions=list(details["completions"]),
             host=host,
-        )
-
-    @staticmethod
-    def fits(details: dict[str, Any], step: int, num_iterations: int) -> bool:
-        """Whether a checkpoint's round is the one the resumed `step` continues (the same
-        round, with the same num_iterations, and not at its boundary)."""
-        return (
-            details.get("kind") == ROUND_KIND
-            and details.get("num_iterations") == num_iterations
-            and details.get("generation") == step // num_iterations
-            and step % num_iterations != 0
         )

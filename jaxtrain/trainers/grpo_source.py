@@ -16,6 +16,10 @@ most max_prompt_length tokens, then its completion, right-padded to their sum), 
 once; the engine compiles every bucket of its prefill and decode steps when it is made, before
 the first round samples (`Engine.warm_up`), and nothing after.
 
+With max_staleness k > 0 the rounds after the current one are sampled in the background
+while it trains, from copies of the parameters of their time (rounds_ahead.py); their batches
+carry that policy's log-probs as the old ones.
+
 On several processes each generates the completions of its own rows of every micro-batch
 (whole groups: the layout's contiguous share of each micro-batch) on an engine of its own,
 over a process-local copy of the policy, and scores them; the tokens and rewards are then
@@ -26,7 +30,6 @@ those one process would sample.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -43,16 +46,16 @@ from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
 from jaxtrain.serving import Engine
 from jaxtrain.task_arguments import GRPOArguments
-from jaxtrain.trainers.grpo_agreement import round_agreement
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
 from jaxtrain.trainers.grpo_round import GeneratedRound
 from jaxtrain.trainers.grpo_sampler import RolloutSampler, completion_logs
 from jaxtrain.trainers.rewards import reward_name, score_completions
 from jaxtrain.trainers.rollout_rows import RolloutRows
+from jaxtrain.trainers.round_logps import RoundLogps
+from jaxtrain.trainers.rounds_ahead import RoundsAhead
 from jaxtrain.trainers.tool_rollouts import Episode
 from jaxtrain.trainers.tools import ToolCalls
-from jaxtrain.training.logps import model_token_logps
 
 __all__ = ["RolloutSource", "rollout_batch"]
 
@@ -69,7 +72,7 @@ def rollout_batch(args: GRPOArguments) -> dict[str, jax.ShapeDtypeStruct]:
         "labels": ((a, m, t), jnp.int32),
         "advantages": ((a, m), jnp.float32),
     }
-    if args.num_iterations > 1:
+    if args.num_iterations > 1 or args.max_staleness > 0:  # the sampling policy's
         shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
     if args.sampler_correction != "none":
         shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
@@ -117,7 +120,7 @@ class RolloutSource:
         self._program: Any = None
         self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
         self._last_batch_time: float | None = None
-        self._old_logps_fn = self._agreement_fn = None
+        self.logps = RoundLogps(args, layout)  # the trainer's log-probs of a round
         self.process_index, self.process_count = jax.process_index(), layout.process_count
         self._local_rest: Any = None  # the policy's frozen part on this process's devices
         self.sampler = RolloutSampler(
@@ -131,6 +134,10 @@ class RolloutSource:
         )
         self.tool_calls = tool_calls
         self._episodes: dict[int, Episode] = {}  # this round's multi-turn rollouts, by row
+        self.ahead: RoundsAhead | None = None  # max_staleness > 0: rounds sampled ahead
+        if args.max_staleness > 0:
+            last = (args.max_steps - 1) // args.num_iterations if args.max_steps > 0 else None
+            self.ahead = RoundsAhead(self._sample_round, args.max_staleness, last)
 
     @property
     def engine(self) -> Engine | None:
@@ -168,6 +175,14 @@ class RolloutSource:
 
     def close(self) -> None:
         self._last_batch_time = None
+        if self.ahead is not None:
+            self.ahead.close()
+
+    def settle(self) -> None:
+        """Wait for the rounds sampled in the background (before the engine samples anything
+        else: evaluation)."""
+        if self.ahead is not None:
+            self.ahead.rounds()
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The generated train batch's shapes, dtypes and shardings ([A, M, ...] global)."""
@@ -203,11 +218,13 @@ class RolloutSource:
             )
         generation_s = 0.0
         if self._round is None or self._round.generation != generation:
-            placed, round_logs, host = self.generate_batch(state, step)
-            self._round = GeneratedRound(
-                generation, placed, round_logs, self.last_completions, host
-            )
-            generation_s = round_logs["time/generation_s"]
+            ready, generation_s = self.ahead.take(generation) if self.ahead else (None, 0.0)
+            if ready is None:  # sampled now, from `state`
+                ready = self._sample_round(state, generation, generation)
+                generation_s = ready.logs["time/generation_s"]
+            self._round, self.last_completions = ready, ready.completions
+            if self.ahead is not None:  # the next rounds, sampled while this one trains
+                logs["async/weight_handoff_s"] = self.ahead.launch(state, generation)
         self._last_batch_time = time.perf_counter()
         current = self._round
         # The host rows are the completions: the loop counts their tokens for throughput.
@@ -219,20 +236,38 @@ class RolloutSource:
 
     def checkpoint_extra(self, step: int) -> tuple[dict[str, Any], Any] | None:
         """Inside a round (step `step` reuses the batch of the steps before it): the round's
-        batch and logs, so a resume finishes the round exactly. At a boundary: nothing."""
+        batch and logs, so a resume finishes the round exactly; and the rounds sampled ahead
+        (waited for). At a boundary of a synchronous run: nothing."""
         n, current = self.args.num_iterations, self._round
-        if current is None or step % n == 0 or current.generation != step // n:
-            return None
-        return current.checkpoint(n)
+        inside = current is not None and step % n != 0 and current.generation == step // n
+        ahead = self.ahead.rounds() if self.ahead is not None else []
+        if not ahead:
+            return current.checkpoint(n) if inside else None
+        return GeneratedRound.checkpoint_rounds([current] * inside + ahead, n)
 
     def resume_extra(
         self, details: dict[str, Any], restore: Callable[[Any], Any], step: int
     ) -> None:
-        """The round a checkpoint kept becomes the current one (the next steps reuse it);
-        one that does not continue at `step` (num_iterations changed) is left unread."""
-        if GeneratedRound.fits(details, step, self.args.num_iterations):
-            self._round = GeneratedRound.restored(details, restore, self.abstract_batch())
-            self.last_completions = self._round.completions
+        """The round a checkpoint kept becomes the current one (the next steps reuse it), and
+        the rounds it sampled ahead the ones to come; rounds of another num_iterations are
+        left unread."""
+        n = self.args.num_iterations
+        if details.get("num_iterations") != n:
+            return
+        rounds = GeneratedRound.restored_rounds(details, restore, self.abstract_batch())
+        generation, inside = step // n, step % n != 0
+        for kept in rounds:
+            if inside and kept.generation == generation:
+                self._round, self.last_completions = kept, kept.completions
+        ahead = [r for r in rounds if r.generation > generation - (not inside)]
+        if ahead and self.ahead is None:
+            logger.warning(
+                "the checkpoint holds %d rounds sampled ahead (max_staleness > 0); this run "
+                "has max_staleness=0, so they are sampled again from the resumed parameters.",
+                len(ahead),
+            )
+        elif ahead:
+            self.ahead.restore(ahead)
 
     # ------------------------------------------------------------ rollouts
     def sampling_key(self, step: int) -> jax.Array:
@@ -240,12 +275,29 @@ class RolloutSource:
         round only, so a resumed run samples what the uninterrupted one did."""
         return jax.random.fold_in(jax.random.key(self.args.seed), step // self.args.num_iterations)
 
+    def _sample_round(self, state: Any, generation: int, launched_at: int) -> GeneratedRound:
+        """Round `generation`, sampled from `state` (a copy of the parameters of the round
+        `launched_at` when sampled ahead: its staleness is the difference)."""
+        start = self.args.num_iterations * generation
+        placed, logs, host, texts = self._generate(state, start)
+        if self.ahead is not None:
+            logs["async/staleness"] = float(generation - launched_at)
+            logs["async/sampling_s"] = logs["time/generation_s"]
+        return GeneratedRound(generation, placed, logs, texts, host)
+
     def generate_batch(
         self, state: Any, step: int
     ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray]]:
         """The scored completions of `step`'s prompts as a global train batch, its logs, and
         this process's input_ids and labels on the host. With dynamic sampling, the groups
-        whose rewards are all equal are replaced by groups of other prompts, pass by pass."""
+        whose rewards are all equal are replaced by groups of other prompts, pass by pass.
+        `last_completions` become its completions."""
+        placed, logs, host, self.last_completions = self._generate(state, step)
+        return placed, logs, host
+
+    def _generate(
+        self, state: Any, step: int
+    ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray], list[str]]:
         args, g = self.args, self.args.num_generations
         rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
         n = len(rows)
@@ -289,12 +341,13 @@ class RolloutSource:
         placed = self.layout.to_global(host, micro_axis=True)
         # The trainer's log-probs of the tokens just sampled, from the parameters that sampled
         # them: the later updates' old log-probs, and what the sampler's are compared with.
-        trainer_logps = self._old_logps(state, placed)
+        trainer_logps = self.logps.trainer(self._program, state, placed)
         equal, penalty_logs = self.final_advantages(state, placed, trainer_logps, rewards, equal)
         sampler_logps = placed.pop("sampler_logps")
-        if args.num_iterations > 1:  # later updates compare with the sampling policy
+        if "old_logps" in rollout_batch(args):  # later updates (or rounds) compare with it
             placed["old_logps"] = trainer_logps
-        weight, agreement_logs = self._agreement(trainer_logps, sampler_logps, placed["labels"])
+        labels = placed["labels"]
+        weight, agreement_logs = self.logps.agreement(trainer_logps, sampler_logps, labels)
         if args.sampler_correction != "none":
             placed["sampler_logps"], placed["sampler_weight"] = sampler_logps, weight
         logs = {
@@ -313,8 +366,7 @@ class RolloutSource:
             column = per_func[:, j]
             if not np.isnan(column).all():
                 logs[f"rewards/{reward_name(fn)}"] = float(np.nanmean(column))
-        self.last_completions = texts  # for inspection (tests, callbacks)
-        return placed, logs, {k: host[k] for k in ("input_ids", "labels")}
+        return placed, logs, {k: host[k] for k in ("input_ids", "labels")}, texts
 
     def final_advantages(
         self,
@@ -424,41 +476,3 @@ class RolloutSource:
             policy = nnx.merge(graphdef, params, self._local_rest)
         self.sampler.load(policy)
         return self.sampler.roll(prompts, prompt_rows, g, seeds)
-
-    def _old_logps(self, state: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        program, t = self._program, self.args.temperature
-        if self._old_logps_fn is None:
-            graphdef = program.graphdef
-
-            @jax.jit
-            def old_logps(params, rest, ids, labels):
-                model = nnx.merge(graphdef, params, rest).model
-                flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
-                logps, _ = model_token_logps(model, flat(ids), flat(labels), temperature=t)
-                return logps.reshape(*ids.shape[:2], -1)
-
-            self._old_logps_fn = old_logps
-        out = self._old_logps_fn(
-            state.params, program.frozen_state(), batch["input_ids"], batch["labels"]
-        )
-        return jax.device_put(out, self.layout.sharding(3, micro_axis=True))
-
-    def _agreement(
-        self, trainer_logps: jax.Array, sampler_logps: jax.Array, labels: jax.Array
-    ) -> tuple[jax.Array | None, dict[str, float]]:
-        """The sampler correction's weights [A, M, T - 1] (None without a correction) and the
-        round's agreement logs (grpo_agreement.py), over its scored completion tokens."""
-        if self._agreement_fn is None:
-            args = self.args
-            self._agreement_fn = jax.jit(
-                functools.partial(
-                    round_agreement,
-                    mode=args.sampler_correction,
-                    low=args.sampler_correction_min,
-                    high=args.sampler_correction_max,
-                )
-            )
-        weight, logs = self._agreement_fn(trainer_logps, sampler_logps, labels)
-        if weight is not None:
-            weight = jax.device_put(weight, self.layout.sharding(3, micro_axis=True))
-        return weight, {k: float(v) for k, v in logs.items()}

@@ -234,8 +234,8 @@ def test_a_run_agrees_to_rounding_and_a_stale_sampler_is_measured_and_corrected(
     source = trainer.train_source
     rows = source._round.batch
     mask = np.asarray(rows["labels"])[..., 1:] != IGNORE_INDEX
-    stale = np.asarray(source._old_logps(record.first, rows))[mask]
-    current = np.asarray(source._old_logps(record.after_one, rows))[mask]
+    stale = np.asarray(source.logps.trainer(source.program, record.first, rows))[mask]
+    current = np.asarray(source.logps.trainer(source.program, record.after_one, rows))[mask]
     sampler = np.asarray(rows["sampler_logps"])[mask]
     np.testing.assert_allclose(sampler, stale, atol=2e-5)
     difference = np.abs(current - sampler)

@@ -28,7 +28,8 @@ RUNS = {
         # This session's GRPO options ride along: set from a config file, then taken out.
         {"reward": "last_number_matches", "num_generations": 2, "max_prompt_length": 8,
          "max_completion_length": 3, "sampler_correction": "sequence_mask",
-         "dynamic_sampling_passes": 2, "mu_dtype": "bfloat16"},
+         "dynamic_sampling_passes": 2, "mu_dtype": "bfloat16",
+         "max_staleness": 1},
         (),
     ),
     "rloo": (
