@@ -141,17 +141,23 @@ def smollm2_gguf() -> str:
     return glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))[0]
 
 
+def addition_chats(count: int = 64) -> list[dict[str, Any]]:
+    """Chat prompts "What is a + b?" with their `answer` (last_number_matches' column)."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(count):
+        a, b = (int(x) for x in rng.integers(1, 10, 2))
+        question = f"What is {a} + {b}? Reply with just the number."
+        rows.append({"prompt": [{"role": "user", "content": question}], "answer": a + b})
+    return rows
+
+
 def bench_smollm2(opts: argparse.Namespace) -> None:
     from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
 
     path = smollm2_gguf()
     tokenizer = load_tokenizer(path)
-    rng = np.random.default_rng(0)
-    rows = []
-    for _ in range(64):
-        a, b = (int(x) for x in rng.integers(1, 10, 2))
-        question = f"What is {a} + {b}? Reply with just the number."
-        rows.append({"prompt": [{"role": "user", "content": question}], "answer": a + b})
+    rows = addition_chats()
     logs = Logs()
     start = time.perf_counter()
     trainer = GRPOTrainer(

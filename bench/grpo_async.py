@@ -29,8 +29,7 @@ RESULT = "GRPO_ASYNC_RESULT "
 
 def run_variant(opts: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import numpy as np
-    from grpo import smollm2_gguf
+    from grpo import addition_chats, smollm2_gguf
 
     from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
     from jaxtrain.trainers import GRPOArguments, GRPOTrainer
@@ -47,12 +46,7 @@ def run_variant(opts: argparse.Namespace) -> None:
 
     path = smollm2_gguf()
     tokenizer = load_tokenizer(path)
-    rng = np.random.default_rng(0)
-    rows = []
-    for _ in range(64):
-        a, b = (int(x) for x in rng.integers(1, 10, 2))
-        question = f"What is {a} + {b}? Reply with just the number."
-        rows.append({"prompt": [{"role": "user", "content": question}], "answer": a + b})
+    rows = addition_chats()
     clock = Clock()
     GRPOTrainer(
         arguments=GRPOArguments(
@@ -119,9 +113,11 @@ def main() -> None:
             result["load"] = (load_before, os.getloadavg()[0])
             results[variant].append(result)
             rewards = result["rewards"]
+            half = rewards[len(rewards) // 2 :]
             print(f"round {r + 1} {variant:5s}: {result['seconds_per_step']:.2f} s/step, "
                   f"waited for generation {result['waited_s']:.2f} s/step, handoff "
-                  f"{result['handoff_s']}, reward first {rewards[0]:.3f} last {rewards[-1]:.3f}, "
+                  f"{result['handoff_s']}, reward first {rewards[0]:.3f}, mean of the last "
+                  f"{len(half)} steps {sum(half) / len(half):.3f}, "
                   f"load {result['load'][0]:.1f}->{result['load'][1]:.1f}", flush=True)  # fmt: skip
     ratios = [
         a["seconds_per_step"] / s["seconds_per_step"]

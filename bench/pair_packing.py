@@ -109,7 +109,7 @@ def build(shape: str, steps: int):
         total_batch_size=pairs,
     )
     examples = uneven_examples(pairs * steps * 8, row)
-    padded = [PairCollator(row, None)(examples[i * pairs : (i + 1) * pairs]) for i in range(steps)]
+    padded = [PairCollator(row)(examples[i * pairs : (i + 1) * pairs]) for i in range(steps)]
     rows = 2 * pairs  # the padded batch's rows: the same token slots
     stream, packed, pack_seconds = Stream(examples), [], []
     for _ in range(steps):

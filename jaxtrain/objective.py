@@ -1,12 +1,13 @@
 """The objective contract: what a loss function returns, and how each key is logged.
 
 An objective is `loss_sums(model, batch, rng) -> dict of scalar sums` over one micro-batch
-(`Trainer.compute_loss_sums`, or the loss of a task trainer). Sums, not means, so that
+(`Objective.loss_sums` of training/program.py: a task's, or the causal LM loss; a Trainer
+subclass may state it as `compute_loss_sums`). Sums, not means, so that
 gradient accumulation, data parallelism and logging windows all weight every unit alike:
 
   loss_sum   required  the loss summed over the batch's units (tokens for a causal LM, pairs
                        for a preference loss); the update minimises loss_sum / normalizer
-  tokens     required  how many units loss_sum sums over; `Trainer.loss_normalizer` should
+  tokens     required  how many units loss_sum sums over; the Objective's `normalizer` should
                        count the same units (it does for the default causal LM loss)
   correct    optional  units predicted right; logged as `accuracy`
   any other  optional  another sum over the same units (a z-loss, a DPO margin, a KL term)
@@ -20,7 +21,7 @@ exactly like the loss. It is logged under its own name with a trailing `_sum` dr
 `z_loss`, `rewards/margins` -> `rewards/margins`), `correct` as `accuracy`, and under
 `eval/` in evaluation. Nothing an objective returns is dropped. `perplexity` = exp(loss) is
 logged beside the loss only when the loss is a mean negative log-likelihood per token
-(`Trainer.loss_is_token_nll`: the causal LM and SFT losses); the exponential of a preference,
+(`Objective.token_nll`: the causal LM and SFT losses); the exponential of a preference,
 classification or distillation loss is not a perplexity, so those trainers log none.
 The step itself adds `grad_norm`, `learning_rate` and `nonfinite`, so an objective may not
 return those names. A difference of two logged means is not a sum: an objective declares it

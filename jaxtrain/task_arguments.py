@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 GRPO_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
 # TRL's vllm_importance_sampling_mode values, and "none" (its correction off).
@@ -271,8 +271,18 @@ class GRPOArguments(RolloutArguments):
     # passes per round (0: off). Groups still equal after the last pass train as they are.
     dynamic_sampling_passes: int = 0
     # The policy term and how token losses are averaged: docs/tasks.md "GRPO" (grpo, bnpo,
-    # dr_grpo, dapo, cispo, sapo).
+    # dr_grpo, dapo, cispo, sapo, luspo, vespo).
     loss_type: str = "dapo"
+    # INTELLECT-2's two-sided clip for the clipped losses: the unclipped ratio is also capped
+    # at delta (> 1 + epsilon_high), so a negative advantage cannot push it without bound.
+    # None: off (TRL's default).
+    delta: float | None = None
+    # loss_type="vespo": its weight's exponent k and decay lambda for advantages >= 0 and for
+    # negative ones (TRL's defaults).
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     # Advantages: reward minus the group mean, divided by the group's std ("group"), the
     # batch's ("batch") or not at all ("none", Dr. GRPO).
     scale_rewards: str = "group"
@@ -318,6 +328,17 @@ class GRPOArguments(RolloutArguments):
                 self.loss_type != "cispo" or self.epsilon_high > 0,
                 f"epsilon_high={self.epsilon_high!r}: with loss_type='cispo' it caps the ratio "
                 "and must be > 0 (TRL recommends 5.0)",
+            ),
+            (
+                self.delta is None or self.delta > 1 + self.epsilon_high,
+                f"delta={self.delta!r} must be None (off) or above 1 + epsilon_high="
+                f"{1 + self.epsilon_high:g} (the cap of the unclipped ratio)",
+            ),
+            (
+                self.loss_type != "vespo"
+                or self.sampler_correction in ("none", "token_truncate", "token_mask"),
+                f"sampler_correction={self.sampler_correction!r}: loss_type='vespo' takes a "
+                "token-level one (token_truncate, token_mask), as TRL",
             ),
             (
                 self.scale_rewards in GRPO_SCALE_REWARDS,

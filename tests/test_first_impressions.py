@@ -127,7 +127,7 @@ def test_help_names_grpo_and_its_own_loss_types(capsys):
     names = list(TASKS)
     assert f"The trainer: {', '.join(names[:-1])} or {names[-1]}" in text
     loss_type = text.split("--loss_type STR", 1)[1].split("\n  --", 1)[0]
-    assert "One of: grpo, bnpo, dr_grpo, dapo, cispo, sapo." in loss_type
+    assert "One of: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo." in loss_type
     assert "sigmoid" not in loss_type
     assert main(["train", "--task", "dpo", "--help"]) == 0
     assert "One of: sigmoid, ipo, hinge." in capsys.readouterr().out

@@ -91,7 +91,7 @@ def detect_cluster(args: Any, env: dict[str, str] | None = None) -> ClusterSpec 
             _int_env(env, "JAXTRAIN_PROCESS_ID"),
         )
     if env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
-        from jaxtrain.distributed.slurm import slurm_task
+        from jaxtrain.parallel.slurm_env import slurm_task
 
         task = slurm_task(env)  # None when srun's per-task variables are missing
         if task is None:

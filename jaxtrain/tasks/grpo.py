@@ -39,8 +39,18 @@ def check_prompt_files(task: str, config: dict[str, Any]) -> None:
         )
 
 
-def _frozen(args: Any) -> dict[str, bool]:
+def reference_when_beta(args: Any) -> dict[str, bool]:
+    """A reference when beta > 0 (with LoRA none: the base without adapters is one)."""
     return {"reference": args.beta > 0 and not args.lora_rank}
+
+
+def no_eval_set(name: str, title: str) -> str:
+    """What `jaxtrain eval` says of an online RL run (`title` the task, as a sentence begins)."""
+    return (
+        f"{title} run has no eval set to evaluate: --task {name} trains without "
+        "data.eval_files (its reward functions score sampled completions). Score it with "
+        "`jaxtrain evaluate RUN_DIR --tasks ...`, or read `jaxtrain sample RUN_DIR`."
+    )
 
 
 TASK = Task(
@@ -51,13 +61,9 @@ TASK = Task(
     # The rollout source's own batch: the sampler correction's arrays too.
     batch=imported("jaxtrain.trainers.grpo_source:rollout_batch"),
     objective=imported("jaxtrain.trainers.grpo:grpo_objective"),
-    frozen=_frozen,
+    frozen=reference_when_beta,
     check_data=partial(check_prompt_files, "grpo"),
-    no_eval_set=(
-        "a GRPO run has no eval set to evaluate: --task grpo trains without data.eval_files "
-        "(its reward functions score sampled completions). Score it with `jaxtrain evaluate "
-        "RUN_DIR --tasks ...`, or read `jaxtrain sample RUN_DIR`."
-    ),
+    no_eval_set=no_eval_set("grpo", "a GRPO"),
     samples_on_engine=True,
     choices={
         "loss_type": GRPO_LOSS_TYPES,

@@ -5,16 +5,10 @@ LoRA the base without adapters)."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 from jaxtrain.task_arguments import RLOOArguments
-from jaxtrain.tasks.grpo import check_prompt_files
+from jaxtrain.tasks.grpo import check_prompt_files, no_eval_set, reference_when_beta
 from jaxtrain.tasks.task import Task, imported
-
-
-def _frozen(args: Any) -> dict[str, bool]:
-    return {"reference": args.beta > 0 and not args.lora_rank}
-
 
 TASK = Task(
     name="rloo",
@@ -23,12 +17,8 @@ TASK = Task(
     rows="prompt, messages or prompt_ids (+ columns for the rewards)",
     batch=imported("jaxtrain.trainers.grpo_source:rollout_batch"),
     objective=imported("jaxtrain.trainers.rloo:rloo_objective"),
-    frozen=_frozen,
+    frozen=reference_when_beta,
     check_data=partial(check_prompt_files, "rloo"),
-    no_eval_set=(
-        "an RLOO run has no eval set to evaluate: --task rloo trains without data.eval_files "
-        "(its reward functions score sampled completions). Score it with `jaxtrain evaluate "
-        "RUN_DIR --tasks ...`, or read `jaxtrain sample RUN_DIR`."
-    ),
+    no_eval_set=no_eval_set("rloo", "an RLOO"),
     samples_on_engine=True,
 )

@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
@@ -16,7 +17,14 @@ from jaxtrain.trainers.packed import PairLayout, packed_source
 from jaxtrain.trainers.sequences import real_units
 from jaxtrain.training.trainer import Trainer
 
-__all__ = ["PairTrainer", "TaskTrainer", "concrete_model", "pair_normalizer", "task_runtime"]
+__all__ = [
+    "PairTrainer",
+    "TaskTrainer",
+    "concrete_model",
+    "pair_normalizer",
+    "task_pad_token_id",
+    "task_runtime",
+]
 
 
 def task_runtime(args: TrainingArguments, kwargs: dict[str, Any]) -> Runtime:
@@ -39,6 +47,16 @@ def concrete_model(model: Any, args: TrainingArguments, runtime: Runtime) -> nnx
     return model
 
 
+def task_pad_token_id(tokenizer: Any, model: Any) -> int:
+    """The pad id the Trainer will pad with (the tokenizer's, else the model config's, else
+    their eos), known before it is built: a task's collator and sources take it as a number.
+    `model`: a model, a TaskModel around one, or a ModelFactory."""
+    trained = getattr(model, "model", model) if hasattr(model, "frozen_names") else model
+    if isinstance(trained, ModelFactory):
+        trained = trained.abstract()
+    return resolve_pad_token_id(tokenizer, getattr(trained, "config", None))
+
+
 class TaskTrainer(Trainer):
     """A Trainer whose `self.model` is a TaskModel (the trained model beside frozen ones):
     the Program's exports and samples use the trained part."""
@@ -53,15 +71,13 @@ class PairTrainer(TaskTrainer):
     `packing=True` packs the pairs' sequences into rows (trainers/packed.py).
     """
 
-    loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
-
     def __init__(self, *args: Any, **kwargs: Any):
         arguments = kwargs.get("arguments")
         user_collator = kwargs.get("data_collator") is not None
+        pad = task_pad_token_id(kwargs.get("processing_class"), kwargs.get("model"))
         if not user_collator:
-            kwargs["data_collator"] = PairCollator(
-                arguments.max_sequence_length if arguments else 0, self
-            )
+            length = arguments.max_sequence_length if arguments else 0
+            kwargs["data_collator"] = PairCollator(length, pad)
         if arguments is not None and arguments.packing:
             featurizer = PairFeaturizer(
                 name="dataset_train",
@@ -72,7 +88,6 @@ class PairTrainer(TaskTrainer):
             layout_of = lambda f: PairLayout(f.float_columns)  # noqa: E731
             dataset = kwargs.get("dataset_train")
             add_packed_source(
-                self,
                 kwargs,
                 arguments,
                 dataset,
@@ -80,6 +95,7 @@ class PairTrainer(TaskTrainer):
                 layout_of,
                 "pairs",
                 user_collator=user_collator,
+                pad_token_id=pad,
             )
         super().__init__(*args, **kwargs)
 
@@ -91,12 +107,8 @@ class PairTrainer(TaskTrainer):
             chat_template=self.arguments.chat_template,
         )
 
-    def loss_normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
-        return pair_normalizer(batch)
-
 
 def add_packed_source(
-    trainer: Any,
     kwargs: dict[str, Any],
     args: TrainingArguments,
     dataset: Any,
@@ -105,6 +117,7 @@ def add_packed_source(
     what: str,
     *,
     user_collator: bool,
+    pad_token_id: int,
 ) -> None:
     """`kwargs` (a task trainer's, for the base Trainer) get the packed train source of
     `dataset` (trainers/packed.py); a data_collator of the user's is an error: packing
@@ -122,7 +135,7 @@ def add_packed_source(
         dataset,
         featurizer,
         layout_of,
-        pad_source=trainer,
+        pad_token_id=pad_token_id,
     )
 
 

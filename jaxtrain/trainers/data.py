@@ -226,14 +226,13 @@ class PairFeaturizer(Featurizer):
 class PairCollator:
     """Pair examples -> a batch: ``input_ids``/``labels``/``attention_mask`` of the chosen
     responses, ``rejected_*`` of the rejected ones ([N, seq_len] each, right-padded) and
-    float columns [N]. `pad_token_id` is read from `pad_source` when the batch is made."""
+    float columns [N], padded with `pad_token_id`."""
 
-    def __init__(self, seq_len: int, pad_source: Any):
-        self.seq_len, self.pad_source = seq_len, pad_source
+    def __init__(self, seq_len: int, pad_token_id: int = 0):
+        self.seq_len, self.pad_token_id = seq_len, int(pad_token_id)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-        n, t = len(examples), self.seq_len
-        pad = int(getattr(self.pad_source, "pad_token_id", 0) or 0)
+        n, t, pad = len(examples), self.seq_len, self.pad_token_id
         batch: dict[str, np.ndarray] = {}
         for side, prefix in (("chosen", ""), ("rejected", "rejected_")):
             ids = np.full((n, t), pad, np.int32)

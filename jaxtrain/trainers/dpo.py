@@ -245,11 +245,6 @@ def _pad_id(tokenizer: Any, model: Any) -> int:
     return 0
 
 
-class _Pad:
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-
 def reference_logps(
     reference: nnx.Module,
     dataset: Any,
@@ -269,7 +264,7 @@ def reference_logps(
         name="dataset", tokenizer=tokenizer, max_length=max_length, chat_template=chat_template
     )
     featurizer.detect(source.read([0])[0], source.columns)
-    collate = PairCollator(max_length, _Pad(pad_token_id))
+    collate = PairCollator(max_length, pad_token_id)
     graphdef, state = nnx.split(reference)
 
     @jax.jit

@@ -24,7 +24,7 @@ from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
 from jaxtrain.serving.tool_chat import check_tool_template
 from jaxtrain.task_arguments import GRPOArguments, RolloutArguments
-from jaxtrain.trainers.base import concrete_model, task_runtime
+from jaxtrain.trainers.base import concrete_model, task_pad_token_id, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
@@ -49,7 +49,6 @@ class GRPOTrainer(Trainer):
     turns (tools.py, tool_rollouts.py; default `arguments.tools` / `arguments.environment`).
     """
 
-    loss_is_token_nll = False
     # What a task on GRPO's rollouts changes (RLOOTrainer): its arguments, the source that
     # samples and scores, its objective.
     arguments_class: type[RolloutArguments] = GRPOArguments
@@ -130,7 +129,7 @@ class GRPOTrainer(Trainer):
             reward_funcs=reward_funcs,
             reward_weights=np.asarray(weights, np.float64),
             layout=runtime.plan.batch,
-            pad_source=self,  # the Trainer's pad id, resolved once it has the model
+            pad_token_id=task_pad_token_id(processing_class, model),
             eos_token_ids=eos_ids,
             eval_prompts=eval_prompts,
             tool_calls=tool_calls,
@@ -288,6 +287,9 @@ def grpo_objective(args: GRPOArguments) -> Objective:
             "entropy_sum": (jax.lax.stop_gradient(entropy) * mask).sum(),
             "entropy_count": tokens,
         }
+        if "phi_sum" in sums:  # vespo's weight, a mean over completions (TRL's phi_seq_mean)
+            out["vespo/phi_seq_mean_sum"] = sums["phi_sum"]
+            out["vespo/phi_seq_mean_count"] = jnp.float32(mask.shape[0])
         clip_name = clip_metric_name(args.loss_type)  # none for sapo, cispo's own for cispo
         if clip_name is not None:
             out[f"{clip_name}_sum"] = sums["clipped_sum"]
@@ -311,12 +313,15 @@ def loss_options(args: GRPOArguments) -> dict[str, Any]:
         "sapo_temperature_pos": args.sapo_temperature_pos,
         "sapo_temperature_neg": args.sapo_temperature_neg,
         "off_policy_mask_threshold": args.off_policy_mask_threshold,
-    }
+        "delta": args.delta,
+        "vespo": (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                  args.vespo_lambda_neg),
+    }  # fmt: skip
 
 
 def loss_units(loss_type: str, mask: jax.Array) -> jax.Array:
     """Each row's weight in the unit the loss is averaged over ([B])."""
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         return mask.sum(-1)
     if loss_type == "bnpo":
         return mask.sum(-1) / jnp.maximum(mask.sum(), 1.0)

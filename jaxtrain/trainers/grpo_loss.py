@@ -1,16 +1,20 @@
 """The GRPO objective as pure functions: group advantages from rewards, and the policy
 surrogate with a KL penalty for TRL 1.16's loss types (GRPO, BNPO, Dr. GRPO, DAPO, CISPO,
-SAPO).
+SAPO, LUSPO, VESPO).
 
 Per completion token t, with the importance ratio r and the advantage A of its completion:
 
-    clipped surrogate (grpo, bnpo, dr_grpo, dapo):
+    clipped surrogate (grpo, bnpo, dr_grpo, dapo, luspo):
         loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
+        (with `delta`, INTELLECT-2's two-sided clip: the first r capped at delta)
     cispo (MiniMax-M1): the ratio capped at epsilon_high and held constant, times log p:
         loss_t = -sg(min(r, epsilon_high)) A logp_t
     sapo (soft adaptive): a sigmoid gate instead of the clip, tau by the sign of A
         (tau_pos where A > 0, else tau_neg):
         loss_t = -(4 / tau) sigmoid(tau (r - 1)) A
+    vespo: a smooth weight of the completion's ratio w (exp of its summed log-ratios),
+        phi(w) = exp(lambda + k log w - lambda w), k and lambda by the sign of A, held
+        constant, times log p: loss_t = -phi A logp_t
     plus beta kl_t, kl_t = exp(ref - logp) - (ref - logp) - 1 (the k3 estimator, >= 0),
 
 times r when `kl_ratio_weight` (the default, as TRL's use_bias_correction_kl: the KL's
@@ -27,7 +31,8 @@ The loss types differ in how loss_t is averaged (mask: the completion's tokens):
 - grpo, sapo:   per completion, the mean over its tokens; then the mean over completions
 - bnpo:         the mean over every token of the micro-batch; then the mean over micro-batches
 - dr_grpo:      the sum over every token / (completions x max_completion_length)
-- dapo, cispo:  the sum over every token / the completion tokens of the whole update
+- luspo:        per completion, the sum over its tokens; then the mean over completions
+- dapo, cispo, vespo: the sum over every token / the completion tokens of the whole update
 
 `grpo_loss` is the loss of one batch (what TRL computes for it with no accumulation);
 `grpo_loss_sums` is the same as objective sums (jaxtrain/objective.py) over a micro-batch,
@@ -57,7 +62,7 @@ __all__ = [
 ]
 
 # The loss types of the clipped surrogate min(r A, clip(r) A); cispo and sapo have their own.
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def group_advantages(
@@ -98,7 +103,7 @@ def clip_metric_name(loss_type: str) -> str | None:
     gate clips nothing)."""
     if loss_type in CLIPPED_LOSS_TYPES:
         return "clip_ratio"  # TRL's clip_ratio/region_mean
-    return "cispo_clip_ratio" if loss_type == "cispo" else None
+    return "cispo_clip_ratio" if loss_type == "cispo" else None  # vespo logs its weight
 
 
 def grpo_token_terms(
@@ -119,6 +124,8 @@ def grpo_token_terms(
     off_policy_mask_threshold: float | None = None,
     sampler_logps: jax.Array | None = None,
     sampler_weight: jax.Array | None = None,
+    delta: float | None = None,
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
 ) -> dict[str, jax.Array]:
     """Per-token terms: "loss" [B, T] (the policy term of `loss_type` + beta kl), "kl"
     [B, T] and, but for sapo, "clipped" (1 where the clip or cap is active: [B, T] per token,
@@ -127,7 +134,10 @@ def grpo_token_terms(
     tokens (the sequence-level ratio and the off-policy mask average over them).
     `sampler_weight` [B, T] (grpo_agreement.sampler_ratio): the policy term's weight for the
     sampler/trainer mismatch; the off-policy mask then measures the drift from
-    `sampler_logps`, the sampler's own log-probs, as TRL does with its vLLM log-probs."""
+    `sampler_logps`, the sampler's own log-probs, as TRL does with its vLLM log-probs
+    (vespo instead adds the weight's log to its sequence ratio). `delta`: the clipped losses'
+    two-sided clip (INTELLECT-2: the unclipped ratio capped at delta). `vespo`: its (k_pos,
+    lambda_pos, k_neg, lambda_neg)."""
     old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
     mask = mask.astype(jnp.float32)
     adv = advantages[:, None]
@@ -141,9 +151,11 @@ def grpo_token_terms(
     out = {}
     if loss_type in CLIPPED_LOSS_TYPES:
         clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
-        policy = -jnp.minimum(ratio * adv, clipped_ratio * adv)
-        low = (ratio < 1 - epsilon) & (adv < 0)
-        out["clipped"] = low | ((ratio > 1 + epsilon_high) & (adv > 0))
+        # Two-sided (delta): a negative advantage's ratio is capped too.
+        first = ratio if delta is None else jnp.minimum(ratio, delta)
+        policy = -jnp.minimum(first * adv, clipped_ratio * adv)
+        low = (first < 1 - epsilon) & (adv < 0)
+        out["clipped"] = low | ((first > 1 + epsilon_high) & (adv > 0))
     elif loss_type == "cispo":  # the capped ratio is a constant weight on log p's gradient
         weight = jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high))
         policy = -weight * adv * logps
@@ -151,6 +163,11 @@ def grpo_token_terms(
     elif loss_type == "sapo":
         tau = jnp.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
         policy = -jax.nn.sigmoid(tau * (ratio - 1)) * (4.0 / tau) * adv
+    elif loss_type == "vespo":
+        phi = vespo_weight(logps - old, adv, mask, sampler_weight, *vespo)
+        policy = -phi * adv * logps
+        out["phi"] = phi
+        sampler_weight = None  # in the weight's ratio, not on the loss
     else:
         raise ValueError(f"unknown GRPO loss_type {loss_type!r}")
     if off_policy_mask_threshold is not None:
@@ -165,13 +182,39 @@ def grpo_token_terms(
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference log-probs")
-        delta = ref_logps - logps
-        kl = jnp.exp(delta) - delta - 1
+        gap = ref_logps - logps
+        kl = jnp.exp(gap) - gap - 1
         if kl_ratio_weight:
             kl = kl * ratio
         loss = loss + beta * kl
     out = {k: v.astype(jnp.float32) for k, v in out.items()}
     return {"loss": loss, "kl": kl, **out}
+
+
+def vespo_weight(
+    log_ratio: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    sampler_weight: jax.Array | None,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+) -> jax.Array:
+    """VESPO's weight [B, 1] (a constant: no gradient): phi(w) = exp(lambda + k log w -
+    lambda w), w the completion's ratio exp(sum of its tokens' log-ratios, each clipped to
+    [-20, 20]; with a sampler correction, plus the sum of the log weights), log w clipped to
+    [log 1e-8, 20]; k, lambda by the advantage's sign (A >= 0: the _pos ones), as TRL."""
+    low = float(np.log(1e-8))
+    log_w = (jnp.clip(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdims=True)
+    if sampler_weight is not None:
+        log_w = log_w + (jnp.clip(jnp.log(sampler_weight), low, 20.0) * mask).sum(-1, keepdims=True)
+    log_w = jnp.clip(log_w, low, 20.0)
+    positive = advantages >= 0
+    k = jnp.where(positive, k_pos, k_neg)
+    lam = jnp.maximum(jnp.where(positive, lambda_pos, lambda_neg), 1e-4)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    return jax.lax.stop_gradient(jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0))
 
 
 def off_policy_keep(
@@ -246,16 +289,20 @@ def grpo_loss_sums(
     masked = terms["loss"] * mask
     if loss_type in ("grpo", "sapo"):
         loss_sum = (masked.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).sum()
+    elif loss_type == "luspo":  # each completion's sum, averaged over completions
+        loss_sum = masked.sum()
     elif loss_type == "bnpo":  # a mean per micro-batch; the normalizer counts micro-batches
         loss_sum = masked.sum() / jnp.maximum(mask.sum(), 1.0)
     elif loss_type == "dr_grpo":
         loss_sum = masked.sum() / max_completion_length
-    elif loss_type in ("dapo", "cispo"):
+    elif loss_type in ("dapo", "cispo", "vespo"):
         loss_sum = masked.sum()
     else:
         raise ValueError(f"unknown GRPO loss_type {loss_type!r}")
     kl = jax.lax.stop_gradient(terms["kl"]) * mask
     sums = {"loss_sum": loss_sum, "completion_tokens": mask.sum(), "token_kl_sum": kl.sum()}
+    if "phi" in terms:  # vespo: its weight's mean over completions
+        sums["phi_sum"] = terms["phi"].sum()
     if "clipped" in terms:
         clipped = terms["clipped"]
         if options.get("importance_sampling_level") == "sequence":  # TRL counts every row
@@ -268,17 +315,17 @@ def grpo_loss_sums(
 
 
 def _normalizer(loss_type: str, counts: dict[str, jax.Array], micro_batches: int) -> jax.Array:
-    if loss_type in ("grpo", "dr_grpo", "sapo"):
+    if loss_type in ("grpo", "dr_grpo", "sapo", "luspo"):
         return counts["rows"]
     if loss_type == "bnpo":
         return jnp.float32(micro_batches)
-    return jnp.maximum(counts["completion_tokens"], 1.0)  # dapo, cispo
+    return jnp.maximum(counts["completion_tokens"], 1.0)  # dapo, cispo, vespo
 
 
 def grpo_normalizer(loss_type: str, completion_mask: jax.Array) -> jax.Array:
     """What a whole update's loss sums are divided by, from its completion mask [A, M, T]
-    (A micro-batches of M completions): completions (grpo, dr_grpo, sapo), micro-batches
-    (bnpo) or completion tokens (dapo, cispo)."""
+    (A micro-batches of M completions): completions (grpo, dr_grpo, sapo, luspo),
+    micro-batches (bnpo) or completion tokens (dapo, cispo, vespo)."""
     counts = {
         "rows": jnp.float32(completion_mask.shape[0] * completion_mask.shape[1]),
         "completion_tokens": completion_mask.astype(jnp.float32).sum(),

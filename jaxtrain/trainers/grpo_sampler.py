@@ -43,7 +43,7 @@ def rollout_engine_shape(args: GRPOArguments) -> EngineShape:
 
 class RolloutSampler:
     """See the module docstring. `eos_token_ids` end a completion (the first fills the rest
-    of its row, else `pad_source.pad_token_id`); `prompt_sets` are every prompt this run
+    of its row, else `pad_token_id`); `prompt_sets` are every prompt this run
     samples (the warm-up compiles for the longest); `processes`: the processes sharing
     each round (each samples its share)."""
 
@@ -53,13 +53,13 @@ class RolloutSampler:
         tokenizer: Any,
         *,
         eos_token_ids: list[int],
-        pad_source: Any,
+        pad_token_id: int,
         prompt_sets: list[Prompts],
         processes: int,
         tool_calls: ToolCalls | None = None,
     ):
         self.args, self.tokenizer, self.eos_token_ids = args, tokenizer, eos_token_ids
-        self.pad_source, self.prompt_sets, self.processes = pad_source, prompt_sets, processes
+        self.pad_token_id, self.prompt_sets, self.processes = pad_token_id, prompt_sets, processes
         self.tool_calls = tool_calls
         self.template = response_template(tokenizer) if tool_calls is not None else None
         self.engine: Engine | None = None
@@ -104,7 +104,7 @@ class RolloutSampler:
             else:  # environments' observations made each rollout's prompt its own
                 asks += [(x, 1, seed * g + i, most) for i, x in enumerate(group)]
         firsts = [c for group in self.run(asks) for c in group]
-        fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_source.pad_token_id
+        fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_token_id
         out = RolloutRows.empty(len(ids), args.max_prompt_length, args.max_completion_length, fill)
         if boxes is None:
             for i, (prompt, c) in enumerate(zip(ids, firsts)):

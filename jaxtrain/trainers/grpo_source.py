@@ -83,7 +83,7 @@ def rollout_batch(args: GRPOArguments) -> dict[str, jax.ShapeDtypeStruct]:
 class RolloutSource:
     """See the module docstring. `reward_funcs` with their `reward_weights`; `eos_token_ids`
     end a completion; `layout` places the batch on the mesh; prompts are left-padded with
-    `pad_source.pad_token_id` (read when sampling: the Trainer resolves it)."""
+    `pad_token_id`."""
 
     on_policy = True
     state_is_per_process = False
@@ -97,7 +97,7 @@ class RolloutSource:
         reward_funcs: Sequence[Callable],
         reward_weights: np.ndarray,
         layout: BatchLayout,
-        pad_source: Any,
+        pad_token_id: int,
         eos_token_ids: list[int],
         eval_prompts: Prompts | None = None,
         tool_calls: ToolCalls | None = None,
@@ -105,7 +105,7 @@ class RolloutSource:
         self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
         self.eval_prompts = eval_prompts  # sampled by GRPOTrainer.evaluate on this engine
         self.reward_funcs, self.reward_weights = list(reward_funcs), reward_weights
-        self.layout, self.pad_source, self.eos_token_ids = layout, pad_source, eos_token_ids
+        self.layout, self.pad_token_id, self.eos_token_ids = layout, pad_token_id, eos_token_ids
         self.order = PromptLoader(
             len(prompts),
             args.total_batch_size // args.num_generations,
@@ -127,7 +127,7 @@ class RolloutSource:
             args,
             tokenizer,
             eos_token_ids=eos_token_ids,
-            pad_source=pad_source,
+            pad_token_id=pad_token_id,
             prompt_sets=[prompts] + ([eval_prompts] if eval_prompts is not None else []),
             processes=self.process_count,
             tool_calls=tool_calls,
@@ -334,7 +334,7 @@ class RolloutSource:
             scored,
             advantages,
             sequence_length=self.sequence_length,
-            pad_token_id=self.pad_source.pad_token_id,
+            pad_token_id=self.pad_token_id,
             accumulation=args.gradient_accumulation_steps,
         )
         host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
@@ -413,11 +413,15 @@ class RolloutSource:
             columns,
         )
 
+    def weighted_rewards(self, per_func: np.ndarray) -> np.ndarray:
+        """Each completion's weighted reward [N]: NaN where no function scored it."""
+        rewards = np.nansum(per_func * self.reward_weights, axis=1)
+        rewards[np.isnan(per_func).all(1)] = np.nan
+        return rewards
+
     def _advantages(self, per_func: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(weighted rewards, NaN where no function scored; advantages; group all equal)."""
-        unscored = np.isnan(per_func).all(1)
-        rewards = np.nansum(per_func * self.reward_weights, axis=1)
-        rewards[unscored] = np.nan
+        rewards = self.weighted_rewards(per_func)
         advantages, equal = group_advantages(rewards, self.args.num_generations,
                                              self.args.scale_rewards)  # fmt: skip
         return rewards, advantages, equal

@@ -34,6 +34,7 @@ from jaxtrain.trainers.base import (
     concrete_model,
     dataset_columns,
     pair_normalizer,
+    task_pad_token_id,
     task_runtime,
 )
 from jaxtrain.trainers.frozen import TaskModel
@@ -143,8 +144,6 @@ class KTOTrainer(TaskTrainer):
     difference of the two rewards, as TRL logs it).
     """
 
-    loss_is_token_nll = False
-
     def __init__(
         self,
         arguments: KTOArguments | None = None,
@@ -174,12 +173,11 @@ class KTOTrainer(TaskTrainer):
         )
         kl = args.loss_type == "kto"  # apo_zero_unpaired needs no mismatched sequences
         user_collator = kwargs.get("data_collator") is not None
+        pad = task_pad_token_id(processing_class, model)
         if not user_collator:
             # The KL rows rotate within each micro-batch's rows on this process.
             group = args.micro_batch_size // runtime.process_count
-            kwargs["data_collator"] = KTOCollator(
-                args.max_sequence_length, self, group=group, kl=kl
-            )
+            kwargs["data_collator"] = KTOCollator(args.max_sequence_length, pad, group=group, kl=kl)
         if args.packing:
             featurizer = KTOFeaturizer(
                 name="dataset_train",
@@ -189,7 +187,6 @@ class KTOTrainer(TaskTrainer):
             )
             layout = KTOLayout(args.max_sequence_length, kl)
             add_packed_source(
-                self,
                 kwargs,
                 args,
                 dataset_train,
@@ -197,6 +194,7 @@ class KTOTrainer(TaskTrainer):
                 lambda _: layout,
                 "examples",
                 user_collator=user_collator,
+                pad_token_id=pad,
             )
         super().__init__(
             arguments=args,

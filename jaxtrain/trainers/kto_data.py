@@ -150,8 +150,8 @@ class KTOCollator:
     ``KL_labels``/``KL_attention_mask``: each prompt with the completion of the row before it
     within groups of `group` rows (the micro-batch's rows on this process)."""
 
-    def __init__(self, seq_len: int, pad_source: Any, *, group: int, kl: bool = True):
-        self.seq_len, self.pad_source, self.group, self.kl = seq_len, pad_source, group, kl
+    def __init__(self, seq_len: int, pad_token_id: int, *, group: int, kl: bool = True):
+        self.seq_len, self.pad_token_id, self.group, self.kl = seq_len, pad_token_id, group, kl
 
     def sequences(self, examples: list[dict[str, Any]]) -> dict[str, list[tuple[np.ndarray, ...]]]:
         """(ids, labels) of each example's sequence and, with `kl`, of its KL sequence."""
@@ -166,8 +166,7 @@ class KTOCollator:
         return out
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-        n, t = len(examples), self.seq_len
-        pad = int(getattr(self.pad_source, "pad_token_id", 0) or 0)
+        n, t, pad = len(examples), self.seq_len, int(self.pad_token_id)
         batch: dict[str, np.ndarray] = {}
         for prefix, sequences in self.sequences(examples).items():
             ids = np.full((n, t), pad, np.int32)

@@ -89,11 +89,11 @@ def packed_source(
     featurizer: Any,
     layout_of: Any,
     *,
-    pad_source: Any,
+    pad_token_id: int,
 ) -> LoaderSource:
     """The packed train batches of a preference trainer: `featurizer` turns rows into
     examples, `layout_of(featurizer)` (after its first row is seen) into sequences; the pad
-    id is `pad_source.pad_token_id` when a batch is made (the trainer's, known later)."""
+    id is `pad_token_id`."""
     name = "dataset_train"
     settings = DataSettings.from_arguments(args)
     if not settings.fixed_length:
@@ -133,7 +133,7 @@ def packed_source(
             rows=rows,
             seq_len=settings.seq_len,
             capacity=capacity,
-            pad_token_id=int(getattr(pad_source, "pad_token_id", 0) or 0),
+            pad_token_id=int(pad_token_id),
             process_index=index,
             process_count=count,
         )

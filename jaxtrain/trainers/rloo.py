@@ -114,9 +114,7 @@ class RLOOSource(RolloutSource):
 
     def _advantages(self, per_func: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         # The weighted rewards now; the advantages need the round's log-probs (below).
-        unscored = np.isnan(per_func).all(1)
-        rewards = np.nansum(per_func * self.reward_weights, axis=1)
-        rewards[unscored] = np.nan
+        rewards = self.weighted_rewards(per_func)
         return rewards, np.zeros(len(rewards), np.float32), np.zeros(len(rewards), bool)
 
     def final_advantages(

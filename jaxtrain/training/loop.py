@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import jax
 
@@ -30,6 +29,7 @@ from jaxtrain.state import TrainState
 from jaxtrain.training.hooks import HookSet
 from jaxtrain.training.out_of_memory import is_out_of_memory, out_of_memory_error
 from jaxtrain.training.run_hooks import EvaluationHook, SaveHook, StopState
+from jaxtrain.training.run_parts import RunParts
 from jaxtrain.training.startup import startup_summary, summary_lines
 from jaxtrain.training.stopping import (
     Deadline,
@@ -39,9 +39,6 @@ from jaxtrain.training.stopping import (
     any_process,
     time_limit_seconds,
 )
-
-if TYPE_CHECKING:
-    from jaxtrain.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +65,7 @@ class TrainerOutput:
 class TrainingLoop:
     """The state of one training run between its first and last step."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: RunParts):
         self.trainer = trainer
         self.args = LoopSettings.from_arguments(trainer.arguments)
         self.program, self.source = trainer.program, trainer.train_source

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxtrain.training.hooks import Cadence, TrainerCallback
-
-if TYPE_CHECKING:
-    from jaxtrain.training.trainer import Trainer
+from jaxtrain.training.run_parts import RunParts
 
 
 class StopState:
@@ -52,7 +50,7 @@ class EvaluationHook(TrainerCallback):
             return False
         return self.cadence.due(step) or step == self.last_step
 
-    def on_step_end(self, trainer: Trainer, state: Any, metrics: Any, step: int) -> None:
+    def on_step_end(self, trainer: RunParts, state: Any, metrics: Any, step: int) -> None:
         self.evaluate(state, step)
         self.evaluated_step = step
 

@@ -11,8 +11,9 @@ run to `loop.TrainingLoop`. The math lives in `step.py` and `logps.py` (pure, ji
 A task is a configuration of these parts, given in one pass: an `objective` (what the step
 minimises, objective.py), a `featurizer` (rows -> examples) and a collator, or a whole
 `train_source` (GRPO's rollouts). A subclass may instead override `compute_loss_sums` /
-`loss_normalizer` / `create_featurizer`, and react to the run through the TrainerCallback
-hooks (define any of them on the subclass).
+`loss_normalizer` (they then replace the objective's; `super()` gives the task's) /
+`create_featurizer`, and react to the run through the TrainerCallback hooks (define any of
+them on the subclass).
 
 What the loop reads: `program`, `runtime`, `monitor`, `hooks`, `checkpoints`,
 `train_source`, `evaluates`, `evaluate()`, `should_stop`, `arguments`.
@@ -20,6 +21,7 @@ What the loop reads: `program`, `runtime`, `monitor`, `hooks`, `checkpoints`,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -126,12 +128,7 @@ class Trainer:
         default_loss = (
             objective is None and type(self).compute_loss_sums is Trainer.compute_loss_sums
         )
-        objective = objective or Objective(
-            loss_sums=self.compute_loss_sums,
-            normalizer=self.loss_normalizer,
-            token_nll=self.loss_is_token_nll,
-            batch_unit=self.batch_unit,
-        )
+        objective = self._objective(objective)
         names = getattr(self.train_source, "source_names", None)
         if names:  # a mixture: each source's share (and loss, for the default LM loss)
             objective = mixture_objective(objective, names, lm_rows=default_loss)
@@ -253,13 +250,33 @@ class Trainer:
         return None
 
     def compute_loss_sums(self, model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array):
-        """Sums over one micro-batch: "loss_sum" and "tokens" at least, every other key
-        logged (the contract and the logging rule are in jaxtrain/objective.py)."""
-        return causal_lm_loss_sums(model, batch, rng)
+        """Sums over one micro-batch of the task's objective (the causal LM loss for a plain
+        Trainer, DPO's for a DPOTrainer, on the model its program trains): "loss_sum" and
+        "tokens" at least, every other key logged (jaxtrain/objective.py). A subclass that
+        overrides it replaces the objective's loss."""
+        return self._task_objective.loss_sums(model, batch, rng)
 
     def loss_normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
-        """What the loss sum of a whole global batch is divided by (target tokens)."""
-        return count_target_tokens(batch)
+        """What the loss sum of a whole global batch is divided by (target tokens for the
+        causal LM loss, pairs for a preference loss)."""
+        return self._task_objective.normalizer(batch)
+
+    def _objective(self, given: Objective | None) -> Objective:
+        """The run's one objective: the task's (`given`; else the causal LM loss), with a
+        subclass's `compute_loss_sums` / `loss_normalizer` in its place when it overrides
+        them, whichever way the task stated its own."""
+        self._task_objective = given or Objective(
+            loss_sums=causal_lm_loss_sums,
+            normalizer=count_target_tokens,
+            token_nll=self.loss_is_token_nll,
+            batch_unit=self.batch_unit,
+        )
+        overrides: dict[str, Any] = {}
+        if type(self).compute_loss_sums is not Trainer.compute_loss_sums:
+            overrides["loss_sums"] = self.compute_loss_sums
+        if type(self).loss_normalizer is not Trainer.loss_normalizer:
+            overrides["normalizer"] = self.loss_normalizer
+        return dataclasses.replace(self._task_objective, **overrides)
 
     def create_optimizer(self, total_steps: int) -> tuple[Any, Callable[[Any], Any]]:
         """(optax transformation, learning-rate schedule) over `total_steps` updates: the

@@ -9,14 +9,9 @@ import pytest
 
 from jaxtrain import TrainingArguments
 from jaxtrain.arguments import ArgumentError
-from jaxtrain.distributed.slurm import (
-    PORT_BASE,
-    SbatchOptions,
-    expand_nodelist,
-    sbatch_script,
-    slurm_task,
-)
+from jaxtrain.distributed.slurm import SbatchOptions, sbatch_script
 from jaxtrain.parallel import detect_cluster
+from jaxtrain.parallel.slurm_env import PORT_BASE, expand_nodelist, slurm_task
 
 
 def test_node_lists_expand_in_order_with_their_zero_padding():

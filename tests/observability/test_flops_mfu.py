@@ -88,7 +88,7 @@ def test_preference_pairs_count_the_rejected_side_too():
     counter = FlopsCounter(KNOWN, num_parameters=0)
     pair = {"chosen_input_ids": [1, 2, 3, 4, 5], "chosen_labels": [-100, -100, 3, 4, 5]}
     pair |= {"rejected_input_ids": [1, 2, 7], "rejected_labels": [-100, -100, 7]}
-    batch = PairCollator(seq_len=8, pad_source=None)([pair, pair])
+    batch = PairCollator(seq_len=8)([pair, pair])
     expected = 2 * (5 * flops_per_token(KNOWN, 5) + 3 * flops_per_token(KNOWN, 3))
     assert counter.batch_flops(batch) == pytest.approx(expected)
     assert host_token_count(batch, counter).flops == pytest.approx(expected)

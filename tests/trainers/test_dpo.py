@@ -158,7 +158,7 @@ def test_reference_logps_equal_transformers(tmp_path, tokenizer):
     got = reference_logps(ours, rows, tokenizer=tokenizer, max_length=16, batch_size=4)
     featurizer = PairFeaturizer(name="pairs", tokenizer=tokenizer, max_length=16)
     featurizer.detect(rows[0])
-    batch = PairCollator(16, tokenizer)(featurizer(rows, range(5)))
+    batch = PairCollator(16, tokenizer.pad_token_id)(featurizer(rows, range(5)))
     for side, prefix in (("chosen", ""), ("rejected", "rejected_")):
         ids, labels = batch[f"{prefix}input_ids"], batch[f"{prefix}labels"]
         with torch.no_grad():

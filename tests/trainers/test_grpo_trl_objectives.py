@@ -112,6 +112,17 @@ CASES = {
         loss_type="sapo", importance_sampling_level="sequence", old=True, temperature=0.7
     ),
     "opsm_dapo": dict(loss_type="dapo", off_policy_mask_threshold=0.05, old=True),
+    "luspo_sequence": dict(loss_type="luspo", importance_sampling_level="sequence", old=True),
+    "luspo_token_t07": dict(loss_type="luspo", old=True, temperature=0.7),
+    "delta_dapo": dict(loss_type="dapo", delta=1.5, old=True),
+    "delta_gspo_grpo": dict(
+        loss_type="grpo", importance_sampling_level="sequence", delta=1.3, old=True
+    ),
+    "vespo_defaults": dict(loss_type="vespo", old=True),
+    "vespo_on_policy": dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_neg=4.0),
+    "vespo_params_t07": dict(
+        loss_type="vespo", vespo_k_neg=1.5, vespo_lambda_pos=2.0, old=True, temperature=0.7
+    ),
     "opsm_gspo_sapo": dict(
         loss_type="sapo",
         importance_sampling_level="sequence",
@@ -124,9 +135,10 @@ CASES = {
 PINNED = dict(
     beta=0.04, epsilon=0.2, epsilon_high=0.28, temperature=1.0, importance_sampling_level="token",
     sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, off_policy_mask_threshold=None,
+    delta=None, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
 )  # fmt: skip
 TRL_PINNED = dict(
-    use_bias_correction_kl=True, delta=None, top_entropy_quantile=1.0, entropy_coef=0.0,
+    use_bias_correction_kl=True, top_entropy_quantile=1.0, entropy_coef=0.0,
     use_adaptive_entropy=False, use_vllm=False, num_iterations=1, scale_rewards="group",
     mask_truncated_completions=False,
 )  # fmt: skip
@@ -232,8 +244,11 @@ def test_objective_equals_trl(checkpoints, batch, tmp_path, tokenizer, case):
     )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5)
-    clip = {"cispo": "cispo_clip_ratio", "sapo": None}.get(options["loss_type"], "clip_ratio")
+    loss_type = options["loss_type"]
+    clip = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(loss_type, "clip_ratio")
     trl_names = {"kl": "kl", "entropy": "entropy"}
+    if loss_type == "vespo":  # its weight instead of a clip ratio
+        trl_names["vespo/phi_seq_mean"] = "vespo/phi_seq_mean"
     if clip is not None:
         trl_names[clip] = "clip_ratio/region_mean" if clip == "clip_ratio" else clip
     assert set(got) == set(trl_names), got  # sapo logs no clip ratio, cispo its own
@@ -272,11 +287,12 @@ def test_off_policy_mask_drops_the_drifted_negative_completions_only():
     assert abs(float(masked) - float(plain)) > 1e-3
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_accumulated_sums_equal_the_one_batch_loss(loss_type, level):
     """Two micro-batches' sums over the update's normalizer equal the loss of the whole batch
-    (cispo: over every completion token of the update, as dapo; sapo: per completion, as grpo)."""
+    (cispo, vespo: over every completion token of the update, as dapo; sapo: per completion,
+    as grpo; luspo: each completion's sum, per completion)."""
     logps, old, mask, advantages = surrogate_inputs()
     options = dict(beta=0.0, epsilon=0.2, epsilon_high=1.1, importance_sampling_level=level)
     whole, _ = grpo_loss(logps, old, None, advantages, mask, loss_type=loss_type,
@@ -295,7 +311,8 @@ def test_accumulated_sums_equal_the_one_batch_loss(loss_type, level):
     "field, value, match",
     [
         ("importance_sampling_level", "sentence", "importance_sampling_level='sentence'"),
-        ("loss_type", "luspo", "loss_type='luspo'"),
+        ("loss_type", "gspo", "loss_type='gspo'"),
+        ("delta", 1.1, "delta=1.1 must be None"),
         ("sapo_temperature_pos", -1.0, "sapo_temperature_pos=-1.0 must be > 0"),
         ("sapo_temperature_neg", 0.0, "sapo_temperature_neg=0.0 must be > 0"),
         ("off_policy_mask_threshold", -0.1, "off_policy_mask_threshold=-0.1"),

@@ -78,7 +78,7 @@ def pair_examples(tokenizer):
 @pytest.fixture(scope="module")
 def batches(pair_examples, tokenizer):
     """The same pairs padded (one sequence per row: 12 rows) and packed into 7 rows."""
-    padded = PairCollator(L, tokenizer)(pair_examples)
+    padded = PairCollator(L, tokenizer.pad_token_id)(pair_examples)
     rows = 7
     packed, stats = pack_units(
         Stream(pair_examples),
@@ -196,7 +196,7 @@ def test_kto_with_its_rotated_kl_sequences_equals_the_padded_batch(tokenizer):
     featurizer = KTOFeaturizer(name="kto", tokenizer=tokenizer, max_length=L)
     featurizer.detect(rows[0])
     examples = featurizer(rows, range(len(rows)))
-    padded = KTOCollator(L, tokenizer, group=len(rows))(examples)
+    padded = KTOCollator(L, tokenizer.pad_token_id, group=len(rows))(examples)
     rows_per_batch = 7
     packed, _ = pack_units(
         Stream(examples),

@@ -127,7 +127,7 @@ def pair_batch(tokenizer):
     rows = uneven_pairs()
     featurizer = PairFeaturizer(name="pairs", tokenizer=tokenizer, max_length=T)
     featurizer.detect(rows[0])
-    batch = PairCollator(T, tokenizer)(featurizer(rows, range(len(rows))))
+    batch = PairCollator(T, tokenizer.pad_token_id)(featurizer(rows, range(len(rows))))
     lengths = batch["attention_mask"].sum(1), batch["rejected_attention_mask"].sum(1)
     assert len(set(lengths[0])) > 1 and (lengths[0] != lengths[1]).any()  # uneven
     return rows, batch
@@ -260,7 +260,9 @@ def kto_rows():
 def kto_batch(rows, tokenizer, kl: bool) -> dict[str, np.ndarray]:
     featurizer = KTOFeaturizer(name="kto", tokenizer=tokenizer, max_length=T)
     featurizer.detect(rows[0])
-    return KTOCollator(T, tokenizer, group=len(rows), kl=kl)(featurizer(rows, range(len(rows))))
+    return KTOCollator(T, tokenizer.pad_token_id, group=len(rows), kl=kl)(
+        featurizer(rows, range(len(rows)))
+    )
 
 
 def torch_kto_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
