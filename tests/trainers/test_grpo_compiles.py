@@ -62,7 +62,7 @@ def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer
     shapes = trainer.train_source.engine.steps.compiles  # 3 generation rounds
     assert compiled["_prefill_fn"] == len(shapes["prefill"]), compiled  # once per bucket
     assert compiled["_decode_fn"] == len(shapes["decode"]), compiled
-    assert compiled["old_logps"] == 1, compiled  # the sampling policy's log-probs
+    assert compiled["trainer_logps"] == 1, compiled  # the sampling policy's log-probs
     assert compiled["train_step"] == 1, compiled
     # The engine compiled every bucket before its first round sampled: nothing after.
     assert after_first == [], after_first
