@@ -151,15 +151,17 @@ class GRPOTrainer(Trainer):
         """The decoded completions of the newest round."""
         return self.train_source.last_completions
 
-    def eval(self, state: Any):
+    def eval(self, state: Any, max_batches: int | None = None):
         """Yields `evaluate(state)`: GRPO's evaluation is one pass over the eval prompts."""
-        yield self.evaluate(state)
+        yield self.evaluate(state, max_batches)
 
-    def evaluate(self, state: Any) -> dict[str, float]:
+    def evaluate(self, state: Any, max_batches: int | None = None) -> dict[str, float]:
         """eval_num_generations completions of every eval prompt, sampled like the rollouts
         (a seed of their own, the same at every evaluation), scored by the reward functions:
         the mean weighted reward, each function's mean, the mean completion length, and
-        pass@k (the share of prompts with a completion reaching eval_pass_threshold)."""
+        pass@k (the share of prompts with a completion reaching eval_pass_threshold).
+        `max_batches` is the batches of an eval set: the prompts are all sampled."""
+        del max_batches
         args, prompts, source = self.grpo_args, self.eval_loader, self.train_source
         source.settle()  # the engine finishes the rounds sampled ahead first
         if prompts is None:
