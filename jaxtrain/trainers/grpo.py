@@ -144,12 +144,15 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
 
-        self.eval_loader = eval_prompts  # what the loop evaluates (every eval_steps)
-
     @property
     def last_completions(self) -> list[str]:
         """The decoded completions of the newest round."""
         return self.train_source.last_completions
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether there are eval prompts (dataset_eval) to sample and score."""
+        return self.train_source.eval_prompts is not None
 
     def eval(self, state: Any, max_batches: int | None = None):
         """Yields `evaluate(state)`: GRPO's evaluation is one pass over the eval prompts."""
@@ -162,7 +165,8 @@ class GRPOTrainer(Trainer):
         pass@k (the share of prompts with a completion reaching eval_pass_threshold).
         `max_batches` is the batches of an eval set: the prompts are all sampled."""
         del max_batches
-        args, prompts, source = self.grpo_args, self.eval_loader, self.train_source
+        args, source = self.grpo_args, self.train_source
+        prompts = source.eval_prompts
         source.settle()  # the engine finishes the rounds sampled ahead first
         if prompts is None:
             raise ArgumentError(f"{type(self).__name__}.evaluate needs dataset_eval (prompts).")
