@@ -147,6 +147,10 @@ class RolloutArguments(TrainingArguments):
     # that trains on them (their ratio to the sampling policy corrects for it). 0: each round
     # sampled from the current parameters, then trained (synchronous).
     max_staleness: int = 0
+    # Devices kept for generation: the last this many of the run's devices hold the engine
+    # (the policy replicated on them, handed over by a device-to-device copy each round);
+    # the rest train. 0: the engine samples on the training mesh.
+    rollout_devices: int = 0
     # Completions cut at max_completion_length (no eos) get no loss.
     mask_truncated_completions: bool = False
     # One weight per reward function (default all 1).
@@ -224,6 +228,11 @@ class RolloutArguments(TrainingArguments):
             (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
             (self.epsilon >= 0 and self.epsilon_high >= 0, "epsilon and epsilon_high must be >= 0"),
             (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+            (
+                isinstance(self.rollout_devices, int) and self.rollout_devices >= 0,
+                f"rollout_devices={self.rollout_devices!r} must be an integer >= 0 (0: the "
+                "engine samples on the training devices)",
+            ),
             (
                 isinstance(self.max_staleness, int) and self.max_staleness >= 0,
                 f"max_staleness={self.max_staleness!r} must be an integer >= 0 (0: synchronous)",

@@ -218,12 +218,10 @@ def cmd_eval(tokens: list[str]) -> int:
     from jaxtrain.config_values import coerce_value
 
     run, overrides = _restore(tokens, with_eval_data=True)
-    trainer = run.trainer
+    trainer, limit = run.trainer, None
     if "max_eval_batches" in overrides:
         raw = overrides.pop("max_eval_batches")
-        trainer.arguments.max_eval_batches = coerce_value(
-            int | None, raw, field="max_eval_batches", source="command line"
-        )
+        limit = coerce_value(int | None, raw, field="max_eval_batches", source="command line")
     if overrides:
         raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
     if not trainer.evaluates:
@@ -231,7 +229,7 @@ def cmd_eval(tokens: list[str]) -> int:
             "this run has no eval set: its data section has no eval_files (and the run no "
             "eval_tasks). Score it with `jaxtrain evaluate RUN_DIR --tasks ...`."
         )
-    metrics = trainer.evaluate(run.state)
+    metrics = trainer.evaluate(run.state, limit)
     print(f"checkpoint: {run.checkpoint}")
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")

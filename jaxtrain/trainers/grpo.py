@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.collate import IGNORE_INDEX
@@ -100,6 +101,7 @@ class GRPOTrainer(Trainer):
             eval_prompts = read_prompts(
                 dataset_eval, processing_class, args.max_prompt_length, shown
             )
+        rollout_mesh = split_rollout_devices(args, kwargs)
         runtime = task_runtime(args, kwargs)
         check_process_groups(args, runtime.process_count)
         sequence_length = args.max_prompt_length + args.max_completion_length
@@ -133,6 +135,7 @@ class GRPOTrainer(Trainer):
             eos_token_ids=eos_ids,
             eval_prompts=eval_prompts,
             tool_calls=tool_calls,
+            rollout_mesh=rollout_mesh,
         )
         super().__init__(
             arguments=args,
@@ -144,23 +147,29 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
 
-        self.eval_loader = eval_prompts  # what the loop evaluates (every eval_steps)
-
     @property
     def last_completions(self) -> list[str]:
         """The decoded completions of the newest round."""
         return self.train_source.last_completions
 
-    def eval(self, state: Any):
-        """Yields `evaluate(state)`: GRPO's evaluation is one pass over the eval prompts."""
-        yield self.evaluate(state)
+    @property
+    def evaluates(self) -> bool:
+        """Whether there are eval prompts (dataset_eval) to sample and score."""
+        return self.train_source.eval_prompts is not None
 
-    def evaluate(self, state: Any) -> dict[str, float]:
+    def eval(self, state: Any, max_batches: int | None = None):
+        """Yields `evaluate(state)`: GRPO's evaluation is one pass over the eval prompts."""
+        yield self.evaluate(state, max_batches)
+
+    def evaluate(self, state: Any, max_batches: int | None = None) -> dict[str, float]:
         """eval_num_generations completions of every eval prompt, sampled like the rollouts
         (a seed of their own, the same at every evaluation), scored by the reward functions:
         the mean weighted reward, each function's mean, the mean completion length, and
-        pass@k (the share of prompts with a completion reaching eval_pass_threshold)."""
-        args, prompts, source = self.grpo_args, self.eval_loader, self.train_source
+        pass@k (the share of prompts with a completion reaching eval_pass_threshold).
+        `max_batches` is the batches of an eval set: the prompts are all sampled."""
+        del max_batches
+        args, source = self.grpo_args, self.train_source
+        prompts = source.eval_prompts
         source.settle()  # the engine finishes the rounds sampled ahead first
         if prompts is None:
             raise ArgumentError(f"{type(self).__name__}.evaluate needs dataset_eval (prompts).")
@@ -226,6 +235,31 @@ class GRPOTrainer(Trainer):
             if not callable(fn):
                 raise ArgumentError(f"reward function {fn!r} is not callable.")
         return funcs
+
+
+def split_rollout_devices(args: RolloutArguments, kwargs: dict[str, Any]) -> Mesh | None:
+    """With `rollout_devices` r: the mesh of the last r of the run's devices (`devices=`, else
+    all), where the engine samples; `kwargs` then train on the others. None: no split."""
+    r = args.rollout_devices
+    if not r:
+        return None
+    if kwargs.get("runtime") is not None:
+        raise ArgumentError(
+            f"rollout_devices={r} splits the devices itself: pass devices= (or none), not runtime=."
+        )
+    if jax.process_count() > 1:
+        raise ArgumentError(
+            f"rollout_devices={r}: a generation sub-mesh runs in one process for now; set "
+            "rollout_devices=0 on several processes."
+        )
+    devices = list(kwargs.get("devices") or jax.devices())
+    if r >= len(devices):
+        raise ArgumentError(
+            f"rollout_devices={r} leaves no device to train on ({len(devices)} in all); keep "
+            "at least one for training."
+        )
+    kwargs["devices"] = devices[:-r]
+    return Mesh(np.array(devices[-r:]), ("rollout",))
 
 
 def check_process_groups(args: RolloutArguments, processes: int) -> None:

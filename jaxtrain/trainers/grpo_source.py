@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.data.batch_source import SourceBatch
 from jaxtrain.data.meter import DataMeter
@@ -101,6 +102,7 @@ class RolloutSource:
         eos_token_ids: list[int],
         eval_prompts: Prompts | None = None,
         tool_calls: ToolCalls | None = None,
+        rollout_mesh: Any = None,
     ):
         self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
         self.eval_prompts = eval_prompts  # sampled by GRPOTrainer.evaluate on this engine
@@ -123,6 +125,8 @@ class RolloutSource:
         self.logps = RoundLogps(args, layout)  # the trainer's log-probs of a round
         self.process_index, self.process_count = jax.process_index(), layout.process_count
         self._local_rest: Any = None  # the policy's frozen part on this process's devices
+        # A mesh of devices of its own for the engine (rollout_devices), or None.
+        self.rollout_mesh = rollout_mesh
         self.sampler = RolloutSampler(
             args,
             tokenizer,
@@ -468,9 +472,16 @@ class RolloutSource:
     ) -> tuple[RolloutRows, list[Episode] | None]:
         """RolloutSampler.roll from `state`'s policy. On several processes, on this
         process's devices only (every process calls it at the same point: the policy's copy
-        is gathered)."""
+        is gathered); with a rollout mesh, on its devices (the policy copied there, replicated:
+        the handoff; its frozen part once)."""
         policy = self._program.model_from_state(state)
-        if self.process_count > 1:
+        if self.rollout_mesh is not None:
+            graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
+            everywhere = NamedSharding(self.rollout_mesh, PartitionSpec())
+            if self._local_rest is None:
+                self._local_rest = jax.device_put(rest, everywhere)
+            policy = nnx.merge(graphdef, jax.device_put(params, everywhere), self._local_rest)
+        elif self.process_count > 1:
             # Trained parameters are gathered every round; the rest (a LoRA or QLoRA base,
             # buffers) never changes, so once.
             graphdef, params, rest = nnx.split(policy, nnx.Param, ...)

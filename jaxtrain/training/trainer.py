@@ -371,10 +371,11 @@ class Trainer:
         return TrainingLoop(self).run()
 
     # ------------------------------------------------------------------- eval
-    def eval(self, state: TrainState) -> Iterator[dict[str, float]]:
+    def eval(self, state: TrainState, max_batches: int | None = None) -> Iterator[dict[str, float]]:
         """Evaluate on dataset_eval; yields running token-weighted metrics after each batch.
 
-        The last yielded dict covers the whole eval set (or max_eval_batches batches).
+        The last yielded dict covers the whole eval set (or `max_batches` batches; None: the
+        arguments' max_eval_batches).
         """
         if self.eval_loader is None:
             raise ArgumentError("Trainer.eval() needs dataset_eval.")
@@ -385,7 +386,8 @@ class Trainer:
         )
         try:
             batches = (global_batch for _, global_batch in prefetched)
-            yield from self._evaluator.run(state.params, batches, self.arguments.max_eval_batches)
+            limit = self.arguments.max_eval_batches if max_batches is None else max_batches
+            yield from self._evaluator.run(state.params, batches, limit)
         finally:
             prefetched.close()  # an evaluation cut short by max_eval_batches stops its reader
 
@@ -394,14 +396,15 @@ class Trainer:
         """Whether an evaluation has anything to do: an eval set, or eval_tasks."""
         return self.eval_loader is not None or self.task_suite is not None
 
-    def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Metrics over the whole eval set (the last value `eval` yields), and every eval
-        task's scores with their standard errors (`eval/<task>/<metric>`)."""
+    def evaluate(self, state: TrainState, max_batches: int | None = None) -> dict[str, float]:
+        """Metrics over the whole eval set (the last value `eval` yields; `max_batches` as
+        there), and every eval task's scores with their standard errors
+        (`eval/<task>/<metric>`)."""
         if not self.evaluates:
             raise ArgumentError("Trainer.evaluate() needs dataset_eval or eval_tasks.")
         metrics: dict[str, float] = {}
         if self.eval_loader is not None:
-            for metrics in self.eval(state):  # noqa: B007 - the last covers the whole set
+            for metrics in self.eval(state, max_batches):  # noqa: B007 - the last: all of it
                 pass
         if self.task_suite is not None:
             metrics = {**metrics, **self.evaluate_tasks(state)}

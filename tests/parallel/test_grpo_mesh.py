@@ -108,3 +108,17 @@ def test_two_processes_each_generating_their_share_train_like_one(tmp_path):
     # Not a vacuous match: the rounds differ, and the evaluation scored something.
     assert len({x["reward"] for x in single["logs"]}) > 1
     assert all(e["eval/reward"] > 0 for e in single["evals"])
+
+
+def test_an_engine_on_devices_of_its_own_samples_what_the_training_mesh_would(tmp_path):
+    """rollout_devices=2 of 4: training on the first two, the engine on the last two (the
+    policy copied there each round), asynchronous (max_staleness 1). The completions and the
+    final parameters are those of the same run sampling on its training devices."""
+    info = run_worker("grpo_rollout_mesh_worker.py", str(tmp_path))
+    split, plain = info["split"], info["plain"]
+    assert split["train_devices"] == [0, 1] and split["engine_devices"] == [2, 3]
+    assert plain["engine_devices"] == [0, 1]
+    assert split["completions"] == plain["completions"] and len(split["completions"]) == 3
+    a, b = np.load(tmp_path / "split.npz"), np.load(tmp_path / "plain.npz")
+    for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)

@@ -14,7 +14,7 @@ from test_grpo import Completions, big_first_number, grpo_args, prompts, run
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.trainers import GRPOTrainer
-from jaxtrain.trainers.grpo import check_process_groups, grpo_objective
+from jaxtrain.trainers.grpo import check_process_groups, grpo_objective, split_rollout_devices
 from jaxtrain.training.logps import model_token_logps
 
 
@@ -97,3 +97,7 @@ def test_async_runs_in_one_process_and_checks_its_bound(tmp_path):
         check_process_groups(grpo_args(tmp_path, max_staleness=1, total_batch_size=16), 2)
     with pytest.raises(ArgumentError, match="max_staleness=-1 must be an integer >= 0"):
         grpo_args(tmp_path, max_staleness=-1)
+    one = {"devices": jax.devices()[:1]}
+    with pytest.raises(ArgumentError, match="rollout_devices=1 leaves no device to train on"):
+        split_rollout_devices(grpo_args(tmp_path, rollout_devices=1), one)
+    assert split_rollout_devices(grpo_args(tmp_path), one) is None and one["devices"]

@@ -140,3 +140,15 @@ def test_eval_of_a_run_without_an_eval_set_says_so(run_dirs, capsys):
     assert main(["eval", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip()
     assert "this run has no eval set" in err and len(err.splitlines()) == 1
+
+
+def test_eval_takes_max_eval_batches_from_the_command_line(run_dirs, capsys):
+    """`jaxtrain eval --max_eval_batches N` limits this evaluation (handed to `evaluate`; it
+    once wrote into the restored run's arguments)."""
+    run_dir = run_dirs("lm")
+    capsys.readouterr()
+    assert main(["eval", str(run_dir)]) == 0
+    whole = printed_metrics(capsys.readouterr().out)
+    assert main(["eval", str(run_dir), "--max_eval_batches", "1"]) == 0
+    one = printed_metrics(capsys.readouterr().out)
+    assert float(one["eval/batches"]) == 1 < float(whole["eval/batches"])
