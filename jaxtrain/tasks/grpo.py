@@ -37,6 +37,12 @@ def check_prompt_files(task: str, config: dict[str, Any]) -> None:
             f"--task {task} needs reward functions: --reward last_number_matches, format_regex "
             "(with --format_pattern REGEX) or module:function, comma-separated."
         )
+    if not data.get("tokenizer") and not (config.get("model") or {}).get("pretrained"):
+        raise ArgumentError(
+            f"--task {task} tokenizes its prompts and decodes the completions for the rewards: "
+            "set --data.tokenizer DIR (a Hugging Face tokenizer directory), or --model.pretrained "
+            "DIR (its tokenizer is used)."
+        )
 
 
 def reference_when_beta(args: Any) -> dict[str, bool]:
