@@ -15,12 +15,13 @@ from jaxtrain.errors import HFError
 from jaxtrain.models.gemma3_vision import Gemma3ImageEncoder
 from jaxtrain.models.siglip import SiglipVisionConfig
 
-__all__ = ["load_image_encoder", "siglip_from_hf"]
+__all__ = ["fill_image_encoder", "load_image_encoder", "siglip_from_hf"]
 
 # Where each part's tensors live: Hub checkpoints name the tower's `vision_tower.vision_model.`,
 # transformers 5's modules `model.vision_tower.` (its loader renames on the way in).
 TOWER = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
          "model.vision_tower.", "vision_tower.")  # fmt: skip
+LANGUAGE = ("language_model.model.", "model.language_model.")  # the decoder's, both ways
 PROJECTOR = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 
@@ -51,6 +52,14 @@ def load_image_encoder(
     encoder = Gemma3ImageEncoder(
         vision, text_hidden, mm_tokens_per_image, rngs=nnx.Rngs(0), **kwargs
     )
+    fill_image_encoder(encoder, weights)
+    return encoder
+
+
+def fill_image_encoder(encoder: Gemma3ImageEncoder, weights: Mapping[str, Any]) -> None:
+    """`encoder`'s parameters set from `weights` (HF names -> arrays); HFError naming a
+    missing or misshapen tensor."""
+    vision = encoder.vision_tower.config
     t = lambda name: _take(weights, TOWER, name)  # noqa: E731
     tower = encoder.vision_tower
     d, n = vision.hidden_size, vision.num_attention_heads
@@ -80,7 +89,6 @@ def load_image_encoder(
     projector = encoder.multi_modal_projector
     _set(projector.mm_soft_emb_norm.weight, _take(weights, PROJECTOR, "mm_soft_emb_norm.weight"))
     _set(projector.mm_input_projection, _take(weights, PROJECTOR, "mm_input_projection_weight"))
-    return encoder
 
 
 def _set(param: nnx.Param, value: np.ndarray) -> None:

@@ -93,6 +93,7 @@ def causal_attention(
     implementation: str | None = None,
     scale: float | None = None,
     logit_cap: float | None = None,
+    bidirectional_ids: Array | None = None,
 ) -> Array:
     """Causal (grouped-query) attention. q [B,T,N,H]; k, v [B,T,K,H] with N % K == 0.
 
@@ -101,6 +102,8 @@ def causal_attention(
     - sliding_window w: token i attends to j only when i - j < w (HF Mistral semantics),
       i.e. a left window of w - 1 in jax's inclusive ``local_window_size``.
     - ``scale`` (default 1 / sqrt(H)) and ``logit_cap`` (Gemma 2 soft-capping).
+    - bidirectional_ids [B, T]: tokens of one id >= 0 (an image's tokens, Gemma 3) also see
+      each other whatever their order; -1: causal only. Runs the masked "xla" path.
     ``implementation``: "xla" runs ``grouped_attention`` (the same maths as jax's XLA path,
     without its per-group vmap: that made XLA transpose the [B, N, T, T] scores of every
     layer); "blockwise" runs models/blockwise.py (online softmax, no T x T array), as ring
@@ -112,6 +115,16 @@ def causal_attention(
         raise ValueError(
             f"attention_implementation={implementation!r}: choose one of {IMPLEMENTATIONS}."
         )
+    if bidirectional_ids is not None:  # a mask no fused or blockwise kernel takes
+        t, ids = q.shape[1], bidirectional_ids
+        block = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+        if sliding_window is not None:  # the window bounds an image's keys too (as HF)
+            block &= jnp.asarray(np.arange(t)[:, None] - np.arange(t)[None, :] < sliding_window)
+        if segment_ids is not None:
+            block &= same_segment_mask(segment_ids)[:, 0]
+        mask = causal_mask(t, segment_ids=segment_ids, sliding_window=sliding_window)
+        mask = mask | block[:, None]
+        return grouped_attention(q, k, v, mask, scale=scale, logit_cap=logit_cap)
     if implementation is None:
         implementation = _resolve_default(q, logit_cap)
     if implementation == "cudnn":

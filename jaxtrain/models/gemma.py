@@ -15,6 +15,7 @@ soft-capping is on).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -155,6 +156,7 @@ class GemmaAttention(nnx.Module):
         sin: Array,
         segment_ids: Array | None,
         implementation: str | None = None,
+        bidirectional_ids: Array | None = None,
     ) -> Array:
         q, k, v = self.project(x, cos, sin)
         if implementation == "cudnn" and self.cap is not None:
@@ -162,6 +164,7 @@ class GemmaAttention(nnx.Module):
         out = causal_attention(
             q, k, v, segment_ids=segment_ids, sliding_window=self.window,
             implementation=implementation, scale=self.scale, logit_cap=self.cap,
+            bidirectional_ids=bidirectional_ids,
         )  # fmt: skip
         return self.o_proj(out)
 
@@ -199,15 +202,17 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = GemmaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_feedforward_layernorm = GemmaRMSNorm(d, **norm)
 
-    def __call__(self, x, cos, sin, segment_ids, implementation=None):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, implementation)
+    def __call__(self, x, cos, sin, segment_ids, implementation=None, bidirectional_ids=None):
+        h = self.self_attn(
+            self.input_layernorm(x), cos, sin, segment_ids, implementation, bidirectional_ids
+        )
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
 
 
-def _run_layer(layer, x, cos, sin, segment_ids, implementation):
-    return layer(x, cos, sin, segment_ids, implementation)
+def _run_layer(layer, x, cos, sin, segment_ids, implementation, bidirectional_ids=None):
+    return layer(x, cos, sin, segment_ids, implementation, bidirectional_ids)
 
 
 class GemmaModel(nnx.Module):
@@ -245,12 +250,18 @@ class GemmaModel(nnx.Module):
         return {True: local, False: full}
 
     def __call__(self, input_ids, positions, segment_ids=None, *, remat_policy="none",
-                 implementation=None):  # fmt: skip
+                 implementation=None, embeddings=None, bidirectional_ids=None):  # fmt: skip
+        """Final-norm hidden states; `embeddings` [B, T, D] replace the token embeddings
+        (an image's tokens in them: Gemma 3's vision model), `bidirectional_ids` as in
+        attention.causal_attention."""
         tables = self.rope_tables(positions)
-        x = constrain(self.embed(input_ids), ACT_BTD)
+        x = self.embed(input_ids) if embeddings is None else embeddings
+        x = constrain(x, ACT_BTD)
         run = _run_layer
+        if bidirectional_ids is not None:
+            run = functools.partial(_run_layer, bidirectional_ids=bidirectional_ids)
         if remat_policy != "none":
-            run = remat_layer(_run_layer, remat_policy)
+            run = remat_layer(run, remat_policy)
         for layer in self.layers:
             cos, sin = tables[layer.sliding]
             x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)
