@@ -152,6 +152,17 @@ def addition_chats(count: int = 64) -> list[dict[str, Any]]:
     return rows
 
 
+def smollm2_arguments(opts: argparse.Namespace, **overrides: Any) -> GRPOArguments:
+    """The SmolLM2 run's arguments: LoRA r8, beta 0, --steps/--batch/--group/--new/--lr."""
+    return GRPOArguments(
+        output_dir=tempfile.mkdtemp(), max_steps=opts.steps, total_batch_size=opts.batch,
+        num_generations=opts.group, max_prompt_length=48, max_completion_length=opts.new,
+        temperature=1.0, beta=0.0, learning_rate=opts.lr, warmup_steps=0, lora_rank=8,
+        lora_alpha=16, logging_steps=1, evaluation_strategy="no", save_final=False,
+        progress_bar="none", run_report=False, seed=0, **overrides,
+    )  # fmt: skip
+
+
 def bench_smollm2(opts: argparse.Namespace) -> None:
     from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
 
@@ -161,26 +172,7 @@ def bench_smollm2(opts: argparse.Namespace) -> None:
     logs = Logs()
     start = time.perf_counter()
     trainer = GRPOTrainer(
-        arguments=GRPOArguments(
-            output_dir=tempfile.mkdtemp(),
-            max_steps=opts.steps,
-            total_batch_size=opts.batch,
-            num_generations=opts.group,
-            max_prompt_length=48,
-            max_completion_length=opts.new,
-            temperature=1.0,
-            beta=0.0,
-            learning_rate=opts.lr,
-            warmup_steps=0,
-            lora_rank=8,
-            lora_alpha=16,
-            logging_steps=1,
-            evaluation_strategy="no",
-            save_final=False,
-            progress_bar="none",
-            run_report=False,
-            seed=0,
-        ),  # fmt: skip
+        arguments=smollm2_arguments(opts),
         model=AutoModelForCausalLM.from_pretrained(path),
         reward_funcs=[last_number_matches],
         dataset_train=rows,

@@ -19,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,10 @@ RESULT = "GRPO_ASYNC_RESULT "
 
 def run_variant(opts: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from grpo import addition_chats, smollm2_gguf
+    from grpo import addition_chats, smollm2_arguments, smollm2_gguf
 
     from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
-    from jaxtrain.trainers import GRPOArguments, GRPOTrainer
+    from jaxtrain.trainers import GRPOTrainer
     from jaxtrain.trainers.rewards import last_number_matches
 
     class Clock:
@@ -49,27 +48,7 @@ def run_variant(opts: argparse.Namespace) -> None:
     rows = addition_chats()
     clock = Clock()
     GRPOTrainer(
-        arguments=GRPOArguments(
-            output_dir=tempfile.mkdtemp(),
-            max_steps=opts.steps,
-            total_batch_size=opts.batch,
-            num_generations=opts.group,
-            max_prompt_length=48,
-            max_completion_length=opts.new,
-            temperature=1.0,
-            beta=0.0,
-            learning_rate=opts.lr,
-            warmup_steps=0,
-            lora_rank=8,
-            lora_alpha=16,
-            logging_steps=1,
-            evaluation_strategy="no",
-            save_final=False,
-            progress_bar="none",
-            run_report=False,
-            seed=0,
-            max_staleness=1 if opts.variant == "async" else 0,
-        ),  # fmt: skip
+        arguments=smollm2_arguments(opts, max_staleness=1 if opts.variant == "async" else 0),
         model=AutoModelForCausalLM.from_pretrained(path),
         reward_funcs=[last_number_matches],
         dataset_train=rows,
