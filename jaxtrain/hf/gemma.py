@@ -1,9 +1,10 @@
 """Hugging Face mapping of Gemma 2 (``gemma2``) and Gemma 3 text (``gemma3_text``).
 
 The weights are the Llama family's plus two norms per layer (pre/post feed-forward), so the
-maps reuse jaxtrain.hf.weights. What jaxtrain's Gemma does not implement is refused:
-the multimodal ``gemma3`` wrapper, bidirectional attention, rope types other than default
-and linear (Gemma 3's global layers), another activation, quantisation.
+maps reuse jaxtrain.hf.weights (the multimodal ``gemma3`` reads its decoder through them:
+hf/gemma3_vlm.py). What jaxtrain's Gemma does not implement is refused: bidirectional
+attention, rope types other than default and linear (Gemma 3's global layers), another
+activation, quantisation.
 """
 
 from __future__ import annotations

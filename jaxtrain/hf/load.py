@@ -155,6 +155,19 @@ def open_weights(model_dir: str | Path) -> dict[str, SafetensorsFile]:
     return out
 
 
+class RenamedTensor:
+    """A tensor of a safetensors file read under another name (a family's canonical one)."""
+
+    def __init__(self, file: SafetensorsFile, name: str):
+        self.file, self.name, self.path = file, name, file.path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file.shape(self.name)
+
+    def get(self, name: str) -> Any:
+        return self.file.get(self.name)
+
+
 def from_pretrained(
     path: str | Path,
     *,
@@ -189,7 +202,9 @@ def from_pretrained(
         )
     model_dir = resolve_model_dir(path)
     family, config = read_config(model_dir, task, model_class)
-    tensors = open_weights(model_dir)
+    tensors: dict[str, Any] = open_weights(model_dir)
+    if family.canonical_name is not None:  # a family whose checkpoints come in several layouts
+        tensors = {family.canonical_name(n): RenamedTensor(f, n) for n, f in tensors.items()}
     model = load_weights(
         family,
         config,

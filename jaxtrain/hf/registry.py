@@ -38,6 +38,9 @@ class ModelFamily:
     - ``param_maps(config)`` -> a ParamMap per parameter of ``model_class(config, ...)``.
     - ``ignorable(hf_tensor_name, config)``: tensors a checkpoint may hold that carry no weights.
     - ``model_class(config, *, dtype, param_dtype, rngs)`` builds the network.
+    - ``canonical_name(hf_tensor_name)``: for checkpoints written in several layouts (Gemma 3
+      with images), a tensor's name as ``param_maps`` names it; None: names are read as they
+      are.
     """
 
     name: str
@@ -48,6 +51,7 @@ class ModelFamily:
     param_maps: Callable[[Any], list[Any]]
     ignorable: Callable[[str, Any], bool] = _nothing_ignorable
     task: str = "causal-lm"
+    canonical_name: Callable[[str], str] | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -65,6 +69,7 @@ _FAMILIES: dict[str, str | ModelFamily] = {
     "qwen3_moe": "jaxtrain.hf.families:MOE",
     "gemma2": "jaxtrain.hf.families:GEMMA",
     "gemma3_text": "jaxtrain.hf.families:GEMMA",
+    "gemma3": "jaxtrain.hf.gemma3_vlm:GEMMA3",
     "gpt2": "jaxtrain.hf.gpt2:GPT2",
     "vit": "jaxtrain.hf.vit:VIT",
 }

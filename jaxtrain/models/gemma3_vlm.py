@@ -10,6 +10,8 @@ order their placeholders appear, row by row.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -27,7 +29,51 @@ from jaxtrain.models.siglip import SiglipVisionConfig
 Array = jax.Array
 DType = Any
 
-__all__ = ["Gemma3ForConditionalGeneration", "image_blocks"]
+__all__ = ["Gemma3ForConditionalGeneration", "Gemma3VisionConfig", "image_blocks"]
+
+
+@dataclass
+class Gemma3VisionConfig:
+    """Gemma 3 with images: its decoder's config, its vision tower's, and how images enter the
+    text (HF Gemma3Config's fields). The decoder's sizes and special tokens read through."""
+
+    text: GemmaConfig
+    vision: SiglipVisionConfig
+    mm_tokens_per_image: int = 256
+    image_token_id: int = 262144
+    boi_token_id: int | None = None  # the tokens around an image (the processor writes them)
+    eoi_token_id: int | None = None
+    model_type: str = "gemma3"
+
+    def __post_init__(self) -> None:
+        side = int(round(self.mm_tokens_per_image**0.5))
+        if side * side != self.mm_tokens_per_image or self.vision.patches_per_side % side:
+            raise ValueError(
+                f"mm_tokens_per_image={self.mm_tokens_per_image} must be a square whose side "
+                f"divides the {self.vision.patches_per_side} patches per side of an image."
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        # vocab_size, hidden_size, layers, heads, bos/eos/pad ids...: the decoder's.
+        if name in ("text", "__setstate__") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.text, name)
+
+    def num_parameters(self) -> int:
+        v = self.vision
+        d, f, p = v.hidden_size, v.intermediate_size, v.patch_size
+        layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        tower = v.num_channels * p * p * d + d + v.patches_per_side**2 * d
+        tower += v.num_hidden_layers * layer + 2 * d
+        return self.text.num_parameters() + tower + d + d * self.text.hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "text": self.text.to_dict(), "vision": self.vision.to_dict()}
+
+    def __hash__(self) -> int:
+        return hash((self.text, tuple(sorted(self.vision.to_dict().items())),
+                     self.mm_tokens_per_image, self.image_token_id))  # fmt: skip
 
 
 def image_blocks(is_image: Array) -> Array:
@@ -43,20 +89,19 @@ class Gemma3ForConditionalGeneration(nnx.Module):
 
     def __init__(
         self,
-        text: GemmaConfig,
-        vision: SiglipVisionConfig,
+        config: Gemma3VisionConfig,
         *,
-        mm_tokens_per_image: int,
-        image_token_id: int,
         dtype: DType = jnp.float32,
         param_dtype: DType = jnp.float32,
         rngs: nnx.Rngs,
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.language_model = GemmaForCausalLM(text, **kw)
-        self.vision = Gemma3ImageEncoder(vision, text.hidden_size, mm_tokens_per_image, **kw)
-        self.mm_tokens_per_image, self.image_token_id = mm_tokens_per_image, image_token_id
-        self.config = text
+        self.config = config
+        self.language_model = GemmaForCausalLM(config.text, **kw)
+        self.vision = Gemma3ImageEncoder(
+            config.vision, config.text.hidden_size, config.mm_tokens_per_image, **kw
+        )
+        self.image_token_id = config.image_token_id
 
     def embeddings(self, input_ids: Array, pixel_values: Array | None) -> tuple[Array, Array]:
         """(the decoder's input [B, T, D], each token's image block [B, T])."""

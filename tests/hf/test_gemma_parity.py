@@ -68,7 +68,8 @@ def test_unsupported_gemma_variants_are_refused(tmp_path):
     hf_model(CASES["gemma3_text"]()).save_pretrained(tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     for change, field in [
-        ({"model_type": "gemma3"}, "model_type"),
+        # The multimodal family's (hf/gemma3_vlm.py): a text-only config is not one.
+        ({"model_type": "gemma3"}, "text_config is missing"),
         ({"hidden_activation": "relu"}, "hidden_activation"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         (

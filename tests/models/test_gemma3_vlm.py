@@ -1,7 +1,8 @@
 """Gemma 3 with images equals transformers' Gemma3ForConditionalGeneration on the same weights:
 logits of rows holding images (two in one row, one in another: their soft tokens in order,
 each image's tokens attending both ways, within the sliding layers' window too) and of a text
-row, float32, rel 1e-4 (issue 50)."""
+row, float32, rel 1e-4; a transformers directory loads with `AutoModelForCausalLM`, and
+jaxtrain's export loads back in transformers with the same logits (issue 50)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,27 @@ def test_a_missing_decoder_tensor_and_another_model_type_are_named(hf_model):
         load_gemma3_vlm(config, weights)
     with pytest.raises(HFError, match="'gemma3_text' is not 'gemma3'"):
         load_gemma3_vlm({**config, "model_type": "gemma3_text"}, weights)
+
+
+def logits_of(hf_model, ids, images):
+    with torch.no_grad():
+        return hf_model(
+            input_ids=torch.as_tensor(ids), pixel_values=torch.as_tensor(images),
+            token_type_ids=torch.as_tensor((ids == IMG).astype(np.int64)),
+        ).logits.numpy()  # fmt: skip
+
+
+def test_a_transformers_directory_loads_and_exports_back(hf_model, tmp_path):
+    from jaxtrain.hf import AutoModelForCausalLM, save_pretrained
+
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = rows()
+    images = np.random.default_rng(1).normal(size=(3, 3, 32, 32)).astype(np.float32)
+    want = logits_of(hf_model, ids, images)
+    ours = np.asarray(model(jnp.asarray(ids), jnp.asarray(images)))
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+
+    save_pretrained(model, tmp_path / "export")
+    back = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "export").eval()
+    np.testing.assert_allclose(logits_of(back, ids, images), want, rtol=1e-4, atol=1e-4)
