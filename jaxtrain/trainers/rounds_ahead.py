@@ -17,6 +17,7 @@ need the older parameters, which no checkpoint holds).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,8 @@ import jax.numpy as jnp
 from jaxtrain.trainers.grpo_round import GeneratedRound
 
 __all__ = ["ParameterCopy", "RoundsAhead"]
+
+logger = logging.getLogger("jaxtrain.trainers.grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +95,16 @@ class RoundsAhead:
 
     def close(self) -> None:
         """Wait for the rounds in flight (their sampling may not be cut off mid-step) and stop
-        the worker; rounds not taken are dropped."""
-        for pending in self._rounds.values():
-            if isinstance(pending, Future):
-                pending.exception()  # waits; an error of a round never trained is not raised
+        the worker; rounds not taken are dropped. A dropped round that failed (a reward
+        function raised) is logged: the run is ending for another reason, which stays the
+        one raised."""
+        for generation, pending in self._rounds.items():
+            error = pending.exception() if isinstance(pending, Future) else None  # waits
+            if error is not None:
+                logger.warning(
+                    "round %d, sampled ahead and never trained (the run stopped first), "
+                    "failed: %s: %s", generation, type(error).__name__, error,
+                )  # fmt: skip
         self._rounds = {}
         if self._executor is not None:
             self._executor.shutdown(wait=True)

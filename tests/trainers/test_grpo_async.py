@@ -101,3 +101,28 @@ def test_async_runs_in_one_process_and_checks_its_bound(tmp_path):
     with pytest.raises(ArgumentError, match="rollout_devices=1 leaves no device to train on"):
         split_rollout_devices(grpo_args(tmp_path, rollout_devices=1), one)
     assert split_rollout_devices(grpo_args(tmp_path), one) is None and one["devices"]
+
+
+def test_a_failed_round_is_raised_when_taken_and_said_when_dropped(caplog):
+    """A round sampled ahead whose sampling failed (a reward function raised) raises when the
+    run reaches it; dropped at the run's end (it stopped first), it is logged, not lost."""
+    import logging
+    import types
+
+    from jaxtrain.trainers.rounds_ahead import RoundsAhead
+
+    def broken(state, generation, launched_at):
+        raise ValueError(f"the reward broke in round {generation}")
+
+    state = types.SimpleNamespace(params={"w": jnp.zeros(2)})
+    taken = RoundsAhead(broken, max_staleness=1, last_generation=None)
+    taken.launch(state, 0)
+    with pytest.raises(ValueError, match="round 1"):
+        taken.take(1)
+    taken.close()
+    dropped = RoundsAhead(broken, max_staleness=1, last_generation=None)
+    dropped.launch(state, 0)
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        dropped.close()
+    assert "round 1, sampled ahead and never trained" in caplog.text
+    assert "the reward broke in round 1" in caplog.text
