@@ -1,7 +1,8 @@
 """Asynchronous rollouts (`max_staleness` k > 0): the rounds after the current one are sampled
 in a background thread while the current one trains, each from a copy of the parameters of
 the round that launched it, so a round trains on completions at most k rounds older than the
-policy (verl's, slime's and OpenRLHF's asynchronous mode, on the run's own devices).
+policy (verl's, slime's and OpenRLHF's asynchronous mode; the engine on the training devices,
+or on devices of its own with `rollout_devices`).
 
 A round's batch carries the trainer's log-probs of its tokens under the parameters that sampled
 it (`old_logps`): the loss's ratio pi / pi_old and its clip correct for the lag, as for the
