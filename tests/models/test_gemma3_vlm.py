@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from test_gemma3_vision import VISION
 
 from jaxtrain.errors import HFError
 from jaxtrain.hf.gemma3_vlm import load_gemma3_vlm
 
 IMG = 299
-VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              image_size=32, patch_size=8)  # fmt: skip
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, vocab_size=300, sliding_window=6,
             layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=10000.0,

@@ -10,23 +10,12 @@ import numpy as np
 import pytest
 from conftest import tiny_arguments, tiny_model
 from flax import nnx
+from test_grpo_trl_objectives import Logs, first_is_big
 
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.task_arguments import RLOOArguments
 from jaxtrain.trainers import RLOOTrainer, rloo_advantages
 from jaxtrain.training.logps import model_token_logps
-
-
-class Logs:
-    def __init__(self):
-        self.logs: list[dict[str, float]] = []
-
-    def on_log(self, trainer, logs, step):
-        self.logs.append(dict(logs))
-
-
-def first_is_big(prompts, completions, **_):
-    return [float(bool(c.split()) and c.split()[0] in {"10", "11", "12"}) for c in completions]
 
 
 def length_reward(prompts, completions, **_):
