@@ -48,10 +48,12 @@ def build_pretrained_model(
     """The model of a `model: {pretrained: DIR}` section: the architecture comes from
     DIR/config.json, so other model keys are refused (the demo defaults are ignored).
     `load_options` (pretrained_load_options) go to from_pretrained."""
+    from jaxtrain.data.vision import text_tokenizer
     from jaxtrain.hf.load import from_pretrained
 
     path = check_pretrained_section(values)
     model = from_pretrained(str(path), sharding_for=sharding_for, **(load_options or {}))
+    tokenizer = text_tokenizer(tokenizer)
     if tokenizer is not None and model.config.vocab_size < len(tokenizer):
         raise HFError(
             f"{path}: vocab_size={model.config.vocab_size} is smaller than the tokenizer's "

@@ -397,15 +397,19 @@ def typed_model_section(
     if unknown:
         raise _unknown_keys(unknown, known, "model")
     where = sources or {}
-    typed = {
+    typed = {  # a nested section (a vision-language model's towers) is its config's to check
         k: coerce_value(hints[k], v, field=f"model.{k}", source=where.get(f"model.{k}", "config"))
-        if k in hints
+        if k in hints and not dataclasses.is_dataclass(hints[k])
         else v
         for k, v in values.items()
     }
     if "pretrained" not in typed:  # a pretrained model's architecture is its config.json
+        fields = {k: typed[k] for k in typed if k in hints}
         try:  # vocab_size may still come from the tokenizer: any positive stand-in checks
-            config_class(**{"vocab_size": 1, **{k: typed[k] for k in typed if k in hints}})
+            if "vocab_size" in hints:
+                config_class(**{"vocab_size": 1, **fields})
+            else:  # a vision-language model: its decoder's section has the vocabulary
+                config_class.from_dict(fields)
         except ValueError as err:
             raise ArgumentError(f"model section: {err}") from None
     return typed

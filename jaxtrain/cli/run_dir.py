@@ -118,9 +118,8 @@ def _mixture_data(data: dict[str, Any]):
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     from jaxtrain.hf.load import looks_local
+    from jaxtrain.hf.tokenizer_files import load_processing_class
 
     if (
         looks_local(path) and not Path(path).expanduser().is_dir()
@@ -129,7 +128,7 @@ def _load_tokenizer(path: str):
             f"data.tokenizer={path!r}: no such directory. Pass the local directory of a Hugging "
             "Face tokenizer (tokenizer.json or tokenizer_config.json)."
         )
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load_processing_class(Path(path).expanduser())
 
 
 @dataclass
@@ -153,10 +152,9 @@ class RunSections:
 
 def load_run(run_dir: str | Path) -> RunSections:
     """Arguments, model, data and sample sections and the tokenizer of a run directory."""
-    from transformers import AutoTokenizer
-
     from jaxtrain.arguments import read_config_file
     from jaxtrain.cli.run_config import split_config
+    from jaxtrain.hf.tokenizer_files import load_processing_class
 
     config_path = Path(run_dir) / "config.yaml"
     if not config_path.is_file():
@@ -166,7 +164,7 @@ def load_run(run_dir: str | Path) -> RunSections:
     config = read_config_file(config_path)
     args, model_section, data, sample = split_config(config)
     tokenizer_dir = Path(run_dir) / "tokenizer"
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir.is_dir() else None
+    tokenizer = load_processing_class(tokenizer_dir) if tokenizer_dir.is_dir() else None
     return RunSections(args, model_section, data, sample, tokenizer, config)
 
 

@@ -55,13 +55,13 @@ def load_served_model(path: str | Path) -> tuple[Any, Any, str]:
 
 
 def _tokenizer(*directories: Path) -> Any:
-    from transformers import AutoTokenizer
+    from jaxtrain.hf.tokenizer_files import load_processing_class
 
     for directory in directories:
         if any(
             (directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
         ):
-            return AutoTokenizer.from_pretrained(directory)
+            return load_processing_class(directory)
     raise ArgumentError(
         f"no tokenizer in {', '.join(map(str, directories))}: save one beside the model "
         "(tokenizer.json) to serve it."

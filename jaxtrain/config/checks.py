@@ -19,6 +19,7 @@ from jaxtrain.config.tables import (
     DISTRIBUTED_MODES,
     DTYPES,
     EVALUATION_STRATEGIES,
+    IMAGE_TRUNCATION,
     MESH_AXES,
     MIXTURE_EXHAUSTED,
     ON_NAN,
@@ -299,6 +300,7 @@ def check_quantization(args: Any) -> None:
 def check_data(args: Any) -> None:
     """The data pipeline's fields."""
     check_choice(args, "truncation_mode", TRUNCATION_MODES)
+    check_choice(args, "image_truncation", IMAGE_TRUNCATION)
     for name in DATA_BOOLEAN_FIELDS:
         if not isinstance(getattr(args, name), bool):
             raise ArgumentError(f"TrainingArguments.{name} must be true or false.")
@@ -313,7 +315,7 @@ def check_data(args: Any) -> None:
         raise ArgumentError("TrainingArguments.messages_column must be a non-empty column name.")
     if args.chat_template is not None and not str(args.chat_template).strip():
         raise ArgumentError("TrainingArguments.chat_template must be a Jinja template or None.")
-    for name in ("stream_window", "packing_window"):
+    for name in ("stream_window", "packing_window", "images_per_row"):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ArgumentError(f"TrainingArguments.{name} must be an int, got {value!r}.")

@@ -30,6 +30,8 @@ QUANTIZATIONS = ("nf4", "int8")
 
 # data/collate.py: which end of an over-long row survives.
 TRUNCATION_MODES = ("keep_start", "keep_end")
+# What a row with images becomes when truncation would cut an image (data/vision.py).
+IMAGE_TRUNCATION = ("error", "drop")
 
 # data/mixture.py: what a mixture does when one of its sources runs out of rows.
 MIXTURE_EXHAUSTED = ("restart", "stop")

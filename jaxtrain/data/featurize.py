@@ -36,6 +36,10 @@ def _describe(value: Any) -> str:
 class Featurizer:
     """Turns raw rows into token examples, the same way for every source."""
 
+    # How its examples become batches when they carry more than tokens (data/vision.py's
+    # images); None: the pipeline's pad/truncate collation.
+    collator: Any = None
+
     def __init__(
         self,
         *,
@@ -121,10 +125,12 @@ class Featurizer:
             for row, w in zip(rows, where):
                 row.update(self._chat(row, w))
         for row, w in zip(rows, where):
-            self._check_tokens(row, w)
+            self.check_tokens(row, w)
         return rows
 
-    def _check_tokens(self, row: Row, where: Any) -> None:
+    def check_tokens(self, row: Row, where: Any) -> None:
+        """DatasetError naming `where` unless the row's token columns are aligned 1-D ints
+        of the model's vocabulary."""
         if "input_ids" not in row:
             raise DatasetError(
                 f"{self.name} row {where} has no 'input_ids' (columns: {sorted(row)}); every "

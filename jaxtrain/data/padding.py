@@ -60,6 +60,7 @@ def resolve_pad_token_id(tokenizer: Any, model_config: Any, vocab_size: int | No
     """
     if vocab_size is None:
         vocab_size = getattr(model_config, "vocab_size", None)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a multimodal processor's own
     check_special_token_ids(tokenizer, model_config, vocab_size)
     for source in (tokenizer, model_config):
         pad = _first_id(getattr(source, "pad_token_id", None))

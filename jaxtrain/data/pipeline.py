@@ -117,6 +117,7 @@ def build_train_loader(
     check_processes(process_index, process_count, settings.micro_batch_size, "micro-batch size")
     source = as_source(dataset, name=name, streaming=settings.streaming)
     featurizer = _featurizer(settings, tokenizer, name, featurizer, vocab_size, own)
+    collator = collator or featurizer.collator
     if isinstance(source, RandomAccessSource):
         scan = scan_tokens(source, vocab_size=vocab_size, seq_len=settings.seq_len)
         if scan is None and collator is None and type(featurizer) is Featurizer:
@@ -261,11 +262,12 @@ def build_eval_loader(
         scan_tokens(
             RandomAccessSource(dataset, name=name), vocab_size=vocab_size, seq_len=settings.seq_len
         )
+    featurizer = _featurizer(settings, tokenizer, name, featurizer, vocab_size)
     return EvalLoader(
         dataset,
         batch_size=settings.eval_batch_size,
-        collation=_collation(settings, collator, pad_token_id, name),
-        featurizer=_featurizer(settings, tokenizer, name, featurizer, vocab_size),
+        collation=_collation(settings, collator or featurizer.collator, pad_token_id, name),
+        featurizer=featurizer,
         process_index=process_index,
         process_count=process_count,
     )

@@ -237,7 +237,8 @@ def gguf_path(path: str | Path) -> Path | None:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer saved in an HF model directory (or a .gguf file), or None when it has none."""
+    """The tokenizer saved in an HF model directory (or a .gguf file), or None when it has none;
+    a vision-language model's whole processor where it has one (`load_processing_class`)."""
     gguf_file = gguf_path(path)
     if gguf_file is not None:
         from jaxtrain.hf.gguf import gguf_tokenizer
@@ -246,9 +247,9 @@ def load_tokenizer(path: str | Path) -> Any:
     model_dir = resolve_model_dir(path)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    from jaxtrain.hf.tokenizer_files import load_processing_class
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return load_processing_class(model_dir)
     except Exception as err:  # transformers raises many types for a broken tokenizer
         raise HFError(f"{model_dir}: the tokenizer files cannot be loaded: {err}") from err

@@ -28,3 +28,19 @@ def save_tokenizer(tokenizer: Any, save_directory: str | Path, chat_template: st
         tokenizer.save_pretrained(str(save_directory))
     finally:
         tokenizer.chat_template = own
+
+
+# An image processor's config beside the tokenizer: the directory holds a multimodal processor.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_processing_class(directory: str | Path) -> Any:
+    """The tokenizer saved in `directory` or, where an image processor was saved with it (a
+    vision-language model's), the whole processor (`AutoProcessor`: tokenizer, chat template
+    and image processor, on its PIL path)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    directory = Path(directory)
+    if any((directory / name).is_file() for name in PROCESSOR_FILES):
+        return AutoProcessor.from_pretrained(str(directory), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

@@ -22,6 +22,10 @@ def classes_for(model_type: str | None, task: str = CAUSAL_LM) -> tuple[type[Any
 
     if model_type in MOE_MODEL_TYPES:
         return MoeConfig, MoeForCausalLM
+    if model_type == "gemma3":  # with its vision tower
+        from jaxtrain.models.gemma3_vlm import Gemma3ForConditionalGeneration, Gemma3VisionConfig
+
+        return Gemma3VisionConfig, Gemma3ForConditionalGeneration
     if model_type in GEMMA_MODEL_TYPES:
         return GemmaConfig, GemmaForCausalLM
     if model_type == "gpt2":

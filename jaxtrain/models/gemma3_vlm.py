@@ -4,13 +4,15 @@ places of the image's placeholder tokens (`image_token_id`) in the decoder's inp
 where text tokens are embedded and scaled by sqrt(hidden)); an image's tokens see each other
 both ways, the rest stays causal (sliding layers: within their window).
 
-``model(input_ids [B, T], pixel_values [I, C, H, W]) -> logits [B, T, V]``: the images in the
-order their placeholders appear, row by row.
+``model(input_ids [B, T], pixel_values) -> logits [B, T, V]``; `pixel_values` [I, C, H, W] are
+the batch's images in the order their placeholders appear, row by row, or [B, K, C, H, W] each
+row's K image slots (jaxtrain's batches, data/vision.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,12 @@ class Gemma3VisionConfig:
             raise AttributeError(name)
         return getattr(self.text, name)
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of the images the vision tower takes."""
+        v = self.vision
+        return (v.num_channels, v.image_size, v.image_size)
+
     def num_parameters(self) -> int:
         v = self.vision
         d, f, p = v.hidden_size, v.intermediate_size, v.patch_size
@@ -66,6 +74,19 @@ class Gemma3VisionConfig:
         tower = v.num_channels * p * p * d + d + v.patches_per_side**2 * d
         tower += v.num_hidden_layers * layer + 2 * d
         return self.text.num_parameters() + tower + d + d * self.text.hidden_size
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Gemma3VisionConfig:
+        """The config of `to_dict`'s dict (a run's model section): its two towers nested."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown or not isinstance(d.get("text"), dict) or not isinstance(d.get("vision"), dict):
+            raise ValueError(
+                f"a Gemma 3 vision config has the sections 'text' and 'vision' and the fields "
+                f"{sorted(known - {'text', 'vision'})}; got {sorted(d)}"
+            )
+        return cls(**{**d, "text": GemmaConfig.from_dict(d["text"]),
+                       "vision": SiglipVisionConfig(**d["vision"])})  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -103,20 +124,69 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         )
         self.image_token_id = config.image_token_id
 
+    @property
+    def remat_policy(self) -> str:  # the decoder's settings (training/program.py sets them)
+        return self.language_model.remat_policy
+
+    @remat_policy.setter
+    def remat_policy(self, value: str) -> None:
+        self.language_model.remat_policy = value
+
+    @property
+    def attention_implementation(self) -> str | None:
+        return self.language_model.attention_implementation
+
+    @attention_implementation.setter
+    def attention_implementation(self, value: str | None) -> None:
+        self.language_model.attention_implementation = value
+
     def embeddings(self, input_ids: Array, pixel_values: Array | None) -> tuple[Array, Array]:
-        """(the decoder's input [B, T, D], each token's image block [B, T])."""
+        """(the decoder's input [B, T, D], each token's image block [B, T]).
+
+        `pixel_values`: [I, C, H, W], the batch's images in the order of their placeholders
+        (transformers' layout), or [B, K, C, H, W], each row's own K image slots (a row's k-th
+        image placeholder reads its slot k; the unused slots are never read)."""
         lm = self.language_model.model
         is_image = input_ids == self.image_token_id
         # The placeholder may lie outside the vocabulary: its embedding is never read.
         x = lm.embed(jnp.where(is_image, 0, input_ids))
         if pixel_values is None:
             return x, jnp.full(input_ids.shape, -1, jnp.int32)
-        tokens = self.vision(pixel_values)  # [I, tokens, D]
-        flat = tokens.reshape(-1, tokens.shape[-1]).astype(x.dtype)
-        # The k-th image token of the batch (row-major) takes the k-th soft token.
-        order = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, flat.shape[0] - 1)
-        x = jnp.where(is_image[..., None], flat[order].reshape(x.shape), x)
-        return x, image_blocks(is_image)
+        per_row = pixel_values.ndim == 5
+        rows = input_ids.shape[0] if per_row else 1
+        tokens = self.vision(pixel_values.reshape(-1, *pixel_values.shape[-3:]))  # [I, n, D]
+        tokens = tokens.reshape(rows, -1, tokens.shape[-1]).astype(x.dtype)
+        # The k-th image token of a row (of the whole batch, flat) takes soft token k.
+        flat = is_image.reshape(rows, -1)
+        order = jnp.clip(jnp.cumsum(flat, axis=1) - 1, 0, tokens.shape[1] - 1)
+        soft = jnp.take_along_axis(tokens, order[..., None], axis=1).reshape(x.shape)
+        return jnp.where(is_image[..., None], soft, x), image_blocks(is_image)
+
+    def hidden_states(
+        self,
+        input_ids: Array,
+        pixel_values: Array | None = None,
+        *,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        attention_mask: Array | None = None,
+    ) -> Array:
+        """The decoder's final-norm hidden states [B, T, D] (packed rows: `segment_ids` and
+        per-document `positions`, as the text models)."""
+        lm = self.language_model
+        x, blocks = self.embeddings(input_ids, pixel_values)
+        positions, segment_ids = apply_padding_mask(
+            attention_mask, input_ids, positions, segment_ids
+        )
+        if positions is None:
+            positions = np.arange(input_ids.shape[1], dtype=np.int32)[None]
+        return lm.model(
+            input_ids, positions, segment_ids, remat_policy=lm.remat_policy,
+            implementation=lm.attention_implementation, embeddings=x, bidirectional_ids=blocks,
+        )  # fmt: skip
+
+    def output_projection(self) -> Callable[[Array], Array]:
+        return self.language_model.output_projection()
 
     def __call__(
         self,
@@ -124,15 +194,11 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         pixel_values: Array | None = None,
         *,
         positions: Array | None = None,
+        segment_ids: Array | None = None,
         attention_mask: Array | None = None,
     ) -> Array:
-        lm = self.language_model
-        x, blocks = self.embeddings(input_ids, pixel_values)
-        positions, segment_ids = apply_padding_mask(attention_mask, input_ids, positions, None)
-        if positions is None:
-            positions = np.arange(input_ids.shape[1], dtype=np.int32)[None]
-        h = lm.model(
-            input_ids, positions, segment_ids, remat_policy=lm.remat_policy,
-            implementation=lm.attention_implementation, embeddings=x, bidirectional_ids=blocks,
+        h = self.hidden_states(
+            input_ids, pixel_values, positions=positions, segment_ids=segment_ids,
+            attention_mask=attention_mask,
         )  # fmt: skip
-        return constrain(lm.output_projection()(h), ACT_BTV)
+        return constrain(self.output_projection()(h), ACT_BTV)

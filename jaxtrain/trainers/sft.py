@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxtrain.arguments import TrainingArguments
+from jaxtrain.data.vision import VisionFeaturizer, is_processor
+from jaxtrain.errors import ArgumentError
 from jaxtrain.task_arguments import SFTArguments
 from jaxtrain.trainers.data import SFTFeaturizer
 from jaxtrain.training.trainer import Trainer
@@ -24,8 +26,10 @@ class SFTTrainer(Trainer):
     def __init__(self, arguments: TrainingArguments | None = None, model: Any = None, **kwargs):
         super().__init__(arguments if arguments is not None else SFTArguments(), model, **kwargs)
 
-    def create_featurizer(self, name: str) -> SFTFeaturizer:
+    def create_featurizer(self, name: str) -> SFTFeaturizer | VisionFeaturizer:
         args = self.arguments
+        if is_processor(self.processing_class):
+            return self._vision_featurizer(name)
         return SFTFeaturizer(
             name=name,
             tokenizer=self.processing_class,
@@ -35,4 +39,29 @@ class SFTTrainer(Trainer):
             chat_template=args.chat_template,
             drop_columns=args.ids_to_pop_from_dataset or (),
             max_length=args.max_sequence_length,
+        )
+
+    def _vision_featurizer(self, name: str) -> VisionFeaturizer:
+        """Rows with images, for a vision-language model and its processor."""
+        args, config = self.arguments, self.model_config
+        if getattr(config, "image_token_id", None) is None:
+            raise ArgumentError(
+                f"processing_class is a multimodal processor ({type(self.processing_class).__name__})"
+                f" but the model ({type(config).__name__}) takes no images; pass its tokenizer "
+                "(processor.tokenizer) or a vision-language model."
+            )
+        return VisionFeaturizer(
+            name=name,
+            processor=self.processing_class,
+            image_token_id=config.image_token_id,
+            image_shape=config.image_shape,
+            max_length=args.max_sequence_length,
+            images_per_row=args.images_per_row,
+            image_truncation=args.image_truncation,
+            truncation_mode=args.truncation_mode,
+            text_column=args.text_column,
+            messages_column=args.messages_column,
+            completion_only_loss=args.completion_only_loss,
+            chat_template=args.chat_template,
+            drop_columns=args.ids_to_pop_from_dataset or (),
         )

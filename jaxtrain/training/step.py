@@ -101,6 +101,8 @@ def causal_lm_loss_rows(
     kwargs: dict[str, Any] = dict(
         positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
     )
+    if "pixel_values" in batch:  # a vision-language model's images (data/vision.py)
+        kwargs["pixel_values"] = batch["pixel_values"]
     with_aux = bool(getattr(model, "returns_aux_losses", False))
     if with_aux:
         kwargs["return_aux"] = True
