@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from jaxtrain.data.collate import IGNORE_INDEX, CollateStats
 
 __all__ = [
     "PACKED_FIELDS",
+    "ImageSlots",
     "Packer",
     "best_fit_decreasing",
     "doc_tokens",
@@ -83,27 +85,55 @@ def split_document(ids: np.ndarray, labels: np.ndarray, seq_len: int) -> list[Do
     ]
 
 
-def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+def best_fit_decreasing(
+    lengths: Sequence[int],
+    capacity: int,
+    images: Sequence[int] | None = None,
+    image_capacity: int = 0,
+) -> list[list[int]]:
     """Bins (lists of item indices) of at most ``capacity``: longest item first, each into
-    the bin with the least room left that still fits it (ties: the earlier bin)."""
+    the bin with the least room left that still fits it (ties: the earlier bin). With
+    ``images`` (each item's image count) a bin also holds at most ``image_capacity`` images."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
+    held: list[int] = []  # images per bin
     free: list[tuple[int, int]] = []  # (room left, bin index), sorted
     for i in order:
-        n = lengths[i]
-        if n > capacity:
+        n, k = lengths[i], (images[i] if images is not None else 0)
+        if n > capacity or (images is not None and k > image_capacity):
             raise ValueError(f"item {i} of length {n} exceeds the capacity {capacity}")
         at = bisect.bisect_left(free, (n, -1))
+        while at < len(free) and held[free[at][1]] + k > image_capacity:
+            at += 1  # fits the tokens, not the images: the next fullest
         if at == len(free):
             bins.append([i])
+            held.append(k)
             room, b = capacity - n, len(bins) - 1
         else:
             room, b = free.pop(at)
             bins[b].append(i)
+            held[b] += k
             room -= n
         if room > 0:
             bisect.insort(free, (room, b))
     return bins
+
+
+@dataclass(frozen=True)
+class ImageSlots:
+    """The image slots of each batch row (data/vision.py): ``per_row`` images of ``shape``
+    (C, H, W), a row's images first in their tokens' order, the rest zero."""
+
+    per_row: int
+    shape: tuple[int, ...]
+
+    def row(self, images: Sequence[np.ndarray]) -> np.ndarray:
+        out = np.zeros((self.per_row, *self.shape), np.float32)
+        at = 0
+        for group in images:
+            out[at : at + len(group)] = group
+            at += len(group)
+        return out
 
 
 def pack_row(
@@ -140,8 +170,9 @@ def pack_row(
 class _Block:
     """The packed rows of one block of documents, in hand-out order."""
 
-    def __init__(self, epoch: int, offset: int, rows: list[tuple[list[Doc], int]]):
-        self.epoch, self.offset, self.rows = epoch, offset, rows  # rows: (docs, tokens cut)
+    def __init__(self, epoch: int, offset: int, rows: list[tuple[list[int], int]], docs, images):
+        self.epoch, self.offset, self.rows = epoch, offset, rows  # rows: (doc indices, cut)
+        self.docs, self.images = docs, images  # the block's documents and their images
         self.next = 0
 
 
@@ -166,6 +197,7 @@ class Packer:
         seed: int = 0,
         shuffle: bool = True,
         skip_rows: int = 0,
+        image_slots: ImageSlots | None = None,
     ):
         if window < 1:
             raise ValueError(f"packing_window must be >= 1, got {window}")
@@ -176,6 +208,7 @@ class Packer:
         self.window, self.seed, self.shuffle = window, seed, shuffle
         self._block: _Block | None = None
         self._skip = skip_rows
+        self.image_slots = image_slots  # rows with images: each row's images, its slots
 
     def _peek(self) -> Any:
         """The next ``(position, example)``, or None at the end of a finite stream."""
@@ -194,31 +227,38 @@ class Packer:
         (epoch, offset), _ = self._peek()
         docs: list[Doc] = []
         cuts: list[int] = []
+        images: list[np.ndarray | None] = []  # each document's (data/vision.py fits its row)
         for _ in range(self.window):
             ahead = self._peek()
             if ahead is None or ahead[0][0] != epoch:
                 break
             _, example = self._take()
-            if self.split_long:
+            if self.split_long and "pixel_values" not in example:
                 pieces = split_document(*_ids_labels(example), self.seq_len)
                 docs += pieces
                 cuts += [0] * len(pieces)
+                images += [None] * len(pieces)
             else:
                 ids, labels, cut = doc_tokens(
                     example, seq_len=self.seq_len, truncation_mode=self.truncation_mode
                 )
                 docs.append((ids, labels))
                 cuts.append(cut)
+                images.append(example.get("pixel_values"))
         keep = [i for i, (ids, _) in enumerate(docs) if len(ids)]
-        bins = best_fit_decreasing([len(docs[i][0]) for i in keep], self.seq_len)
-        rows = [([docs[keep[j]] for j in b], sum(cuts[keep[j]] for j in b)) for b in bins]
+        counts = None
+        if self.image_slots is not None:
+            counts = [0 if images[i] is None else len(images[i]) for i in keep]
+        slots = self.image_slots.per_row if self.image_slots is not None else 0
+        bins = best_fit_decreasing([len(docs[i][0]) for i in keep], self.seq_len, counts, slots)
+        rows = [([keep[j] for j in b], sum(cuts[keep[j]] for j in b)) for b in bins]
         if not rows:  # a block of empty documents still yields a row: the stream moves on
             rows = [([], 0)]
         if self.shuffle:
             # Best-fit puts the long documents first; mix the rows so batches look alike.
             perm = np.random.default_rng([self.seed, epoch, offset]).permutation(len(rows))
             rows = [rows[int(i)] for i in perm]
-        return _Block(epoch, offset, rows)
+        return _Block(epoch, offset, rows, docs, images)
 
     def _current(self) -> _Block:
         if self._block is None or self._block.next >= len(self._block.rows):
@@ -235,8 +275,12 @@ class Packer:
 
     def next_row(self) -> tuple[dict[str, np.ndarray], CollateStats]:
         block = self._current()
-        docs, cut = block.rows[block.next]
+        indices, cut = block.rows[block.next]
         block.next += 1
         self.last_epoch = block.epoch
+        docs = [block.docs[i] for i in indices]
         row, stats = pack_row(docs, seq_len=self.seq_len, pad_token_id=self.pad_token_id)
+        if self.image_slots is not None:
+            mine = [block.images[i] for i in indices if block.images[i] is not None]
+            row["pixel_values"] = self.image_slots.row(mine)
         return row, CollateStats(cut, stats.num_padding_tokens)

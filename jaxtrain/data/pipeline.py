@@ -117,7 +117,6 @@ def build_train_loader(
     check_processes(process_index, process_count, settings.micro_batch_size, "micro-batch size")
     source = as_source(dataset, name=name, streaming=settings.streaming)
     featurizer = _featurizer(settings, tokenizer, name, featurizer, vocab_size, own)
-    collator = collator or featurizer.collator
     if isinstance(source, RandomAccessSource):
         scan = scan_tokens(source, vocab_size=vocab_size, seq_len=settings.seq_len)
         if scan is None and collator is None and type(featurizer) is Featurizer:
@@ -127,7 +126,6 @@ def build_train_loader(
             warn_truncation(
                 scan, name=name, seq_len=settings.seq_len, mode=settings.truncation_mode
             )
-    collation = _collation(settings, collator, pad_token_id, name)
     stream = isinstance(source, IterableSource)
     if not stream and not settings.packing:
         return BatchLoader(
@@ -139,7 +137,7 @@ def build_train_loader(
             truncation_mode=settings.truncation_mode,
             shuffle=settings.shuffle,
             seed=settings.seed,
-            collator=collator,
+            collator=collator or featurizer.collator,
             drop_last=settings.drop_last,
             process_index=process_index,
             process_count=process_count,
@@ -170,9 +168,14 @@ def build_train_loader(
         )
     else:
         units = MapUnits(source, featurizer, **common)
+    # Packed, the rows are the Packer's; a featurizer's collator only lends its image slots.
+    rows_collator = featurizer.collator
     return UnitLoader(
         units,
-        collation,
+        _collation(
+            settings, collator or (None if settings.packing else rows_collator), pad_token_id, name
+        ),
+        image_slots=getattr(rows_collator, "image_slots", None),
         global_batch_size=settings.global_batch_size,
         accumulation_steps=settings.accumulation_steps,
         packing=settings.packing,

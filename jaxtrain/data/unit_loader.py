@@ -18,7 +18,7 @@ from jaxtrain.data.assemble import Collation
 from jaxtrain.data.collate import CollateStats
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.loader import check_batch, check_processes, check_same_data
-from jaxtrain.data.packing import PACKED_FIELDS, Packer
+from jaxtrain.data.packing import ImageSlots, Packer
 from jaxtrain.data.streams import StreamUnits
 from jaxtrain.data.units import MapUnits, Position
 
@@ -82,6 +82,7 @@ class UnitLoader:
         split_long_documents: bool = True,
         unit_packer: UnitPacker | None = None,
         history: int = _HISTORY,
+        image_slots: ImageSlots | None = None,
     ) -> None:
         micro = check_batch(global_batch_size, accumulation_steps)
         check_processes(units.process_index, units.process_count, micro, "micro-batch size")
@@ -93,6 +94,7 @@ class UnitLoader:
         if packing and packing_window < 1:
             raise ValueError(f"packing_window must be >= 1, got {packing_window}")
         self.units, self.collation, self.packing = units, collation, packing
+        self.image_slots = image_slots  # rows with images: the Packer fills their slots
         self.unit_packer = unit_packer
         self.packing_window, self.split_long_documents = packing_window, split_long_documents
         self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
@@ -192,6 +194,7 @@ class UnitLoader:
                 seed=self.units.seed,
                 shuffle=self.units.shuffle,
                 skip_rows=position[2],
+                image_slots=self.image_slots,
             )
         step = start_step - replay
         while True:
@@ -228,9 +231,9 @@ class UnitLoader:
                 padding += row_stats.num_padding_tokens
             stats = CollateStats(truncated, padding)
             if n == 1:  # a mixture reads its sources a row a step: a view of it, not a copy
-                flat = {k: rows[0][k][None] for k in PACKED_FIELDS}
+                flat = {k: v[None] for k, v in rows[0].items()}
             else:
-                flat = {k: np.stack([r[k] for r in rows]) for k in PACKED_FIELDS}
+                flat = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
             crossed = packer.last_epoch > start_epoch
             self.last_epoch = packer.last_epoch
             after = packer.position()  # the start of the next block once this one is used

@@ -17,6 +17,9 @@ and tokenizes a row and expands each image's placeholder into the image's tokens
 - **Batches** (``VisionCollator``): tokens right-padded to ``seq_len``; ``pixel_values``
   [rows, images_per_row, C, H, W], each row's images in the order of their placeholders, the
   empty slots zero (the model reads a row's k-th image for its k-th image placeholder).
+  Packed (data/packing.py), a row holds documents while their tokens fit ``seq_len`` and their
+  images its ``images_per_row`` slots; each document keeps its segment, so an image's tokens
+  attend within their own document only.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from jaxtrain.data.collate import IGNORE_INDEX, collate_examples
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.images import images_of, load_image, place_images
+from jaxtrain.data.packing import ImageSlots
 
 __all__ = [
     "VisionCollator",
@@ -89,8 +93,7 @@ class VisionFeaturizer(Featurizer):
         return VisionCollator(
             seq_len=self.max_length,
             pad_token_id=self.pad_token_id,
-            images_per_row=self.images_per_row,
-            image_shape=self.image_shape,
+            image_slots=ImageSlots(self.images_per_row, self.image_shape),
         )
 
     @property
@@ -297,28 +300,17 @@ def _split(text: str, spans: list[tuple[int, int]]) -> list[Piece]:
 
 class VisionCollator:
     """Examples of a VisionFeaturizer -> token rows [N, seq_len] and ``pixel_values``
-    [N, images_per_row, C, H, W] (see the module docstring)."""
+    [N, images_per_row, C, H, W] (see the module docstring). Packed, the Packer fills each
+    row's ``image_slots`` with the images of the documents it holds (data/packing.py)."""
 
-    def __init__(
-        self,
-        *,
-        seq_len: int,
-        pad_token_id: int,
-        images_per_row: int,
-        image_shape: tuple[int, int, int],
-    ) -> None:
-        self.seq_len, self.pad_token_id = seq_len, pad_token_id
-        self.images_per_row, self.image_shape = images_per_row, tuple(image_shape)
+    def __init__(self, *, seq_len: int, pad_token_id: int, image_slots: ImageSlots) -> None:
+        self.seq_len, self.pad_token_id, self.image_slots = seq_len, pad_token_id, image_slots
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         batch = collate_examples(
             examples, seq_len=self.seq_len, pad_token_id=self.pad_token_id,
             truncation_mode="keep_start",
         )  # fmt: skip
-        pixels = np.zeros((len(examples), self.images_per_row, *self.image_shape), np.float32)
-        for i, example in enumerate(examples):
-            images = example.get("pixel_values")
-            if images is not None and len(images):
-                pixels[i, : len(images)] = images
-        batch["pixel_values"] = pixels
+        rows = [self.image_slots.row([e.get("pixel_values", [])]) for e in examples]
+        batch["pixel_values"] = np.stack(rows)
         return batch
