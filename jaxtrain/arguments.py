@@ -171,6 +171,9 @@ class TrainingArguments:
     param_dtype: str | None = None
     # Rematerialisation policy of each decoder layer.
     gradient_checkpointing: str = "none"
+    # A vision-language model's vision tower keeps its weights (its projector and decoder
+    # train). Under LoRA the whole image encoder keeps them: adapters go on the decoder.
+    freeze_vision_tower: bool = False
 
     # LoRA: rank of the adapters (0 = off). Only the adapters are trained, held in the
     # optimizer state and checkpointed; the base weights stay frozen (jaxtrain.models.lora).

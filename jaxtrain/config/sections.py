@@ -87,6 +87,7 @@ class ModelSettings:
     quantization: str | None  # the frozen base stored as "nf4" or "int8" (QLoRA)
     quantization_block_size: int
     quantization_double: bool
+    freeze_vision_tower: bool = False  # a vision-language model's image encoder stays as is
 
     @classmethod
     def from_arguments(cls, args: Any) -> ModelSettings:
@@ -104,6 +105,7 @@ class ModelSettings:
             quantization=args.quantization,
             quantization_block_size=args.quantization_block_size,
             quantization_double=args.quantization_double,
+            freeze_vision_tower=args.freeze_vision_tower,
         )
 
 

@@ -62,6 +62,16 @@ def _adapters(name: str, lora: Any, g: int) -> list[tuple[str, np.ndarray, np.nd
     return _split(name, *arrays(lora), g)
 
 
+def _target_modules(model: Any, modules: set[str]) -> list[str] | str:
+    """PEFT's target_modules: the adapted modules' names, or, for a model whose adapters live
+    in one part (`peft_modules`: a vision-language model's decoder), a pattern that keeps
+    PEFT from adding adapters elsewhere (its tower has q_proj, fc1... too)."""
+    scope = getattr(model, "peft_modules", None)
+    if scope is None:
+        return sorted(modules)
+    return f"{scope}\\.({'|'.join(sorted(modules))})"
+
+
 def save_peft_adapter(
     model: Any,
     save_directory: str | Path,
@@ -105,7 +115,7 @@ def save_peft_adapter(
         "r": first.rank,
         "lora_alpha": first.alpha,
         "lora_dropout": first.dropout,
-        "target_modules": sorted(modules),
+        "target_modules": _target_modules(model, modules),
         "bias": "none",
         "fan_in_fan_out": model_type == "gpt2",
         "inference_mode": True,

@@ -108,6 +108,12 @@ class Gemma3ForConditionalGeneration(nnx.Module):
     """Gemma 3's vision-language model: ``language_model`` (a GemmaForCausalLM) and
     ``vision`` (its image encoder); see the module docstring."""
 
+    # LoRA adapts the decoder; the image encoder keeps its weights. (PEFT names Gemma 3's
+    # tower projections apart from their fused kernels here, and its projector is a bare
+    # parameter that takes no adapter: adapters there could not be exported.)
+    lora_skip = ("vision",)
+    peft_modules = r".*language_model\..*"  # where PEFT looks for the adapted modules
+
     def __init__(
         self,
         config: Gemma3VisionConfig,

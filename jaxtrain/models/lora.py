@@ -232,11 +232,12 @@ def _plan(model: nnx.Module, names: Sequence[str]) -> tuple[list, set[str]]:
     """[(projection, part slices or None)] to adapt, and the names that matched something."""
     plan, used = [], set()
     # The frozen models a task reads (TaskModel.frozen_names: a reference, a teacher) take
-    # no adapter, a quantized one neither (its kernels are not Params, like the base's).
+    # no adapter, a quantized one neither (its kernels are not Params, like the base's), nor
+    # what a model keeps out of LoRA (`lora_skip`: a vision-language model's image encoder).
     frozen = {
         id(sub)
         for _, m in nnx.iter_modules(model)
-        for name in getattr(m, "frozen_names", ())
+        for name in (*getattr(m, "frozen_names", ()), *getattr(m, "lora_skip", ()))
         if getattr(m, name, None) is not None
         for _, sub in nnx.iter_modules(getattr(m, name))
     }

@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxtrain.config.sections import ModelSettings, OptimizerSettings, PruningSettings
 from jaxtrain.errors import ArgumentError
+from jaxtrain.models.frozen import freeze
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.objective import Difference
@@ -95,17 +96,16 @@ class ModelParts:
     @classmethod
     def adopt(cls, model: nnx.Module | ModelFactory, settings: ModelSettings) -> ModelParts:
         factory = model if isinstance(model, ModelFactory) else None
-        if factory is not None and settings.lora_rank:
+        if factory is not None and (settings.lora_rank or settings.freeze_vision_tower):
             build = factory.build
-            factory = ModelFactory(lambda: quantize(add_lora(build(), settings), settings))
+            factory = ModelFactory(lambda: adapt(build(), settings))
         if factory is not None:
             model = factory.abstract()  # shapes only; the Program creates it, sharded
         configure_model(model, settings)
         if factory is None:
             check_quantized_base(model, settings)
-        if settings.lora_rank and factory is None:
             # In place: the user's model gains the adapters (its base is quantized if asked).
-            quantize(add_lora(model, settings), settings)
+            adapt(model, settings)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = cast_floating(params, settings.param_dtype)
         rest = cast_frozen(rest, settings.param_dtype)
@@ -180,6 +180,23 @@ def quantize(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
         double=settings.quantization_double,
     )
     configure_model(model, settings)  # the new kernels dequantize to the compute dtype
+    return model
+
+
+def adapt(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
+    """What the run changes in which weights train, in place: a vision-language model's
+    frozen vision tower, LoRA adapters (on a quantized base when asked)."""
+    if settings.freeze_vision_tower:
+        towers = [m for path, m in nnx.iter_modules(model) if path and path[-1] == "vision_tower"]
+        if not towers:
+            raise ArgumentError(
+                f"TrainingArguments.freeze_vision_tower=True, but {type(model).__name__} has no "
+                "vision tower; it applies to vision-language models only."
+            )
+        for tower in towers:
+            freeze(tower)
+    if settings.lora_rank:
+        quantize(add_lora(model, settings), settings)
     return model
 
 

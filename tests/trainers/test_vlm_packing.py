@@ -14,8 +14,8 @@ from vlm_fixtures import conversations, write_checkpoint
 from jaxtrain.data.packing import ImageSlots, Packer, best_fit_decreasing
 from jaxtrain.data.vision import VisionFeaturizer
 from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
-from jaxtrain.training.step import causal_lm_rows
 from jaxtrain.trainers import SFTArguments, SFTTrainer
+from jaxtrain.training.step import causal_lm_rows
 
 SLOTS = 3
 
