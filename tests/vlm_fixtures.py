@@ -52,10 +52,10 @@ TEMPLATE = (
 TOKENS_PER_IMAGE = 4
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               image_size=32, patch_size=8)  # fmt: skip
-TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, sliding_window=16,
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=16,
             layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=10000.0,
-            query_pre_attn_scalar=32)  # fmt: skip
+            query_pre_attn_scalar=16)  # fmt: skip
 
 
 def processor():
