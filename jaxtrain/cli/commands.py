@@ -170,17 +170,30 @@ def print_sample(
 ) -> None:
     """A sample from `sample.prompt`, else a prompt in the run's own data format. `quiet`:
     generate (every process of a cluster takes part) but print nothing."""
-    from jaxtrain.data.prompts import sample_prompt
+    from jaxtrain.data.prompts import sample_prompt, vision_sample_prompt
+    from jaxtrain.data.vision import is_processor, text_tokenizer
     from jaxtrain.models import generate
 
-    ids, prompt = sample_prompt(
-        tokenizer,
-        dataset,
-        prompt=sample.get("prompt"),
-        messages_column=getattr(args, "messages_column", "messages"),
-        text_column=getattr(args, "text_column", "text"),
-        chat_template=getattr(args, "chat_template", None),
-    )
+    messages_column = getattr(args, "messages_column", "messages")
+    chat_template = getattr(args, "chat_template", None)
+    pixel_values = None
+    if is_processor(tokenizer):  # a vision-language model: its prompt may hold an image
+        ids, prompt, images = vision_sample_prompt(
+            tokenizer, dataset, prompt=sample.get("prompt"), image=sample.get("image"),
+            messages_column=messages_column, chat_template=chat_template,
+        )  # fmt: skip
+        pixel_values = None if images is None else images[None]
+        tokenizer = text_tokenizer(tokenizer)
+    elif sample.get("image") is not None:
+        raise ArgumentError(
+            "sample.image: this run's model takes no images (its tokenizer/ holds no image "
+            "processor); drop the image."
+        )
+    else:
+        ids, prompt = sample_prompt(
+            tokenizer, dataset, prompt=sample.get("prompt"), messages_column=messages_column,
+            text_column=getattr(args, "text_column", "text"), chat_template=chat_template,
+        )  # fmt: skip
     top_k, note = sample_top_k(model, tokenizer, sample.get("top_k"))
     temperature = sample.get("temperature", 0.0)
     new = generate(
@@ -191,6 +204,7 @@ def print_sample(
         top_k=top_k,
         top_p=sample.get("top_p", 1.0),
         eos_token_id=tokenizer.eos_token_id,
+        pixel_values=pixel_values,
     )
     if quiet:
         return

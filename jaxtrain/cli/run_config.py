@@ -81,6 +81,7 @@ MIXTURE_KEYS = {
 }
 SAMPLE_KEYS = {
     "prompt": str,  # default: taken from the run's data (chat template for chat rows)
+    "image": str,  # a vision-language model's run: the path of an image the prompt is about
     "max_new_tokens": int,  # tokens to generate (default 64; 0 = no sample)
     "temperature": float,  # 0 = greedy (default)
     "top_k": int,  # sample from the k most likely tokens

@@ -81,3 +81,44 @@ def sample_prompt(
         return ids, tokenizer.decode(ids)
     eos = tokenizer.eos_token_id
     return ([eos] if eos is not None else [0]), ""
+
+
+def vision_sample_prompt(
+    processor: Any,
+    dataset: Any,
+    *,
+    prompt: str | None = None,
+    image: str | None = None,
+    messages_column: str = "messages",
+    chat_template: str | None = None,
+) -> tuple[list[int], str, np.ndarray | None]:
+    """-> (prompt token ids, the prompt as text, its images [n, C, H, W] or None) of a
+    vision-language model's sample: the user's `prompt` about `image` (a path) as one user
+    turn; else the first row's conversation up to its last reply, with the row's images."""
+    from jaxtrain.data.images import images_of, load_image, place_images
+
+    if prompt is not None or image is not None:
+        turn = [{"role": "user", "content": prompt or ""}]
+        images = [] if image is None else [load_image(image, "sample.image")]
+        messages = place_images(turn, len(images), "sample.prompt")
+    else:
+        row = first_row(dataset) or {}
+        turns = [dict(m) for m in row.get(messages_column) or []]
+        while turns and turns[-1].get("role") == "assistant":
+            turns.pop()  # the model writes the reply
+        if not turns:
+            raise ValueError(
+                f"the data's first row has no {messages_column!r} to sample from; give "
+                "sample.prompt (and sample.image)"
+            )
+        images = [load_image(i, "the data's row 0") for i in images_of(row, "the data's row 0")]
+        messages = place_images(turns, len(images), "the data's row 0")
+    text = processor.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
+    )
+    out = processor(
+        text=[text], images=[images] if images else None, return_tensors="np",
+        add_special_tokens=False,
+    )  # fmt: skip
+    pixels = np.asarray(out["pixel_values"], np.float32) if images else None
+    return [int(i) for i in out["input_ids"][0]], text, pixels

@@ -93,8 +93,7 @@ class Gemma3VisionConfig:
         return {**out, "text": self.text.to_dict(), "vision": self.vision.to_dict()}
 
     def __hash__(self) -> int:
-        return hash((self.text, tuple(sorted(self.vision.to_dict().items())),
-                     self.mm_tokens_per_image, self.image_token_id))  # fmt: skip
+        return hash((self.text, self.vision, self.mm_tokens_per_image, self.image_token_id))
 
 
 def image_blocks(is_image: Array) -> Array:
@@ -124,6 +123,7 @@ class Gemma3ForConditionalGeneration(nnx.Module):
     ):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.config = config
+        self.dtype = dtype  # the compute dtype (a KV cache is held in it)
         self.language_model = GemmaForCausalLM(config.text, **kw)
         self.vision = Gemma3ImageEncoder(
             config.vision, config.text.hidden_size, config.mm_tokens_per_image, **kw

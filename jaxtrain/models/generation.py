@@ -59,6 +59,7 @@ def _generate_cached(
     temperature: jax.Array,
     top_p: jax.Array,
     eos_ids: jax.Array,  # [E] int32; -1 entries never match
+    pixel_values: jax.Array | None = None,  # [B, K, C, H, W]: a vision prompt's images
     *,
     max_new: int,
     sample: bool,
@@ -70,7 +71,7 @@ def _generate_cached(
     pick = partial(_pick, key=key, temperature=temperature, top_p=top_p, sample=sample,
                    top_k=top_k, nucleus=nucleus)  # fmt: skip
     cache = empty_cache(model, batch, plen + max_new)
-    logits, cache = cached_forward(model, prompt, jnp.int32(0), pad, cache)
+    logits, cache = cached_forward(model, prompt, jnp.int32(0), pad, cache, pixel_values)
     first = pick(logits, plen)
     out = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos_ids)
@@ -217,6 +218,7 @@ def generate(
     seed: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
     use_cache: bool = True,
+    pixel_values: Any = None,
 ) -> np.ndarray:
     """Generate continuations of ``prompt_ids``; returns only the new tokens (int32).
 
@@ -232,6 +234,8 @@ def generate(
     - use_cache: decode with a KV cache when the model supports it (the Llama family and its
       MoE, Gemma 2 / 3, GPT-2: ``kv_cache.supports_kv_cache``); other models, or False, rerun
       the whole prefix per token (same-length prompts only).
+    - pixel_values [B, K, C, H, W]: a vision-language model's images, row b's k-th image
+      placeholder reading slot k (data/vision.py's batches); the cached path only.
     """
     prompt, pad, single = _prompts(prompt_ids)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -258,9 +262,18 @@ def generate(
         jnp.asarray(eos, jnp.int32),
     )
     flags = dict(sample=temperature > 0, top_k=top_k, nucleus=top_p < 1)
+    if pixel_values is not None:
+        pixel_values = jnp.asarray(pixel_values)
+        if not (use_cache and supports_kv_cache(model)) or pixel_values.shape[0] != batch:
+            raise ValueError(
+                f"pixel_values must be [{batch} prompts, images, C, H, W] for a KV-cache "
+                f"vision-language model; got {tuple(pixel_values.shape)} for "
+                f"{type(model).__name__} (use_cache={use_cache})."
+            )
     if use_cache and supports_kv_cache(model):
         out, end = _generate_cached(graphdef, state, jnp.asarray(prompt), jnp.asarray(pad),
-                                    *common, max_new=max_new_tokens, **flags)  # fmt: skip
+                                    *common, pixel_values, max_new=max_new_tokens,
+                                    **flags)  # fmt: skip
         new = np.asarray(out)[:, : int(end)]
     else:
         if pad.any():

@@ -1,5 +1,5 @@
 """Cached decoding: the forward pass of new tokens against a KV cache, for the Llama family
-and its mixture-of-experts, Gemma 2 / 3 and GPT-2.
+and its mixture-of-experts, Gemma 2 / 3 (with images too) and GPT-2.
 
 The cache holds every layer's keys and values in fixed-size buffers [B, L, K, H] (L = prompt
 + new tokens), so the prefill and every decode step keep one shape and compile once. Prompts
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxtrain.models.attention import cache_attention
 from jaxtrain.models.gemma import GemmaForCausalLM
+from jaxtrain.models.gemma3_vlm import Gemma3ForConditionalGeneration
 from jaxtrain.models.gpt2 import GPT2LMHeadModel
 from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
 from jaxtrain.models.llama import LlamaForCausalLM
@@ -122,10 +123,14 @@ def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache, ever
     return _head_output(logits, every), new_cache
 
 
-def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache, every=False):
+def _gemma(
+    model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache, every=False, images=None
+):
+    """`images`: (the embeddings with an image's tokens in place [B, T, D], each token's image
+    block [B, T]) of a Gemma 3 vision prompt, whose image tokens see each other both ways."""
     lm = model.model
     tables = lm.rope_tables(slots.positions)
-    x = lm.embed(ids)
+    x = lm.embed(ids) if images is None else images[0]
     new_cache: Cache = []
     for layer, layer_cache in zip(lm.layers, cache):
         attn = layer.self_attn
@@ -133,6 +138,8 @@ def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache, ever
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         keys, values = slots.write(layer_cache, k, v)
         mask = slots.mask(attn.window)
+        if images is not None:
+            mask = mask | _image_blocks(images[1], slots, attn.window)
         out = slots.attention(
             q, keys, values, mask, window=attn.window, scale=attn.scale, logit_cap=attn.cap
         )
@@ -142,6 +149,30 @@ def _gemma(model: GemmaForCausalLM, ids: Array, slots: Slots, cache: Cache, ever
         new_cache.append((keys, values))
     logits = model.output_projection()(lm.norm(_head_input(x, every)))
     return _head_output(logits, every), new_cache
+
+
+def _image_blocks(blocks: Array, slots: Slots, window: int | None) -> Array:
+    """[B, 1, T, L]: the new tokens of one image (`blocks` [B, T], as
+    models/gemma3_vlm.image_blocks) see each other, written at slots start..start + T - 1;
+    within a sliding `window`, as the full forward."""
+    b, t = blocks.shape
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    length = slots.distance.shape[1]
+    keys = jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((b, t, length), bool), same, slots.start, axis=2
+    )
+    if window is not None:
+        keys &= (slots.distance < window)[None]
+    return keys[:, None]
+
+
+def _gemma3_vlm(
+    model: Gemma3ForConditionalGeneration, ids, slots, cache, every=False, pixel_values=None
+):
+    """Gemma 3 with images: a prompt's images enter as their soft tokens; later tokens read
+    them from the cache like any other."""
+    images = None if pixel_values is None else model.embeddings(ids, pixel_values)
+    return _gemma(model.language_model, ids, slots, cache, every, images)
 
 
 def _gpt2(model: GPT2LMHeadModel, ids: Array, slots: Slots, cache: Cache, every=False):
@@ -169,6 +200,7 @@ def _decoder(model: Any) -> Decoder | None:
         LlamaForCausalLM: _llama,
         GemmaForCausalLM: _gemma,
         GPT2LMHeadModel: _gpt2,
+        Gemma3ForConditionalGeneration: _gemma3_vlm,
     }
     return decoders.get(type(model))
 
@@ -207,7 +239,15 @@ def cached_forward(
     start: Array,  # scalar int32: cache slot of ids[:, 0]
     pad: Array,  # [B] int32: left-padding slots of each row
     cache: Cache,
+    pixel_values: Array | None = None,
 ) -> tuple[Array, Cache]:
-    """Logits [B, V] of the last of ``ids`` and the cache with their keys/values written."""
+    """Logits [B, V] of the last of ``ids`` and the cache with their keys/values written.
+    `pixel_values` [B, K, C, H, W]: the images of a vision-language model's prompt (each
+    row's k-th image placeholder reads its slot k)."""
     slots = Slots.of(ids.shape[1], start, pad, cache[0][0].shape[1])
-    return _decoder(model)(model, ids, slots, cache)
+    decoder = _decoder(model)
+    if pixel_values is None:
+        return decoder(model, ids, slots, cache)
+    if decoder is not _gemma3_vlm:
+        raise ValueError(f"{type(model).__name__} takes no images; drop pixel_values.")
+    return decoder(model, ids, slots, cache, False, pixel_values)

@@ -62,6 +62,9 @@ class SiglipVisionConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def __hash__(self) -> int:  # part of a model's static graph (nnx.split, jit)
+        return hash(tuple(sorted(self.to_dict().items())))
+
 
 class SiglipVisionModel(nnx.Module):
     """``tower(pixel_values [B, C, H, W]) -> [B, patches, hidden]`` (see the module doc)."""

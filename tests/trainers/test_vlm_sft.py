@@ -1,8 +1,8 @@
 """SFT of a vision-language model (Gemma 3) on image conversations in TRL's vision format
 (issue 50): rows become the token ids and pixels TRL 1.16's vision collator makes with the
 same processor; the loss, its gradient and token accuracy equal TRL's SFTTrainer on the same
-batch; truncation never cuts an image; a run from the command line exports a directory that
-transformers loads with its processor."""
+batch; truncation never cuts an image; a run from the command line samples with an image and
+exports a directory that transformers loads with its processor."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def test_bad_image_rows_are_named(processor, tmp_path):
         featurizer(processor)([{"images": [picture(0)], "messages": placed}], [2])
 
 
-def test_a_vlm_fine_tunes_from_the_command_line_and_exports(checkpoint, tmp_path):
+def test_a_vlm_fine_tunes_from_the_command_line_and_exports(checkpoint, tmp_path, capsys):
     rows = []
     for i, row in enumerate(conversations(8)):
         paths = []
@@ -198,10 +198,18 @@ def test_a_vlm_fine_tunes_from_the_command_line_and_exports(checkpoint, tmp_path
         warmup_steps=0, max_sequence_length=48, images_per_row=2, packing=False,
         logging_steps=1, evaluation_strategy="no", progress_bar="none", report_to="jsonl",
         run_report=False, model={"pretrained": str(checkpoint)},
-        data={"source": "files", "train_files": str(data)}, sample={"max_new_tokens": 0},
+        data={"source": "files", "train_files": str(data)}, sample={"max_new_tokens": 4},
     )  # fmt: skip
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    # The end-of-run sample: the first row's conversation with its image, then a reply.
+    out = capsys.readouterr().out
+    assert "--- sample" in out and "<start_of_image>" in out and "failed" not in out
+    image = rows[0]["images"][0]
+    assert main(["sample", str(run), "--image", image, "--prompt",
+                 "what colour", "--max_new_tokens", "3"]) == 0  # fmt: skip
+    sampled = capsys.readouterr().out.split("--- sample")[-1]
+    assert "<start_of_image>" in sampled and "what colour" in sampled
     losses = [json.loads(line).get("loss") for line in (run / "metrics.jsonl").open()]
     losses = [x for x in losses if x is not None]
     assert len(losses) == 6 and losses[-1] < losses[0]
