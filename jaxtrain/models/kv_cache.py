@@ -61,6 +61,16 @@ class Slots:
         )
         return cls(start, positions, visible, q_slot[:, None] - k_slot[None, :])
 
+    @property
+    def key_index(self) -> Array:
+        """[B, T]: the key column each new token is written to."""
+        t = self.distance.shape[0]
+        return jnp.broadcast_to(self.start + jnp.arange(t, dtype=jnp.int32), self.positions.shape)
+
+    @property
+    def key_count(self) -> int:
+        return self.distance.shape[1]
+
     def mask(self, window: int | None = None) -> Array:
         """[B, 1, T, L]; with a sliding `window`, only keys less than `window` slots back."""
         visible = self.visible if window is None else self.visible & (self.distance < window)[None]
@@ -151,18 +161,18 @@ def _gemma(
     return _head_output(logits, every), new_cache
 
 
-def _image_blocks(blocks: Array, slots: Slots, window: int | None) -> Array:
+def _image_blocks(blocks: Array, slots: Any, window: int | None) -> Array:
     """[B, 1, T, L]: the new tokens of one image (`blocks` [B, T], as
-    models/gemma3_vlm.image_blocks) see each other, written at slots start..start + T - 1;
-    within a sliding `window`, as the full forward."""
-    b, t = blocks.shape
-    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
-    length = slots.distance.shape[1]
-    keys = jax.lax.dynamic_update_slice_in_dim(
-        jnp.zeros((b, t, length), bool), same, slots.start, axis=2
-    )
+    models/gemma3_vlm.image_blocks) see each other, wherever the slots put them (an image is
+    never split across calls); within a sliding `window`, as the full forward."""
+    index = slots.key_index  # [B, T]: each new token's key column, -1 for padding
+    rows = jnp.arange(blocks.shape[0])[:, None]
+    key_block = jnp.full((blocks.shape[0], slots.key_count), -1, jnp.int32)
+    key_block = key_block.at[rows, jnp.maximum(index, 0)].max(jnp.where(index >= 0, blocks, -1))
+    keys = (blocks[:, :, None] == key_block[:, None, :]) & (blocks[:, :, None] >= 0)
     if window is not None:
-        keys &= (slots.distance < window)[None]
+        columns = jnp.arange(slots.key_count, dtype=jnp.int32)
+        keys &= index[:, :, None] - columns[None, None, :] < window
     return keys[:, None]
 
 
@@ -206,13 +216,25 @@ def _decoder(model: Any) -> Decoder | None:
 
 
 def decode_with_slots(
-    model: Any, ids: Array, slots: Any, cache: Cache, *, every: bool = False
+    model: Any,
+    ids: Array,
+    slots: Any,
+    cache: Cache,
+    *,
+    every: bool = False,
+    pixel_values: Array | None = None,
 ) -> tuple[Array, Cache]:
     """The family's cached forward of `ids` with a `slots` object of its own (Slots' interface:
-    positions, mask(window), write, read): logits [B, V] of the last token (with `every`,
-    [B, T, V] of every token) and the new cache. The serving engine's paged cache goes
-    through here."""
-    return _decoder(model)(model, ids, slots, cache, every)
+    positions, key_index, key_count, mask(window), write, read): logits [B, V] of the last
+    token (with `every`, [B, T, V] of every token) and the new cache. The serving engine's
+    paged cache goes through here. `pixel_values` [B, K, C, H, W]: the images whose tokens
+    `ids` hold, each whole (a vision-language model)."""
+    decoder = _decoder(model)
+    if pixel_values is None:
+        return decoder(model, ids, slots, cache, every)
+    if decoder is not _gemma3_vlm:
+        raise ValueError(f"{type(model).__name__} takes no images; drop pixel_values.")
+    return decoder(model, ids, slots, cache, every, pixel_values)
 
 
 def supports_kv_cache(model: Any) -> bool:
@@ -245,9 +267,4 @@ def cached_forward(
     `pixel_values` [B, K, C, H, W]: the images of a vision-language model's prompt (each
     row's k-th image placeholder reads its slot k)."""
     slots = Slots.of(ids.shape[1], start, pad, cache[0][0].shape[1])
-    decoder = _decoder(model)
-    if pixel_values is None:
-        return decoder(model, ids, slots, cache)
-    if decoder is not _gemma3_vlm:
-        raise ValueError(f"{type(model).__name__} takes no images; drop pixel_values.")
-    return decoder(model, ids, slots, cache, False, pixel_values)
+    return decode_with_slots(model, ids, slots, cache, pixel_values=pixel_values)

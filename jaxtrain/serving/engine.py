@@ -51,7 +51,8 @@ from flax import nnx
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.serving import requests
-from jaxtrain.serving.engine_options import check_engine_options
+from jaxtrain.serving.engine_options import check_engine_options, check_request
+from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
 from jaxtrain.serving.pool import pool_pages, pool_sharding
 from jaxtrain.serving.requests import (
@@ -84,7 +85,8 @@ class Engine:
     (paged.PagedSlots); "auto" is "gather" until the kernel has been measured on a device;
     `eos_token_ids`: default the tokenizer's or the
     config's; `logprobs_mode`: "raw" (the model's distribution) or "processed" (after each
-    request's temperature, what an RL trainer scores a token with: sampling.py)."""
+    request's temperature, what an RL trainer scores a token with: sampling.py);
+    `max_images`: a vision-language model's images per prompt (serving/images.py)."""
 
     def __init__(
         self,
@@ -102,6 +104,7 @@ class Engine:
         attention: str = "auto",
         eos_token_ids: Sequence[int] | None = None,
         logprobs_mode: str = "raw",
+        max_images: int = 1,
     ):
         check_engine_options(model, max_slots=max_slots, page_size=page_size,
                              prefill_tokens=prefill_tokens, speculative_tokens=speculative_tokens,
@@ -126,6 +129,7 @@ class Engine:
             self.graphdef, page_size, sharding, attention, logprobs_mode == "processed"
         )
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
+        self.images = ImageInputs.of(config, max_images)  # None: the model takes no images
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Prefill] = []
         self.active: list[requests.Sequence] = []
@@ -146,33 +150,23 @@ class Engine:
         *,
         n: int = 1,
         on_token: OnToken | None = None,
+        images: Any = None,
     ) -> int:
         """Queue a request of `n` samples; returns its id. `on_token(request_id, index,
-        token, logprob, top)` is called for every new token (streaming; requests.OnToken)."""
+        token, logprob, top)` is called for every new token (streaming; requests.OnToken).
+        `images` [n, C, H, W]: the pixels of the prompt's images, in the order of their runs
+        of image tokens (a vision-language model's; serving/images.py)."""
         params = params or SamplingParams()
         prompt = np.asarray(list(prompt_ids), np.int32)
-        if prompt.ndim != 1 or not len(prompt):
-            raise ArgumentError("a request needs a non-empty prompt of token ids")
-        vocab = int(self.vocab_size)
-        if prompt.min() < 0 or prompt.max() >= vocab:  # its pages would hold NaN for good
-            bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
-            raise ArgumentError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
-        if len(prompt) + params.max_tokens > self.max_length:
-            raise ArgumentError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"engine's max_length {self.max_length}; shorten the prompt or lower max_tokens"
-            )
-        if not 1 <= n <= self.max_slots:
-            raise ArgumentError(f"n={n}: a request takes 1 to max_slots={self.max_slots} samples")
-        pages = math.ceil((len(prompt) + params.max_tokens) / self.page_size)
-        if pages > self.pages.num_pages - 1:
-            raise ArgumentError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {pages} "
-                f"pages of {self.page_size} tokens; the KV cache has {self.pages.num_pages - 1}: "
-                "lower max_tokens, or give the engine more (num_pages, kv_cache_gib)"
-            )
+        check_request(prompt, params, n, vocab_size=int(self.vocab_size),
+                      max_length=self.max_length, max_slots=self.max_slots,
+                      page_size=self.page_size, pages=self.pages.num_pages - 1)  # fmt: skip
+        if self.images is not None:
+            images = self.images.check(prompt, images, self.prefill_tokens)
+        elif images is not None:
+            raise ArgumentError(f"{type(self.graphdef).__name__}: this model takes no images")
         request_id = next(self._ids)
-        self.waiting.append(Request(request_id, prompt, params, n, on_token))
+        self.waiting.append(Request(request_id, prompt, params, n, on_token, images=images))
         return request_id
 
     def cancel(self, request_id: int) -> None:
@@ -240,7 +234,9 @@ class Engine:
         the tokens it generates are taken as it decodes."""
         prompt, size = request.prompt, self.page_size
         total = math.ceil(len(prompt) / size)
-        cached = self.pages.cached_prefix(prefix_keys(prompt[: len(prompt) - 1], size))
+        cached = []  # an image's pages are not known by their token ids (images.py)
+        if request.images is None:
+            cached = self.pages.cached_prefix(prefix_keys(prompt[: len(prompt) - 1], size))
         full = len(prompt) // size  # pages the prompt fills: shared by the other samples
         self.pages.share(cached)  # held first: the allocations below must not evict them
         need = (total - len(cached)) + (request.n - 1) * (total - full)
@@ -260,6 +256,8 @@ class Engine:
         rows: list[tuple[Prefill, int]] = []
         for item in self.prefilling:
             take = min(item.remaining, self.prefill_tokens)
+            if item.request.images is not None:  # an image's tokens go in one call
+                take = self.images.cut(item.request.prompt, item.done, take)
             longest = max([t for _, t in rows] + [take])
             padded = self._prefill_rows(len(rows) + 1) * self._prefill_width(longest)
             if rows and padded > self.prefill_tokens:
@@ -304,10 +302,15 @@ class Engine:
             [sample_seed(item.request.params.seed, i) for _, item, i in starting],
             self.max_slots,
         )
-        drawn, self.pool = self.steps.prefill(
-            self.state, self.pool, *map(jax.device_put, (ids, start, tables, pad, rows, positions)),
-            *sampling,
-        )  # fmt: skip
+        arrays = tuple(map(jax.device_put, (ids, start, tables, pad, rows, positions)))
+        if any(item.request.images is not None for item, _ in chunk):
+            written = [(item.request, end - take, take) for (item, take), end in zip(chunk, ends)]
+            pixels = jax.device_put(self.images.chunk(written, r))
+            drawn, self.pool = self.steps.prefill_images(
+                self.state, self.pool, *arrays, pixels, *sampling
+            )
+        else:
+            drawn, self.pool = self.steps.prefill(self.state, self.pool, *arrays, *sampling)
         if starting:
             self._start(starting, jax.device_get(drawn))
 
@@ -320,14 +323,18 @@ class Engine:
             k = 0 if request.resume else i  # the sample's page table
             if k == 0:
                 self.prefilling.remove(item)
-                self.pages.remember(prefix_keys(prompt[: full * size], size), item.tables[0][:full])
+                if request.images is None:
+                    self.pages.remember(
+                        prefix_keys(prompt[: full * size], size), item.tables[0][:full]
+                    )
             elif len(prompt) % size:  # the prompt's last page: this sample's own copy
                 self.pool = self.steps.copy_page(
                     self.pool, item.tables[0][full], item.tables[k][full]
                 )
             seq = request.resume or requests.Sequence(
-                request.request_id, i, prompt, request.params, [], request.on_token
-            )
+                request.request_id, i, prompt, request.params, [], request.on_token,
+                images=request.images,
+            )  # fmt: skip
             seq.pages = item.tables[k]
             self.active.append(seq)
             self._append(seq, drawn, s)
@@ -472,7 +479,8 @@ class Engine:
         # Its written pages stay cached like a prompt's, for a request continuing its text (the
         # newest token has no KV yet: it would be the next step's input).
         full, size = seq.position // self.page_size, self.page_size
-        self.pages.remember(prefix_keys(seq.tokens[: full * size], size), seq.pages[:full])
+        if seq.images is None:
+            self.pages.remember(prefix_keys(seq.tokens[: full * size], size), seq.pages[:full])
         self.pages.release(seq.pages)
         text = seq.text
         if text is None and self.tokenizer is not None:

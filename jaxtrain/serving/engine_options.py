@@ -3,12 +3,15 @@ names it."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.kv_cache import supports_kv_cache
 
-__all__ = ["check_engine_options"]
+__all__ = ["check_engine_options", "check_request"]
 
 
 def check_engine_options(
@@ -41,3 +44,37 @@ def check_engine_options(
                         ("prefill_tokens", prefill_tokens)):  # fmt: skip
         if not isinstance(value, int) or value < 1:
             raise ArgumentError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_request(
+    prompt: np.ndarray,
+    params: Any,
+    n: int,
+    *,
+    vocab_size: int,
+    max_length: int,
+    max_slots: int,
+    page_size: int,
+    pages: int,
+) -> None:
+    """ArgumentError for a request an engine of these sizes cannot run (`pages`: its pool's,
+    the garbage page left out)."""
+    if prompt.ndim != 1 or not len(prompt):
+        raise ArgumentError("a request needs a non-empty prompt of token ids")
+    if prompt.min() < 0 or prompt.max() >= vocab_size:  # its pages would hold NaN for good
+        bad = int(prompt[(prompt < 0) | (prompt >= vocab_size)][0])
+        raise ArgumentError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+    if len(prompt) + params.max_tokens > max_length:
+        raise ArgumentError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"engine's max_length {max_length}; shorten the prompt or lower max_tokens"
+        )
+    if not 1 <= n <= max_slots:
+        raise ArgumentError(f"n={n}: a request takes 1 to max_slots={max_slots} samples")
+    need = math.ceil((len(prompt) + params.max_tokens) / page_size)
+    if need > pages:
+        raise ArgumentError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {need} "
+            f"pages of {page_size} tokens; the KV cache has {pages}: "
+            "lower max_tokens, or give the engine more (num_pages, kv_cache_gib)"
+        )

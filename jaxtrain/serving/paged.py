@@ -97,6 +97,15 @@ class PagedSlots:
     def length(self) -> int:
         return self.table.shape[1] * self.page_size
 
+    @property
+    def key_index(self) -> Array:
+        """[B, T]: the key column (logical position) of each new token, -1 for padding."""
+        return self.logical
+
+    @property
+    def key_count(self) -> int:
+        return self.length
+
     def mask(self, window: int | None = None) -> Array:
         """[B, 1, T, L]: key j is visible to a query at position p when 0 <= j <= p (and,
         with a sliding `window`, p - j < window)."""

@@ -49,6 +49,7 @@ class Request:
     n: int
     on_token: OnToken | None
     resume: Sequence | None = None
+    images: np.ndarray | None = None  # the prompt's images' pixels (serving/images.py)
 
 
 @dataclasses.dataclass
@@ -76,6 +77,7 @@ class Sequence:
     params: SamplingParams
     pages: list[int]
     on_token: OnToken | None
+    images: np.ndarray | None = None  # the prompt's images' pixels (serving/images.py)
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
@@ -93,7 +95,10 @@ class Sequence:
 
     def preempted(self) -> Request:
         """The request that recomputes this sample's cache and goes on decoding it."""
-        return Request(self.request_id, self.tokens, self.params, 1, self.on_token, resume=self)
+        return Request(
+            self.request_id, self.tokens, self.params, 1, self.on_token, resume=self,
+            images=self.images,
+        )  # fmt: skip
 
     def completion(self, text: str | None, reason: str) -> Completion:
         return Completion(

@@ -76,8 +76,11 @@ class Steps:
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
         self.kernel = kernel  # how decode steps attend: PagedSlots.kernel
         self.processed = processed_logprobs  # log-probs after temperature (sampling.py)
-        self.compiles: dict[str, set[tuple]] = {"prefill": set(), "decode": set(), "verify": set()}
+        self.compiles: dict[str, set[tuple]] = {
+            "prefill": set(), "prefill_images": set(), "decode": set(), "verify": set()
+        }  # fmt: skip
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
+        self._prefill_images = jax.jit(self._prefill_images_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
         self._verify = jax.jit(self._verify_fn, donate_argnums=1)
         self._copy = jax.jit(
@@ -85,10 +88,12 @@ class Steps:
             donate_argnums=0,
         )
 
-    def _forward(self, state, pool, ids, start, table, pad=None, every=False):
+    def _forward(self, state, pool, ids, start, table, pad=None, every=False, pixel_values=None):
         model = nnx.merge(self.graphdef, state)
         slots = PagedSlots.of(start, ids.shape[1], table, self.page_size, pad, self.kernel)
-        logits, pool = decode_with_slots(model, ids, slots, pool, every=every)
+        logits, pool = decode_with_slots(
+            model, ids, slots, pool, every=every, pixel_values=pixel_values
+        )
         return logits, self._placed(pool)
 
     def _placed(self, pool: Any) -> Any:
@@ -96,6 +101,12 @@ class Steps:
 
     def _prefill_fn(self, state, pool, ids, start, table, pad, rows, positions, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table, pad)
+        return sample_rows(logits[rows], *sampling, positions, self.processed), pool
+
+    def _prefill_images_fn(
+        self, state, pool, ids, start, table, pad, rows, positions, pixel_values, *sampling
+    ):
+        logits, pool = self._forward(state, pool, ids, start, table, pad, False, pixel_values)
         return sample_rows(logits[rows], *sampling, positions, self.processed), pool
 
     def _decode_fn(self, state, pool, ids, start, table, *sampling):
@@ -128,6 +139,17 @@ class Steps:
         self.compiles["prefill"].add((ids.shape, table.shape))
         return self._prefill(state, pool, ids, start, table, pad, rows, positions, *sampling)
 
+    def prefill_images(
+        self, state, pool, ids, start, table, pad, rows, positions, pixel_values, *sampling
+    ) -> tuple[Drawn, Any]:
+        """`prefill` of a vision-language model's chunk that writes images' tokens: with the
+        pixels [R, max_images, C, H, W] of those images, each row's in order
+        (serving/images.py)."""
+        self.compiles["prefill_images"].add((ids.shape, table.shape))
+        return self._prefill_images(
+            state, pool, ids, start, table, pad, rows, positions, pixel_values, *sampling
+        )
+
     def decode(self, state, pool, ids, start, table, *sampling) -> tuple[Drawn, Any]:
         """Each row's next token and its log-probs from its last token [B, 1] at position
         `start` [B]; `sampling`: the rows' `sampling_arrays`."""
@@ -142,9 +164,10 @@ class Steps:
         return self._verify(state, pool, ids, start, table, drafted, *sampling)
 
     def lower(self, kind: str, state: Any, pool: Any, *args: Any) -> Any:
-        """The `kind` step ("prefill", "decode" or "verify") lowered for these arguments
+        """The `kind` step ("prefill", "prefill_images", "decode" or "verify") lowered for these arguments
         (arrays, or jax.ShapeDtypeStructs), not run: what `jaxtrain plan` compiles."""
-        steps = {"prefill": self._prefill, "decode": self._decode, "verify": self._verify}
+        steps = {"prefill": self._prefill, "prefill_images": self._prefill_images,
+                 "decode": self._decode, "verify": self._verify}  # fmt: skip
         return steps[kind].lower(state, pool, *args)
 
     def copy_page(self, pool: Any, source: int, target: int) -> Any:

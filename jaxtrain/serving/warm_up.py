@@ -38,6 +38,8 @@ class EngineShape:
     num_pages: int | None = None
     prefill_tokens: int = 512
     speculative_tokens: int = 0
+    # A vision-language model's prefill calls that write images: (max_images, (C, H, W)).
+    images: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def max_pages(self) -> int:
@@ -72,8 +74,12 @@ def step_calls(
         if (r > 1 and r * t > s.prefill_tokens) or t > chunk_tokens(longest, s.prefill_tokens):
             continue  # a chunk never has this shape
         args = (np.zeros((r, t), np.int32), np.zeros(r, np.int32), np.zeros((r, width), np.int32),
-                np.full(r, t, np.int32), zeros, zeros, *sampling_arrays([], [], s.max_slots))  # fmt: skip
-        calls.append(("prefill", args))
+                np.full(r, t, np.int32), zeros, zeros)  # fmt: skip
+        sampling = sampling_arrays([], [], s.max_slots)
+        calls.append(("prefill", (*args, *sampling)))
+        if s.images is not None:
+            pixels = np.zeros((r, s.images[0], *s.images[1]), np.float32)
+            calls.append(("prefill_images", (*args, pixels, *sampling)))
     for r, width in itertools.product(rows, buckets(SMALLEST_TABLE, s.max_pages)):
         idle = (np.zeros(r, np.int32), np.zeros((r, width), np.int32))
         sampling = sampling_arrays([], [], r)
@@ -90,8 +96,9 @@ def compile_every_bucket(
     """Compile every shape of `step_calls` on `engine` (a serving.Engine, not imported: it
     calls this); returns how many shapes were compiled."""
     e = engine
+    images = None if e.images is None else (e.images.max_images, e.images.shape)
     shape = EngineShape(e.max_slots, e.page_size, e.max_length, e.pages.num_pages,
-                        e.prefill_tokens, e.speculative_tokens)  # fmt: skip
+                        e.prefill_tokens, e.speculative_tokens, images)  # fmt: skip
     before = sum(len(shapes) for shapes in e.steps.compiles.values())
     for kind, args in step_calls(shape, max_prompt_tokens, max_prefill_rows):
         *_, e.pool = getattr(e.steps, kind)(e.state, e.pool, *args)
