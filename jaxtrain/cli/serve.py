@@ -29,7 +29,7 @@ SERVE_USAGE = (
     "[--num_pages N] [--model_name NAME] [--max_body_bytes 4194304] [--max_prompt_tokens N] "
     "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
     "[--request_timeout 600] [--warm_up true] [--kv_cache_gib G] [--memory_fraction F] "
-    "[--prefill_tokens 512] [--speculative_tokens 0] [--attention auto]"
+    "[--prefill_tokens 512] [--speculative_tokens 0] [--attention auto] [--max_images 1]"
 )
 API_KEY_VARIABLE = "JAXTRAIN_API_KEY"
 
@@ -67,10 +67,11 @@ OPTIONS = {
     "prefill_tokens": int,
     "speculative_tokens": int,
     "attention": str,
+    "max_images": int,
 }
 # Options handed to the Engine as they are (it checks them and names the one that is wrong).
 ENGINE_OPTIONS = ("max_length", "num_pages", "kv_cache_gib", "memory_fraction",
-                  "prefill_tokens", "speculative_tokens", "attention")  # fmt: skip
+                  "prefill_tokens", "speculative_tokens", "attention", "max_images")  # fmt: skip
 LIMITS = (
     "max_body_bytes",
     "max_prompt_tokens",
@@ -153,10 +154,11 @@ def warm_up(engine: Engine, max_prompt_tokens: int | None) -> str:
 def build_engine(model: Any, tokenizer: Any, options: dict) -> Engine:
     """The engine the options describe (slots, pages, memory budget, prefill chunk,
     speculation, attention kernel)."""
+    from jaxtrain.data.vision import text_tokenizer
     from jaxtrain.serving import Engine
 
     engine_options = {key: options[key] for key in ENGINE_OPTIONS if key in options}
-    return Engine(model, tokenizer=tokenizer, max_slots=options["max_slots"],
+    return Engine(model, tokenizer=text_tokenizer(tokenizer), max_slots=options["max_slots"],
                   page_size=options["page_size"], **engine_options)  # fmt: skip
 
 

@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import Any
 
+from jaxtrain.data.vision import is_processor, text_tokenizer
+from jaxtrain.serving.image_parts import has_images, image_prompt
 from jaxtrain.serving.limits import ServeLimits
 from jaxtrain.serving.logprobs_api import chat_logprobs, completion_logprobs, requested
 from jaxtrain.serving.sampling import SamplingParams
@@ -57,6 +59,7 @@ class ParsedRequest:
     return_token_ids: bool = False  # vLLM's extension: the prompt's and each sample's ids
     logprobs: int | None = None  # alternatives per token wanted; None: no log-probs
     tools: ToolRequest | None = None  # the tools shown; the samples' calls are read back
+    images: Any = None  # a vision-language model's prompt: its images' pixels [n, C, H, W]
 
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
@@ -111,23 +114,33 @@ def parse_request(
             raise RequestError(400, "'messages' must be a non-empty list of messages", "messages")
         tools = read_tools(body, tokenizer, RequestError)
         messages = template_messages(messages, RequestError)
-        try:
-            ids = tokenizer.apply_chat_template(
-                messages,
-                tools=tools.tools if tools else None,
-                add_generation_prompt=True,
-                tokenize=True,
+        images = None
+        if is_processor(tokenizer):  # a vision-language model: its messages may hold images
+            ids, images = image_prompt(
+                tokenizer, messages, tools.tools if tools else None, RequestError
             )
-        except Exception as err:  # a malformed message or a tokenizer without a template
-            raise RequestError(400, f"the messages cannot be rendered: {err}", "messages") from None
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            if has_images(messages):
+                raise RequestError(400, "this model takes no images (image_url parts)", "messages")
+            try:
+                ids = tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools.tools if tools else None,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                )
+            except Exception as err:  # a malformed message or a tokenizer without a template
+                raise RequestError(
+                    400, f"the messages cannot be rendered: {err}", "messages"
+                ) from None
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     else:
-        tools = None
+        tools = images = None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            ids = list(text_tokenizer(tokenizer)(prompt, add_special_tokens=True)["input_ids"])
         elif isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
             ids = list(prompt)
         else:
@@ -207,6 +220,7 @@ def parse_request(
         return_token_ids=_flag(body, "return_token_ids"),
         logprobs=logprobs,
         tools=tools,
+        images=images,
     )
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jaxtrain.data.vision import text_tokenizer
 from jaxtrain.serving.engine import Engine
 from jaxtrain.serving.gate import Gate, GateState
 from jaxtrain.serving.limits import ServeLimits
@@ -61,6 +62,8 @@ def create_app(
 
     limits = (limits or ServeLimits()).for_engine(engine.max_length, engine.max_slots)
     runner = EngineRunner(engine, max_queue=limits.max_queue)
+    # A vision-language model's processor renders chats with images; the rest reads text.
+    processor, tokenizer = tokenizer, text_tokenizer(tokenizer)
     vocab_size = _vocab_size(engine, tokenizer)
     metrics, gate = Metrics(), GateState()
 
@@ -110,7 +113,7 @@ def create_app(
                 body,
                 chat=chat,
                 model_name=model_name,
-                tokenizer=tokenizer,
+                tokenizer=processor,
                 max_length=engine.max_length,
                 limits=limits,
                 vocab_size=vocab_size,
@@ -128,7 +131,7 @@ def create_app(
                 clock.token(event.index, time.monotonic())
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        future = runner.submit(parsed.prompt_ids, parsed.params, parsed.n, sink)
+        future = runner.submit(parsed.prompt_ids, parsed.params, parsed.n, sink, parsed.images)
         try:
             request_id = await asyncio.wrap_future(future)
         except ValueError as err:  # the engine refused it (n above its slots, too long)

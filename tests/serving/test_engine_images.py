@@ -40,7 +40,10 @@ def vision_prompt(processor, question: str, images: list):
 
 
 def run(engine: Engine, requests) -> list[list[int]]:
-    ids = [engine.submit(p, SamplingParams(max_tokens=NEW, temperature=0.0), images=i) for p, i in requests]
+    ids = [
+        engine.submit(p, SamplingParams(max_tokens=NEW, temperature=0.0), images=i)
+        for p, i in requests
+    ]
     done = {}
     while len(done) < len(ids):
         for completion in engine.step():
