@@ -10,11 +10,13 @@ from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data.padding import resolve_pad_token_id
+from jaxtrain.data.vision import is_processor
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime, runtime_for
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.packed import PairLayout, packed_source
 from jaxtrain.trainers.sequences import real_units
+from jaxtrain.trainers.vision_pairs import VisionPairFeaturizer, vision_pair_featurizer
 from jaxtrain.training.trainer import Trainer
 
 __all__ = [
@@ -51,10 +53,14 @@ def task_pad_token_id(tokenizer: Any, model: Any) -> int:
     """The pad id the Trainer will pad with (the tokenizer's, else the model config's, else
     their eos), known before it is built: a task's collator and sources take it as a number.
     `model`: a model, a TaskModel around one, or a ModelFactory."""
+    return resolve_pad_token_id(tokenizer, getattr(trained_model(model), "config", None))
+
+
+def trained_model(model: Any) -> Any:
+    """The model a task trains: `model`, the trained part of a TaskModel, or a ModelFactory's
+    abstract model."""
     trained = getattr(model, "model", model) if hasattr(model, "frozen_names") else model
-    if isinstance(trained, ModelFactory):
-        trained = trained.abstract()
-    return resolve_pad_token_id(tokenizer, getattr(trained, "config", None))
+    return trained.abstract() if isinstance(trained, ModelFactory) else trained
 
 
 class TaskTrainer(Trainer):
@@ -75,7 +81,11 @@ class PairTrainer(TaskTrainer):
         arguments = kwargs.get("arguments")
         user_collator = kwargs.get("data_collator") is not None
         pad = task_pad_token_id(kwargs.get("processing_class"), kwargs.get("model"))
-        if not user_collator:
+        if is_processor(kwargs.get("processing_class")) and not user_collator:
+            # Pairs whose prompts hold images: their collator knows the model's image slots.
+            featurizer = self._image_pairs("dataset_train", kwargs)
+            kwargs["data_collator"] = featurizer.collator
+        elif not user_collator:
             length = arguments.max_sequence_length if arguments else 0
             kwargs["data_collator"] = PairCollator(length, pad)
         if arguments is not None and arguments.packing:
@@ -99,7 +109,17 @@ class PairTrainer(TaskTrainer):
             )
         super().__init__(*args, **kwargs)
 
-    def create_featurizer(self, name: str) -> PairFeaturizer:
+    def _image_pairs(self, name: str, kwargs: dict[str, Any]) -> VisionPairFeaturizer:
+        config = getattr(trained_model(kwargs.get("model")), "config", None)
+        return vision_pair_featurizer(
+            name, kwargs.get("processing_class"), config, kwargs.get("arguments")
+        )
+
+    def create_featurizer(self, name: str) -> PairFeaturizer | VisionPairFeaturizer:
+        if is_processor(self.processing_class):
+            kwargs = dict(model=self.model, processing_class=self.processing_class,
+                          arguments=self.arguments)  # fmt: skip
+            return self._image_pairs(name, kwargs)
         return PairFeaturizer(
             name=name,
             tokenizer=self.processing_class,

@@ -127,11 +127,14 @@ def _rows(batch: dict[str, jax.Array], sides: tuple[str, ...]) -> dict[str, Any]
             "count": len(sides) * unit_count(batch),
         }
     cat = lambda key: jnp.concatenate([batch[f"{p}{key}"] for p in sides])  # noqa: E731
+    model = {}  # right-padded rows: causal attention never lets a real token see padding
+    if "pixel_values" in batch:  # a vision prompt's images, seen by every side's sequence
+        model["pixel_values"] = jnp.concatenate([batch["pixel_values"]] * len(sides))
     return {
         "ids": cat("input_ids"),
         "labels": cat("labels"),
         "real": cat("attention_mask"),
-        "model": {},  # right-padded rows: causal attention never lets a real token see padding
+        "model": model,
         "index": None,
         "count": len(sides) * unit_count(batch),
     }
