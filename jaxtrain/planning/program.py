@@ -63,7 +63,10 @@ def _config(model: dict[str, Any]) -> Any:
 
 
 def layer_period(config: Any) -> int:
-    """The smallest number of layers after which per-layer settings repeat."""
+    """The smallest number of layers after which per-layer settings repeat (a
+    vision-language model's: its decoder's)."""
+    if hasattr(config, "text"):
+        return layer_period(config.text)
     lists = _per_layer_lists(config)
     layers = int(config.num_hidden_layers)
     for period in range(1, layers + 1):
@@ -89,7 +92,10 @@ def _sparse_pattern_repeats(config: Any, period: int) -> bool:
 
 
 def with_layers(config: Any, layers: int) -> Any:
-    """`config` cut to its first `layers` layers (per-layer lists cut alike)."""
+    """`config` cut to its first `layers` layers (per-layer lists cut alike; a
+    vision-language model's decoder, its vision tower whole)."""
+    if hasattr(config, "text"):
+        return dataclasses.replace(config, text=with_layers(config.text, layers))
     cut = {name: values[:layers] for name, values in _per_layer_lists(config).items()}
     return dataclasses.replace(config, num_hidden_layers=layers, **cut)
 
@@ -173,9 +179,15 @@ def plan_step_program(
 
 
 def compile_step(program: Any, args: Any, task: str = DEFAULT_TASK) -> tuple[dict[str, Any], float]:
-    """(figures, compile seconds) of a Program's train step, compiled from shapes."""
+    """(figures, compile seconds) of a Program's train step, compiled from shapes (with a
+    vision-language model's image slots: `images_per_row` images per row, each encoded)."""
     start = time.perf_counter()
     batch = get_task(task).batch(args)
+    image_shape = getattr(program.parts.config, "image_shape", None)
+    if image_shape is not None:
+        a, m = args.gradient_accumulation_steps, args.micro_batch_size
+        shape = (a, m, args.images_per_row, *image_shape)
+        batch = {**batch, "pixel_values": jax.ShapeDtypeStruct(shape, jax.numpy.float32)}
     step = program.compile_train_step(program.abstract_state(), batch)
     seconds = time.perf_counter() - start
     return compiled_figures(program, step.compiled.executable), seconds
