@@ -28,6 +28,7 @@ from jaxtrain.models.gemma3_vlm import Gemma3ForConditionalGeneration
 from jaxtrain.models.gpt2 import GPT2LMHeadModel
 from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
 from jaxtrain.models.llama import LlamaForCausalLM
+from jaxtrain.models.masking import unsampled_token_ids, without_tokens
 
 __all__ = [
     "Cache",
@@ -228,13 +229,16 @@ def decode_with_slots(
     positions, key_index, key_count, mask(window), write, read): logits [B, V] of the last
     token (with `every`, [B, T, V] of every token) and the new cache. The serving engine's
     paged cache goes through here. `pixel_values` [B, K, C, H, W]: the images whose tokens
-    `ids` hold, each whole (a vision-language model)."""
+    `ids` hold, each whole (a vision-language model). Tokens a model never generates
+    (`masking.unsampled_token_ids`: an image placeholder) get no probability."""
     decoder = _decoder(model)
     if pixel_values is None:
-        return decoder(model, ids, slots, cache, every)
-    if decoder is not _gemma3_vlm:
+        logits, cache = decoder(model, ids, slots, cache, every)
+    elif decoder is not _gemma3_vlm:
         raise ValueError(f"{type(model).__name__} takes no images; drop pixel_values.")
-    return decoder(model, ids, slots, cache, every, pixel_values)
+    else:
+        logits, cache = decoder(model, ids, slots, cache, every, pixel_values)
+    return without_tokens(logits, unsampled_token_ids(model)), cache
 
 
 def supports_kv_cache(model: Any) -> bool:

@@ -39,3 +39,18 @@ def apply_padding_mask(
         positions = jnp.maximum(jnp.cumsum(real.astype(jnp.int32), axis=1) - 1, 0)
     base = jnp.zeros_like(input_ids, jnp.int32) if segment_ids is None else segment_ids
     return positions, jnp.where(real, base.astype(jnp.int32) + 1, 0)
+
+
+def unsampled_token_ids(model: object) -> tuple[int, ...]:
+    """Tokens a model's generations never hold: a vision-language model's image placeholder
+    (its embedding is an image's, which a generated token has none of). Its samplers draw
+    from the other tokens, and its RL log-probs are of that same distribution."""
+    token = getattr(getattr(model, "config", None), "image_token_id", None)
+    return () if token is None else (int(token),)
+
+
+def without_tokens(logits: Array, token_ids: tuple[int, ...]) -> Array:
+    """`logits` [..., V] with `token_ids` at -inf (never drawn, no probability)."""
+    if not token_ids:
+        return logits
+    return logits.at[..., jnp.asarray(token_ids)].set(-jnp.inf)

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.data.vision import text_tokenizer
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
@@ -119,7 +120,8 @@ class GRPOTrainer(Trainer):
                 if reference_model is not None
                 else nnx.clone(model)
             )
-        eos = getattr(processing_class, "eos_token_id", None)
+        text = text_tokenizer(processing_class)  # a vision-language model's processor's
+        eos = getattr(text, "eos_token_id", None)
         if eos is None:
             eos = getattr(getattr(model, "config", None), "eos_token_id", None)
         eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
@@ -127,7 +129,7 @@ class GRPOTrainer(Trainer):
         source = self.source_class(
             args,
             prompts,
-            tokenizer=processing_class,
+            tokenizer=text,
             reward_funcs=reward_funcs,
             reward_weights=np.asarray(weights, np.float64),
             layout=runtime.plan.batch,
@@ -289,18 +291,18 @@ def grpo_objective(args: GRPOArguments) -> Objective:
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
         ids, labels, t = batch["input_ids"], batch["labels"], args.temperature
+        # A vision prompt's images (None for text prompts), seen by every model.
+        seen = dict(temperature=t, pixel_values=batch.get("pixel_values"))
         # Log-probs of softmax(logits / temperature): the distribution the completions were
         # sampled from (TRL's too). The entropy comes out of the same (chunked) logits.
-        logps, mask, entropy = model_token_logps(
-            model.model, ids, labels, entropy=True, temperature=t
-        )
+        logps, mask, entropy = model_token_logps(model.model, ids, labels, entropy=True, **seen)
         ref = None
         if args.beta > 0:
             if model.reference is not None:
-                ref, _ = model_token_logps(model.reference, ids, labels, temperature=t)
+                ref, _ = model_token_logps(model.reference, ids, labels, **seen)
             else:  # LoRA: the base model is the policy without its adapters
                 with adapters_off(model.model) as base:
-                    ref, _ = model_token_logps(base, ids, labels, temperature=t)
+                    ref, _ = model_token_logps(base, ids, labels, **seen)
             ref = jax.lax.stop_gradient(ref)
         sums = grpo_loss_sums(
             logps, batch.get("old_logps"), ref, batch["advantages"], mask,

@@ -9,7 +9,10 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.data.errors import DatasetError
+from jaxtrain.data.images import IMAGE_COLUMNS, images_of, load_image, place_images
+from jaxtrain.data.packing import ImageSlots
 from jaxtrain.data.units import epoch_order
+from jaxtrain.data.vision import is_processor, text_tokenizer
 from jaxtrain.errors import ArgumentError
 
 __all__ = ["PromptLoader", "Prompts", "chat_ids", "observed_prompt", "read_prompts"]
@@ -30,12 +33,27 @@ class Prompts:
         columns: dict[str, list],
         truncated_share: float = 0.0,
         column: str = "prompt",
+        images: list[np.ndarray | None] | None = None,
     ):
         self.ids, self.values, self.columns = ids, values, columns
         self.truncated_share, self.column = truncated_share, column
+        # A vision-language model's prompts: each one's images' pixels [n, C, H, W] or None.
+        self.images = images
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def image_shape(self) -> tuple[int, ...] | None:
+        """(C, H, W) of the prompts' images (a vision-language model's), else None."""
+        first = next((x for x in self.images or [] if x is not None), None)
+        return None if first is None else tuple(first.shape[1:])
+
+    def image_slots(self, rows: np.ndarray, per_row: int) -> np.ndarray:
+        """[len(rows), per_row, C, H, W]: the images of prompts[rows], each row's slots."""
+        slots = ImageSlots(per_row, self.image_shape)
+        return np.stack([slots.row([] if self.images[r] is None else [self.images[r]])
+                         for r in rows])  # fmt: skip
 
     def row(self, index: int) -> dict[str, Any]:
         """Row `index` of the dataset, as an environment's reset(**row) receives it."""
@@ -47,7 +65,7 @@ def chat_ids(tokenizer: Any, messages: list, tools: list | None = None) -> list[
     text = tokenizer.apply_chat_template(
         messages, tools=tools or None, add_generation_prompt=True, tokenize=False
     )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text_tokenizer(tokenizer)(text, add_special_tokens=False)["input_ids"]
 
 
 def observed_prompt(messages: list, observation: str) -> list:
@@ -76,22 +94,40 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: Any = None) ->
             f"dataset_train has columns {names}; GRPO prompts are a `prompt` text column, "
             "chat `messages` (or a `prompt` list of messages), or token ids (`prompt_ids`)"
         )
+    vision = is_processor(tokenizer) and any(c in names for c in IMAGE_COLUMNS)
+    if vision and (kind != "chat" or tools):
+        raise DatasetError(
+            "GRPO prompts with images are chat prompts (a `prompt` or `messages` list of "
+            f"messages) without tools; this dataset's prompts are {kind}"
+            + (" with tools" if tools else "")
+        )
     if tools and kind != "chat":
         raise DatasetError(
             f"GRPO with tools needs chat prompts (a `prompt` or `messages` list of messages): "
             f"the tools are shown to the model through the chat template; this dataset's "
             f"prompts are {kind}"
         )
-    ids, shown, cut = [], [], 0
+    ids, shown, cut, images = [], [], 0, []
+    text_side = text_tokenizer(tokenizer)
     for i, row in enumerate(rows):
         value = row[used[0]]
-        if kind == "text":
-            tokens, text = tokenizer(value, add_special_tokens=True)["input_ids"], value
+        if vision:  # the processor renders the chat and expands each image into its tokens
+            tokens, pixels = image_prompt(tokenizer, row, value, i)
+            if len(tokens) > limit and pixels is not None:
+                raise DatasetError(
+                    f"dataset_train row {i}: the prompt has {len(tokens)} tokens with its "
+                    f"images, more than max_prompt_length={limit}, and its start (an image's "
+                    "tokens) cannot be cut; raise max_prompt_length or shorten the prompt"
+                )
+            images.append(pixels)
+            text = value
+        elif kind == "text":
+            tokens, text = text_side(value, add_special_tokens=True)["input_ids"], value
         elif kind == "chat":
             tokens = chat_ids(tokenizer, value, tools(row, i) if callable(tools) else tools)
             text = value  # reward functions get the messages, as TRL passes them
         else:
-            tokens, text = list(value), tokenizer.decode(list(value))
+            tokens, text = list(value), text_side.decode(list(value))
         if not len(tokens):
             raise DatasetError(f"dataset_train row {i}: the prompt is empty")
         cut += len(tokens) > limit
@@ -104,7 +140,23 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: Any = None) ->
             cut, len(rows), 100 * cut / len(rows), limit,
         )  # fmt: skip
     columns = {c: [r[c] for r in rows] for c in names if c not in used}
-    return Prompts(ids, shown, columns, truncated_share=cut / len(rows), column=used[0])
+    return Prompts(ids, shown, columns, truncated_share=cut / len(rows), column=used[0],
+                   images=images if vision else None)  # fmt: skip
+
+
+def image_prompt(processor: Any, row: dict[str, Any], messages: list, index: int):
+    """(token ids, images' pixels [n, C, H, W] or None) of a chat prompt with the row's
+    images, rendered by a vision-language model's processor ready for the answer."""
+    where = f"dataset_train row {index}"
+    images = [load_image(x, where) for x in images_of(row, where)]
+    placed = place_images([dict(m) for m in messages], len(images), where)
+    text = processor.apply_chat_template(placed, add_generation_prompt=True, tokenize=False)
+    out = processor(
+        text=[text], images=[images] if images else None, return_tensors="np",
+        add_special_tokens=False,
+    )  # fmt: skip
+    pixels = np.asarray(out["pixel_values"], np.float32) if images else None
+    return [int(t) for t in out["input_ids"][0]], pixels
 
 
 def _rows(dataset: Any) -> list[dict[str, Any]]:

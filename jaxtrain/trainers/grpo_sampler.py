@@ -27,8 +27,8 @@ from jaxtrain.trainers.tools import ToolCalls
 
 __all__ = ["RolloutSampler", "completion_logs", "rollout_engine_shape"]
 
-# (prompt ids, samples, seed, max_tokens) of one engine request.
-Ask = tuple[Any, int, int, int]
+# (prompt ids, samples, seed, max_tokens, the prompt's images or None) of one engine request.
+Ask = tuple[Any, int, int, int, Any]
 
 
 def rollout_engine_shape(args: GRPOArguments) -> EngineShape:
@@ -75,6 +75,7 @@ class RolloutSampler:
                 max_length=shape.max_length,
                 eos_token_ids=self.eos_token_ids,
                 logprobs_mode="processed",  # scored as the trainer scores them
+                max_images=self.args.images_per_row,
             )
             self.engine.warm_up(*self._warm_up_limits())
         self.engine.update_state(nnx.split(policy)[1])
@@ -99,10 +100,11 @@ class RolloutSampler:
         asks: list[Ask] = []
         for p, seed in enumerate(seeds):
             group, most = ids[p * g : (p + 1) * g], args.max_completion_length
+            images = None if prompts.images is None else prompts.images[prompt_rows[p * g]]
             if all(np.array_equal(x, group[0]) for x in group):
-                asks.append((group[0], g, seed, most))
+                asks.append((group[0], g, seed, most, images))
             else:  # environments' observations made each rollout's prompt its own
-                asks += [(x, 1, seed * g + i, most) for i, x in enumerate(group)]
+                asks += [(x, 1, seed * g + i, most, None) for i, x in enumerate(group)]
         firsts = [c for group in self.run(asks) for c in group]
         fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_token_id
         out = RolloutRows.empty(len(ids), args.max_prompt_length, args.max_completion_length, fill)
@@ -143,8 +145,9 @@ class RolloutSampler:
                     seed=seed,
                 ),  # fmt: skip
                 n=n,
+                images=images,
             )
-            for prompt, n, seed, most in asks
+            for prompt, n, seed, most, images in asks
         ]
         wanted = {i: ask[1] for i, ask in zip(ids, asks)}
         done: dict[int, list[Completion]] = {i: [] for i in ids}
@@ -155,7 +158,7 @@ class RolloutSampler:
 
     def _next_turns(self, asks: list[tuple[list[int], int, int]]) -> list[tuple[list, list]]:
         """The next turn of each rollout (token ids so far, tokens it may add, seed)."""
-        done = self.run([(ids, 1, seed, room) for ids, room, seed in asks])
+        done = self.run([(ids, 1, seed, room, None) for ids, room, seed in asks])
         return [(group[0].token_ids, group[0].logprobs) for group in done]
 
     def _observed(self, messages: list, observation: str, tools: list) -> np.ndarray:

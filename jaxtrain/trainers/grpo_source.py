@@ -63,9 +63,12 @@ __all__ = ["RolloutSource", "rollout_batch"]
 logger = logging.getLogger("jaxtrain.trainers.grpo")
 
 
-def rollout_batch(args: GRPOArguments) -> dict[str, jax.ShapeDtypeStruct]:
+def rollout_batch(
+    args: GRPOArguments, image_shape: tuple[int, ...] | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
     """The global train batch a round makes ([A, M, ...], unplaced): what the source hands the
-    step and what `jaxtrain plan --task grpo` compiles it for."""
+    step and what `jaxtrain plan --task grpo` compiles it for; with a vision-language model's
+    `image_shape`, each row's prompt images in `images_per_row` slots."""
     a = args.gradient_accumulation_steps
     m, t = args.total_batch_size // a, args.max_prompt_length + args.max_completion_length
     shapes = {
@@ -78,6 +81,8 @@ def rollout_batch(args: GRPOArguments) -> dict[str, jax.ShapeDtypeStruct]:
     if args.sampler_correction != "none":
         shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
         shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
+    if image_shape is not None:
+        shapes["pixel_values"] = ((a, m, args.images_per_row, *image_shape), jnp.float32)
     return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
 
@@ -194,7 +199,7 @@ class RolloutSource:
             k: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=self.layout.sharding(x.ndim, micro_axis=True)
             )
-            for k, x in rollout_batch(self.args).items()
+            for k, x in rollout_batch(self.args, self.prompts.image_shape).items()
         }
 
     def next(self, step: int, state: Any) -> SourceBatch:
@@ -341,6 +346,11 @@ class RolloutSource:
             pad_token_id=self.pad_token_id,
             accumulation=args.gradient_accumulation_steps,
         )
+        if self.prompts.image_shape is not None:  # the prompts' images, for the forward
+            slots = self.prompts.image_slots(rows, args.images_per_row)
+            host["pixel_values"] = slots.reshape(
+                args.gradient_accumulation_steps, -1, *slots.shape[1:]
+            )
         host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
         placed = self.layout.to_global(host, micro_axis=True)
         # The trainer's log-probs of the tokens just sampled, from the parameters that sampled
@@ -348,7 +358,9 @@ class RolloutSource:
         trainer_logps = self.logps.trainer(self._program, state, placed)
         equal, penalty_logs = self.final_advantages(state, placed, trainer_logps, rewards, equal)
         sampler_logps = placed.pop("sampler_logps")
-        if "old_logps" in rollout_batch(args):  # later updates (or rounds) compare with it
+        if (
+            args.num_iterations > 1 or args.max_staleness > 0
+        ):  # later updates (or rounds) compare with it
             placed["old_logps"] = trainer_logps
         labels = placed["labels"]
         weight, agreement_logs = self.logps.agreement(trainer_logps, sampler_logps, labels)

@@ -76,8 +76,9 @@ def rloo_objective(args: RLOOArguments) -> Objective:
         del rng
         ids, labels = batch["input_ids"], batch["labels"]
         logps, mask, entropy = model_token_logps(
-            model.model, ids, labels, entropy=True, temperature=args.temperature
-        )
+            model.model, ids, labels, entropy=True, temperature=args.temperature,
+            pixel_values=batch.get("pixel_values"),
+        )  # fmt: skip
         mask = mask.astype(jnp.float32)
         sequence = (logps * mask).sum(-1)
         if "old_logps" in batch:  # a later update of the round: the sampling policy's
@@ -155,16 +156,17 @@ class RLOOSource(RolloutSource):
             graphdef = program.graphdef
             everywhere = NamedSharding(self.layout.mesh, PartitionSpec())
 
-            def kl_rows(params, rest, ids, labels, old):
+            def kl_rows(params, rest, ids, labels, old, images):
                 task = nnx.merge(graphdef, params, rest)
                 flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+                if images is not None:  # a vision prompt's image slots, per row
+                    images = images.reshape(-1, *images.shape[2:])
+                seen = dict(temperature=t, pixel_values=images)
                 if task.reference is not None:
-                    ref, mask = model_token_logps(
-                        task.reference, flat(ids), flat(labels), temperature=t
-                    )
+                    ref, mask = model_token_logps(task.reference, flat(ids), flat(labels), **seen)
                 else:  # LoRA: the reference is the base, the policy without its adapters
                     with adapters_off(task.model) as base:
-                        ref, mask = model_token_logps(base, flat(ids), flat(labels), temperature=t)
+                        ref, mask = model_token_logps(base, flat(ids), flat(labels), **seen)
                 mask = mask.astype(jnp.float32)
                 per_token = (flat(old) - ref) * mask
                 return per_token.sum(-1).reshape(ids.shape[:2]), per_token.sum(), mask.sum()
@@ -176,6 +178,7 @@ class RLOOSource(RolloutSource):
             placed["input_ids"],
             placed["labels"],
             trainer_logps,
+            placed.get("pixel_values"),
         )
 
 

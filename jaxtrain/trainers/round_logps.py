@@ -33,16 +33,21 @@ class RoundLogps:
             graphdef, t = program.graphdef, self.args.temperature
 
             @jax.jit
-            def trainer_logps(params, rest, ids, labels):
+            def trainer_logps(params, rest, ids, labels, images):
                 model = nnx.merge(graphdef, params, rest).model
                 flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
-                logps, _ = model_token_logps(model, flat(ids), flat(labels), temperature=t)
+                if images is not None:  # [A, M, K, C, H, W] -> the rows' [A * M, K, ...]
+                    images = images.reshape(-1, *images.shape[2:])
+                logps, _ = model_token_logps(
+                    model, flat(ids), flat(labels), temperature=t, pixel_values=images
+                )
                 return logps.reshape(*ids.shape[:2], -1)
 
             self._trainer_fn = trainer_logps
         out = self._trainer_fn(
-            state.params, program.frozen_state(), batch["input_ids"], batch["labels"]
-        )
+            state.params, program.frozen_state(), batch["input_ids"], batch["labels"],
+            batch.get("pixel_values"),
+        )  # fmt: skip
         return jax.device_put(out, self.layout.sharding(3, micro_axis=True))
 
     def agreement(

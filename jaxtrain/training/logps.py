@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.models.masking import unsampled_token_ids, without_tokens
 from jaxtrain.models.sharding import constrain, current_rules
 
 # Vocabularies from this size on get chunked log-probs: float32 logits of a whole batch
@@ -113,24 +114,28 @@ def model_token_logps(
     *,
     entropy: bool = False,
     temperature: float = 1.0,
+    pixel_values: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """``token_logps`` of a causal LM on ``input_ids`` (right-padded rows: causal attention
     never lets a real token see the padding), chunked when ``chunks_logits(model)``; with
     ``entropy`` the per-position entropies too, from the same logits. `temperature`: of
     softmax(logits / temperature), the distribution a sampler at that temperature draws from
-    (GRPO's policy, old and reference log-probs, as TRL computes them)."""
+    (GRPO's policy, old and reference log-probs, as TRL computes them). `pixel_values`: a
+    vision-language model's image slots of the rows (data/vision.py)."""
+    images = {} if pixel_values is None else {"pixel_values": pixel_values}
+    unsampled = unsampled_token_ids(model)  # as the samplers draw (models/masking.py)
     if chunks_logits(model, input_ids.size):
-        hidden = model.hidden_states(input_ids)
+        hidden = model.hidden_states(input_ids, **images)
         chunk = chunk_tokens_for(model.config.vocab_size)
         project = model.output_projection()
-        if temperature != 1.0:
+        if temperature != 1.0 or unsampled:
             unscaled = project
 
             def project(h: jax.Array) -> jax.Array:
-                return unscaled(h) / temperature
+                return without_tokens(unscaled(h), unsampled) / temperature
 
         return chunked_token_logps(hidden, project, labels, chunk_tokens=chunk, entropy=entropy)
-    logits = model(input_ids)
+    logits = without_tokens(model(input_ids, **images), unsampled)
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, labels, entropy=entropy)
