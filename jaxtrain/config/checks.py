@@ -246,7 +246,7 @@ def check_warmup(args: Any, total_steps: int, what: str) -> None:
 
 
 def check_model(args: Any) -> None:
-    """The remat policy and the LoRA fields."""
+    """The remat policy, scan_layers and the LoRA fields."""
     policy = args.gradient_checkpointing
     if policy not in REMAT_POLICIES:
         close = difflib.get_close_matches(str(policy), REMAT_POLICIES, n=1)
@@ -254,6 +254,10 @@ def check_model(args: Any) -> None:
         raise ArgumentError(
             f"TrainingArguments.gradient_checkpointing={policy!r} is not supported.{hint} "
             f"Choose one of: {', '.join(REMAT_POLICIES)}."
+        )
+    if not isinstance(args.scan_layers, bool):
+        raise ArgumentError(
+            f"TrainingArguments.scan_layers must be true or false, got {args.scan_layers!r}."
         )
     rank, alpha = args.lora_rank, args.lora_alpha
     if isinstance(rank, bool) or not isinstance(rank, int):

@@ -22,8 +22,11 @@ REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")
 SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
 
-# models/llama.py maps each to a jax.checkpoint policy of a decoder layer.
+# models/layer_scan.py maps each to a jax.checkpoint policy of a decoder layer.
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
+# Decoder layers under jax.lax.scan (models/layer_scan.py) unless a run or a model says
+# otherwise: the models' default and TrainingArguments.scan_layers' (bench/scan_layers.py).
+SCAN_LAYERS_DEFAULT = True
 
 # jaxtrain/quantization: how a frozen base may be stored.
 QUANTIZATIONS = ("nf4", "int8")

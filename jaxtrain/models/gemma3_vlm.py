@@ -134,5 +134,6 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         h = lm.model(
             input_ids, positions, segment_ids, remat_policy=lm.remat_policy,
             implementation=lm.attention_implementation, embeddings=x, bidirectional_ids=blocks,
+            scan=lm.scan_layers,
         )  # fmt: skip
         return constrain(lm.output_projection()(h), ACT_BTV)
