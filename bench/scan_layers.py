@@ -7,8 +7,9 @@ Every variant runs in its OWN process (`--worker`): jaxtrain's LlamaForCausalLM 
 `scan_layers` on or off, one jitted AdamW step (bench/overhead.py's "bare" loop: value_and_grad
 + optax adamw, state donated) on random tokens.
 - compile: S1's shape (hidden 256, intermediate 1024, 8 x 256 tokens, vocab 4096) at 4 and at
-  32 layers, scanned and looped. "compile + step 1" is the time from the step's first call to
-  its first result (tracing, lowering, XLA's compile and one step). Rounds are interleaved
+  32 layers, scanned and looped: "trace + lower" (jax.jit(...).lower: Python tracing and
+  StableHLO), "XLA compile" (.compile()) and "compile + step 1" (from the step's lowering to
+  its first result: both, plus one step, which alone is ~8x longer at 32 layers). Rounds are interleaved
   (each round runs the four variants, in an order rotated per round); the table gives the
   median and the range over rounds, and the 32-layer / 4-layer ratio of the medians.
 - steady: tokens/s of the anchor shapes S1 (4 layers) and S2 (8 layers) of overhead.py over
@@ -25,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import DEFAULT_STEPS, RESULT_PREFIX, SEED, SIZES, StepClock, make_tokens  # noqa: E402
-from overhead import jaxtrain_config, run_loop  # noqa: E402
+from overhead import adamw, jaxtrain_config  # noqa: E402
 
 COMPILE_LAYERS = (4, 32)
 COMPILE_STEPS, COMPILE_WARMUP = 3, 2  # only step 1 matters; 2 more keep StepClock whole
@@ -58,12 +60,45 @@ def worker(size: str, layers: int, scan: bool, steps: int, warmup: int) -> None:
         sums = causal_lm_sums(logits, input_ids)
         return sums["loss_sum"] / sums["tokens"]
 
-    result = run_loop(loss_fn, params, make_tokens(shape, steps), shape, clock)
+    result = timed_loop(loss_fn, params, make_tokens(shape, steps), shape, clock)
     result.update(
         size=size, layers=layers, scan=scan,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )  # fmt: skip
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def timed_loop(loss_fn, params, tokens: np.ndarray, shape, clock: StepClock) -> dict:
+    """overhead.py's bare loop, with the step traced, lowered and compiled apart (timed)."""
+    import jax
+    import optax
+
+    tx = adamw()
+
+    def train_step(state, input_ids):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, input_ids)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    state = (params, tx.init(params))
+    clock.mark("ready_s")
+    batch = lambda step: tokens[step * shape.batch : (step + 1) * shape.batch]  # noqa: E731
+    t0 = time.perf_counter()
+    lowered = jax.jit(train_step, donate_argnums=0).lower(state, batch(0))
+    t1 = time.perf_counter()
+    step_fn = lowered.compile()
+    t2 = time.perf_counter()
+    for step in range(clock.steps):
+        state, loss = step_fn(state, batch(step))
+        clock.after_step(step + 1, state, loss)
+    summary = clock.summary(shape)
+    return {
+        **summary,
+        "trace_lower_s": t1 - t0,
+        "compile_s": t2 - t1,
+        "trace_lower_compile_s": t2 - t0,
+    }
 
 
 def run_worker(size: str, layers: int, scan: bool, steps: int, warmup: int) -> dict:
@@ -75,7 +110,8 @@ def run_worker(size: str, layers: int, scan: bool, steps: int, warmup: int) -> d
         sys.exit(f"worker failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     print(
-        f"  {size} {layers:>2} layers scan={int(scan)}: compile + step 1 "
+        f"  {size} {layers:>2} layers scan={int(scan)}: trace + lower "
+        f"{result['trace_lower_s']:.2f} s, compile {result['compile_s']:.2f} s, compile + step 1 "
         f"{result['compile_first_step_s']:.2f} s, {result['tokens_per_s']:.0f} tokens/s, "
         f"RSS {result['peak_rss_mb']:.0f} MB, other CPU {result['other_cpu_pct']:.1f}%",
         flush=True,
@@ -96,25 +132,28 @@ def compile_rounds(rounds: int) -> dict:
         for layers, scan in order:
             result = run_worker("S1", layers, scan, COMPILE_STEPS, COMPILE_WARMUP)
             runs[(layers, scan)].append(result)
-    print("\n| layers | scan | compile + step 1 s, median (range) | peak RSS MB | final loss |")
-    print("|---|---|---|---|---|")
+    print("\n| layers | scan | trace + lower s | XLA compile s | compile + step 1 s | peak RSS MB "
+          "| final loss |\n|---|---|---|---|---|---|---|")  # fmt: skip
     medians = {}
     for layers, scan in variants:
         rs = runs[(layers, scan)]
         times = [x["compile_first_step_s"] for x in rs]
         medians[(layers, scan)] = statistics.median(times)
         rss = statistics.median(x["peak_rss_mb"] for x in rs)
-        print(f"| {layers} | {'on' if scan else 'off'} | {spread(times)} | {rss:.0f} | "
-              f"{rs[0]['losses'][-1]:.4f} |")  # fmt: skip
+        lower = spread([x["trace_lower_s"] for x in rs])
+        xla = spread([x["compile_s"] for x in rs])
+        print(f"| {layers} | {'on' if scan else 'off'} | {lower} | {xla} | {spread(times)} | "
+              f"{rss:.0f} | {rs[0]['losses'][-1]:.4f} |")  # fmt: skip
     ratios = {}
     for scan in (False, True):
-        per_round = [
-            a["compile_first_step_s"] / b["compile_first_step_s"]
-            for a, b in zip(runs[(32, scan)], runs[(4, scan)])
-        ]
-        ratios[scan] = medians[(32, scan)] / medians[(4, scan)]
-        print(f"32 / 4 layers, scan {'on' if scan else 'off'}: {ratios[scan]:.2f}x of the "
-              f"medians (per round {', '.join(f'{x:.2f}' for x in per_round)})")  # fmt: skip
+        for key in ("trace_lower_compile_s", "compile_first_step_s"):
+            deep = [x[key] for x in runs[(32, scan)]]
+            shallow = [x[key] for x in runs[(4, scan)]]
+            ratio = statistics.median(deep) / statistics.median(shallow)
+            ratios[f"{key}_{int(scan)}"] = ratio
+            per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(deep, shallow))
+            print(f"32 / 4 layers, scan {'on' if scan else 'off'}, {key}: {ratio:.2f}x of the "
+                  f"medians (per round {per_round})")  # fmt: skip
     return {"runs": {f"{k[0]}_{int(k[1])}": v for k, v in runs.items()}, "ratios": ratios}
 
 
