@@ -22,6 +22,7 @@ from jaxtrain.config.tables import (  # noqa: F401 - the constants' old import p
     ON_NAN,
     PROGRESS_BARS,
     REPORT_TO,
+    SCAN_LAYERS_DEFAULT,
 )
 from jaxtrain.config_values import coerce_value, read_config_file  # noqa: F401 - old path
 from jaxtrain.errors import ArgumentError
@@ -174,6 +175,10 @@ class TrainingArguments:
     # A vision-language model's vision tower keeps its weights (its projector and decoder
     # train). Under LoRA the whole image encoder keeps them: adapters go on the decoder.
     freeze_vision_tower: bool = False
+    # Run the decoder layers under one jax.lax.scan (models/layer_scan.py): a layer is traced
+    # and compiled once, not once per layer, so compile time stops growing with depth; the
+    # parameters, checkpoints and results are the same (docs/training.md "Layers under scan").
+    scan_layers: bool = SCAN_LAYERS_DEFAULT
 
     # LoRA: rank of the adapters (0 = off). Only the adapters are trained, held in the
     # optimizer state and checkpointed; the base weights stay frozen (jaxtrain.models.lora).

@@ -247,7 +247,7 @@ def check_warmup(args: Any, total_steps: int, what: str) -> None:
 
 
 def check_model(args: Any) -> None:
-    """The remat policy, the vision tower and the LoRA fields."""
+    """The remat policy, scan_layers, the vision tower and the LoRA fields."""
     policy = args.gradient_checkpointing
     if policy not in REMAT_POLICIES:
         close = difflib.get_close_matches(str(policy), REMAT_POLICIES, n=1)
@@ -258,6 +258,10 @@ def check_model(args: Any) -> None:
         )
     if not isinstance(args.freeze_vision_tower, bool):
         raise ArgumentError("TrainingArguments.freeze_vision_tower must be true or false.")
+    if not isinstance(args.scan_layers, bool):
+        raise ArgumentError(
+            f"TrainingArguments.scan_layers must be true or false, got {args.scan_layers!r}."
+        )
     rank, alpha = args.lora_rank, args.lora_alpha
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise ArgumentError(f"TrainingArguments.lora_rank must be an int, got {rank!r}.")

@@ -79,6 +79,7 @@ class ModelSettings:
     dtype: str | None
     param_dtype: str | None
     remat_policy: str  # gradient_checkpointing
+    scan_layers: bool
     lora_rank: int
     lora_alpha: float
     lora_dropout: float
@@ -97,6 +98,7 @@ class ModelSettings:
             dtype=args.dtype,
             param_dtype=args.param_dtype,
             remat_policy=args.gradient_checkpointing,
+            scan_layers=args.scan_layers,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,

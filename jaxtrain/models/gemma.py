@@ -15,7 +15,6 @@ soft-capping is on).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,6 +25,7 @@ from flax import nnx
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import gated, gelu_tanh
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.layer_scan import LayerStep, run_layers
 from jaxtrain.models.layers import (
     Embedding,
     Projection,
@@ -33,7 +33,7 @@ from jaxtrain.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from jaxtrain.models.llama import ACT_BTD, ACT_BTV, LlamaForCausalLM, remat_layer
+from jaxtrain.models.llama import ACT_BTD, ACT_BTV, LlamaForCausalLM
 from jaxtrain.models.sharding import constrain
 
 Array = jax.Array
@@ -211,8 +211,18 @@ class GemmaDecoderLayer(nnx.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-def _run_layer(layer, x, cos, sin, segment_ids, implementation, bidirectional_ids=None):
-    return layer(x, cos, sin, segment_ids, implementation, bidirectional_ids)
+def layer_step(implementation: str | None) -> LayerStep:
+    """A Gemma layer as a `run_layers` step; its inputs are the rotary tables of sliding and
+    of full layers, segment_ids and bidirectional_ids. A layer picks its table by its static
+    `sliding`, so a sliding layer and a full one are different modules to the scan."""
+
+    def step(layer: GemmaDecoderLayer, x: Array, inputs: tuple[Any, ...]) -> tuple[Array, None]:
+        tables, segment_ids, bidirectional_ids = inputs
+        cos, sin = tables[layer.sliding]
+        x = layer(x, cos, sin, segment_ids, implementation, bidirectional_ids)
+        return constrain(x, ACT_BTD), None
+
+    return step
 
 
 class GemmaModel(nnx.Module):
@@ -250,21 +260,18 @@ class GemmaModel(nnx.Module):
         return {True: local, False: full}
 
     def __call__(self, input_ids, positions, segment_ids=None, *, remat_policy="none",
-                 implementation=None, embeddings=None, bidirectional_ids=None):  # fmt: skip
+                 implementation=None, embeddings=None, bidirectional_ids=None,
+                 scan=False):  # fmt: skip
         """Final-norm hidden states; `embeddings` [B, T, D] replace the token embeddings
         (an image's tokens in them: Gemma 3's vision model), `bidirectional_ids` as in
         attention.causal_attention."""
         tables = self.rope_tables(positions)
         x = self.embed(input_ids) if embeddings is None else embeddings
         x = constrain(x, ACT_BTD)
-        run = _run_layer
-        if bidirectional_ids is not None:
-            run = functools.partial(_run_layer, bidirectional_ids=bidirectional_ids)
-        if remat_policy != "none":
-            run = remat_layer(run, remat_policy)
-        for layer in self.layers:
-            cos, sin = tables[layer.sliding]
-            x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)
+        x, _ = run_layers(
+            self.layers, layer_step(implementation), x,
+            (tables, segment_ids, bidirectional_ids), scan=scan, remat_policy=remat_policy,
+        )  # fmt: skip
         return self.norm(x)
 
 

@@ -189,6 +189,7 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         return lm.model(
             input_ids, positions, segment_ids, remat_policy=lm.remat_policy,
             implementation=lm.attention_implementation, embeddings=x, bidirectional_ids=blocks,
+            scan=lm.scan_layers,
         )  # fmt: skip
 
     def output_projection(self) -> Callable[[Array], Array]:

@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.config.tables import SCAN_LAYERS_DEFAULT
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import GELU_ACTS, LayerNorm, gelu
+from jaxtrain.models.layer_scan import run_layers
 from jaxtrain.models.layers import Embedding, Projection
 from jaxtrain.models.masking import apply_padding_mask
 from jaxtrain.models.sharding import constrain
@@ -202,6 +204,8 @@ class GPT2LMHeadModel(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.attention_implementation: str | None = None
+        # The blocks under one jax.lax.scan (models/layer_scan.py), as LlamaForCausalLM's.
+        self.scan_layers = SCAN_LAYERS_DEFAULT
         self.transformer = GPT2Model(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def hidden_states(
@@ -227,9 +231,14 @@ class GPT2LMHeadModel(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         m = self.transformer
         x = constrain(m.embed(input_ids, positions), ("batch", "length", "embed"))
-        for block in m.h:
-            x = constrain(block(x, segment_ids, self.attention_implementation),
-                          ("batch", "length", "embed"))  # fmt: skip
+        implementation = self.attention_implementation
+
+        def step(block: nnx.Module, x: Array, segment_ids: Array | None) -> tuple[Array, None]:
+            return constrain(
+                block(x, segment_ids, implementation), ("batch", "length", "embed")
+            ), None
+
+        x, _ = run_layers(m.h, step, x, segment_ids, scan=self.scan_layers)
         return m.ln_f(x)
 
     def output_projection(self):

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.config.tables import REMAT_POLICIES
+from jaxtrain.config.tables import REMAT_POLICIES, SCAN_LAYERS_DEFAULT
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.layer_scan import LayerStep, run_layers
 from jaxtrain.models.layers import (
     MLP,
     Attention,
@@ -38,24 +39,6 @@ DType = Any
 # Logical names of activation dims for the sharding constraints (see models/sharding.py).
 ACT_BTD = ("batch", "length", "embed")
 ACT_BTV = ("batch", "length", "vocab")
-
-
-def checkpoint_policy(name: str):
-    """Map a REMAT_POLICIES name to a jax.checkpoint policy.
-
-    "dots_saveable" keeps the outputs of matmuls WITHOUT batch dims (the weight
-    projections) and recomputes the batched attention einsums, whose [B, N, T, T] scores
-    are the memory that grows with sequence length. That is
-    ``dots_with_no_batch_dims_saveable``, the usual "save the projections" choice.
-    """
-    policies = jax.checkpoint_policies
-    if name == "nothing_saveable":
-        return policies.nothing_saveable
-    if name == "dots_saveable":
-        return policies.dots_with_no_batch_dims_saveable
-    if name == "everything_saveable":
-        return policies.everything_saveable
-    raise ValueError(f"remat_policy={name!r} is not one of {REMAT_POLICIES}; pick one of them.")
 
 
 class DecoderLayer(nnx.Module):
@@ -78,33 +61,13 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def remat_layer(fn: Callable[..., Any], policy_name: str) -> Callable[..., Any]:
-    """`fn(layer, x, cos, sin, segment_ids, implementation)` rematerialised by the
-    `policy_name` policy. The layer's state is an explicit argument of a jax.checkpoint'ed
-    pure function: nnx.remat under jax.grad refuses to write back a layer's non-Param
-    variables (LoRA's frozen base, a quantized base, a frozen reference; Flax 0.12)."""
-    policy = checkpoint_policy(policy_name)
+def layer_step(implementation: str | None) -> LayerStep:
+    """A decoder layer as a `run_layers` step; its inputs are (cos, sin, segment_ids)."""
 
-    def run(layer, x, cos, sin, segment_ids, implementation):
-        graphdef, state = nnx.split(layer)
+    def step(layer: nnx.Module, x: Array, inputs: tuple[Array, ...]) -> tuple[Array, None]:
+        return constrain(layer(x, *inputs, implementation), ACT_BTD), None
 
-        def pure(state, x, cos, sin, segment_ids):
-            return fn(nnx.merge(graphdef, state), x, cos, sin, segment_ids, implementation)
-
-        return jax.checkpoint(pure, policy=policy)(state, x, cos, sin, segment_ids)
-
-    return run
-
-
-def _run_layer(
-    layer: DecoderLayer,
-    x: Array,
-    cos: Array,
-    sin: Array,
-    segment_ids: Array | None,
-    implementation: str | None,
-) -> Array:
-    return layer(x, cos, sin, segment_ids, implementation)
+    return step
 
 
 class LlamaModel(nnx.Module):
@@ -139,17 +102,16 @@ class LlamaModel(nnx.Module):
         *,
         remat_policy: str = "none",
         implementation: str | None = None,
+        scan: bool = False,
     ) -> Array:
         c = self.config
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)  # shared by all layers
         x = constrain(self.embed_tokens(input_ids), ACT_BTD)
-        run = _run_layer
-        if remat_policy != "none":
-            run = remat_layer(_run_layer, remat_policy)
-        # A plain loop (not scan): simple compiles, per-layer params stay separate arrays.
-        for layer in self.layers:
-            x = constrain(run(layer, x, cos, sin, segment_ids, implementation), ACT_BTD)
+        x, _ = run_layers(
+            self.layers, layer_step(implementation), x, (cos, sin, segment_ids),
+            scan=scan, remat_policy=remat_policy,
+        )  # fmt: skip
         return self.norm(x)
 
 
@@ -158,6 +120,9 @@ class LlamaForCausalLM(nnx.Module):
 
     Attributes read at call time (plain Python values, part of the static graph):
     - ``remat_policy``: one of REMAT_POLICIES; rematerialises each decoder layer.
+    - ``scan_layers``: run the decoder layers under one ``jax.lax.scan`` (models/layer_scan.py:
+      each layer is traced and compiled once, not once per layer; same parameters, same
+      result); False loops over them.
     - ``attention_implementation``: "xla" (``attention.grouped_attention``: einsums,
       softmax in float32), "blockwise" (models/blockwise.py: no T x T scores; ring
       attention over the sp mesh axis), "cudnn" (``jax.nn.dot_product_attention``'s fused
@@ -185,6 +150,7 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.remat_policy = "none"
+        self.scan_layers = SCAN_LAYERS_DEFAULT
         self.attention_implementation: str | None = None
         self.model = self.decoder_class(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if config.tie_word_embeddings:
@@ -261,6 +227,7 @@ class LlamaForCausalLM(nnx.Module):
             segment_ids,
             remat_policy=self.remat_policy,
             implementation=self.attention_implementation,
+            scan=self.scan_layers,
         )
 
 

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.layer_scan import LayerStep, run_layers
 from jaxtrain.models.layers import (
     MLP,
     Attention,
@@ -43,7 +44,6 @@ from jaxtrain.models.llama import (
     DecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
-    remat_layer,
 )
 from jaxtrain.models.moe_dispatch import IMPLEMENTATIONS, expert_mlp, route, router_losses
 from jaxtrain.models.sharding import constrain, current_rules
@@ -295,9 +295,16 @@ class MoeDecoderLayer(DecoderLayer):
         return x + y, stats
 
 
-def _run_layer(layer, x, cos, sin, segment_ids, implementation):
-    out = layer(x, cos, sin, segment_ids, implementation)
-    return out if isinstance(out, tuple) else (out, None)
+def layer_step(implementation: str | None) -> LayerStep:
+    """A layer (sparse or dense) as a `run_layers` step; aux: a sparse layer's router
+    statistics [balance, z], None for a dense layer."""
+
+    def step(layer: nnx.Module, x: Array, inputs: tuple[Array, ...]) -> tuple[Array, Any]:
+        out = layer(x, *inputs, implementation)
+        x, stats = out if isinstance(out, tuple) else (out, None)
+        return constrain(x, ACT_BTD), stats
+
+    return step
 
 
 class MoeModel(LlamaModel):
@@ -329,20 +336,17 @@ class MoeModel(LlamaModel):
         *,
         remat_policy: str = "none",
         implementation: str | None = None,
+        scan: bool = False,
     ) -> tuple[Array, dict[str, Array]]:
         c = self.config
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
         x = constrain(self.embed_tokens(input_ids), ACT_BTD)
-        run = _run_layer
-        if remat_policy != "none":
-            run = remat_layer(_run_layer, remat_policy)
-        stats = []
-        for layer in self.layers:
-            x, layer_stats = run(layer, x, cos, sin, segment_ids, implementation)
-            x = constrain(x, ACT_BTD)
-            if layer_stats is not None:
-                stats.append(layer_stats)
+        x, per_layer = run_layers(
+            self.layers, layer_step(implementation), x, (cos, sin, segment_ids),
+            scan=scan, remat_policy=remat_policy,
+        )  # fmt: skip
+        stats = [s for s in per_layer if s is not None]
         mean = jnp.mean(jnp.stack(stats), axis=0) if stats else jnp.zeros((2,), jnp.float32)
         aux = {
             "aux_loss": c.router_aux_loss_coef * mean[0] + c.router_z_loss_coef * mean[1],

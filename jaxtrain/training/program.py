@@ -121,7 +121,12 @@ class ModelParts:
 
 
 def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
-    """The run's remat policy and compute dtype on `model`, in place."""
+    """The run's remat policy, layer scan and compute dtype on `model`, in place."""
+    # Every module with the attribute: a task's frozen reference or teacher, a reward model's
+    # backbone and a VLM's language model scan as the trained model does.
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "scan_layers"):
+            module.scan_layers = settings.scan_layers
     if hasattr(model, "remat_policy"):
         model.remat_policy = settings.remat_policy
     elif settings.remat_policy != "none":

@@ -1,0 +1,223 @@
+"""A decoder's layers run under ``jax.lax.scan``, its parameter tree unchanged.
+
+The layers stay an ``nnx.List`` of per-layer modules (parameter names, checkpoints, Hugging
+Face weight maps, LoRA targets, quantized bases and sharding rules see ``layers.3....`` as
+before). At call time each layer is split into its graphdef and state, the states are
+stacked leaf by leaf, and one scan step merges a layer's slice and applies it: the layer's
+Python body is traced and compiled once, not once per layer, so compile time no longer grows
+with depth. Gradients flow back through the stack to the per-layer parameters.
+
+Layers scan together when they are the same module: equal graphdefs (static attributes
+included: Gemma's sliding window, a LoRA adapter's part) and equal leaf shapes and dtypes.
+A pattern that repeats with a period (Gemma's sliding/full alternation, a MoE model's dense
+and sparse layers) scans over groups of one period, the layers past the last whole group
+run after it one by one; layers that repeat no pattern run one by one, as without scan.
+
+A quantized base is stacked as its codes and scales: each layer dequantizes its own kernels
+inside the scan step, so the step never holds every layer's float kernels at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.config.tables import REMAT_POLICIES
+
+__all__ = ["LayerStep", "checkpoint_policy", "layer_period", "run_layers"]
+
+Array = jax.Array
+
+# step(layer, x, inputs) -> (x, aux): one layer applied to the residual stream `x`; `inputs`
+# are the arrays every layer reads (rotary tables, segment ids), `aux` an optional per-layer
+# output (a MoE layer's router statistics; None for most layers).
+LayerStep = Callable[[nnx.Module, Array, Any], tuple[Array, Any]]
+
+# Where a traced array that a layer holds as a plain attribute sits: (module path, name).
+AttrPath = tuple[tuple[Any, ...], str]
+
+
+def checkpoint_policy(name: str):
+    """Map a REMAT_POLICIES name to a jax.checkpoint policy.
+
+    "dots_saveable" keeps the outputs of matmuls WITHOUT batch dims (the weight
+    projections) and recomputes the batched attention einsums, whose [B, N, T, T] scores
+    are the memory that grows with sequence length. That is
+    ``dots_with_no_batch_dims_saveable``, the usual "save the projections" choice.
+    """
+    policies = jax.checkpoint_policies
+    if name == "nothing_saveable":
+        return policies.nothing_saveable
+    if name == "dots_saveable":
+        return policies.dots_with_no_batch_dims_saveable
+    if name == "everything_saveable":
+        return policies.everything_saveable
+    raise ValueError(f"remat_policy={name!r} is not one of {REMAT_POLICIES}; pick one of them.")
+
+
+def array_attributes(layer: nnx.Module) -> list[AttrPath]:
+    """Where `layer` holds a jax array as a plain attribute (LoRA's per-step dropout key).
+    Such an attribute is static for nnx.split, so it would land in the graphdef, differ per
+    layer and refuse comparison when traced; the scan carries it as a scanned input."""
+    return [
+        (path, name)
+        for path, module in nnx.iter_modules(layer)
+        for name, value in vars(module).items()
+        if isinstance(value, jax.Array)
+    ]
+
+
+@contextlib.contextmanager
+def _arrays_lifted(layer: nnx.Module, where: list[AttrPath]) -> Iterator[list[Array]]:
+    """Inside: the attributes at `where` are None on `layer`; yields their values."""
+    modules = dict(nnx.iter_modules(layer))
+    values = [getattr(modules[path], name) for path, name in where]
+    for path, name in where:
+        setattr(modules[path], name, None)
+    try:
+        yield values
+    finally:
+        for (path, name), value in zip(where, values):
+            setattr(modules[path], name, value)
+
+
+def _set_arrays(layer: nnx.Module, where: list[AttrPath], values: Sequence[Array]) -> None:
+    modules = dict(nnx.iter_modules(layer))
+    for (path, name), value in zip(where, values):
+        setattr(modules[path], name, value)
+
+
+class _Split:
+    """One layer as pure data: graphdef, state, lifted array attributes (and where)."""
+
+    def __init__(self, layer: nnx.Module):
+        self.where = array_attributes(layer)
+        with _arrays_lifted(layer, self.where) as arrays:
+            self.graphdef, self.state = nnx.split(layer)
+        self.arrays = arrays
+
+    def same_as(self, other: _Split) -> bool:
+        """Whether one scan step can run both layers: same module, same leaf shapes."""
+
+        def avals(tree: Any) -> tuple[Any, Any]:
+            leaves, treedef = jax.tree.flatten(tree)
+            return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+        if self.where != other.where:
+            return False
+        try:
+            same_graph = bool(self.graphdef == other.graphdef)
+        except (TypeError, ValueError):  # an unhashable static attribute: no scan
+            return False
+        return same_graph and avals((self.state, self.arrays)) == avals((other.state, other.arrays))
+
+
+def layer_period(layers: Sequence[nnx.Module]) -> int | None:
+    """The shortest period p with which the layers repeat (layer i is the same module as
+    layer i % p) and at least two whole groups; None when there is none (no scan)."""
+    return _period([_Split(layer) for layer in layers])
+
+
+def _period(splits: Sequence[_Split]) -> int | None:
+    n = len(splits)
+    for p in range(1, n // 2 + 1):
+        if all(splits[i].same_as(splits[i % p]) for i in range(p, n)):
+            return p
+    return None
+
+
+def _pure_step(
+    split: _Split, step: LayerStep, remat_policy: str, prevent_cse: bool
+) -> Callable[..., tuple[Array, Any]]:
+    """step as a pure function of (state, arrays, x, inputs), rematerialised by the policy.
+    The state is an explicit argument of jax.checkpoint (not nnx.remat): under jax.grad
+    nnx.remat refuses to write back a layer's non-Param variables (LoRA's frozen base, a
+    quantized base, a frozen reference; Flax 0.12)."""
+    graphdef, where = split.graphdef, split.where
+
+    def pure(state: Any, arrays: Sequence[Array], x: Array, inputs: Any) -> tuple[Array, Any]:
+        layer = nnx.merge(graphdef, state)
+        _set_arrays(layer, where, arrays)
+        return step(layer, x, inputs)
+
+    if remat_policy == "none":
+        return pure
+    policy = checkpoint_policy(remat_policy)
+    return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)
+
+
+def _stack(trees: Sequence[Any]) -> Any:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def run_layers(
+    layers: Sequence[nnx.Module],
+    step: LayerStep,
+    x: Array,
+    inputs: Any = None,
+    *,
+    scan: bool,
+    remat_policy: str = "none",
+) -> tuple[Array, list[Any]]:
+    """`x` through every layer in order: ``x, aux_i = step(layer_i, x, inputs)``; returns the
+    final `x` and the per-layer `aux` in layer order. With `scan`, layers that repeat (see
+    the module docstring) run under one jax.lax.scan; the result is the loop's.
+    `remat_policy` (REMAT_POLICIES) rematerialises each layer either way."""
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={remat_policy!r} is not one of {REMAT_POLICIES}.")
+    n = len(layers)
+    splits = [_Split(layer) for layer in layers] if (scan or remat_policy != "none") else []
+    period = _period(splits) if scan else None
+    if period is None:
+        return _loop(layers, splits, step, x, inputs, remat_policy)
+    groups = n // period
+    # prevent_cse=False inside scan: the loop already keeps XLA from merging the recompute
+    # into the forward pass (jax.checkpoint's documentation), and CSE barriers cost speed.
+    fns = [_pure_step(splits[j], step, remat_policy, False) for j in range(period)]
+    # xs[j]: the states (and array attributes) of layers j, j + p, j + 2p, ... stacked.
+    xs = tuple(
+        _stack([(s.state, s.arrays) for s in splits[j : groups * period : period]])
+        for j in range(period)
+    )
+
+    def body(x: Array, group: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+        auxes = []
+        for fn, (state, arrays) in zip(fns, group):
+            x, aux = fn(state, arrays, x, inputs)
+            auxes.append(aux)
+        return x, tuple(auxes)
+
+    x, stacked = jax.lax.scan(body, x, xs)
+    # Layer i's aux is row i // p of what position i % p of the group returned.
+    aux = [
+        jax.tree.map(lambda a, row=i // period: a[row], stacked[i % period])
+        for i in range(groups * period)
+    ]
+    tail = slice(groups * period, n)
+    x, tail_aux = _loop(layers[tail], splits[tail], step, x, inputs, remat_policy)
+    return x, aux + tail_aux
+
+
+def _loop(
+    layers: Sequence[nnx.Module],
+    splits: Sequence[_Split],
+    step: LayerStep,
+    x: Array,
+    inputs: Any,
+    remat_policy: str,
+) -> tuple[Array, list[Any]]:
+    """The layers one by one, each traced on its own."""
+    aux = []
+    for i, layer in enumerate(layers):
+        if remat_policy == "none":
+            x, a = step(layer, x, inputs)
+        else:
+            s = splits[i]
+            x, a = _pure_step(s, step, remat_policy, True)(s.state, s.arrays, x, inputs)
+        aux.append(a)
+    return x, aux
