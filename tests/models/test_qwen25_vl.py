@@ -213,3 +213,16 @@ def test_the_hubs_flat_config_reads_as_transformers_5s_nested_one(hf_model):
     assert from_hf_qwen25_vl_config(flat) == config
     assert from_hf_qwen25_vl_config(to_hf_qwen25_vl_config(config)) == config
     assert config.mrope_section == (2, 3, 3) and config.vision.fullatt_block_indexes == (1,)
+
+
+def test_lora_adapts_the_decoder_only(hf_model, batch):
+    from jaxtrain.models.lora import apply_lora, lora_projections
+
+    ids, mask, pixels, grids = batch
+    model = load_qwen25_vl(hf_model.config.to_dict(), weights_of(hf_model))
+    before = model(jnp.asarray(ids), jnp.asarray(pixels), grids, attention_mask=jnp.asarray(mask))
+    apply_lora(model, rank=2, alpha=4.0)
+    adapted = {str(path[0]) for path, _ in lora_projections(model)}
+    assert adapted == {"model"} and len(lora_projections(model)) == 2 * 4  # qkv, o, gate_up, down
+    after = model(jnp.asarray(ids), jnp.asarray(pixels), grids, attention_mask=jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(after), np.asarray(before), rtol=1e-6, atol=1e-6)
