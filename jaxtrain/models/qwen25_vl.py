@@ -7,7 +7,8 @@ width), and `mrope_section` says how many of the head's frequencies each one dri
 ``model(input_ids [B, T], pixel_values [N, patch_dim], image_grid_thw [images, 3]) -> logits``:
 the images' flat patches and grids as transformers' image processor writes them, in the
 order their placeholders appear, row by row (the batch's k-th image token takes the k-th
-merged token).
+merged token); or per row, pixel_values [B, N, patch_dim] with `layout` (each row's images in
+its own padded slot, its k-th image token the row's k-th merged token).
 
 Positions are computed on the host (`rope_positions`, HF's get_rope_index for images): text
 counts up by one; an image's tokens take (t, row, column) offset by the position where it
@@ -262,22 +263,29 @@ class Qwen25VLForConditionalGeneration(nnx.Module):
         layout: VisionLayout | None = None,
     ) -> Array:
         """The decoder's input [B, T, D]: the k-th image token of the batch (row by row) is
-        the k-th merged token of the images' patches."""
+        the k-th merged token of the images' flat patches [N, patch_dim]; with per-row
+        patches [B, N, patch_dim] (and their `layout`, models/qwen25_vl_vision.row_layouts)
+        the k-th image token of a row is the row's k-th merged token."""
         is_image = input_ids == self.image_token_id
         # The placeholder may lie outside the vocabulary: its embedding is never read.
         x = self.model.embed_tokens(jnp.where(is_image, 0, input_ids))
         if pixel_values is None:
             return x
         if layout is None:
+            if pixel_values.ndim == 3:
+                raise ValueError("per-row pixel_values [B, N, patch_dim] need their layout "
+                                 "(models/qwen25_vl_vision.row_layouts).")  # fmt: skip
             if image_grid_thw is None or isinstance(image_grid_thw, jax.core.Tracer):
                 raise ValueError(
                     "pixel_values need their image_grid_thw as host values (numpy), or the "
                     "tower's layout from vision_layout(image_grid_thw, config.vision)."
                 )
             layout = vision_layout(image_grid_thw, self.config.vision, pixel_values.shape[0])
-        tokens = self.visual(pixel_values, layout).astype(x.dtype)  # [N / merge^2, D]
-        order = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, tokens.shape[0] - 1)
-        soft = jnp.take(tokens, order, axis=0).reshape(x.shape)
+        tokens = self.visual(pixel_values, layout).astype(x.dtype)  # [(B,) N / merge^2, D]
+        tokens = tokens.reshape(-1 if tokens.ndim == 3 else 1, *tokens.shape[-2:])
+        flat = is_image.reshape(tokens.shape[0], -1)  # each row, or the whole batch
+        order = jnp.clip(jnp.cumsum(flat, axis=1) - 1, 0, tokens.shape[1] - 1)
+        soft = jnp.take_along_axis(tokens, order[..., None], axis=1).reshape(x.shape)
         return jnp.where(is_image[..., None], soft, x)
 
     def _positions(

@@ -5,7 +5,9 @@ merger (spatial_merge_size^2 patches -> one token of the decoder's width).
 
 ``tower(pixel_values [N, C*T*P*P], layout) -> [N / merge^2, out_hidden_size]``: the flat
 patches of every image of a batch, as the image processor writes them (each image's patches
-merge unit by merge unit), and the merged tokens in the same order.
+merge unit by merge unit), and the merged tokens in the same order. Or per row,
+``[B, N, C*T*P*P] -> [B, N / merge^2, out]``: each row's own images (`row_layouts`), the
+layout a data-parallel batch shards by rows.
 
 Static shapes. The grids (`image_grid_thw` [images, 3]) decide which patches attend to which
 and each patch's rotary position. HF turns them into index lists and cumulative lengths and
@@ -45,6 +47,7 @@ __all__ = [
     "Qwen25VisionConfig",
     "Qwen25VisionTransformer",
     "VisionLayout",
+    "row_layouts",
     "vision_layout",
 ]
 
@@ -117,8 +120,8 @@ class Qwen25VisionConfig:
 
 
 class VisionLayout(NamedTuple):
-    """Per patch of pixel_values (int32 [N] each): its row and column in its image, its
-    window and its frame (ids unique in the batch; -1: a padding patch)."""
+    """Per patch of pixel_values (int32 [N] each, [B, N] per row): its row and column in its
+    image, its window and its frame (ids unique in the batch; -1: a padding patch)."""
 
     rows: Any
     cols: Any
@@ -164,15 +167,24 @@ def vision_layout(
     return VisionLayout(*(a.astype(np.int32) for a in arrays))
 
 
+def row_layouts(row_grids: list[Any], config: Qwen25VisionConfig, num_patches: int) -> VisionLayout:
+    """The layout [B, num_patches] of per-row pixel_values [B, num_patches, patch_dim]:
+    row b holds the patches of the images of grids `row_grids[b]` ([images, 3], maybe none),
+    then padding."""
+    rows = [vision_layout(g, config, num_patches) for g in row_grids]
+    return VisionLayout(*(np.stack(part) for part in zip(*rows)))
+
+
 def _rotary(layout: VisionLayout, config: Qwen25VisionConfig) -> tuple[Array, Array]:
-    """cos and sin [1, N, head_dim]: a quarter of the frequencies rotate by the patch's row,
-    a quarter by its column, each half of the head as HF's rotate_half pairs them."""
+    """cos and sin [B, N, head_dim] (layout [B, N]): a quarter of the frequencies rotate by
+    the patch's row, a quarter by its column, each half of the head as HF's rotate_half pairs
+    them."""
     quarter = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float64) / quarter))
     inv_freq = jnp.asarray(inv_freq.astype(np.float32))
-    rows = jnp.asarray(layout.rows, jnp.float32)[:, None] * inv_freq
-    cols = jnp.asarray(layout.cols, jnp.float32)[:, None] * inv_freq
-    angles = jnp.concatenate([rows, cols, rows, cols], axis=-1)[None]
+    rows = jnp.asarray(layout.rows, jnp.float32)[..., None] * inv_freq
+    cols = jnp.asarray(layout.cols, jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([rows, cols, rows, cols], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -218,12 +230,13 @@ class PatchMerger(nnx.Module):
                               bias_ndim=1, **kw)  # fmt: skip
 
     def __call__(self, x: Array) -> Array:
-        x = self.ln_q(x).reshape(1, -1, self.wide)  # a merge unit's patches are consecutive
-        return self.fc2(gelu(self.fc1(x), "gelu"))[0]  # nn.GELU(): the exact erf form
+        x = self.ln_q(x).reshape(x.shape[0], -1, self.wide)  # a merge unit's patches in a run
+        return self.fc2(gelu(self.fc1(x), "gelu"))  # nn.GELU(): the exact erf form
 
 
 class Qwen25VisionTransformer(nnx.Module):
-    """``tower(pixel_values [N, patch_dim], layout) -> [N / merge^2, out_hidden_size]``."""
+    """``tower(pixel_values [N, patch_dim], layout) -> [N / merge^2, out_hidden_size]``, or
+    per row [B, N, patch_dim] -> [B, N / merge^2, out_hidden_size] (see the module doc)."""
 
     def __init__(
         self,
@@ -244,21 +257,24 @@ class Qwen25VisionTransformer(nnx.Module):
 
     def __call__(self, pixel_values: Array, layout: VisionLayout) -> Array:
         c = self.config
-        if pixel_values.ndim != 2 or pixel_values.shape[1] != c.patch_dim:
+        if pixel_values.ndim not in (2, 3) or pixel_values.shape[-1] != c.patch_dim:
             raise ValueError(
                 f"pixel_values must be [patches, {c.patch_dim}] (the image processor's flat "
-                f"patches), got shape {tuple(pixel_values.shape)}."
+                f"patches) or [rows, patches, {c.patch_dim}], got {tuple(pixel_values.shape)}."
             )
-        if len(layout.rows) != pixel_values.shape[0]:
+        if np.shape(layout.rows) != pixel_values.shape[:-1]:
             raise ValueError(
-                f"the layout describes {len(layout.rows)} patches, pixel_values holds "
-                f"{pixel_values.shape[0]}: image_grid_thw does not match the pixels."
+                f"the layout describes {np.shape(layout.rows)} patches, pixel_values holds "
+                f"{pixel_values.shape[:-1]}: image_grid_thw does not match the pixels."
             )
-        x = self.patch_embed(pixel_values[None].astype(self.dtype))
+        flat = pixel_values.ndim == 2
+        x = pixel_values[None] if flat else pixel_values
+        layout = VisionLayout(*(jnp.asarray(a).reshape(x.shape[:2]) for a in layout))
+        x = self.patch_embed(x.astype(self.dtype))
         cos, sin = _rotary(layout, c)
-        windows, frames = jnp.asarray(layout.windows), jnp.asarray(layout.frames)
-        in_window = (windows[:, None] == windows[None, :])[None, None]
-        in_frame = (frames[:, None] == frames[None, :])[None, None]
+        in_window = (layout.windows[:, :, None] == layout.windows[:, None, :])[:, None]
+        in_frame = (layout.frames[:, :, None] == layout.frames[:, None, :])[:, None]
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, in_frame if i in c.fullatt_block_indexes else in_window)
-        return self.merger(x[0])
+        merged = self.merger(x)
+        return merged[0] if flat else merged

@@ -28,7 +28,7 @@ from jaxtrain.hf.qwen25_vl import load_qwen25_vl
 from jaxtrain.models.classes import classes_for
 from jaxtrain.models.llama import LlamaForCausalLM
 from jaxtrain.models.qwen25_vl import Qwen25VLConfig, rope_positions
-from jaxtrain.models.qwen25_vl_vision import vision_layout
+from jaxtrain.models.qwen25_vl_vision import row_layouts, vision_layout
 
 IMG, START, END, PAD = 250, 251, 252, 0
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -226,3 +226,19 @@ def test_lora_adapts_the_decoder_only(hf_model, batch):
     assert adapted == {"model"} and len(lora_projections(model)) == 2 * 4  # qkv, o, gate_up, down
     after = model(jnp.asarray(ids), jnp.asarray(pixels), grids, attention_mask=jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(after), np.asarray(before), rtol=1e-6, atol=1e-6)
+
+
+def test_per_row_patches_equal_the_flat_ones(hf_model, batch):
+    """Each row's images in its own slot [B, N, patch_dim] (padded; the text row all padding),
+    as a data-parallel batch holds them: the logits of the flat batch, transformers'."""
+    ids, mask, pixels, grids = batch
+    theirs = hf_logits(hf_model, ids, mask, pixels, grids)
+    model = load_qwen25_vl(hf_model.config.to_dict(), weights_of(hf_model))
+    first = int(np.prod(grids[0]))
+    slots = np.zeros((3, first, pixels.shape[1]), np.float32)
+    slots[0], slots[1, : len(pixels) - first] = pixels[:first], pixels[first:]
+    layout = row_layouts([grids[:1], grids[1:], grids[:0]], model.config.vision, first)
+    ours = model(
+        jnp.asarray(ids), jnp.asarray(slots), grids, layout=layout, attention_mask=jnp.asarray(mask)
+    )
+    assert_close(ours, theirs, mask)
