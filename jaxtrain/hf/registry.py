@@ -70,6 +70,7 @@ _FAMILIES: dict[str, str | ModelFamily] = {
     "gemma2": "jaxtrain.hf.families:GEMMA",
     "gemma3_text": "jaxtrain.hf.families:GEMMA",
     "gemma3": "jaxtrain.hf.gemma3_vlm:GEMMA3",
+    "qwen2_5_vl": "jaxtrain.hf.qwen25_vl:QWEN25_VL",
     "gpt2": "jaxtrain.hf.gpt2:GPT2",
     "vit": "jaxtrain.hf.vit:VIT",
 }

@@ -26,6 +26,10 @@ def classes_for(model_type: str | None, task: str = CAUSAL_LM) -> tuple[type[Any
         from jaxtrain.models.gemma3_vlm import Gemma3ForConditionalGeneration, Gemma3VisionConfig
 
         return Gemma3VisionConfig, Gemma3ForConditionalGeneration
+    if model_type == "qwen2_5_vl":  # with its vision tower
+        from jaxtrain.models.qwen25_vl import Qwen25VLConfig, Qwen25VLForConditionalGeneration
+
+        return Qwen25VLConfig, Qwen25VLForConditionalGeneration
     if model_type in GEMMA_MODEL_TYPES:
         return GemmaConfig, GemmaForCausalLM
     if model_type == "gpt2":
