@@ -147,10 +147,10 @@ class TrainingArguments:
     completion_only_loss: bool = False
     # A Jinja chat template replacing the tokenizer's own.
     chat_template: str | None = None
-    # Rows with images (a vision-language model's processor, data/vision.py): the image slots
-    # of each batch row (a row with more images is an error), and what becomes of a row whose
-    # truncation would cut an image's tokens: "error", or "drop" (skipped and counted).
+    # Rows with images (a vision-language model's, data/vision.py): the image slots of each
+    # batch row; a row with more images is an error.
     images_per_row: int = 1
+    # A row whose truncation would cut an image's tokens: "error", or "drop" (skipped, counted).
     image_truncation: str = "error"
     # Read dataset_train as a stream (files, datasets.Dataset); needs max_steps.
     streaming: bool = False

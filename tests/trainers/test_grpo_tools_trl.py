@@ -181,7 +181,7 @@ def run_jaxtrain(tok, checkpoint, tmp_path):
     def run(asks):  # the engine's place: each request's samples, scripted
         return [
             [sample(prompt, k if n > 1 else None, most) for k in range(n)]
-            for prompt, n, _seed, most in asks
+            for prompt, n, _seed, most, _images in asks
         ]
 
     sampler.load = lambda policy: None
