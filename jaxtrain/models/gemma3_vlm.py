@@ -111,6 +111,7 @@ class Gemma3ForConditionalGeneration(nnx.Module):
     # tower projections apart from their fused kernels here, and its projector is a bare
     # parameter that takes no adapter: adapters there could not be exported.)
     lora_skip = ("vision",)
+    vision_tower_parts = ("vision.vision_tower",)  # what freeze_vision_tower keeps as it is
     peft_modules = r".*language_model\..*"  # where PEFT looks for the adapted modules
 
     def __init__(

@@ -226,6 +226,8 @@ class Qwen25VLForConditionalGeneration(nnx.Module):
 
     # LoRA adapts the decoder; the tower keeps its weights.
     lora_skip = ("visual",)
+    # What freeze_vision_tower keeps as it is: the tower, not its patch merger (the projector).
+    vision_tower_parts = ("visual.patch_embed", "visual.blocks")
     # Where PEFT looks for the adapted modules: the decoder's layers (the tower's blocks have
     # gate/up/down projections too, under `blocks`).
     peft_modules = r".*layers\.\d+\.(self_attn|mlp)"

@@ -15,6 +15,7 @@ export and evaluation take one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -192,7 +193,13 @@ def adapt(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
     """What the run changes in which weights train, in place: a vision-language model's
     frozen vision tower, LoRA adapters (on a quantized base when asked)."""
     if settings.freeze_vision_tower:
-        towers = [m for path, m in nnx.iter_modules(model) if path and path[-1] == "vision_tower"]
+        # Each vision-language model names its tower's parts (`vision_tower_parts`: dotted
+        # attribute paths; the projector or merger after them is not one).
+        towers = [
+            functools.reduce(getattr, part.split("."), m)
+            for _, m in nnx.iter_modules(model)
+            for part in getattr(m, "vision_tower_parts", ())
+        ]
         if not towers:
             raise ArgumentError(
                 f"TrainingArguments.freeze_vision_tower=True, but {type(model).__name__} has no "

@@ -242,3 +242,27 @@ def test_per_row_patches_equal_the_flat_ones(hf_model, batch):
         jnp.asarray(ids), jnp.asarray(slots), grids, layout=layout, attention_mask=jnp.asarray(mask)
     )
     assert_close(ours, theirs, mask)
+
+
+def test_freeze_vision_tower_keeps_the_tower_not_its_merger(hf_model):
+    """`freeze_vision_tower`: the patch embedding and blocks become frozen; the merger (the
+    projector) and the decoder stay trainable (as Gemma 3's projector does)."""
+    from flax import nnx
+
+    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.models.frozen import Frozen
+    from jaxtrain.training.program import adapt
+
+    model = load_qwen25_vl(hf_model.config.to_dict(), weights_of(hf_model))
+    settings = ModelSettings(dtype=None, param_dtype=None, remat_policy="none", lora_rank=0,
+                             lora_alpha=16.0, lora_dropout=0.0, lora_targets=None, seed=0,
+                             quantization=None, quantization_block_size=64,
+                             quantization_double=False, scan_layers=False,
+                             freeze_vision_tower=True)  # fmt: skip
+    adapt(model, settings)
+    kinds = {"/".join(map(str, p)): type(v) for p, v in nnx.iter_graph(model)
+             if isinstance(v, nnx.Variable)}  # fmt: skip
+    tower = [k for k in kinds if k.startswith(("visual/patch_embed", "visual/blocks"))]
+    assert tower and all(kinds[k] is Frozen for k in tower)
+    rest = [k for k in kinds if k.startswith(("visual/merger", "model/"))]
+    assert rest and all(kinds[k] is nnx.Param for k in rest)
