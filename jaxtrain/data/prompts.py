@@ -96,6 +96,7 @@ def vision_sample_prompt(
     vision-language model's sample: the user's `prompt` about `image` (a path) as one user
     turn; else the first row's conversation up to its last reply, with the row's images."""
     from jaxtrain.data.images import images_of, load_image, place_images
+    from jaxtrain.data.vision import processed_prompt
 
     if prompt is not None or image is not None:
         turn = [{"role": "user", "content": prompt or ""}]
@@ -113,12 +114,5 @@ def vision_sample_prompt(
             )
         images = [load_image(i, "the data's row 0") for i in images_of(row, "the data's row 0")]
         messages = place_images(turns, len(images), "the data's row 0")
-    text = processor.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
-    )
-    out = processor(
-        text=[text], images=[images] if images else None, return_tensors="np",
-        add_special_tokens=False,
-    )  # fmt: skip
-    pixels = np.asarray(out["pixel_values"], np.float32) if images else None
-    return [int(i) for i in out["input_ids"][0]], text, pixels
+    ids, pixels, text = processed_prompt(processor, messages, images, chat_template=chat_template)
+    return ids, text, pixels

@@ -36,9 +36,12 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.images import images_of, load_image, place_images
 from jaxtrain.data.packing import ImageSlots
+from jaxtrain.errors import ArgumentError
 
 __all__ = [
     "VisionCollator",
+    "check_image_model",
+    "processed_prompt",
     "VisionFeaturizer",
     "is_processor",
     "text_tokenizer",
@@ -57,6 +60,34 @@ def is_processor(processing_class: Any) -> bool:
 def text_tokenizer(processing_class: Any) -> Any:
     """The tokenizer of a processor, or `processing_class` itself."""
     return processing_class.tokenizer if is_processor(processing_class) else processing_class
+
+
+def check_image_model(processor: Any, config: Any) -> None:
+    """ArgumentError unless the model of `config` takes the images `processor` makes."""
+    if getattr(config, "image_token_id", None) is None:
+        raise ArgumentError(
+            f"processing_class is a multimodal processor ({type(processor).__name__}) but the "
+            f"model ({type(config).__name__}) takes no images; pass its tokenizer "
+            "(processor.tokenizer) or a vision-language model."
+        )
+
+
+def processed_prompt(
+    processor: Any, messages: list, images: list, *, tools: Any = None, chat_template: Any = None
+) -> tuple[list[int], np.ndarray | None, str]:
+    """(token ids, the images' pixels [n, C, H, W] or None, the rendered text) of a chat ready
+    for the answer: `messages` with their image parts, rendered and tokenized by the
+    processor, each image expanded into its tokens."""
+    text = processor.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False,
+        chat_template=chat_template,
+    )  # fmt: skip
+    out = processor(
+        text=[text], images=[images] if images else None, return_tensors="np",
+        add_special_tokens=False,
+    )  # fmt: skip
+    pixels = np.asarray(out["pixel_values"], np.float32) if images else None
+    return [int(t) for t in out["input_ids"][0]], pixels, text
 
 
 class VisionFeaturizer(Featurizer):

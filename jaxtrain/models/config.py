@@ -221,3 +221,17 @@ def _validate_rope_scaling(rope_scaling: dict[str, Any] | None) -> dict[str, Any
     out = dict(rope_scaling)
     out["rope_type"] = rope_type  # normalise the legacy "type" key
     return out
+
+
+def two_tower_config(cls: type, d: dict[str, Any], text: type, vision: type, what: str) -> Any:
+    """A vision-language config `cls` from its `to_dict` dict (a run's model section): the
+    decoder's `text` section read by `text.from_dict`, the tower's `vision` by `vision(**...)`,
+    the rest `cls`'s own fields; ValueError naming `what` for anything else."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown or not isinstance(d.get("text"), dict) or not isinstance(d.get("vision"), dict):
+        raise ValueError(
+            f"a {what} config has the sections 'text' and 'vision' and the fields "
+            f"{sorted(known - {'text', 'vision'})}; got {sorted(d)}"
+        )
+    return cls(**{**d, "text": text.from_dict(d["text"]), "vision": vision(**d["vision"])})

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.models.config import two_tower_config
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxtrain.models.gemma3_vision import Gemma3ImageEncoder
 from jaxtrain.models.llama import ACT_BTV
@@ -78,15 +79,7 @@ class Gemma3VisionConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Gemma3VisionConfig:
         """The config of `to_dict`'s dict (a run's model section): its two towers nested."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown or not isinstance(d.get("text"), dict) or not isinstance(d.get("vision"), dict):
-            raise ValueError(
-                f"a Gemma 3 vision config has the sections 'text' and 'vision' and the fields "
-                f"{sorted(known - {'text', 'vision'})}; got {sorted(d)}"
-            )
-        return cls(**{**d, "text": GemmaConfig.from_dict(d["text"]),
-                       "vision": SiglipVisionConfig(**d["vision"])})  # fmt: skip
+        return two_tower_config(cls, d, GemmaConfig, SiglipVisionConfig, "Gemma 3 vision")
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

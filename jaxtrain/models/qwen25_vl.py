@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.config.tables import REMAT_POLICIES, SCAN_LAYERS_DEFAULT
-from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig, two_tower_config
 from jaxtrain.models.layer_scan import run_layers
 from jaxtrain.models.layers import Embedding, Projection, RMSNorm, rope_inv_freq
 from jaxtrain.models.llama import ACT_BTD, ACT_BTV, DecoderLayer, layer_step
@@ -100,15 +100,7 @@ class Qwen25VLConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Qwen25VLConfig:
         """The config of `to_dict`'s dict (a run's model section): its two towers nested."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown or not isinstance(d.get("text"), dict) or not isinstance(d.get("vision"), dict):
-            raise ValueError(
-                f"a Qwen2.5-VL config has the sections 'text' and 'vision' and the fields "
-                f"{sorted(known - {'text', 'vision'})}; got {sorted(d)}"
-            )
-        return cls(**{**d, "text": LlamaConfig.from_dict(d["text"]),
-                       "vision": Qwen25VisionConfig(**d["vision"])})  # fmt: skip
+        return two_tower_config(cls, d, LlamaConfig, Qwen25VisionConfig, "Qwen2.5-VL")
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

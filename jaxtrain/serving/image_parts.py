@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.data.vision import processed_prompt
+
 __all__ = ["has_images", "image_prompt"]
 
 
@@ -74,14 +76,7 @@ def image_prompt(
                 parts.append(part)
         rendered.append({**message, "content": parts})
     try:
-        text = processor.apply_chat_template(
-            rendered, tools=tools, add_generation_prompt=True, tokenize=False
-        )
-        out = processor(
-            text=[text], images=[images] if images else None, return_tensors="np",
-            add_special_tokens=False,
-        )  # fmt: skip
+        ids, pixels, _ = processed_prompt(processor, rendered, images, tools=tools)
     except Exception as err:  # a malformed message, an image the processor refuses
         raise error(400, f"the messages cannot be rendered: {err}", "messages") from None
-    pixels = np.asarray(out["pixel_values"], np.float32) if images else None
-    return [int(t) for t in out["input_ids"][0]], pixels
+    return ids, pixels

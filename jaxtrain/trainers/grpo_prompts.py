@@ -12,7 +12,7 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.images import IMAGE_COLUMNS, images_of, load_image, place_images
 from jaxtrain.data.packing import ImageSlots
 from jaxtrain.data.units import epoch_order
-from jaxtrain.data.vision import is_processor, text_tokenizer
+from jaxtrain.data.vision import is_processor, processed_prompt, text_tokenizer
 from jaxtrain.errors import ArgumentError
 
 __all__ = ["PromptLoader", "Prompts", "chat_ids", "observed_prompt", "read_prompts"]
@@ -150,13 +150,8 @@ def image_prompt(processor: Any, row: dict[str, Any], messages: list, index: int
     where = f"dataset_train row {index}"
     images = [load_image(x, where) for x in images_of(row, where)]
     placed = place_images([dict(m) for m in messages], len(images), where)
-    text = processor.apply_chat_template(placed, add_generation_prompt=True, tokenize=False)
-    out = processor(
-        text=[text], images=[images] if images else None, return_tensors="np",
-        add_special_tokens=False,
-    )  # fmt: skip
-    pixels = np.asarray(out["pixel_values"], np.float32) if images else None
-    return [int(t) for t in out["input_ids"][0]], pixels
+    ids, pixels, _ = processed_prompt(processor, placed, images)
+    return ids, pixels
 
 
 def _rows(dataset: Any) -> list[dict[str, Any]]:

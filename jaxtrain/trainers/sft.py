@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxtrain.arguments import TrainingArguments
-from jaxtrain.data.vision import VisionFeaturizer, is_processor
-from jaxtrain.errors import ArgumentError
+from jaxtrain.data.vision import VisionFeaturizer, check_image_model, is_processor
 from jaxtrain.task_arguments import SFTArguments
 from jaxtrain.trainers.data import SFTFeaturizer
 from jaxtrain.training.trainer import Trainer
@@ -28,11 +27,8 @@ class SFTTrainer(Trainer):
 
     def create_featurizer(self, name: str) -> SFTFeaturizer | VisionFeaturizer:
         args = self.arguments
-        if is_processor(self.processing_class):
-            return self._vision_featurizer(name)
-        return SFTFeaturizer(
+        rows = dict(
             name=name,
-            tokenizer=self.processing_class,
             text_column=args.text_column,
             messages_column=args.messages_column,
             completion_only_loss=args.completion_only_loss,
@@ -40,28 +36,17 @@ class SFTTrainer(Trainer):
             drop_columns=args.ids_to_pop_from_dataset or (),
             max_length=args.max_sequence_length,
         )
-
-    def _vision_featurizer(self, name: str) -> VisionFeaturizer:
-        """Rows with images, for a vision-language model and its processor."""
-        args, config = self.arguments, self.model_config
-        if getattr(config, "image_token_id", None) is None:
-            raise ArgumentError(
-                f"processing_class is a multimodal processor ({type(self.processing_class).__name__})"
-                f" but the model ({type(config).__name__}) takes no images; pass its tokenizer "
-                "(processor.tokenizer) or a vision-language model."
-            )
+        if not is_processor(self.processing_class):
+            return SFTFeaturizer(tokenizer=self.processing_class, **rows)
+        # Rows with images, for a vision-language model and its processor.
+        config = self.model_config
+        check_image_model(self.processing_class, config)
         return VisionFeaturizer(
-            name=name,
             processor=self.processing_class,
             image_token_id=config.image_token_id,
             image_shape=config.image_shape,
-            max_length=args.max_sequence_length,
             images_per_row=args.images_per_row,
             image_truncation=args.image_truncation,
             truncation_mode=args.truncation_mode,
-            text_column=args.text_column,
-            messages_column=args.messages_column,
-            completion_only_loss=args.completion_only_loss,
-            chat_template=args.chat_template,
-            drop_columns=args.ids_to_pop_from_dataset or (),
+            **rows,
         )

@@ -21,7 +21,7 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.images import images_of
 from jaxtrain.data.packing import ImageSlots
-from jaxtrain.data.vision import VisionFeaturizer
+from jaxtrain.data.vision import VisionFeaturizer, check_image_model
 from jaxtrain.errors import ArgumentError
 from jaxtrain.trainers.data import (
     PAIR_FLOAT_COLUMNS,
@@ -123,12 +123,7 @@ def vision_pair_featurizer(
     name: str, processor: Any, model_config: Any, args: Any
 ) -> VisionPairFeaturizer:
     """The featurizer of image pairs for a vision-language model of `model_config`."""
-    if getattr(model_config, "image_token_id", None) is None:
-        raise ArgumentError(
-            f"processing_class is a multimodal processor ({type(processor).__name__}) but the "
-            f"model ({type(model_config).__name__}) takes no images; pass its tokenizer "
-            "(processor.tokenizer) or a vision-language model."
-        )
+    check_image_model(processor, model_config)
     if args.packing:
         raise ArgumentError(
             "packing=True: preference pairs with images are not packed yet (each pair's "
