@@ -65,7 +65,7 @@ TASK = Task(
     trainer="jaxtrain.trainers.grpo:GRPOTrainer",
     rows="prompt, messages or prompt_ids (+ columns for the rewards)",
     # The rollout source's own batch: the sampler correction's arrays too.
-    batch=imported("jaxtrain.trainers.grpo_source:rollout_batch"),
+    batch=imported("jaxtrain.trainers.grpo_round:rollout_batch"),
     objective=imported("jaxtrain.trainers.grpo:grpo_objective"),
     frozen=reference_when_beta,
     check_data=partial(check_prompt_files, "grpo"),

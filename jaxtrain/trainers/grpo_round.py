@@ -10,16 +10,41 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.parallel.process_local import process_block
+from jaxtrain.task_arguments import GRPOArguments
 
-__all__ = ["GeneratedRound"]
+__all__ = ["GeneratedRound", "rollout_batch"]
 
 # The `kind` of a round's details in a checkpoint's metadata (what wrote its extra arrays).
 ROUND_KIND = "grpo_round"
 # ... of several rounds: the current one (if inside it) and those sampled ahead (async).
 ROUNDS_KIND = "grpo_rounds"
+
+
+def rollout_batch(
+    args: GRPOArguments, image_shape: tuple[int, ...] | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global train batch a round makes ([A, M, ...], unplaced): what the source hands the
+    step and what `jaxtrain plan --task grpo` compiles it for; with a vision-language model's
+    `image_shape`, each row's prompt images in `images_per_row` slots."""
+    a = args.gradient_accumulation_steps
+    m, t = args.total_batch_size // a, args.max_prompt_length + args.max_completion_length
+    shapes = {
+        "input_ids": ((a, m, t), jnp.int32),
+        "labels": ((a, m, t), jnp.int32),
+        "advantages": ((a, m), jnp.float32),
+    }
+    if args.num_iterations > 1 or args.max_staleness > 0:  # the sampling policy's
+        shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
+    if args.sampler_correction != "none":
+        shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
+        shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
+    if image_shape is not None:
+        shapes["pixel_values"] = ((a, m, args.images_per_row, *image_shape), jnp.float32)
+    return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
 
 @dataclasses.dataclass

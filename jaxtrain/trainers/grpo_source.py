@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -49,7 +48,7 @@ from jaxtrain.serving import Engine
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
-from jaxtrain.trainers.grpo_round import GeneratedRound
+from jaxtrain.trainers.grpo_round import GeneratedRound, rollout_batch
 from jaxtrain.trainers.grpo_sampler import RolloutSampler, completion_logs
 from jaxtrain.trainers.rewards import reward_name, score_completions
 from jaxtrain.trainers.rollout_rows import RolloutRows
@@ -61,29 +60,6 @@ from jaxtrain.trainers.tools import ToolCalls
 __all__ = ["RolloutSource", "rollout_batch"]
 
 logger = logging.getLogger("jaxtrain.trainers.grpo")
-
-
-def rollout_batch(
-    args: GRPOArguments, image_shape: tuple[int, ...] | None = None
-) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global train batch a round makes ([A, M, ...], unplaced): what the source hands the
-    step and what `jaxtrain plan --task grpo` compiles it for; with a vision-language model's
-    `image_shape`, each row's prompt images in `images_per_row` slots."""
-    a = args.gradient_accumulation_steps
-    m, t = args.total_batch_size // a, args.max_prompt_length + args.max_completion_length
-    shapes = {
-        "input_ids": ((a, m, t), jnp.int32),
-        "labels": ((a, m, t), jnp.int32),
-        "advantages": ((a, m), jnp.float32),
-    }
-    if args.num_iterations > 1 or args.max_staleness > 0:  # the sampling policy's
-        shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
-    if args.sampler_correction != "none":
-        shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
-        shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
-    if image_shape is not None:
-        shapes["pixel_values"] = ((a, m, args.images_per_row, *image_shape), jnp.float32)
-    return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
 
 class RolloutSource:
