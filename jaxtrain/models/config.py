@@ -235,3 +235,13 @@ def two_tower_config(cls: type, d: dict[str, Any], text: type, vision: type, wha
             f"{sorted(known - {'text', 'vision'})}; got {sorted(d)}"
         )
     return cls(**{**d, "text": text.from_dict(d["text"]), "vision": vision(**d["vision"])})
+
+
+class DecoderFields:
+    """A vision-language config (a dataclass with a `text` decoder config): what it lacks
+    (vocab_size, hidden_size, layers, heads, bos/eos/pad ids...) is its decoder's."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("text", "__setstate__") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.text, name)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models.config import two_tower_config
+from jaxtrain.models.config import DecoderFields, two_tower_config
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxtrain.models.gemma3_vision import Gemma3ImageEncoder
 from jaxtrain.models.llama import ACT_BTV
@@ -36,7 +36,7 @@ __all__ = ["Gemma3ForConditionalGeneration", "Gemma3VisionConfig", "image_blocks
 
 
 @dataclass
-class Gemma3VisionConfig:
+class Gemma3VisionConfig(DecoderFields):
     """Gemma 3 with images: its decoder's config, its vision tower's, and how images enter the
     text (HF Gemma3Config's fields). The decoder's sizes and special tokens read through."""
 
@@ -55,12 +55,6 @@ class Gemma3VisionConfig:
                 f"mm_tokens_per_image={self.mm_tokens_per_image} must be a square whose side "
                 f"divides the {self.vision.patches_per_side} patches per side of an image."
             )
-
-    def __getattr__(self, name: str) -> Any:
-        # vocab_size, hidden_size, layers, heads, bos/eos/pad ids...: the decoder's.
-        if name in ("text", "__setstate__") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.text, name)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:

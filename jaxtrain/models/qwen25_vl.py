@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.config.tables import REMAT_POLICIES, SCAN_LAYERS_DEFAULT
-from jaxtrain.models.config import LlamaConfig, two_tower_config
+from jaxtrain.models.config import DecoderFields, LlamaConfig, two_tower_config
 from jaxtrain.models.layer_scan import run_layers
 from jaxtrain.models.layers import Embedding, Projection, RMSNorm, rope_inv_freq
 from jaxtrain.models.llama import ACT_BTD, ACT_BTV, DecoderLayer, layer_step
@@ -56,7 +56,7 @@ __all__ = [
 
 
 @dataclass
-class Qwen25VLConfig:
+class Qwen25VLConfig(DecoderFields):
     """Qwen2.5-VL: its decoder's config (a qwen2 LlamaConfig), its tower's, M-RoPE's split
     and the special tokens (HF Qwen2_5_VLConfig's fields). The decoder's sizes and token ids
     read through."""
@@ -82,12 +82,6 @@ class Qwen25VLConfig:
                 f"vision out_hidden_size={self.vision.out_hidden_size} must equal the "
                 f"decoder's hidden_size={self.text.hidden_size}."
             )
-
-    def __getattr__(self, name: str) -> Any:
-        # vocab_size, hidden_size, layers, heads, bos/eos/pad ids...: the decoder's.
-        if name in ("text", "__setstate__") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.text, name)
 
     @property
     def patch_dim(self) -> int:
