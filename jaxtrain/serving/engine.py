@@ -33,7 +33,8 @@ only the rest. Every token comes with its log-prob (and, on request, the top alt
 sampling.py.
 
 The model's state is an argument of every compiled step: `update_state(state)` swaps in live
-parameters (GRPO's policy after each update) without a recompile. `warm_up()` compiles every
+parameters (GRPO's policy after each update) without a recompile, and drops the cached
+prefixes the old parameters computed. `warm_up()` compiles every
 bucket a request can reach, so nothing compiles while requests are served.
 """
 
@@ -140,8 +141,10 @@ class Engine:
 
     # ------------------------------------------------------------ requests
     def update_state(self, state: Any) -> None:
-        """Decode from these parameters from now on (the same structure: no recompile)."""
+        """Decode from these parameters from now on (the same structure: no recompile). The
+        cached prompt prefixes go: their keys and values were computed by the old ones."""
         self.state = state
+        self.pages.forget_prefixes()
 
     def submit(
         self,

@@ -291,6 +291,12 @@ class PageAllocator:
                 self.refs[page] += 1
         self._touch(keys[: len(pages)])
 
+    def forget_prefixes(self) -> None:
+        """Drop every cached prefix (the cache's reference to each page): their keys and
+        values belong to parameters that are no longer the engine's."""
+        cached, self.prefixes = list(self.prefixes.values()), {}
+        self.release(cached)
+
     def _touch(self, keys: list[str]) -> None:
         """These prefix pages were just used: most recent now, a prefix's first page last."""
         for key in reversed(keys):

@@ -192,3 +192,23 @@ def test_bad_requests_are_refused_with_the_reason(model):
     small.submit(prompt(7), SamplingParams(max_tokens=1), n=2)  # 2 pages each, 1 shared: 3
     with pytest.raises(ArgumentError, match="does not fit the KV cache even alone"):
         small.step()
+
+
+def test_new_parameters_drop_the_cached_prefixes_of_the_old_ones(model):
+    """A GRPO run hands the engine new parameters every round, and its prompts share full
+    pages (a system prompt, a prompt seen again next epoch): keys and values cached under the
+    old parameters must not serve the new ones."""
+    engine = Engine(model, max_slots=2, page_size=4, max_length=40, eos_token_ids=[])
+    system = prompt(13, 5)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    engine.generate([system], greedy)
+    _, state = nnx.split(model)
+    other = jax.tree.map(lambda x: x * 1.5 if x.ndim == 2 else x, state)
+    engine.update_state(other)
+    [after] = engine.generate([system + prompt(2, 6)], greedy)[0]
+    fresh = Engine(nnx.merge(nnx.graphdef(model), other), max_slots=2, page_size=4,
+                   max_length=40, eos_token_ids=[])  # fmt: skip
+    [want] = fresh.generate([system + prompt(2, 6)], greedy)[0]
+    assert after.token_ids == want.token_ids
+    assert after.logprobs == want.logprobs
+    assert engine.pages.available == engine.pages.num_pages - 1
