@@ -151,6 +151,11 @@ class RolloutArguments(TrainingArguments):
     # (the policy replicated on them, handed over by a device-to-device copy each round);
     # the rest train. 0: the engine samples on the training mesh.
     rollout_devices: int = 0
+    # A mixture-of-experts policy: each forward of the loss routes every token to the experts
+    # the sampler chose for it (recorded by the engine), weighted by the trainer's router, so
+    # routing flips between sampler and trainer no longer change the log-probs (rollout
+    # routing replay). Off: the agreement is still logged (sampling/routing_agreement/*).
+    routing_replay: bool = False
     # Completions cut at max_completion_length (no eos) get no loss.
     mask_truncated_completions: bool = False
     # One weight per reward function (default all 1).

@@ -40,7 +40,9 @@ __all__ = [
 ]
 
 Array = jax.Array
-Cache = list[tuple[Array, Array]]  # per layer: (keys, values) [B, L, K, H]
+# Per layer: (keys, values) [B, L, K, H]; the serving engine's pool may add a MoE layer's
+# recorded experts (serving/paged.py, `write_routing`).
+Cache = list[tuple[Array, ...]]
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,17 @@ def _llama(model: LlamaForCausalLM, ids: Array, slots: Slots, cache: Cache, ever
     for layer, layer_cache in zip(lm.layers, cache):
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-        keys, values = slots.write(layer_cache, k, v)
+        keys, values = slots.write(layer_cache[:2], k, v)
         out = slots.attention(q, keys, values, mask, window=c.sliding_window)
         x = x + attn.o_proj(out)
         y = layer.mlp(layer.post_attention_layernorm(x))
-        x = x + (y[0] if isinstance(y, tuple) else y)  # a sparse MoE block adds router stats
-        new_cache.append((keys, values))
+        routes = ()
+        if isinstance(y, tuple):  # a sparse MoE block: (y, what its router did)
+            y, router = y
+            if len(layer_cache) == 3:  # a pool that records each token's experts
+                routes = (slots.write_routing(layer_cache[2], router.experts),)
+        x = x + y
+        new_cache.append((keys, values, *routes))
     h = lm.norm(_head_input(x, every))
     logits = lm.embed_tokens.attend(h) if model.lm_head is None else model.lm_head(h)
     return _head_output(logits, every), new_cache

@@ -163,32 +163,39 @@ def run_layers(
     *,
     scan: bool,
     remat_policy: str = "none",
+    layer_inputs: Sequence[Any] | None = None,
 ) -> tuple[Array, list[Any]]:
     """`x` through every layer in order: ``x, aux_i = step(layer_i, x, inputs)``; returns the
     final `x` and the per-layer `aux` in layer order. With `scan`, layers that repeat (see
     the module docstring) run under one jax.lax.scan; the result is the loop's.
-    `remat_policy` (REMAT_POLICIES) rematerialises each layer either way."""
+    `remat_policy` (REMAT_POLICIES) rematerialises each layer either way. `layer_inputs`:
+    one value per layer (a MoE layer's replayed routing; None where a layer has none), handed
+    to the step as ``(inputs, layer_inputs[i])``."""
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={remat_policy!r} is not one of {REMAT_POLICIES}.")
     n = len(layers)
+    per_layer = [inputs] * n if layer_inputs is None else [(inputs, v) for v in layer_inputs]
     splits = [_Split(layer) for layer in layers] if (scan or remat_policy != "none") else []
     period = _period(splits) if scan else None
     if period is None:
-        return _loop(layers, splits, step, x, inputs, remat_policy)
+        return _loop(layers, splits, step, x, per_layer, remat_policy)
     groups = n // period
     # prevent_cse=False inside scan: the loop already keeps XLA from merging the recompute
     # into the forward pass (jax.checkpoint's documentation), and CSE barriers cost speed.
     fns = [_pure_step(splits[j], step, remat_policy, False) for j in range(period)]
     # xs[j]: the states (and array attributes) of layers j, j + p, j + 2p, ... stacked.
+    # The per-layer inputs ride along in xs; the shared ones are closed over.
+    shared = layer_inputs is None
     xs = tuple(
-        _stack([(s.state, s.arrays) for s in splits[j : groups * period : period]])
+        _stack([(s.state, s.arrays, None if shared else layer_inputs[i])
+                for i, s in enumerate(splits) if i < groups * period and i % period == j])
         for j in range(period)
-    )
+    )  # fmt: skip
 
     def body(x: Array, group: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
         auxes = []
-        for fn, (state, arrays) in zip(fns, group):
-            x, aux = fn(state, arrays, x, inputs)
+        for fn, (state, arrays, own) in zip(fns, group):
+            x, aux = fn(state, arrays, x, inputs if shared else (inputs, own))
             auxes.append(aux)
         return x, tuple(auxes)
 
@@ -199,7 +206,7 @@ def run_layers(
         for i in range(groups * period)
     ]
     tail = slice(groups * period, n)
-    x, tail_aux = _loop(layers[tail], splits[tail], step, x, inputs, remat_policy)
+    x, tail_aux = _loop(layers[tail], splits[tail], step, x, per_layer[tail], remat_policy)
     return x, aux + tail_aux
 
 
@@ -208,12 +215,12 @@ def _loop(
     splits: Sequence[_Split],
     step: LayerStep,
     x: Array,
-    inputs: Any,
+    per_layer: Sequence[Any],
     remat_policy: str,
 ) -> tuple[Array, list[Any]]:
-    """The layers one by one, each traced on its own."""
+    """The layers one by one, each traced on its own (`per_layer`: each one's inputs)."""
     aux = []
-    for i, layer in enumerate(layers):
+    for i, (layer, inputs) in enumerate(zip(layers, per_layer)):
         if remat_policy == "none":
             x, a = step(layer, x, inputs)
         else:

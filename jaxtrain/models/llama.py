@@ -205,8 +205,10 @@ class LlamaForCausalLM(nnx.Module):
         positions: Array | None = None,
         segment_ids: Array | None = None,
         attention_mask: Array | None = None,
+        **decoder_inputs: Array,
     ) -> Array:
-        """The final-norm hidden states [B, T, hidden] that the output head turns into logits."""
+        """The final-norm hidden states [B, T, hidden] that the output head turns into logits.
+        `decoder_inputs`: what a family's decoder takes besides (a MoE's `routing`)."""
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}; "
@@ -228,6 +230,7 @@ class LlamaForCausalLM(nnx.Module):
             remat_policy=self.remat_policy,
             implementation=self.attention_implementation,
             scan=self.scan_layers,
+            **decoder_inputs,
         )
 
 

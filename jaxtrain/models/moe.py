@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +146,12 @@ class MoeConfig(LlamaConfig):
     def num_sparse_layers(self) -> int:
         return sum(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
 
+    @property
+    def routing_shape(self) -> tuple[int, int]:
+        """(sparse layers, experts per token): a token's routing, as MoeModel returns and
+        replays it."""
+        return self.num_sparse_layers, self.num_experts_per_tok
+
     def _mlp_parameters(self, active: bool) -> int:
         """Parameters of all MLP blocks (active: those one token multiplies by)."""
         d = self.hidden_size
@@ -180,6 +186,14 @@ def _positive_int(name: str, value: Any) -> None:
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, param_dtype: DType) -> Array:
     return nnx.initializers.normal(stddev=std)(rngs.params(), shape, param_dtype)
+
+
+class RouterOutput(NamedTuple):
+    """What a sparse layer's router did: its losses [balance, z] and each token's experts
+    [B, T, k]."""
+
+    stats: Array
+    experts: Array
 
 
 class SparseMoeBlock(nnx.Module):
@@ -221,16 +235,19 @@ class SparseMoeBlock(nnx.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def __call__(self, x: Array) -> tuple[Array, Array]:
+    def __call__(self, x: Array, replay: Array | None = None) -> tuple[Array, RouterOutput]:
+        """(y [B, T, D], the router's statistics and the experts each token went to).
+        `replay` [B, T, k]: experts to route to instead of this router's top k (moe_dispatch.route)."""
         b, t, d = x.shape
         logits = self.gate(x).reshape(b * t, self.num_experts)
-        weights, experts, _ = route(logits, self.top_k, normalize=self.normalize)
+        replayed = None if replay is None else replay.reshape(b * t, -1)
+        weights, experts, _ = route(logits, self.top_k, normalize=self.normalize, replay=replayed)
         balance, z = router_losses(logits, experts, self.num_experts)
         y = self.experts(x, experts.reshape(b, t, -1), weights.reshape(b, t, -1))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
-        return y, jnp.stack([balance, z])
+        return y, RouterOutput(jnp.stack([balance, z]), experts.reshape(b, t, -1))
 
     def experts(self, x: Array, experts: Array, weights: Array) -> Array:
         """The routed experts' weighted sum [B, T, D]; split over ep under a sharded trace."""
@@ -289,20 +306,24 @@ class MoeDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm_kw)
         self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, segment_ids=None, implementation=None):
+    def __call__(self, x, cos, sin, segment_ids=None, implementation=None, replay=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, implementation)
-        y, stats = self.mlp(self.post_attention_layernorm(x))
-        return x + y, stats
+        y, router = self.mlp(self.post_attention_layernorm(x), replay)
+        return x + y, router
 
 
-def layer_step(implementation: str | None) -> LayerStep:
-    """A layer (sparse or dense) as a `run_layers` step; aux: a sparse layer's router
-    statistics [balance, z], None for a dense layer."""
+def layer_step(implementation: str | None, replayed: bool = False) -> LayerStep:
+    """A layer (sparse or dense) as a `run_layers` step; aux: a sparse layer's RouterOutput,
+    None for a dense layer. `replayed`: the step's inputs are (shared inputs, the layer's
+    routing to replay) (`run_layers`' layer_inputs)."""
 
-    def step(layer: nnx.Module, x: Array, inputs: tuple[Array, ...]) -> tuple[Array, Any]:
-        out = layer(x, *inputs, implementation)
-        x, stats = out if isinstance(out, tuple) else (out, None)
-        return constrain(x, ACT_BTD), stats
+    def step(layer: nnx.Module, x: Array, inputs: tuple[Any, ...]) -> tuple[Array, Any]:
+        shared, replay = inputs if replayed else (inputs, None)
+        if isinstance(layer, MoeDecoderLayer):
+            x, router = layer(x, *shared, implementation, replay)
+        else:
+            x, router = layer(x, *shared, implementation), None
+        return constrain(x, ACT_BTD), router
 
     return step
 
@@ -337,23 +358,42 @@ class MoeModel(LlamaModel):
         remat_policy: str = "none",
         implementation: str | None = None,
         scan: bool = False,
+        routing: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
+        """(hidden states, aux): aux holds the router losses and "routing" [B, S, T, k], the
+        experts each token went to in each of the S sparse layers. `routing` (the same
+        shape, -1 where nothing was recorded): experts to replay instead of choosing."""
         c = self.config
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
         x = constrain(self.embed_tokens(input_ids), ACT_BTD)
+        replays = None if routing is None else self.layer_routing(routing)
         x, per_layer = run_layers(
-            self.layers, layer_step(implementation), x, (cos, sin, segment_ids),
-            scan=scan, remat_policy=remat_policy,
+            self.layers, layer_step(implementation, replays is not None), x,
+            (cos, sin, segment_ids), scan=scan, remat_policy=remat_policy, layer_inputs=replays,
         )  # fmt: skip
-        stats = [s for s in per_layer if s is not None]
+        routers = [r for r in per_layer if r is not None]
+        stats = [r.stats for r in routers]
         mean = jnp.mean(jnp.stack(stats), axis=0) if stats else jnp.zeros((2,), jnp.float32)
         aux = {
             "aux_loss": c.router_aux_loss_coef * mean[0] + c.router_z_loss_coef * mean[1],
             "router_balance": mean[0],
             "router_z": mean[1],
         }
+        if routers:
+            aux["routing"] = jnp.stack([r.experts for r in routers], axis=1)
         return self.norm(x), aux
+
+    def layer_routing(self, routing: Array) -> list[Array | None]:
+        """Each layer's slice [B, T, k] of `routing` [B, S, T, k] (None for a dense layer)."""
+        sparse = [i for i in range(len(self.layers)) if self.config.is_sparse_layer(i)]
+        if routing.ndim != 4 or routing.shape[1] != len(sparse):
+            raise ValueError(
+                f"routing must be [batch, {len(sparse)} sparse layers, tokens, "
+                f"{self.config.num_experts_per_tok}], got shape {routing.shape}."
+            )
+        column = {layer: j for j, layer in enumerate(sparse)}
+        return [routing[:, column[i]] if i in column else None for i in range(len(self.layers))]
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -373,9 +413,21 @@ class MoeForCausalLM(LlamaForCausalLM):
             )
         super().__init__(config, **kwargs)
 
-    def hidden_states(self, input_ids: Array, *, return_aux: bool = False, **kwargs: Any):
-        """Final-norm hidden states [B, T, D] (and the router losses with ``return_aux``)."""
+    def hidden_states(
+        self,
+        input_ids: Array,
+        *,
+        return_aux: bool = False,
+        return_routing: bool = False,
+        **kwargs: Any,
+    ):
+        """Final-norm hidden states [B, T, D] (and with ``return_aux`` the router losses).
+        ``return_routing``: (h, routing [B, S, T, k], the experts each token went to in each
+        sparse layer); ``routing=`` (that shape, -1 where unknown) replays a sampler's."""
         h, aux = super().hidden_states(input_ids, **kwargs)
+        routing = aux.pop("routing", None)
+        if return_routing:
+            return h, routing
         return (h, aux) if return_aux else h
 
     def __call__(self, input_ids: Array, *, return_aux: bool = False, **kwargs: Any):

@@ -35,14 +35,23 @@ def default_implementation() -> str:
     return "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
 
 
-def route(logits: Array, top_k: int, *, normalize: bool) -> tuple[Array, Array, Array]:
+def route(
+    logits: Array, top_k: int, *, normalize: bool, replay: Array | None = None
+) -> tuple[Array, Array, Array]:
     """(weights [N, k], experts [N, k], probabilities [N, E]) from router logits [N, E].
 
     Softmax over all experts in float32, then the top k; ``normalize`` rescales the k
-    weights to sum to 1 (Mixtral always, Qwen-MoE when ``norm_topk_prob``).
+    weights to sum to 1 (Mixtral always, Qwen-MoE when ``norm_topk_prob``). ``replay``
+    [N, k]: experts chosen before (by a sampler: routing replay) used instead of the top k,
+    weighted by this router's probabilities of them, so the router still learns; a token
+    whose row holds a -1 (nothing recorded) takes its own top k.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
+    if replay is not None:
+        recorded = jnp.all(replay >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(recorded, replay.astype(experts.dtype), experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32), probs

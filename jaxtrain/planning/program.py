@@ -188,6 +188,11 @@ def compile_step(program: Any, args: Any, task: str = DEFAULT_TASK) -> tuple[dic
         a, m = args.gradient_accumulation_steps, args.micro_batch_size
         shape = (a, m, args.images_per_row, *image_shape)
         batch = {**batch, "pixel_values": jax.ShapeDtypeStruct(shape, jax.numpy.float32)}
+    routing = getattr(program.parts.config, "routing_shape", None)
+    if routing is not None and getattr(args, "routing_replay", False):  # GRPO's replay
+        a, m = args.gradient_accumulation_steps, args.micro_batch_size
+        shape = (a, m, routing[0], args.max_sequence_length, routing[1])
+        batch = {**batch, "routing": jax.ShapeDtypeStruct(shape, jax.numpy.int16)}
     step = program.compile_train_step(program.abstract_state(), batch)
     seconds = time.perf_counter() - start
     return compiled_figures(program, step.compiled.executable), seconds

@@ -87,7 +87,9 @@ class Engine:
     `eos_token_ids`: default the tokenizer's or the
     config's; `logprobs_mode`: "raw" (the model's distribution) or "processed" (after each
     request's temperature, what an RL trainer scores a token with: sampling.py);
-    `max_images`: a vision-language model's images per prompt (serving/images.py)."""
+    `max_images`: a vision-language model's images per prompt (serving/images.py);
+    `record_routing`: a mixture-of-experts model's pool also keeps the experts each token went
+    to, returned with each completion (`Completion.routing`: GRPO's routing replay)."""
 
     def __init__(
         self,
@@ -106,10 +108,12 @@ class Engine:
         eos_token_ids: Sequence[int] | None = None,
         logprobs_mode: str = "raw",
         max_images: int = 1,
+        record_routing: bool = False,
     ):
         check_engine_options(model, max_slots=max_slots, page_size=page_size,
                              prefill_tokens=prefill_tokens, speculative_tokens=speculative_tokens,
-                             attention=attention, logprobs_mode=logprobs_mode)  # fmt: skip
+                             attention=attention, logprobs_mode=logprobs_mode,
+                             record_routing=record_routing)  # fmt: skip
         config = model.config
         self.tokenizer, self.max_slots, self.page_size = tokenizer, max_slots, page_size
         self.vocab_size = config.vocab_size
@@ -121,8 +125,10 @@ class Engine:
         if num_pages is None:
             num_pages = pool_pages(model, page_size, max_slots * self.max_pages + 1,
                                    kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
-                                   sharding=sharding)  # fmt: skip
-        self.pool = jax.device_put(empty_pool(model, num_pages, page_size), sharding)
+                                   sharding=sharding, routing=record_routing)  # fmt: skip
+        self.record_routing = record_routing
+        pool = empty_pool(model, num_pages, page_size, routing=record_routing)
+        self.pool = jax.device_put(pool, sharding)
         self.pages = PageAllocator(num_pages, page_size)
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
@@ -479,6 +485,9 @@ class Engine:
 
     def _finish(self, seq: requests.Sequence, reason: str) -> None:
         self.active.remove(seq)
+        routing = None
+        if self.record_routing:  # every written token's experts, read before the pages go
+            routing = self.steps.routing(self.pool, seq.pages, self.max_pages)[:, : seq.position]
         # Its written pages stay cached like a prompt's, for a request continuing its text (the
         # newest token has no KV yet: it would be the next step's input).
         full, size = seq.position // self.page_size, self.page_size
@@ -488,7 +497,7 @@ class Engine:
         text = seq.text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-        self.finished.append(seq.completion(text, reason))
+        self.finished.append(seq.completion(text, reason, routing))
 
     # ------------------------------------------------------------ start-up
     def warm_up(

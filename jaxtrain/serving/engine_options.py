@@ -23,8 +23,14 @@ def check_engine_options(
     speculative_tokens: Any,
     attention: Any,
     logprobs_mode: Any,
+    record_routing: bool = False,
 ) -> None:
     """Raises ArgumentError for a setting Engine cannot take (see Engine's docstring)."""
+    if record_routing and not hasattr(model.config, "num_experts_per_tok"):
+        raise ArgumentError(
+            f"record_routing keeps a mixture-of-experts model's expert choices; "
+            f"{type(model).__name__} has no experts: leave it off."
+        )
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
         raise ArgumentError(
             f"speculative_tokens must be an integer >= 0 (0: off), got {speculative_tokens!r}"

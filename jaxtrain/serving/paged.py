@@ -25,7 +25,15 @@ import numpy as np
 from jaxtrain.errors import JaxtrainError
 from jaxtrain.models.attention import attention_probs
 
-__all__ = ["CacheFull", "PageAllocator", "PagedSlots", "empty_pool", "page_bytes"]
+__all__ = [
+    "CacheFull",
+    "PageAllocator",
+    "PagedSlots",
+    "empty_pool",
+    "is_sparse",
+    "page_bytes",
+    "routing_of",
+]
 
 Array = jax.Array
 GARBAGE_PAGE = 0
@@ -35,22 +43,45 @@ class CacheFull(JaxtrainError):
     """No free page for a sequence that needs one (the scheduler waits or says so)."""
 
 
-def page_bytes(model: Any, page_size: int) -> int:
-    """Bytes one page takes over every layer (keys and values)."""
+def page_bytes(model: Any, page_size: int, routing: bool = False) -> int:
+    """Bytes one page takes over every layer (keys and values; and with `routing`, a MoE's
+    recorded experts)."""
     c = model.config
     per_layer = 2 * page_size * c.num_key_value_heads * c.head_dim
-    return per_layer * c.num_hidden_layers * jnp.dtype(model.dtype).itemsize
+    kv = per_layer * c.num_hidden_layers * jnp.dtype(model.dtype).itemsize
+    sparse = sum(routing and is_sparse(model, i) for i in range(c.num_hidden_layers))
+    return kv + sparse * page_size * _experts_per_token(model) * 4
 
 
-def empty_pool(model: Any, num_pages: int, page_size: int) -> list[tuple[Array, Array]]:
+def is_sparse(model: Any, layer: int) -> bool:
+    """Whether `layer` of `model` routes its tokens to experts (a MoE's sparse layer)."""
+    return bool(getattr(model.config, "is_sparse_layer", lambda i: False)(layer))
+
+
+def _experts_per_token(model: Any) -> int:
+    return int(getattr(model.config, "num_experts_per_tok", 0))
+
+
+def empty_pool(model: Any, num_pages: int, page_size: int, routing: bool = False) -> list[tuple]:
     """Every layer's (keys, values) pool [K, num_pages, page_size, H] in the model's dtype
-    (kv heads first: the layout the Pallas paged-attention kernels read in place)."""
+    (kv heads first: the layout the Pallas paged-attention kernels read in place). With
+    `routing`, a MoE's sparse layers hold a third pool [1, num_pages, page_size, k]: the
+    experts each written token went to (-1: none written), read back by `routing_of`."""
     c = model.config
     shape = (c.num_key_value_heads, num_pages, page_size, c.head_dim)
+    routes = (1, num_pages, page_size, _experts_per_token(model))
     return [
         (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
-        for _ in range(c.num_hidden_layers)
+        + ((jnp.full(routes, -1, jnp.int32),) if routing and is_sparse(model, i) else ())
+        for i in range(c.num_hidden_layers)
     ]
+
+
+def routing_of(pool: list[tuple], table: Array) -> Array:
+    """[S, W * page_size, k]: the experts recorded for a sequence's tokens in order, in each
+    of the pool's S routing layers (`table` [W]: its pages)."""
+    routes = [layer[2][0, table] for layer in pool if len(layer) == 3]  # [W, page_size, k]
+    return jnp.stack([r.reshape(-1, r.shape[-1]) for r in routes])
 
 
 @jax.tree_util.register_dataclass
@@ -120,17 +151,28 @@ class PagedSlots:
         """The layer's pool with the new tokens' keys and values [B, T, K, H] scattered into
         their pages (padding and positions past a row's table into the garbage page)."""
         keys, values = pool  # [K, pages, page_size, H]
-        p = self.logical
-        index = p // self.page_size
-        inside = (p >= 0) & (index < self.table.shape[1])
-        page = jnp.take_along_axis(self.table, jnp.clip(index, 0, self.table.shape[1] - 1), axis=1)
-        page = jnp.where(inside, page, GARBAGE_PAGE)  # never the table's last page, clipped
-        offset = jnp.where(inside, p % self.page_size, 0)
+        page, offset = self._places()
         heads_first = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, T, K, H] -> [K, B, T, H]
         return (
             keys.at[:, page, offset].set(heads_first(k).astype(keys.dtype)),
             values.at[:, page, offset].set(heads_first(v).astype(values.dtype)),
         )
+
+    def write_routing(self, routes: Array, experts: Array) -> Array:
+        """A sparse layer's routing pool [1, pages, page_size, k] with the new tokens'
+        experts [B, T, k] in their slots (as `write` places their keys)."""
+        page, offset = self._places()
+        return routes.at[0, page, offset].set(experts.astype(routes.dtype))
+
+    def _places(self) -> tuple[Array, Array]:
+        """(page, offset) [B, T] of each new token: padding and positions past a row's
+        table go to the garbage page."""
+        p = self.logical
+        index = p // self.page_size
+        inside = (p >= 0) & (index < self.table.shape[1])
+        page = jnp.take_along_axis(self.table, jnp.clip(index, 0, self.table.shape[1] - 1), axis=1)
+        page = jnp.where(inside, page, GARBAGE_PAGE)  # never the table's last page, clipped
+        return page, jnp.where(inside, p % self.page_size, 0)
 
     def read(self, keys: Array, values: Array) -> tuple[Array, Array]:
         """Each row's pages gathered in order: [B, max_pages * page_size, K, H]."""

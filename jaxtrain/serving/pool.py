@@ -31,13 +31,15 @@ def pool_pages(
     kv_cache_gib: float | None,
     memory_fraction: float | None,
     sharding: jax.sharding.Sharding,
+    routing: bool = False,
 ) -> int:
     """Pages of the pool (page 0, the garbage page, included): what the budget holds, never
-    more than `every_slot` (a slot's worth of pages for every slot, and page 0)."""
+    more than `every_slot` (a slot's worth of pages for every slot, and page 0); `routing`:
+    its pages record a MoE's experts too."""
     budget = memory_budget(kv_cache_gib, memory_fraction, sharding)
     if budget is None:
         return every_slot
-    return int(min(every_slot, budget // page_bytes(model, page_size) + 1))
+    return int(min(every_slot, budget // page_bytes(model, page_size, routing) + 1))
 
 
 def memory_budget(

@@ -35,6 +35,9 @@ class Completion:
     finish_reason: str  # "stop" (eos, stop id or string) or "length" (max_tokens)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
+    # An engine with record_routing (a MoE model): [S sparse layers, tokens, k] experts of
+    # every token that went through the model (the prompt, then all generated but the last).
+    routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -100,7 +103,9 @@ class Sequence:
             images=self.images,
         )  # fmt: skip
 
-    def completion(self, text: str | None, reason: str) -> Completion:
+    def completion(
+        self, text: str | None, reason: str, routing: np.ndarray | None = None
+    ) -> Completion:
         return Completion(
             self.request_id,
             self.index,
@@ -110,6 +115,7 @@ class Sequence:
             reason,
             self.logprobs,
             self.top_logprobs if self.params.logprobs else None,
+            routing,
         )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.kv_cache import decode_with_slots
-from jaxtrain.serving.paged import PagedSlots
+from jaxtrain.serving.paged import PagedSlots, routing_of
 from jaxtrain.serving.sampling import Drawn, sample_rows
 
 __all__ = ["Steps", "bucket", "buckets", "chunk_tokens", "table_width"]
@@ -83,6 +83,7 @@ class Steps:
         self._prefill_images = jax.jit(self._prefill_images_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
         self._verify = jax.jit(self._verify_fn, donate_argnums=1)
+        self._routing = jax.jit(routing_of)
         self._copy = jax.jit(
             lambda pool, source, target: self._placed(_copy_page(pool, source, target)),
             donate_argnums=0,
@@ -169,6 +170,13 @@ class Steps:
         steps = {"prefill": self._prefill, "prefill_images": self._prefill_images,
                  "decode": self._decode, "verify": self._verify}  # fmt: skip
         return steps[kind].lower(state, pool, *args)
+
+    def routing(self, pool: Any, pages: list[int], max_pages: int) -> np.ndarray:
+        """[S, max_pages * page_size, k]: the experts a pool that records routing holds for
+        the tokens of a sequence's `pages` (paged.routing_of), on the host."""
+        table = np.zeros(max_pages, np.int32)  # one width: one compile
+        table[: len(pages)] = pages
+        return np.asarray(self._routing(pool, table))
 
     def copy_page(self, pool: Any, source: int, target: int) -> Any:
         """`pool` with page `target` a copy of page `source` in every layer."""

@@ -113,6 +113,8 @@ class GRPOTrainer(Trainer):
                 f"GRPO samples with the KV-cache generator; {type(model).__name__} has no KV "
                 "cache (the Llama family and its MoE, Gemma 2/3 and GPT-2 have)."
             )
+        routing = getattr(model.config, "routing_shape", None)  # a MoE policy's
+        check_routing_replay(args, routing, tool_calls)
         reference = None
         if args.beta > 0 and (reference_model is not None or not args.lora_rank):
             reference = (
@@ -138,6 +140,7 @@ class GRPOTrainer(Trainer):
             eval_prompts=eval_prompts,
             tool_calls=tool_calls,
             rollout_mesh=rollout_mesh,
+            routing=routing,
         )
         super().__init__(
             arguments=args,
@@ -284,6 +287,25 @@ def check_process_groups(args: RolloutArguments, processes: int) -> None:
         )
 
 
+def check_routing_replay(
+    args: RolloutArguments, routing: tuple[int, int] | None, tool_calls: ToolCalls | None
+) -> None:
+    """routing_replay needs a mixture-of-experts policy sampled in single turns (the engine
+    records the experts of one request's tokens)."""
+    if not args.routing_replay:
+        return
+    if routing is None:
+        raise ArgumentError(
+            f"{type(args).__name__}.routing_replay replays a mixture-of-experts policy's "
+            "expert choices; this policy has no experts: set routing_replay=False."
+        )
+    if tool_calls is not None:
+        raise ArgumentError(
+            f"{type(args).__name__}.routing_replay does not replay multi-turn tool rollouts "
+            "yet (their turns are separate requests): set routing_replay=False, or drop tools."
+        )
+
+
 def grpo_objective(args: GRPOArguments) -> Objective:
     """GRPO's objective for `args` (loss type, beta, clipping): on a TaskModel whose
     `reference` is the frozen KL reference (None with LoRA: the policy without adapters)."""
@@ -295,7 +317,11 @@ def grpo_objective(args: GRPOArguments) -> Objective:
         seen = dict(temperature=t, pixel_values=batch.get("pixel_values"))
         # Log-probs of softmax(logits / temperature): the distribution the completions were
         # sampled from (TRL's too). The entropy comes out of the same (chunked) logits.
-        logps, mask, entropy = model_token_logps(model.model, ids, labels, entropy=True, **seen)
+        # The policy's forward replays the sampler's experts (routing_replay; the reference
+        # routes as it does).
+        logps, mask, entropy = model_token_logps(
+            model.model, ids, labels, entropy=True, routing=batch.get("routing"), **seen
+        )
         ref = None
         if args.beta > 0:
             if model.reference is not None:

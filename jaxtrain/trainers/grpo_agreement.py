@@ -8,6 +8,12 @@ here, and in general a lower-precision or stale sampler. It is logged for every 
 (`sampling/sampling_logp_difference/mean|max`), and with a correction each completion token's
 loss is weighted by exp(trainer - sampler) (`sampling/importance_sampling_ratio/min|mean|max`).
 Pure functions of arrays [B, T] over completion tokens (`mask`), jitted by the caller.
+
+A mixture-of-experts policy's sampler also records the experts it sent each token to; the
+trainer's own choice for the same tokens is compared with it (`routing_agreement`): the
+share of (token, sparse layer) pairs routed to the same set of experts, on average and in the
+layer that agrees least (`sampling/routing_agreement/mean|min`). GRPOArguments.routing_replay
+makes the loss use the sampler's.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxtrain.data.collate import IGNORE_INDEX
 
-__all__ = ["agreement", "round_agreement", "sampler_ratio"]
+__all__ = ["agreement", "round_agreement", "routing_agreement", "sampler_ratio"]
 
 
 def round_agreement(
@@ -102,3 +108,20 @@ def agreement(
         out[name + "mean"] = jnp.where(counted, values, 0.0).sum() / jnp.maximum(n, 1)
         out[name + "max"] = jnp.where(some, jnp.where(counted, values, -jnp.inf).max(), 0.0)
     return out
+
+
+def routing_agreement(trainer: jax.Array, sampler: jax.Array) -> dict[str, jax.Array]:
+    """The logged routing agreement of experts [B, S, T, k] chosen by the trainer and by the
+    sampler (-1: a token the sampler did not run, left out): a token agrees in a layer when
+    both chose the same k experts, in any order. No token recorded: 1."""
+    recorded = jnp.all(sampler >= 0, axis=-1)  # [B, S, T]
+    same = jnp.all(jnp.sort(trainer, -1) == jnp.sort(sampler.astype(trainer.dtype), -1), -1)
+
+    def share(axes: tuple[int, ...] | None) -> jax.Array:
+        counted = recorded.sum(axes)
+        return jnp.where(counted > 0, (same & recorded).sum(axes) / jnp.maximum(counted, 1), 1.0)
+
+    return {
+        "sampling/routing_agreement/mean": share(None),
+        "sampling/routing_agreement/min": share((0, 2)).min(),
+    }

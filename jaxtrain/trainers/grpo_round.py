@@ -25,11 +25,15 @@ ROUNDS_KIND = "grpo_rounds"
 
 
 def rollout_batch(
-    args: GRPOArguments, image_shape: tuple[int, ...] | None = None
+    args: GRPOArguments,
+    image_shape: tuple[int, ...] | None = None,
+    routing: tuple[int, int] | None = None,
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The global train batch a round makes ([A, M, ...], unplaced): what the source hands the
     step and what `jaxtrain plan --task grpo` compiles it for; with a vision-language model's
-    `image_shape`, each row's prompt images in `images_per_row` slots."""
+    `image_shape`, each row's prompt images in `images_per_row` slots; with a MoE policy's
+    `routing` shape (MoeConfig.routing_shape) and routing_replay, the sampler's experts of
+    every token [A, M, S, T, k] (-1: none recorded)."""
     a = args.gradient_accumulation_steps
     m, t = args.total_batch_size // a, args.max_prompt_length + args.max_completion_length
     shapes = {
@@ -44,6 +48,8 @@ def rollout_batch(
         shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
     if image_shape is not None:
         shapes["pixel_values"] = ((a, m, args.images_per_row, *image_shape), jnp.float32)
+    if routing is not None and args.routing_replay:
+        shapes["routing"] = ((a, m, routing[0], t, routing[1]), jnp.int16)
     return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
 

@@ -45,7 +45,9 @@ class RolloutSampler:
     """See the module docstring. `eos_token_ids` end a completion (the first fills the rest
     of its row, else `pad_token_id`); `prompt_sets` are every prompt this run
     samples (the warm-up compiles for the longest); `processes`: the processes sharing
-    each round (each samples its share)."""
+    each round (each samples its share); `routing`: a MoE policy's routing shape
+    (MoeConfig.routing_shape): the engine records each token's experts, returned with the
+    rows (single-turn rollouts)."""
 
     def __init__(
         self,
@@ -57,8 +59,10 @@ class RolloutSampler:
         prompt_sets: list[Prompts],
         processes: int,
         tool_calls: ToolCalls | None = None,
+        routing: tuple[int, int] | None = None,
     ):
         self.args, self.tokenizer, self.eos_token_ids = args, tokenizer, eos_token_ids
+        self.routing = routing
         self.pad_token_id, self.prompt_sets, self.processes = pad_token_id, prompt_sets, processes
         self.tool_calls = tool_calls
         self.template = response_template(tokenizer) if tool_calls is not None else None
@@ -76,6 +80,7 @@ class RolloutSampler:
                 eos_token_ids=self.eos_token_ids,
                 logprobs_mode="processed",  # scored as the trainer scores them
                 max_images=self.args.images_per_row,
+                record_routing=self.routing is not None,
             )
             self.engine.warm_up(*self._warm_up_limits())
         self.engine.update_state(nnx.split(policy)[1])
@@ -107,10 +112,12 @@ class RolloutSampler:
                 asks += [(x, 1, seed * g + i, most, None) for i, x in enumerate(group)]
         firsts = [c for group in self.run(asks) for c in group]
         fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_token_id
-        out = RolloutRows.empty(len(ids), args.max_prompt_length, args.max_completion_length, fill)
+        out = RolloutRows.empty(
+            len(ids), args.max_prompt_length, args.max_completion_length, fill, self.routing
+        )
         if boxes is None:
             for i, (prompt, c) in enumerate(zip(ids, firsts)):
-                out.put(i, prompt, c.token_ids, c.logprobs, MODEL)
+                out.put(i, prompt, c.token_ids, c.logprobs, MODEL, c.routing)
             return out, None
         episodes = [
             Episode([int(t) for t in prompt], box, list(c.token_ids), list(c.logprobs))

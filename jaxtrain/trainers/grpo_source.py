@@ -65,7 +65,9 @@ logger = logging.getLogger("jaxtrain.trainers.grpo")
 class RolloutSource:
     """See the module docstring. `reward_funcs` with their `reward_weights`; `eos_token_ids`
     end a completion; `layout` places the batch on the mesh; prompts are left-padded with
-    `pad_token_id`."""
+    `pad_token_id`; `routing`: a mixture-of-experts policy's routing shape
+    (MoeConfig.routing_shape): the sampler records its experts, their agreement with the
+    trainer's is logged, and with routing_replay the loss replays them."""
 
     on_policy = True
     state_is_per_process = False
@@ -84,6 +86,7 @@ class RolloutSource:
         eval_prompts: Prompts | None = None,
         tool_calls: ToolCalls | None = None,
         rollout_mesh: Any = None,
+        routing: tuple[int, int] | None = None,
     ):
         self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
         self.eval_prompts = eval_prompts  # sampled by GRPOTrainer.evaluate on this engine
@@ -116,7 +119,9 @@ class RolloutSource:
             prompt_sets=[prompts] + ([eval_prompts] if eval_prompts is not None else []),
             processes=self.process_count,
             tool_calls=tool_calls,
+            routing=routing,
         )
+        self.routing = routing  # a MoE policy's routing shape: its agreement is measured
         self.tool_calls = tool_calls
         self._episodes: dict[int, Episode] = {}  # this round's multi-turn rollouts, by row
         self.ahead: RoundsAhead | None = None  # max_staleness > 0: rounds sampled ahead
@@ -175,7 +180,7 @@ class RolloutSource:
             k: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=self.layout.sharding(x.ndim, micro_axis=True)
             )
-            for k, x in rollout_batch(self.args, self.prompts.image_shape).items()
+            for k, x in rollout_batch(self.args, self.prompts.image_shape, self.routing).items()
         }
 
     def next(self, step: int, state: Any) -> SourceBatch:
@@ -340,6 +345,10 @@ class RolloutSource:
             placed["old_logps"] = trainer_logps
         labels = placed["labels"]
         weight, agreement_logs = self.logps.agreement(trainer_logps, sampler_logps, labels)
+        if "routing" in placed:  # a MoE policy: the trainer's routing against the sampler's
+            agreement_logs.update(self.logps.routing(self._program, state, placed))
+            if not args.routing_replay:
+                del placed["routing"]
         if args.sampler_correction != "none":
             placed["sampler_logps"], placed["sampler_weight"] = sampler_logps, weight
         logs = {

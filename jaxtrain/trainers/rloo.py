@@ -77,7 +77,7 @@ def rloo_objective(args: RLOOArguments) -> Objective:
         ids, labels = batch["input_ids"], batch["labels"]
         logps, mask, entropy = model_token_logps(
             model.model, ids, labels, entropy=True, temperature=args.temperature,
-            pixel_values=batch.get("pixel_values"),
+            pixel_values=batch.get("pixel_values"), routing=batch.get("routing"),
         )  # fmt: skip
         mask = mask.astype(jnp.float32)
         sequence = (logps * mask).sum(-1)

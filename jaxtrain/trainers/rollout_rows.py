@@ -25,7 +25,9 @@ PAD, MODEL, TOOL = 0, 1, 2
 class RolloutRows:
     """Prompts [N, P] (their lengths [N]: an environment's observation can make a row's
     prompt its own), completions [N, C], their sampler log-probs and kinds, and each row's
-    tool calls and failed calls."""
+    tool calls and failed calls; of a mixture-of-experts policy, `routing` [N, S, P + C, k]:
+    the experts the sampler sent each token of the row (prompt then completion) to in its S
+    sparse layers (-1: not run through the model, as a completion's last token)."""
 
     prompt_ids: np.ndarray
     prompt_lengths: np.ndarray
@@ -34,9 +36,18 @@ class RolloutRows:
     kind: np.ndarray
     calls: np.ndarray
     failures: np.ndarray
+    routing: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, rows: int, prompt_length: int, length: int, fill: int) -> RolloutRows:
+    def empty(
+        cls,
+        rows: int,
+        prompt_length: int,
+        length: int,
+        fill: int,
+        routing: tuple[int, int] | None = None,
+    ) -> RolloutRows:
+        """`routing`: a MoE policy's (sparse layers, experts per token), or None."""
         return cls(
             np.zeros((rows, prompt_length), np.int32),
             np.zeros(rows, np.int32),
@@ -45,19 +56,27 @@ class RolloutRows:
             np.zeros((rows, length), np.int8),
             np.zeros(rows, np.int32),
             np.zeros(rows, np.int32),
-        )
+            None if routing is None else np.full(
+                (rows, routing[0], prompt_length + length, routing[1]), -1, np.int16
+            ),
+        )  # fmt: skip
 
-    def put(self, row: int, prompt, tokens, logprobs, kind) -> None:
-        """Row `row`: its prompt, its completion's tokens, their log-probs and kinds."""
+    def put(self, row: int, prompt, tokens, logprobs, kind, routing=None) -> None:
+        """Row `row`: its prompt, its completion's tokens, their log-probs and kinds (and the
+        experts of the tokens the sampler ran, [S, tokens, k])."""
         p, n = len(prompt), len(tokens)
         self.prompt_ids[row, :p], self.prompt_lengths[row] = prompt, p
         self.tokens[row, :n], self.logprobs[row, :n], self.kind[row, :n] = tokens, logprobs, kind
+        if routing is not None:
+            self.routing[row, :, : routing.shape[1]] = routing
 
     def prompt(self, row: int) -> np.ndarray:
         return self.prompt_ids[row, : self.prompt_lengths[row]]
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every array held (`routing` only of a MoE policy)."""
+        fields = (f.name for f in dataclasses.fields(self))
+        return {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
 
     def select(self, index: np.ndarray) -> RolloutRows:
         return RolloutRows(**{k: v[index] for k, v in self.arrays().items()})
@@ -100,7 +119,7 @@ class RolloutRows:
         """[A, M, T] rows: prompt then completion, right-padded (causal attention never lets
         a real token see the padding); labels are the model's tokens of the scored
         completions; the sampler's log-probs [A, M, T - 1] where the trainer's log-prob of
-        each token is."""
+        each token is; a MoE sampler's routing [A, M, S, T, k]."""
         n, t = len(self.tokens), sequence_length
         ids = np.full((n, t), pad_token_id, np.int32)
         labels = np.full((n, t), IGNORE_INDEX, np.int32)
@@ -115,6 +134,8 @@ class RolloutRows:
                                                         IGNORE_INDEX)  # fmt: skip
         host = {"input_ids": ids, "labels": labels, "advantages": advantages,
                 "sampler_logps": sampler}  # fmt: skip
+        if self.routing is not None:  # rows start with their prompt, as the sampler's record
+            host["routing"] = self.routing[:, :, :t]
         return {
             k: v.reshape(accumulation, n // accumulation, *v.shape[1:]) for k, v in host.items()
         }

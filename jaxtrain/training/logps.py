@@ -115,17 +115,20 @@ def model_token_logps(
     entropy: bool = False,
     temperature: float = 1.0,
     pixel_values: jax.Array | None = None,
+    routing: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """``token_logps`` of a causal LM on ``input_ids`` (right-padded rows: causal attention
     never lets a real token see the padding), chunked when ``chunks_logits(model)``; with
     ``entropy`` the per-position entropies too, from the same logits. `temperature`: of
     softmax(logits / temperature), the distribution a sampler at that temperature draws from
     (GRPO's policy, old and reference log-probs, as TRL computes them). `pixel_values`: a
-    vision-language model's image slots of the rows (data/vision.py)."""
-    images = {} if pixel_values is None else {"pixel_values": pixel_values}
+    vision-language model's image slots of the rows (data/vision.py). `routing` [B, S, T, k]:
+    a mixture-of-experts policy's experts to replay (a sampler's: GRPO's routing_replay)."""
+    inputs = {"pixel_values": pixel_values, "routing": routing}
+    given = {k: v for k, v in inputs.items() if v is not None}
     unsampled = unsampled_token_ids(model)  # as the samplers draw (models/masking.py)
     if chunks_logits(model, input_ids.size):
-        hidden = model.hidden_states(input_ids, **images)
+        hidden = model.hidden_states(input_ids, **given)
         chunk = chunk_tokens_for(model.config.vocab_size)
         project = model.output_projection()
         if temperature != 1.0 or unsampled:
@@ -135,7 +138,7 @@ def model_token_logps(
                 return without_tokens(unscaled(h), unsampled) / temperature
 
         return chunked_token_logps(hidden, project, labels, chunk_tokens=chunk, entropy=entropy)
-    logits = without_tokens(model(input_ids, **images), unsampled)
+    logits = without_tokens(model(input_ids, **given), unsampled)
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, labels, entropy=entropy)

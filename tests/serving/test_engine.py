@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 from engine_models import VOCAB, CompileLog, prompt, tiny_llama
 from flax import nnx
@@ -212,3 +213,29 @@ def test_new_parameters_drop_the_cached_prefixes_of_the_old_ones(model):
     assert after.token_ids == want.token_ids
     assert after.logprobs == want.logprobs
     assert engine.pages.available == engine.pages.num_pages - 1
+
+
+def test_a_moe_engine_records_the_experts_of_every_token_it_ran():
+    """Routing replay's record: the experts each prompt and generated token went to in each
+    sparse layer, through chunked prefill, a group's shared pages and decode steps, are the
+    experts the full forward picks for the same tokens."""
+    config = MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, max_position_embeddings=64, initializer_range=0.3,
+        decoder_sparse_step=1, mlp_only_layers=[1],
+    )  # fmt: skip
+    moe = MoeForCausalLM(config, rngs=nnx.Rngs(2))
+    engine = Engine(moe, max_slots=4, page_size=4, max_length=32, prefill_tokens=16,
+                    eos_token_ids=[], record_routing=True)  # fmt: skip
+    batch = [prompt(n, n) for n in (21, 6)]  # the first prefills in two chunks
+    done = engine.generate(batch, SamplingParams(max_tokens=5, temperature=1.0, seed=3), n=2)
+    for p, group in zip(batch, done):
+        for c in group:
+            tokens = p + c.token_ids[:-1]  # the last token never went through the model
+            assert c.routing.shape == (2, len(tokens), 2)  # 2 sparse layers of 3
+            _, want = moe.hidden_states(jax.numpy.asarray([tokens]), return_routing=True)
+            np.testing.assert_array_equal(np.sort(c.routing, -1), np.sort(want[0], -1))
+    assert engine.pages.available == engine.pages.num_pages - 1
+    with pytest.raises(ArgumentError, match="record_routing .* has no experts"):
+        Engine(tiny_llama(), record_routing=True)
