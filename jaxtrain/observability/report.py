@@ -1,7 +1,10 @@
 """The run report: one PNG (and an HTML page embedding it) that a person looks at first.
 
 Curves of train and eval loss, learning rate, throughput (real and padded tokens/s) and MFU
-(TFLOP/s per device where the peak is unknown) over steps, and a summary table. Built from
+(TFLOP/s per device where the peak is unknown) over steps, and a summary table. An online RL
+run (GRPO, RLOO: it logs `reward`) gets a third row: the reward, how far the sampler's
+log-probs are from the trainer's, and a mixture-of-experts policy's routing agreement (the
+completion lengths for other policies). Built from
 <run_dir>/metrics.jsonl and run_info.json only, so `jaxtrain report RUN_DIR` works on any
 run directory, finished or not. `plot_series` returns the exact data it plots.
 """
@@ -20,6 +23,21 @@ from jaxtrain.errors import ArgumentError, ReportError  # noqa: F401  (ReportErr
 from jaxtrain.observability.logs import read_jsonl
 
 Series = dict[str, tuple[list[int], list[float]]]
+
+# What an online RL run logs every round and the report draws (trainers/grpo_source.py).
+LOGP_DIFFERENCE = "sampling/sampling_logp_difference/"
+ROUTING_AGREEMENT = "sampling/routing_agreement/"
+RL_CURVES = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    LOGP_DIFFERENCE + "mean",
+    LOGP_DIFFERENCE + "max",
+    ROUTING_AGREEMENT + "mean",
+    ROUTING_AGREEMENT + "min",
+    "completions/mean_length",
+    "completions/max_length",
+)
 
 
 @dataclass
@@ -49,6 +67,7 @@ def collect_series(records: list[dict[str, Any]]) -> Series:
         "grad_norm",
         "memory/device_peak_gib",
         "memory/host_rss_gib",
+        *RL_CURVES,
     )
     series: Series = {}
     for record in records:
@@ -105,6 +124,15 @@ def summarise(records: list[dict[str, Any]], info: dict[str, Any], series: Serie
         rows.append(("final eval perplexity", _fmt(evals[-1]["eval/perplexity"])))
         if _finite(evals[-1].get("eval/accuracy")):
             rows.append(("final eval accuracy", f"{evals[-1]['eval/accuracy']:.3f}"))
+    if "reward" in series:  # an online RL run: its last rounds and their agreement
+        last = series["reward"][1][-5:]
+        rows.append(("reward (last 5 rounds)", _fmt(sum(last) / len(last))))
+        for key, label, worst in (
+            (LOGP_DIFFERENCE + "max", "sampler log-prob diff (max)", max),
+            (ROUTING_AGREEMENT + "min", "routing agreement (min)", min),
+        ):
+            if key in series:
+                rows.append((label, _fmt(worst(series[key][1]))))
     for label, points in task_scores(records).items():  # the final score of each task
         _, value, stderr = points[-1]
         rows.append((label, f"{value:.3f} ± {stderr:.3f}"))
@@ -151,7 +179,8 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
     import matplotlib.pyplot as plt
 
     plotted: Series = {}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    online_rl = "reward" in series
+    fig, axes = plt.subplots(3 if online_rl else 2, 3, figsize=(15, 12.5 if online_rl else 8.5))
     fig.suptitle("jaxtrain run report", fontsize=14, fontweight="bold")
 
     def draw(ax, key: str, label: str, **style: Any) -> None:
@@ -188,7 +217,9 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
     ax = axes[1, 1]
     draw(ax, "grad_norm", "grad norm", color="tab:brown")
     ax.set_title("global gradient norm")
-    for ax in axes.flat[:5]:
+    if online_rl:
+        _draw_rl_row(axes[2], draw, series)
+    for ax in [*axes.flat[:5], *axes.flat[6:]]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -211,6 +242,29 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return plotted
+
+
+def _draw_rl_row(row: Any, draw: Any, series: Series) -> None:
+    """The online RL panels: reward, sampler/trainer log-prob difference, routing agreement
+    (a MoE policy) or completion lengths."""
+    draw(row[0], "reward", "reward (mean)", color="tab:green")
+    draw(row[0], "reward_std", "reward std", color="tab:green", linestyle="--", linewidth=1)
+    draw(row[0], "frac_reward_zero_std", "groups without signal", color="tab:gray", linewidth=1)
+    row[0].set_title("reward")
+    draw(row[1], LOGP_DIFFERENCE + "mean", "mean", color="tab:blue")
+    draw(row[1], LOGP_DIFFERENCE + "max", "max", color="tab:blue", linestyle="--")
+    if any(min(series[k][1]) > 0 for k in series if k.startswith(LOGP_DIFFERENCE)):
+        row[1].set_yscale("log")
+    row[1].set_title("|sampler - trainer| log-prob")
+    if ROUTING_AGREEMENT + "mean" in series:
+        draw(row[2], ROUTING_AGREEMENT + "mean", "mean", color="tab:red")
+        draw(row[2], ROUTING_AGREEMENT + "min", "least agreeing layer", color="tab:red",
+             linestyle="--")  # fmt: skip
+        row[2].set_title("tokens routed as the sampler did (MoE)")
+    else:
+        draw(row[2], "completions/mean_length", "mean", color="tab:purple")
+        draw(row[2], "completions/max_length", "max", color="tab:purple", linestyle="--")
+        row[2].set_title("completion length (tokens)")
 
 
 def _scores_html(scores: dict[str, list[tuple[int, float, float]]]) -> str:

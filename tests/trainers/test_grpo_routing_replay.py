@@ -7,7 +7,7 @@
   not.
 - A GRPO run: on the sampler's own parameters every token routes alike (agreement 1); handed
   a sampler whose router was changed, the routing agreement drops, and with routing_replay the
-  trainer's log-probs of the round are the sampler's all the same.
+  trainer's log-probs of the round are the sampler's all the same. Its report draws them.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 from conftest import tiny_arguments
 from flax import nnx
+from matplotlib import image
 
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
+from jaxtrain.observability.report import write_report
 from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers import GRPOTrainer
 from jaxtrain.trainers.grpo_agreement import routing_agreement
@@ -152,6 +154,16 @@ def test_a_moe_grpo_run_logs_its_routing_agreement_and_replays_the_sampler_s(tok
     )
     sampler = flat(rows["sampler_logps"])[np.asarray(mask)]
     assert np.abs(np.asarray(own)[np.asarray(mask)] - sampler).max() > 1e-3
+    # The run's report draws the RL row: reward, log-prob difference, routing agreement.
+    report = write_report(args.output_dir)
+    assert image.imread(report.png).shape[:2] == (1250, 1500)
+    for key in ("reward", "sampling/sampling_logp_difference/max",
+                "sampling/routing_agreement/mean", "sampling/routing_agreement/min"):  # fmt: skip
+        assert report.series[key] == ([1, 2], [pytest.approx(e[key]) for e in record.logs])
+    summary = dict(report.summary)
+    assert float(summary["routing agreement (min)"]) == pytest.approx(
+        second["sampling/routing_agreement/min"], rel=1e-3
+    )
 
 
 def test_routing_replay_needs_experts_and_single_turn_rollouts(tokenizer, tmp_path):
