@@ -314,6 +314,7 @@ def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
         rollout_engine_shape(args),
         max_prompt_tokens=args.max_prompt_length,
         logprobs_mode="processed",
+        record_routing=hasattr(policy.config, "routing_shape"),  # as the sampler's (a MoE's)
     )
     return {"memory": {k: figures[k] for k in ("peak", "temporaries", "pool_bytes")},
             "shapes": figures["shapes"], "compile_seconds": figures["compile_seconds"]}  # fmt: skip

@@ -26,17 +26,19 @@ def plan_engine(
     max_prompt_tokens: int | None = None,
     sharding: jax.sharding.Sharding | None = None,
     logprobs_mode: str = "raw",
+    record_routing: bool = False,
 ) -> dict[str, Any]:
     """Per-device bytes of an engine of `shape` over `model` (an NNX model whose state may be
     jax.ShapeDtypeStructs): the page pool, the largest program's peak (its parameters, pool,
     outputs and temporaries) and temporaries, how many shapes it compiles, in how long.
     `sharding`: where the pool lives (default: as an engine places it, replicated over the
-    parameters' mesh; the first device for unplaced shapes)."""
+    parameters' mesh; the first device for unplaced shapes); `record_routing`: the pool keeps
+    a MoE's experts too (Engine's option of the same name)."""
     graphdef, state = nnx.split(model)
     if sharding is None:
         placed = any(getattr(x, "sharding", None) is not None for x in jax.tree.leaves(state))
         sharding = pool_sharding(state) if placed else SingleDeviceSharding(jax.devices()[0])
-    pool = jax.eval_shape(lambda: empty_pool(model, shape.pages, shape.page_size))
+    pool = jax.eval_shape(lambda: empty_pool(model, shape.pages, shape.page_size, record_routing))
     pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), pool)
     steps = Steps(graphdef, shape.page_size, sharding, "gather", logprobs_mode == "processed")
     platform = next(iter(sharding.device_set)).platform
