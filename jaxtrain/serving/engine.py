@@ -52,6 +52,7 @@ from flax import nnx
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.serving import requests
+from jaxtrain.serving.adapters import adapter_count
 from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
@@ -137,6 +138,7 @@ class Engine:
         )
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
         self.images = ImageInputs.of(config, max_images)  # None: the model takes no images
+        self.adapters = adapter_count(model)  # LoRA adapters a request may choose (adapters.py)
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Prefill] = []
         self.active: list[requests.Sequence] = []
@@ -160,11 +162,13 @@ class Engine:
         n: int = 1,
         on_token: OnToken | None = None,
         images: Any = None,
+        adapter: int = 0,
     ) -> int:
         """Queue a request of `n` samples; returns its id. `on_token(request_id, index,
         token, logprob, top)` is called for every new token (streaming; requests.OnToken).
         `images` [n, C, H, W]: the pixels of the prompt's images, in the order of their runs
-        of image tokens (a vision-language model's; serving/images.py)."""
+        of image tokens (a vision-language model's; serving/images.py). `adapter`: the LoRA
+        adapter it runs through (serving/adapters.py: i for the i-th loaded; 0 the base)."""
         params = params or SamplingParams()
         prompt = np.asarray(list(prompt_ids), np.int32)
         check_request(prompt, params, n, vocab_size=int(self.vocab_size),
@@ -174,8 +178,12 @@ class Engine:
             images = self.images.check(prompt, images, self.prefill_tokens)
         elif images is not None:
             raise ArgumentError(f"{type(self.graphdef).__name__}: this model takes no images")
+        if not 0 <= adapter <= self.adapters:
+            raise ArgumentError(f"adapter {adapter}: this engine has {self.adapters} (0: none)")
         request_id = next(self._ids)
-        self.waiting.append(Request(request_id, prompt, params, n, on_token, images=images))
+        self.waiting.append(
+            Request(request_id, prompt, params, n, on_token, images=images, adapter=adapter)
+        )
         return request_id
 
     def cancel(self, request_id: int) -> None:
@@ -245,7 +253,8 @@ class Engine:
         total = math.ceil(len(prompt) / size)
         cached = []  # an image's pages are not known by their token ids (images.py)
         if request.images is None:
-            cached = self.pages.cached_prefix(prefix_keys(prompt[: len(prompt) - 1], size))
+            keys = prefix_keys(prompt[: len(prompt) - 1], size, request.adapter)
+            cached = self.pages.cached_prefix(keys)
         full = len(prompt) // size  # pages the prompt fills: shared by the other samples
         self.pages.share(cached)  # held first: the allocations below must not evict them
         need = (total - len(cached)) + (request.n - 1) * (total - full)
@@ -311,7 +320,10 @@ class Engine:
             [sample_seed(item.request.params.seed, i) for _, item, i in starting],
             self.max_slots,
         )
-        arrays = tuple(map(jax.device_put, (ids, start, tables, pad, rows, positions)))
+        adapters = np.zeros(r, np.int32)
+        adapters[: len(chunk)] = [item.request.adapter for item, _ in chunk]
+        arrays = (ids, start, tables, pad, adapters, rows, positions)
+        arrays = tuple(map(jax.device_put, arrays))
         if any(item.request.images is not None for item, _ in chunk):
             written = [(item.request, end - take, take) for (item, take), end in zip(chunk, ends)]
             pixels = jax.device_put(self.images.chunk(written, r))
@@ -333,16 +345,15 @@ class Engine:
             if k == 0:
                 self.prefilling.remove(item)
                 if request.images is None:
-                    self.pages.remember(
-                        prefix_keys(prompt[: full * size], size), item.tables[0][:full]
-                    )
+                    keys = prefix_keys(prompt[: full * size], size, request.adapter)
+                    self.pages.remember(keys, item.tables[0][:full])
             elif len(prompt) % size:  # the prompt's last page: this sample's own copy
                 self.pool = self.steps.copy_page(
                     self.pool, item.tables[0][full], item.tables[k][full]
                 )
             seq = request.resume or requests.Sequence(
                 request.request_id, i, prompt, request.params, [], request.on_token,
-                images=request.images,
+                images=request.images, adapter=request.adapter,
             )  # fmt: skip
             seq.pages = item.tables[k]
             self.active.append(seq)
@@ -396,6 +407,7 @@ class Engine:
             jax.device_put(ids),
             jax.device_put(start),
             jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
+            jax.device_put(self._adapters(seqs, rows)),
             *sampling_arrays([s.params for s in seqs], seeds, rows),
         )
         drawn = jax.device_get(drawn)
@@ -433,6 +445,7 @@ class Engine:
         drawn, kept, self.pool = self.steps.verify(
             self.state, self.pool, *map(jax.device_put, (ids, start)),
             jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
+            jax.device_put(self._adapters(seqs, rows)),
             jax.device_put(drafted), *sampling_arrays([s.params for s in seqs], seeds, rows),
         )  # fmt: skip
         drawn, kept = jax.device_get((drawn, kept))
@@ -445,6 +458,10 @@ class Engine:
                     break
                 self.accepted += j > 0
                 self._append(seq, row, j)
+
+    def _adapters(self, seqs: list[requests.Sequence], rows: int) -> np.ndarray:
+        """[rows]: each sequence's LoRA adapter (0 for idle rows)."""
+        return np.asarray([s.adapter for s in seqs] + [0] * (rows - len(seqs)), np.int32)
 
     def _width(self, pages: int, growth: int = 2) -> int:
         return table_width(pages, self.max_pages, growth)
@@ -492,7 +509,8 @@ class Engine:
         # newest token has no KV yet: it would be the next step's input).
         full, size = seq.position // self.page_size, self.page_size
         if seq.images is None:
-            self.pages.remember(prefix_keys(seq.tokens[: full * size], size), seq.pages[:full])
+            keys = prefix_keys(seq.tokens[: full * size], size, seq.adapter)
+            self.pages.remember(keys, seq.pages[:full])
         self.pages.release(seq.pages)
         text = seq.text
         if text is None and self.tokenizer is not None:
