@@ -34,7 +34,8 @@ __all__ = ["AdapterChoice", "adapter_count", "choose_adapters", "load_adapters"]
 
 PEFT_PREFIX = "base_model.model."
 # adapter_config.json settings whose non-default values these adapters do not compute.
-UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
+UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {},
+               "lora_bias": False, "modules_to_save": []}  # fmt: skip
 
 
 class AdapterChoice(nnx.Module):
@@ -66,8 +67,9 @@ def adapter_count(model: nnx.Module) -> int:
     )  # fmt: skip
 
 
-def choose_adapters(model: nnx.Module, rows: jax.Array) -> None:
-    """Every row's adapter for the next forward (`rows` [B]: 0 the base, i adapter i)."""
+def choose_adapters(model: nnx.Module, rows: jax.Array | None) -> None:
+    """Every row's adapter for the next forward (`rows` [B]: 0 the base, i adapter i; None:
+    the base for every row)."""
     for _, m in nnx.iter_modules(model):
         if isinstance(m, AdapterChoice):
             m.rows = rows
