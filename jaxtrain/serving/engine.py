@@ -1,41 +1,21 @@
 """The generation engine: requests in a queue, a scheduler admitting them into free slots,
-a paged KV cache, compiled prefill and decode steps (serving/steps.py).
+a paged KV cache, compiled prefill and decode steps (serving/steps.py); docs/serving.md tells
+the whole of it.
 
     engine = Engine(model, tokenizer=tokenizer, max_slots=8)
     [completion] = engine.generate([prompt_ids], SamplingParams(max_tokens=32))[0]
 
-Each `step()` does three things:
-1. **Admit** waiting requests, in order, while slots and pages allow. A request's n samples
-   are admitted together and hold their pages from now on: the prompt's full pages are shared
-   by every sample, its last, partial page is each sample's own (copied once written).
-2. **Prefill** one chunk: the admitted prompts, in order, in one compiled call of several
-   rows, at most `prefill_tokens` (padded) tokens in all. A long prompt is written a chunk per
-   step, so requests already decoding keep decoding between its chunks instead of waiting
-   for the whole prompt. The samples of every prompt the chunk finishes draw their first
-   token in the same call and start decoding.
-3. **Decode** one token for every active sequence, in the smallest bucket of rows that holds
-   them, reading the smallest bucket of pages that holds the longest of them (not the whole
-   max_length). Buckets of rows and of a decode step's pages are x2 apart, of a prefill's
-   tokens and pages x4 (PREFILL_GROWTH).
-
-Pages are taken as sequences grow, not reserved for max_tokens up front: the pool is sized to
-a memory budget (`kv_cache_gib`, or `memory_fraction` of a GPU's or TPU's free memory), and
-when a sequence needs a page that no one has, the youngest sequences are **preempted**: their
-pages are freed and they wait at the head of the queue to be recomputed (their prompt and the
-tokens they had, prefilled again) and go on decoding. A draw depends only on the request's
-seed and the token's position, so a preempted sequence gives the tokens it would have given.
-
-A sequence that ends (an end-of-sequence id, a stop string, max_tokens) frees its slot and
-its pages at once. A prompt's full pages stay cached, and a finished sequence's too (evicted
-least recently used first when pages run short), so a later request with the same prefix (a
-shared system prompt, a chat's next turn, a tool's answer appended to a completion) prefills
-only the rest. Every token comes with its log-prob (and, on request, the top alternatives'):
-sampling.py.
-
-The model's state is an argument of every compiled step: `update_state(state)` swaps in live
-parameters (GRPO's policy after each update) without a recompile, and drops the cached
-prefixes the old parameters computed. `warm_up()` compiles every
-bucket a request can reach, so nothing compiles while requests are served.
+Each `step()` (1) admits waiting requests in order while slots and pages allow (a request's
+n samples together: the prompt's full pages shared, its last page each sample's own);
+(2) prefills one chunk of the admitted prompts, several rows in one call of at most
+`prefill_tokens` padded tokens, so decoding goes on between a long prompt's chunks; the
+samples of every prompt it finishes draw their first token in it; (3) decodes one token for
+every active sequence, in bucketed rows and page-table widths (x2 apart; a prefill's x4).
+Pages are taken as sequences grow; when none is free the youngest sequences are preempted
+(freed, recomputed later: a draw depends only on the seed and the position, so no token
+changes). A finished sequence frees its slot and pages at once; full pages stay cached as
+prefixes (LRU), dropped by `update_state(state)`, which swaps in live parameters (GRPO's
+policy) without a recompile. `warm_up()` compiles every bucket a request can reach.
 """
 
 from __future__ import annotations
