@@ -29,7 +29,8 @@ SERVE_USAGE = (
     "[--num_pages N] [--model_name NAME] [--max_body_bytes 4194304] [--max_prompt_tokens N] "
     "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
     "[--request_timeout 600] [--warm_up true] [--kv_cache_gib G] [--memory_fraction F] "
-    "[--prefill_tokens 512] [--speculative_tokens 0] [--attention auto] [--max_images 1]"
+    "[--prefill_tokens 512] [--speculative_tokens 0] [--attention auto] [--max_images 1] "
+    "[--lora NAME=ADAPTER_DIR[,NAME=ADAPTER_DIR...]]"
 )
 API_KEY_VARIABLE = "JAXTRAIN_API_KEY"
 
@@ -43,6 +44,20 @@ def _flag(value: str) -> bool:
 
 
 _flag.__name__ = "true or false"
+
+
+def _adapters(value: str) -> dict[str, str]:
+    """--lora's NAME=DIR pairs (PEFT adapter directories served on the model, by name)."""
+    pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+    if not pairs or any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+        raise ValueError(value)
+    names = [name.strip() for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(value)
+    return {name.strip(): path.strip() for name, path in pairs}
+
+
+_adapters.__name__ = "NAME=ADAPTER_DIR pairs, comma-separated, each name once"
 OPTIONS = {
     "host": str,
     "port": int,
@@ -68,6 +83,7 @@ OPTIONS = {
     "speculative_tokens": int,
     "attention": str,
     "max_images": int,
+    "lora": _adapters,
 }
 # Options handed to the Engine as they are (it checks them and names the one that is wrong).
 ENGINE_OPTIONS = ("max_length", "num_pages", "kv_cache_gib", "memory_fraction",
@@ -162,6 +178,17 @@ def build_engine(model: Any, tokenizer: Any, options: dict) -> Engine:
                   page_size=options["page_size"], **engine_options)  # fmt: skip
 
 
+def serve_adapters(model: Any, name: str, directories: dict[str, str]) -> list[str]:
+    """The --lora adapters loaded onto `model` (serving/adapters.py), by name."""
+    if name in directories:
+        raise ArgumentError(f"--lora {name}=...: {name!r} is the base model's name; rename it.")
+    if not directories:
+        return []
+    from jaxtrain.serving.adapters import load_adapters
+
+    return load_adapters(model, directories)
+
+
 def cmd_serve(tokens: list[str]) -> int:
     path, options = parse_serve_options(tokens)
     try:
@@ -178,12 +205,14 @@ def cmd_serve(tokens: list[str]) -> int:
 
     model, tokenizer, name = load_served_model(path)
     name = options.get("model_name") or name
+    adapters = serve_adapters(model, name, options.get("lora") or {})
     engine = build_engine(model, tokenizer, options)
     if options["warm_up"]:  # before the port opens: the first request compiles nothing
         print(warm_up(engine, limits.max_prompt_tokens), flush=True)
     app = create_app(
-        engine, model_name=name, tokenizer=tokenizer, api_key=options["api_key"], limits=limits
-    )
+        engine, model_name=name, tokenizer=tokenizer, api_key=options["api_key"], limits=limits,
+        adapters=adapters,
+    )  # fmt: skip
     host, port = options["host"], options["port"]
     key = "an API key" if options["api_key"] else "no API key"
     print(
@@ -192,6 +221,8 @@ def cmd_serve(tokens: list[str]) -> int:
         f"{engine.page_size}, {key})",
         flush=True,
     )
+    if adapters:
+        print(f"jaxtrain serve: LoRA adapters {', '.join(adapters)} on {name}", flush=True)
     serve_until_drained(app, host=host, port=port)
     return 0
 

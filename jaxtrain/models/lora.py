@@ -53,6 +53,7 @@ __all__ = [
     "has_lora",
     "lora_projections",
     "merge_lora",
+    "part_slices",
     "resolve_targets",
     "set_lora_dropout_key",
 ]
@@ -76,7 +77,7 @@ def _kernel_shape_dtype(kernel: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(value.shape), value.dtype
 
 
-def _part_slices(base: Projection, fused: str) -> dict[str, tuple[int, int, int]]:
+def part_slices(base: Projection, fused: str) -> dict[str, tuple[int, int, int]]:
     """name -> (kernel axis, start, stop) of each part of the fused projection `base`."""
     axis_name, names = FUSED_PARTS[fused]
     axes = tuple(base.kernel.get_metadata().get("logical_axes") or ())
@@ -255,7 +256,7 @@ def _plan(model: nnx.Module, names: Sequence[str]) -> tuple[list, set[str]]:
             used.update(parts)  # covered by the whole-kernel adapter
             plan.append((m, None))
         elif parts:
-            slices = _part_slices(m, str(path[-1]))
+            slices = part_slices(m, str(path[-1]))
             used.update(parts)
             plan.append((m, {n: s for n, s in slices.items() if n in parts}))
     return plan, used

@@ -1,41 +1,21 @@
 """The generation engine: requests in a queue, a scheduler admitting them into free slots,
-a paged KV cache, compiled prefill and decode steps (serving/steps.py).
+a paged KV cache, compiled prefill and decode steps (serving/steps.py); docs/serving.md tells
+the whole of it.
 
     engine = Engine(model, tokenizer=tokenizer, max_slots=8)
     [completion] = engine.generate([prompt_ids], SamplingParams(max_tokens=32))[0]
 
-Each `step()` does three things:
-1. **Admit** waiting requests, in order, while slots and pages allow. A request's n samples
-   are admitted together and hold their pages from now on: the prompt's full pages are shared
-   by every sample, its last, partial page is each sample's own (copied once written).
-2. **Prefill** one chunk: the admitted prompts, in order, in one compiled call of several
-   rows, at most `prefill_tokens` (padded) tokens in all. A long prompt is written a chunk per
-   step, so requests already decoding keep decoding between its chunks instead of waiting
-   for the whole prompt. The samples of every prompt the chunk finishes draw their first
-   token in the same call and start decoding.
-3. **Decode** one token for every active sequence, in the smallest bucket of rows that holds
-   them, reading the smallest bucket of pages that holds the longest of them (not the whole
-   max_length). Buckets of rows and of a decode step's pages are x2 apart, of a prefill's
-   tokens and pages x4 (PREFILL_GROWTH).
-
-Pages are taken as sequences grow, not reserved for max_tokens up front: the pool is sized to
-a memory budget (`kv_cache_gib`, or `memory_fraction` of a GPU's or TPU's free memory), and
-when a sequence needs a page that no one has, the youngest sequences are **preempted**: their
-pages are freed and they wait at the head of the queue to be recomputed (their prompt and the
-tokens they had, prefilled again) and go on decoding. A draw depends only on the request's
-seed and the token's position, so a preempted sequence gives the tokens it would have given.
-
-A sequence that ends (an end-of-sequence id, a stop string, max_tokens) frees its slot and
-its pages at once. A prompt's full pages stay cached, and a finished sequence's too (evicted
-least recently used first when pages run short), so a later request with the same prefix (a
-shared system prompt, a chat's next turn, a tool's answer appended to a completion) prefills
-only the rest. Every token comes with its log-prob (and, on request, the top alternatives'):
-sampling.py.
-
-The model's state is an argument of every compiled step: `update_state(state)` swaps in live
-parameters (GRPO's policy after each update) without a recompile, and drops the cached
-prefixes the old parameters computed. `warm_up()` compiles every
-bucket a request can reach, so nothing compiles while requests are served.
+Each `step()` (1) admits waiting requests in order while slots and pages allow (a request's
+n samples together: the prompt's full pages shared, its last page each sample's own);
+(2) prefills one chunk of the admitted prompts, several rows in one call of at most
+`prefill_tokens` padded tokens, so decoding goes on between a long prompt's chunks; the
+samples of every prompt it finishes draw their first token in it; (3) decodes one token for
+every active sequence, in bucketed rows and page-table widths (x2 apart; a prefill's x4).
+Pages are taken as sequences grow; when none is free the youngest sequences are preempted
+(freed, recomputed later: a draw depends only on the seed and the position, so no token
+changes). A finished sequence frees its slot and pages at once; full pages stay cached as
+prefixes (LRU), dropped by `update_state(state)`, which swaps in live parameters (GRPO's
+policy) without a recompile. `warm_up()` compiles every bucket a request can reach.
 """
 
 from __future__ import annotations
@@ -52,6 +32,7 @@ from flax import nnx
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.serving import requests
+from jaxtrain.serving.adapters import adapter_count
 from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
@@ -137,6 +118,7 @@ class Engine:
         )
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
         self.images = ImageInputs.of(config, max_images)  # None: the model takes no images
+        self.adapters = adapter_count(model)  # LoRA adapters a request may choose (adapters.py)
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Prefill] = []
         self.active: list[requests.Sequence] = []
@@ -160,11 +142,13 @@ class Engine:
         n: int = 1,
         on_token: OnToken | None = None,
         images: Any = None,
+        adapter: int = 0,
     ) -> int:
         """Queue a request of `n` samples; returns its id. `on_token(request_id, index,
         token, logprob, top)` is called for every new token (streaming; requests.OnToken).
         `images` [n, C, H, W]: the pixels of the prompt's images, in the order of their runs
-        of image tokens (a vision-language model's; serving/images.py)."""
+        of image tokens (a vision-language model's; serving/images.py). `adapter`: the LoRA
+        adapter it runs through (serving/adapters.py: i for the i-th loaded; 0 the base)."""
         params = params or SamplingParams()
         prompt = np.asarray(list(prompt_ids), np.int32)
         check_request(prompt, params, n, vocab_size=int(self.vocab_size),
@@ -174,8 +158,12 @@ class Engine:
             images = self.images.check(prompt, images, self.prefill_tokens)
         elif images is not None:
             raise ArgumentError(f"{type(self.graphdef).__name__}: this model takes no images")
+        if not 0 <= adapter <= self.adapters:
+            raise ArgumentError(f"adapter {adapter}: this engine has {self.adapters} (0: none)")
         request_id = next(self._ids)
-        self.waiting.append(Request(request_id, prompt, params, n, on_token, images=images))
+        self.waiting.append(
+            Request(request_id, prompt, params, n, on_token, images=images, adapter=adapter)
+        )
         return request_id
 
     def cancel(self, request_id: int) -> None:
@@ -245,7 +233,8 @@ class Engine:
         total = math.ceil(len(prompt) / size)
         cached = []  # an image's pages are not known by their token ids (images.py)
         if request.images is None:
-            cached = self.pages.cached_prefix(prefix_keys(prompt[: len(prompt) - 1], size))
+            keys = prefix_keys(prompt[: len(prompt) - 1], size, request.adapter)
+            cached = self.pages.cached_prefix(keys)
         full = len(prompt) // size  # pages the prompt fills: shared by the other samples
         self.pages.share(cached)  # held first: the allocations below must not evict them
         need = (total - len(cached)) + (request.n - 1) * (total - full)
@@ -311,7 +300,10 @@ class Engine:
             [sample_seed(item.request.params.seed, i) for _, item, i in starting],
             self.max_slots,
         )
-        arrays = tuple(map(jax.device_put, (ids, start, tables, pad, rows, positions)))
+        adapters = np.zeros(r, np.int32)
+        adapters[: len(chunk)] = [item.request.adapter for item, _ in chunk]
+        arrays = (ids, start, tables, pad, adapters, rows, positions)
+        arrays = tuple(map(jax.device_put, arrays))
         if any(item.request.images is not None for item, _ in chunk):
             written = [(item.request, end - take, take) for (item, take), end in zip(chunk, ends)]
             pixels = jax.device_put(self.images.chunk(written, r))
@@ -333,16 +325,15 @@ class Engine:
             if k == 0:
                 self.prefilling.remove(item)
                 if request.images is None:
-                    self.pages.remember(
-                        prefix_keys(prompt[: full * size], size), item.tables[0][:full]
-                    )
+                    keys = prefix_keys(prompt[: full * size], size, request.adapter)
+                    self.pages.remember(keys, item.tables[0][:full])
             elif len(prompt) % size:  # the prompt's last page: this sample's own copy
                 self.pool = self.steps.copy_page(
                     self.pool, item.tables[0][full], item.tables[k][full]
                 )
             seq = request.resume or requests.Sequence(
                 request.request_id, i, prompt, request.params, [], request.on_token,
-                images=request.images,
+                images=request.images, adapter=request.adapter,
             )  # fmt: skip
             seq.pages = item.tables[k]
             self.active.append(seq)
@@ -396,6 +387,7 @@ class Engine:
             jax.device_put(ids),
             jax.device_put(start),
             jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
+            jax.device_put(self._adapters(seqs, rows)),
             *sampling_arrays([s.params for s in seqs], seeds, rows),
         )
         drawn = jax.device_get(drawn)
@@ -433,6 +425,7 @@ class Engine:
         drawn, kept, self.pool = self.steps.verify(
             self.state, self.pool, *map(jax.device_put, (ids, start)),
             jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
+            jax.device_put(self._adapters(seqs, rows)),
             jax.device_put(drafted), *sampling_arrays([s.params for s in seqs], seeds, rows),
         )  # fmt: skip
         drawn, kept = jax.device_get((drawn, kept))
@@ -445,6 +438,10 @@ class Engine:
                     break
                 self.accepted += j > 0
                 self._append(seq, row, j)
+
+    def _adapters(self, seqs: list[requests.Sequence], rows: int) -> np.ndarray:
+        """[rows]: each sequence's LoRA adapter (0 for idle rows)."""
+        return np.asarray([s.adapter for s in seqs] + [0] * (rows - len(seqs)), np.int32)
 
     def _width(self, pages: int, growth: int = 2) -> int:
         return table_width(pages, self.max_pages, growth)
@@ -492,7 +489,8 @@ class Engine:
         # newest token has no KV yet: it would be the next step's input).
         full, size = seq.position // self.page_size, self.page_size
         if seq.images is None:
-            self.pages.remember(prefix_keys(seq.tokens[: full * size], size), seq.pages[:full])
+            keys = prefix_keys(seq.tokens[: full * size], size, seq.adapter)
+            self.pages.remember(keys, seq.pages[:full])
         self.pages.release(seq.pages)
         text = seq.text
         if text is None and self.tokenizer is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from jaxtrain.data.vision import is_processor, text_tokenizer
@@ -60,6 +61,8 @@ class ParsedRequest:
     logprobs: int | None = None  # alternatives per token wanted; None: no log-probs
     tools: ToolRequest | None = None  # the tools shown; the samples' calls are read back
     images: Any = None  # a vision-language model's prompt: its images' pixels [n, C, H, W]
+    model: str = ""  # the model asked for: the base's name or a LoRA adapter's
+    adapter: int = 0  # that adapter's index (serving/adapters.py; 0: the base)
 
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
@@ -95,19 +98,22 @@ def parse_request(
     max_length: int,
     limits: ServeLimits | None = None,
     vocab_size: int | None = None,
+    adapters: Sequence[str] = (),
 ) -> ParsedRequest:
     """The engine's request for an OpenAI completion (`chat` False) or chat body, within
     `limits` (filled in for the engine: `ServeLimits.for_engine`; None: the context only).
     `vocab_size`: the model's; a token id outside it is refused (400): its embedding would be
-    NaN, and the NaN it writes to the KV cache stays in pages that later requests reuse."""
+    NaN, and the NaN it writes to the KV cache stays in pages that later requests reuse.
+    `adapters`: the LoRA adapters served on the model, by name (`model` picks one)."""
     limits = limits or ServeLimits().for_engine(max_length, max_length)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model != model_name:
+    model, served = body.get("model"), [model_name, *adapters]
+    if model not in served:
         raise RequestError(
-            404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model"
-        )
+            404, f"the model {model!r} does not exist; this server serves "
+            f"{', '.join(map(repr, served))}", "model",
+        )  # fmt: skip
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -221,6 +227,8 @@ def parse_request(
         logprobs=logprobs,
         tools=tools,
         images=images,
+        model=model,
+        adapter=served.index(model),
     )
 
 

@@ -261,10 +261,13 @@ def _divisor(n: int, most: int) -> int:
     return d
 
 
-def prefix_keys(tokens: np.ndarray, page_size: int) -> list[str]:
+def prefix_keys(tokens: np.ndarray, page_size: int, adapter: int = 0) -> list[str]:
     """A key per full page of `tokens`: a hash of every token up to that page's end, so a
-    key names the whole prefix, not the page alone."""
+    key names the whole prefix, not the page alone; and of the LoRA `adapter` that computed
+    its keys and values (serving/adapters.py: another adapter's are other numbers)."""
     digest = hashlib.blake2b(digest_size=16)
+    if adapter:
+        digest.update(f"adapter {adapter}".encode())
     keys = []
     for end in range(page_size, len(tokens) + 1, page_size):
         digest.update(np.asarray(tokens[end - page_size : end], np.int32).tobytes())

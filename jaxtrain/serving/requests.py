@@ -53,6 +53,7 @@ class Request:
     on_token: OnToken | None
     resume: Sequence | None = None
     images: np.ndarray | None = None  # the prompt's images' pixels (serving/images.py)
+    adapter: int = 0  # the LoRA adapter it runs through (serving/adapters.py; 0: none)
 
 
 @dataclasses.dataclass
@@ -81,6 +82,7 @@ class Sequence:
     pages: list[int]
     on_token: OnToken | None
     images: np.ndarray | None = None  # the prompt's images' pixels (serving/images.py)
+    adapter: int = 0  # the LoRA adapter it runs through (serving/adapters.py; 0: none)
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
@@ -100,7 +102,7 @@ class Sequence:
         """The request that recomputes this sample's cache and goes on decoding it."""
         return Request(
             self.request_id, self.tokens, self.params, 1, self.on_token, resume=self,
-            images=self.images,
+            images=self.images, adapter=self.adapter,
         )  # fmt: skip
 
     def completion(

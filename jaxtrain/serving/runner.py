@@ -64,12 +64,18 @@ class EngineRunner:
         self._thread.start()
 
     def submit(
-        self, prompt: Sequence[int], params: SamplingParams, n: int, sink: Sink, images: Any = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        n: int,
+        sink: Sink,
+        images: Any = None,
+        adapter: int = 0,
     ) -> concurrent.futures.Future:
-        """Queue a request (`images`: a vision prompt's pixels); the future gives its id (or
-        the engine's refusal)."""
+        """Queue a request (`images`: a vision prompt's pixels; `adapter`: its LoRA adapter);
+        the future gives its id (or the engine's refusal)."""
         reply: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("submit", (list(prompt), params, n, sink, images), reply))
+        self._commands.put(("submit", (list(prompt), params, n, sink, images, adapter), reply))
         return reply
 
     def cancel(self, request_id: int) -> None:
@@ -117,13 +123,13 @@ class EngineRunner:
 
     def _handle(self, kind: str, payload: Any, reply: Any) -> None:
         if kind == "submit":
-            prompt, params, n, sink, images = payload
+            prompt, params, n, sink, images, adapter = payload
             if self.max_queue is not None and self._queued() >= self.max_queue:
                 reply.set_exception(QueueFull(f"{self.max_queue} requests wait already"))
                 return
             try:
                 request_id = self.engine.submit(
-                    prompt, params, n=n, on_token=self._on_token, images=images
+                    prompt, params, n=n, on_token=self._on_token, images=images, adapter=adapter
                 )
             except Exception as err:  # refused (too long, bad n): the caller answers 400
                 reply.set_exception(err)

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from jaxtrain.data.vision import text_tokenizer
@@ -53,8 +53,10 @@ def create_app(
     tokenizer: Any,
     api_key: str | None = None,
     limits: ServeLimits | None = None,
+    adapters: Sequence[str] = (),
 ) -> Any:
-    """The FastAPI app serving `engine` under `model_name`. `api_key`: every request but
+    """The FastAPI app serving `engine` under `model_name` (and its LoRA `adapters`, loaded on
+    the engine's model by serving/adapters.py, under theirs: a request's `model` picks). `api_key`: every request but
     GET /health needs `Authorization: Bearer api_key` (None: none asked; cli/serve.py refuses
     that off loopback). `limits`: see limits.py (default: its defaults)."""
     from fastapi import FastAPI, Request
@@ -97,7 +99,8 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "jaxtrain"}
-        return {"object": "list", "data": [card]}
+        cards = [card] + [{**card, "id": name, "parent": model_name} for name in adapters]
+        return {"object": "list", "data": cards}
 
     async def complete(request: Request, chat: bool) -> Any:
         arrival = time.monotonic()
@@ -117,6 +120,7 @@ def create_app(
                 max_length=engine.max_length,
                 limits=limits,
                 vocab_size=vocab_size,
+                adapters=adapters,
             )
         except RequestError as err:
             return refuse(err)
@@ -131,7 +135,9 @@ def create_app(
                 clock.token(event.index, time.monotonic())
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        future = runner.submit(parsed.prompt_ids, parsed.params, parsed.n, sink, parsed.images)
+        future = runner.submit(
+            parsed.prompt_ids, parsed.params, parsed.n, sink, parsed.images, parsed.adapter
+        )
         try:
             request_id = await asyncio.wrap_future(future)
         except ValueError as err:  # the engine refused it (n above its slots, too long)
@@ -140,7 +146,7 @@ def create_app(
             retry = {"Retry-After": str(limits.retry_after)}
             return refuse(RequestError(429, f"the server is busy ({err}); retry later"), retry)
         if parsed.stream:
-            stream = _stream(parsed, model_name, tokenizer, events, runner, request_id)
+            stream = _stream(parsed, parsed.model, tokenizer, events, runner, request_id)
             timed = _until(stream, deadline, limits.request_timeout, metrics)
             return StreamingResponse(timed, media_type="text/event-stream")
         try:
@@ -152,7 +158,7 @@ def create_app(
             return refuse(err)
         finally:
             runner.forget(request_id)  # also cancels it in the engine if it still runs
-        return response(parsed, model_name, done, tokenizer)
+        return response(parsed, parsed.model, done, tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models.kv_cache import decode_with_slots
+from jaxtrain.serving.adapters import choose_adapters
 from jaxtrain.serving.paged import PagedSlots, routing_of
 from jaxtrain.serving.sampling import Drawn, sample_rows
 
@@ -89,8 +90,11 @@ class Steps:
             donate_argnums=0,
         )
 
-    def _forward(self, state, pool, ids, start, table, pad=None, every=False, pixel_values=None):
+    def _forward(
+        self, state, pool, ids, start, table, adapters, pad=None, every=False, pixel_values=None
+    ):
         model = nnx.merge(self.graphdef, state)
+        choose_adapters(model, adapters)  # each row's LoRA adapter (serving/adapters.py)
         slots = PagedSlots.of(start, ids.shape[1], table, self.page_size, pad, self.kernel)
         logits, pool = decode_with_slots(
             model, ids, slots, pool, every=every, pixel_values=pixel_values
@@ -100,22 +104,27 @@ class Steps:
     def _placed(self, pool: Any) -> Any:
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.pool_sharding), pool)
 
-    def _prefill_fn(self, state, pool, ids, start, table, pad, rows, positions, *sampling):
-        logits, pool = self._forward(state, pool, ids, start, table, pad)
+    def _prefill_fn(
+        self, state, pool, ids, start, table, pad, adapters, rows, positions, *sampling
+    ):
+        logits, pool = self._forward(state, pool, ids, start, table, adapters, pad)
         return sample_rows(logits[rows], *sampling, positions, self.processed), pool
 
     def _prefill_images_fn(
-        self, state, pool, ids, start, table, pad, rows, positions, pixel_values, *sampling
-    ):
-        logits, pool = self._forward(state, pool, ids, start, table, pad, False, pixel_values)
+        self, state, pool, ids, start, table, pad, adapters, rows, positions, pixel_values,
+        *sampling,
+    ):  # fmt: skip
+        logits, pool = self._forward(
+            state, pool, ids, start, table, adapters, pad, False, pixel_values
+        )
         return sample_rows(logits[rows], *sampling, positions, self.processed), pool
 
-    def _decode_fn(self, state, pool, ids, start, table, *sampling):
-        logits, pool = self._forward(state, pool, ids, start, table)
+    def _decode_fn(self, state, pool, ids, start, table, adapters, *sampling):
+        logits, pool = self._forward(state, pool, ids, start, table, adapters)
         return sample_rows(logits, *sampling, start + 1, self.processed), pool
 
-    def _verify_fn(self, state, pool, ids, start, table, drafted, *sampling):
-        logits, pool = self._forward(state, pool, ids, start, table, every=True)
+    def _verify_fn(self, state, pool, ids, start, table, adapters, drafted, *sampling):
+        logits, pool = self._forward(state, pool, ids, start, table, adapters, every=True)
         b, t, v = logits.shape
         positions = (start[:, None] + 1 + jnp.arange(t, dtype=jnp.int32)[None]).reshape(-1)
         rows = [jnp.repeat(a, t, axis=0) for a in sampling]
@@ -130,39 +139,45 @@ class Steps:
 
     # ------------------------------------------------------------- calls
     def prefill(
-        self, state, pool, ids, start, table, pad, rows, positions, *sampling
+        self, state, pool, ids, start, table, pad, adapters, rows, positions, *sampling
     ) -> tuple[Drawn, Any]:
         """Writes each row's chunk [R, T] (left-padded by `pad` [R] tokens, its first real
-        token at position `start` [R]) and draws S first tokens: sample s from the logits
+        token at position `start` [R], through its LoRA adapter `adapters` [R], 0: none)
+        and draws S first tokens: sample s from the logits
         after row `rows[s]`'s last token (a prompt's n samples share its row), at position
         `positions[s]`, with the samples' `sampling_arrays` (rows of unfinished prompts are
         drawn and ignored: S is fixed, so the draw adds no shape to compile)."""
         self.compiles["prefill"].add((ids.shape, table.shape))
-        return self._prefill(state, pool, ids, start, table, pad, rows, positions, *sampling)
+        return self._prefill(
+            state, pool, ids, start, table, pad, adapters, rows, positions, *sampling
+        )
 
     def prefill_images(
-        self, state, pool, ids, start, table, pad, rows, positions, pixel_values, *sampling
-    ) -> tuple[Drawn, Any]:
+        self, state, pool, ids, start, table, pad, adapters, rows, positions, pixel_values,
+        *sampling,
+    ) -> tuple[Drawn, Any]:  # fmt: skip
         """`prefill` of a vision-language model's chunk that writes images' tokens: with the
         pixels [R, max_images, C, H, W] of those images, each row's in order
         (serving/images.py)."""
         self.compiles["prefill_images"].add((ids.shape, table.shape))
         return self._prefill_images(
-            state, pool, ids, start, table, pad, rows, positions, pixel_values, *sampling
-        )
+            state, pool, ids, start, table, pad, adapters, rows, positions, pixel_values,
+            *sampling,
+        )  # fmt: skip
 
-    def decode(self, state, pool, ids, start, table, *sampling) -> tuple[Drawn, Any]:
+    def decode(self, state, pool, ids, start, table, adapters, *sampling) -> tuple[Drawn, Any]:
         """Each row's next token and its log-probs from its last token [B, 1] at position
-        `start` [B]; `sampling`: the rows' `sampling_arrays`."""
+        `start` [B], through its adapter `adapters` [B]; `sampling`: the rows'
+        `sampling_arrays`."""
         self.compiles["decode"].add((ids.shape, table.shape))
-        return self._decode(state, pool, ids, start, table, *sampling)
+        return self._decode(state, pool, ids, start, table, adapters, *sampling)
 
-    def verify(self, state, pool, ids, start, table, drafted, *sampling):
+    def verify(self, state, pool, ids, start, table, adapters, drafted, *sampling):
         """Each row's newest token and its draft [B, 1 + k] (the first `drafted` [B] draft
         tokens real) at positions from `start` [B]: the draw after every position [B, 1 + k]
         and how many draft tokens each row keeps [B] (speculation.py)."""
         self.compiles["verify"].add((ids.shape, table.shape))
-        return self._verify(state, pool, ids, start, table, drafted, *sampling)
+        return self._verify(state, pool, ids, start, table, adapters, drafted, *sampling)
 
     def lower(self, kind: str, state: Any, pool: Any, *args: Any) -> Any:
         """The `kind` step ("prefill", "prefill_images", "decode" or "verify") lowered for these arguments

@@ -74,14 +74,14 @@ def step_calls(
         if (r > 1 and r * t > s.prefill_tokens) or t > chunk_tokens(longest, s.prefill_tokens):
             continue  # a chunk never has this shape
         args = (np.zeros((r, t), np.int32), np.zeros(r, np.int32), np.zeros((r, width), np.int32),
-                np.full(r, t, np.int32), zeros, zeros)  # fmt: skip
+                np.full(r, t, np.int32), np.zeros(r, np.int32), zeros, zeros)  # fmt: skip
         sampling = sampling_arrays([], [], s.max_slots)
         calls.append(("prefill", (*args, *sampling)))
         if s.images is not None:
             pixels = np.zeros((r, s.images[0], *s.images[1]), np.float32)
             calls.append(("prefill_images", (*args, pixels, *sampling)))
     for r, width in itertools.product(rows, buckets(SMALLEST_TABLE, s.max_pages)):
-        idle = (np.zeros(r, np.int32), np.zeros((r, width), np.int32))
+        idle = (np.zeros(r, np.int32), np.zeros((r, width), np.int32), np.zeros(r, np.int32))
         sampling = sampling_arrays([], [], r)
         calls.append(("decode", (np.zeros((r, 1), np.int32), *idle, *sampling)))
         if s.speculative_tokens:
