@@ -44,7 +44,7 @@ class AdapterChoice(nnx.Module):
     def __init__(self, adapters: dict[int, list[LoRA]]):
         # Index -> the adapter's LoRA modules on this projection (several: fused parts).
         self.adapters = nnx.Dict({str(i): nnx.List(parts) for i, parts in adapters.items()})
-        self.rows: jax.Array | None = None  # [B] int32, set inside a step
+        self.rows: jax.Array | None = nnx.data(None)  # [B] int32, set inside a step
 
     def __call__(self, x: jax.Array) -> jax.Array:
         rows = jnp.zeros(x.shape[0], jnp.int32) if self.rows is None else self.rows

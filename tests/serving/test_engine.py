@@ -230,12 +230,16 @@ def test_a_moe_engine_records_the_experts_of_every_token_it_ran():
                     eos_token_ids=[], record_routing=True)  # fmt: skip
     batch = [prompt(n, n) for n in (21, 6)]  # the first prefills in two chunks
     done = engine.generate(batch, SamplingParams(max_tokens=5, temperature=1.0, seed=3), n=2)
-    for p, group in zip(batch, done):
-        for c in group:
-            tokens = p + c.token_ids[:-1]  # the last token never went through the model
-            assert c.routing.shape == (2, len(tokens), 2)  # 2 sparse layers of 3
-            _, want = moe.hidden_states(jax.numpy.asarray([tokens]), return_routing=True)
-            np.testing.assert_array_equal(np.sort(c.routing, -1), np.sort(want[0], -1))
+    # The full forward of every sequence, right-padded into one batch (causal: the padding
+    # changes nothing before it); the last token never went through the model.
+    runs = [(p + c.token_ids[:-1], c.routing) for p, group in zip(batch, done) for c in group]
+    rows = np.zeros((len(runs), max(len(t) for t, _ in runs)), np.int32)
+    for row, (tokens, _) in zip(rows, runs):
+        row[: len(tokens)] = tokens
+    _, want = jax.jit(lambda ids: moe.hidden_states(ids, return_routing=True))(rows)
+    for (tokens, recorded), full in zip(runs, np.asarray(want)):
+        assert recorded.shape == (2, len(tokens), 2)  # 2 sparse layers of 3
+        np.testing.assert_array_equal(np.sort(recorded, -1), np.sort(full[:, : len(tokens)], -1))
     assert engine.pages.available == engine.pages.num_pages - 1
     with pytest.raises(ArgumentError, match="record_routing .* has no experts"):
         Engine(tiny_llama(), record_routing=True)

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,43 +63,56 @@ def ids_and_labels(rows: int = 4, length: int = 12):
 def test_replaying_a_forward_s_own_experts_changes_nothing_and_the_router_still_learns():
     model = tiny_moe()
     ids, labels = ids_and_labels()
-    h, routing = model.hidden_states(ids, return_routing=True)
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def hidden(params, routing):  # (hidden states, routing) with `routing` replayed
+        return nnx.merge(graphdef, params).hidden_states(ids, routing=routing, return_routing=True)
+
+    h, routing = hidden(params, None)
     assert routing.shape == (4, 2, 12, 2) and routing.dtype == jnp.int32
-    replayed = model.hidden_states(ids, routing=routing.astype(jnp.int16))
+    replayed, again = hidden(params, routing.astype(jnp.int16))
     np.testing.assert_array_equal(np.asarray(replayed), np.asarray(h))
-    nothing = model.hidden_states(ids, routing=jnp.full_like(routing, -1))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(routing))
+    nothing, _ = hidden(params, jnp.full_like(routing, -1, dtype=jnp.int16))
     np.testing.assert_array_equal(np.asarray(nothing), np.asarray(h))
     # Other experts replayed: another output, and the routers' gradient is not zero.
     other = jnp.roll(routing, 1, axis=-1).at[..., 0].set((routing[..., 0] + 1) % 4)
-    assert not np.allclose(model.hidden_states(ids, routing=other), h)
-
-    graphdef, params = nnx.split(model)
+    changed, used = hidden(params, other.astype(jnp.int16))
+    assert not np.allclose(changed, h) and np.array_equal(used, other)
 
     def loss(params):
         logps, mask = model_token_logps(nnx.merge(graphdef, params), ids, labels, routing=other)
         return -(logps * mask).sum()
 
-    grads = jax.tree_util.tree_flatten_with_path(jax.grad(loss)(params))[0]
+    grads = jax.tree_util.tree_flatten_with_path(jax.jit(jax.grad(loss))(params))[0]
     routers = [g for path, g in grads if "'gate'" in jax.tree_util.keystr(path)]
     assert len(routers) == 2 and all(float(jnp.abs(g).max()) > 0 for g in routers)
     with pytest.raises(ValueError, match=r"routing must be \[batch, 2 sparse layers"):
         model.hidden_states(ids, routing=routing[:, :1])
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def routed_logps(graphdef, params, ids, labels, routing):
+    """(the experts the model chooses, its log-probs of `labels` with `routing` replayed)."""
+    model = nnx.merge(graphdef, params)
+    _, chosen = model.hidden_states(ids, return_routing=True)
+    return chosen, model_token_logps(model, ids, labels, routing=routing)[0]
+
+
 def test_top1_replay_gives_the_sampler_s_log_probs_to_a_policy_with_another_router():
     sampler = tiny_moe(top_k=1)
     trainer = with_other_router(sampler)
     ids, labels = ids_and_labels()
-    _, routing = sampler.hidden_states(ids, return_routing=True)
-    _, own = trainer.hidden_states(ids, return_routing=True)
+    graphdef = nnx.graphdef(sampler)
+    routing, want = routed_logps(graphdef, nnx.state(sampler), ids, labels, None)
+    own, unreplayed = routed_logps(graphdef, nnx.state(trainer), ids, labels, None)
+    _, replayed = routed_logps(graphdef, nnx.state(trainer), ids, labels, routing)
     logs = routing_agreement(own, routing)
     assert 0.2 < float(logs["sampling/routing_agreement/mean"]) < 1.0
     assert float(logs["sampling/routing_agreement/min"]) <= float(
         logs["sampling/routing_agreement/mean"]
     )
-    want, _ = model_token_logps(sampler, ids, labels)
-    unreplayed, _ = model_token_logps(trainer, ids, labels)
-    replayed, _ = model_token_logps(trainer, ids, labels, routing=routing)
     assert float(jnp.abs(unreplayed - want).max()) > 1e-3
     np.testing.assert_allclose(np.asarray(replayed), np.asarray(want), atol=1e-6)
 
