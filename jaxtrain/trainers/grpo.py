@@ -115,6 +115,8 @@ class GRPOTrainer(Trainer):
             )
         routing = getattr(model.config, "routing_shape", None)  # a MoE policy's
         check_routing_replay(args, routing, tool_calls)
+        if tool_calls is not None:  # a multi-turn rollout's turns record no routing (yet)
+            routing = None
         reference = None
         if args.beta > 0 and (reference_model is not None or not args.lora_rank):
             reference = (
