@@ -42,6 +42,7 @@ __all__ = [
     "ObjectiveError",
     "OutOfMemoryError",
     "ReportError",
+    "RolloutProcessError",
     "ShardingRuleError",
     "TaskError",
     "TrackerError",
@@ -104,6 +105,12 @@ class DistributedError(JaxtrainError, RuntimeError):
     """The multi-host cluster could not be formed; the message says what and how to fix it."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class RolloutProcessError(JaxtrainError, RuntimeError):
+    """A rollout process (GRPO's rollout_processes) kept dying, or raised while sampling."""
+
+    exit_code = EXIT_PEER_LOST
 
 
 class ObjectiveError(JaxtrainError, TypeError):

@@ -151,6 +151,10 @@ class RolloutArguments(TrainingArguments):
     # (the policy replicated on them, handed over by a device-to-device copy each round);
     # the rest train. 0: the engine samples on the training mesh.
     rollout_devices: int = 0
+    # Processes of their own that sample the rollouts, each an engine with a copy of the policy
+    # (sent when it changed) and a share of each round's groups; one that dies is started
+    # again and asked again. 0: the engine runs in the trainer's process.
+    rollout_processes: int = 0
     # A mixture-of-experts policy: each forward of the loss routes every token to the experts
     # the sampler chose for it (recorded by the engine), weighted by the trainer's router, so
     # routing flips between sampler and trainer no longer change the log-probs (rollout
@@ -237,6 +241,17 @@ class RolloutArguments(TrainingArguments):
                 isinstance(self.rollout_devices, int) and self.rollout_devices >= 0,
                 f"rollout_devices={self.rollout_devices!r} must be an integer >= 0 (0: the "
                 "engine samples on the training devices)",
+            ),
+            (
+                isinstance(self.rollout_processes, int) and self.rollout_processes >= 0,
+                f"rollout_processes={self.rollout_processes!r} must be an integer >= 0 (0: the "
+                "engine samples in the trainer's process)",
+            ),
+            (
+                not (self.rollout_processes and self.rollout_devices),
+                f"rollout_processes={self.rollout_processes} and rollout_devices="
+                f"{self.rollout_devices}: sample either in processes of their own or on devices "
+                "of the trainer's; set one of them to 0",
             ),
             (
                 isinstance(self.max_staleness, int) and self.max_staleness >= 0,

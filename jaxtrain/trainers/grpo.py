@@ -115,6 +115,7 @@ class GRPOTrainer(Trainer):
             )
         routing = getattr(model.config, "routing_shape", None)  # a MoE policy's
         check_routing_replay(args, routing, tool_calls)
+        check_rollout_processes(args, runtime.process_count, tool_calls)
         if tool_calls is not None:  # a multi-turn rollout's turns record no routing (yet)
             routing = None
         reference = None
@@ -286,6 +287,26 @@ def check_process_groups(args: RolloutArguments, processes: int) -> None:
             f"({micro} rows / {processes} processes = {micro / processes:g}), which must be "
             f"whole groups of num_generations={g}; make total_batch_size / "
             f"gradient_accumulation_steps a multiple of {processes * g}."
+        )
+
+
+def check_rollout_processes(
+    args: RolloutArguments, processes: int, tool_calls: ToolCalls | None
+) -> None:
+    """Rollout processes serve one trainer process, and sample single-turn rollouts (a
+    multi-turn rollout's environments live in the trainer's process)."""
+    if not args.rollout_processes:
+        return
+    if processes > 1:
+        raise ArgumentError(
+            f"rollout_processes={args.rollout_processes}: rollout processes serve a trainer "
+            f"in one process (this run has {processes}); set rollout_processes=0."
+        )
+    if tool_calls is not None:
+        raise ArgumentError(
+            f"rollout_processes={args.rollout_processes}: rollouts with tools run in the "
+            "trainer's process (their environments and tools live there); set "
+            "rollout_processes=0."
         )
 
 

@@ -51,6 +51,7 @@ from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
 from jaxtrain.trainers.grpo_round import GeneratedRound, rollout_batch
 from jaxtrain.trainers.grpo_sampler import RolloutSampler, completion_logs
 from jaxtrain.trainers.rewards import reward_name, score_completions
+from jaxtrain.trainers.rollout_processes import RolloutProcesses, Setup
 from jaxtrain.trainers.rollout_rows import RolloutRows
 from jaxtrain.trainers.round_logps import RoundLogps
 from jaxtrain.trainers.rounds_ahead import RoundsAhead
@@ -122,6 +123,13 @@ class RolloutSource:
             routing=routing,
         )
         self.routing = routing  # a MoE policy's routing shape: its agreement is measured
+        self.rollout_workers: RolloutProcesses | None = None  # rollout_processes > 0
+        if args.rollout_processes:
+            self.rollout_workers = RolloutProcesses(
+                args.rollout_processes,
+                Setup(args, tokenizer, eos_token_ids, pad_token_id, self.sampler.prompt_sets,
+                      args.rollout_processes, routing, graphdef=None, rest=None),
+            )  # fmt: skip
         self.tool_calls = tool_calls
         self._episodes: dict[int, Episode] = {}  # this round's multi-turn rollouts, by row
         self.ahead: RoundsAhead | None = None  # max_staleness > 0: rounds sampled ahead
@@ -167,6 +175,8 @@ class RolloutSource:
         self._last_batch_time = None
         if self.ahead is not None:
             self.ahead.close()
+        if self.rollout_workers is not None:
+            self.rollout_workers.close()
 
     def settle(self) -> None:
         """Wait for the rounds sampled in the background (before the engine samples anything
@@ -360,6 +370,8 @@ class RolloutSource:
             **agreement_logs,
             **penalty_logs,
         }
+        if self.rollout_workers is not None:  # the weight handoff to the processes
+            logs["rollout/weight_send_s"] = self.rollout_workers.last_send_s
         if args.dynamic_sampling_passes:
             logs["dynamic_sampling/replaced_groups"] = float(replaced)
             logs["dynamic_sampling/passes"] = float(passes)
@@ -470,8 +482,11 @@ class RolloutSource:
         """RolloutSampler.roll from `state`'s policy. On several processes, on this
         process's devices only (every process calls it at the same point: the policy's copy
         is gathered); with a rollout mesh, on its devices (the policy copied there, replicated:
-        the handoff; its frozen part once)."""
+        the handoff; its frozen part once); with rollout processes, in them."""
         policy = self._program.model_from_state(state)
+        if self.rollout_workers is not None:
+            which = self.sampler.prompt_sets.index(prompts)
+            return self.rollout_workers.roll(policy, which, prompt_rows, g, seeds), None
         if self.rollout_mesh is not None:
             graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
             everywhere = NamedSharding(self.rollout_mesh, PartitionSpec())
