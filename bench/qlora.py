@@ -2,10 +2,12 @@
 against a bf16 one, and the eval loss of NF4-QLoRA against bf16-LoRA on the demo corpus.
 
     PYTHONPATH=. .venv/bin/python bench/qlora.py bytes
-    PYTHONPATH=. .venv/bin/python bench/qlora.py rss [--repeats 2]      # each base in its own process
+    PYTHONPATH=. .venv/bin/python bench/qlora.py rss [--repeats 2] [--shape h1024] [--scan]
     PYTHONPATH=. .venv/bin/python bench/qlora.py quality [--steps 200]
 
-rss: a Llama of hidden 2048, 16 layers (1.2B parameters with its 32k vocabulary), written once
+rss: a Llama of hidden 2048, 16 layers (1.2B parameters with its 32k vocabulary; `--shape h1024`:
+hidden 1024, 8 layers), each base in its own process (`--scan`: also both under scan_layers, where
+an NF4 base is dequantized one layer at a time), written once
 as a bf16 Hugging Face directory (a temporary one, 2.4 GB), then in each worker loaded as a user
 would (`AutoModelForCausalLM.from_pretrained(dir, param_dtype=bfloat16)`, with
 `quantization="nf4"` for the NF4 base: each kernel quantized as it is read) and LoRA-tuned:
@@ -33,8 +35,12 @@ from pathlib import Path
 import numpy as np
 
 RESULT = "QLORA_RESULT "
-BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-           num_attention_heads=32, num_key_value_heads=4)  # fmt: skip
+SHAPES = {
+    "1.2b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=4),
+    "h1024": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=4),
+}  # fmt: skip
 
 
 def lora_args(out: str, **kw):
@@ -59,7 +65,7 @@ def bytes_stage() -> dict:
     out = {}
     for kind, double in (("nf4", False), ("nf4", True), ("int8", False)):
         args = lora_args("unused", quantization=kind, quantization_double=double)
-        factory = ModelFactory(lambda: LlamaForCausalLM(LlamaConfig(**BIG), dtype=jnp.bfloat16,
+        factory = ModelFactory(lambda: LlamaForCausalLM(LlamaConfig(**SHAPES["1.2b"]), dtype=jnp.bfloat16,
                                                         param_dtype=jnp.bfloat16,
                                                         rngs=nnx.Rngs(0)))  # fmt: skip
         parts = ModelParts.adopt(factory, ModelSettings.from_arguments(args))  # shapes only
@@ -68,15 +74,16 @@ def bytes_stage() -> dict:
     return out
 
 
-def write_base(directory: str) -> None:
-    """The 1.2B Llama (random weights) as a bf16 HF directory."""
+def write_base(directory: str, shape: str = "1.2b") -> None:
+    """A Llama of SHAPES[shape] (random weights) as a bf16 HF directory."""
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxtrain.hf import save_pretrained
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(**BIG), param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape]), param_dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(0))  # fmt: skip
     save_pretrained(model, directory)
 
 
@@ -116,10 +123,12 @@ def rss_worker(kind: str, base: str) -> dict:
     from jaxtrain.hf import AutoModelForCausalLM
 
     rows = [{"input_ids": np.arange(256) % 31999 + 1} for _ in range(8)]
-    quantization = None if kind == "bf16" else kind
+    stored, _, scan = kind.partition("+")  # "nf4+scan": an NF4 base, layers under scan
+    quantization = None if stored == "bf16" else stored
     args = lora_args(tempfile.mkdtemp(), quantization=quantization, max_steps=3,
                      total_batch_size=1, max_sequence_length=256, param_dtype="bfloat16",
-                     dtype="bfloat16", gradient_checkpointing="nothing_saveable")  # fmt: skip
+                     dtype="bfloat16", gradient_checkpointing="nothing_saveable",
+                     scan_layers=scan == "scan")  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(
         base, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, quantization=quantization
     )
@@ -197,6 +206,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--base", help="worker: the HF directory to load")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.2b", help="rss: the model")
+    parser.add_argument("--scan", action="store_true", help="rss: also both bases under scan")
     opts = parser.parse_args()
     if opts.stage == "worker":
         print(RESULT + json.dumps(rss_worker(opts.kind, opts.base)))
@@ -205,14 +216,15 @@ def main() -> int:
     elif opts.stage == "quality":
         print(json.dumps(quality_stage(opts.steps), indent=1))
     else:
-        found: dict[str, list] = {"bf16": [], "nf4": []}
+        kinds = ["bf16", "nf4"] + (["bf16+scan", "nf4+scan"] if opts.scan else [])
+        found: dict[str, list] = {kind: [] for kind in kinds}
         base = tempfile.mkdtemp()
         done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                               f"import qlora; qlora.write_base({base!r})"], capture_output=True, text=True)  # fmt: skip
+                               f"import qlora; qlora.write_base({base!r}, {opts.shape!r})"], capture_output=True, text=True)  # fmt: skip
         if done.returncode:
             raise SystemExit(done.stderr[-3000:])
         for repeat in range(opts.repeats):
-            for kind in ("bf16", "nf4") if repeat % 2 == 0 else ("nf4", "bf16"):
+            for kind in kinds if repeat % 2 == 0 else kinds[::-1]:
                 done = subprocess.run([sys.executable, __file__, "worker", "--kind", kind, "--base", base],
                                       capture_output=True, text=True, timeout=3600)  # fmt: skip
                 line = [x for x in done.stdout.splitlines() if x.startswith(RESULT)]
@@ -228,10 +240,11 @@ def main() -> int:
                   "GiB; step s", [round(r["step_s"] or 0, 1) for r in runs])  # fmt: skip
         for key, what in (("peak_rss_gib", "peak RSS"), ("peak_anon_gib", "peak anonymous RSS"),
                           ("load_anon_gib", "anonymous RSS after the load")):  # fmt: skip
-            ratio = statistics.median(r[key] for r in found["nf4"]) / statistics.median(
-                r[key] for r in found["bf16"]
-            )
-            print(f"nf4 / bf16 {what}: {ratio:.2f}x")
+            for kind in kinds[1:]:
+                ratio = statistics.median(r[key] for r in found[kind]) / statistics.median(
+                    r[key] for r in found["bf16"]
+                )
+                print(f"{kind} / bf16 {what}: {ratio:.2f}x")
     return 0
 
 
