@@ -22,7 +22,6 @@ from jaxtrain.config.tables import (  # noqa: F401 - the constants' old import p
     ON_NAN,
     PROGRESS_BARS,
     REPORT_TO,
-    SCAN_LAYERS_DEFAULT,
 )
 from jaxtrain.config_values import coerce_value, read_config_file  # noqa: F401 - old path
 from jaxtrain.errors import ArgumentError
@@ -178,7 +177,9 @@ class TrainingArguments:
     # Run the decoder layers under one jax.lax.scan (models/layer_scan.py): a layer is traced
     # and compiled once, not once per layer, so compile time stops growing with depth; the
     # parameters, checkpoints and results are the same (docs/training.md "Layers under scan").
-    scan_layers: bool = SCAN_LAYERS_DEFAULT
+    # None: on for a quantized base (QLoRA: each layer's kernels dequantized in its own scan
+    # step, so no float copy of the whole base exists), else off.
+    scan_layers: bool | None = None
 
     # LoRA: rank of the adapters (0 = off). Only the adapters are trained, held in the
     # optimizer state and checkpointed; the base weights stay frozen (jaxtrain.models.lora).

@@ -98,7 +98,10 @@ class ModelSettings:
             dtype=args.dtype,
             param_dtype=args.param_dtype,
             remat_policy=args.gradient_checkpointing,
-            scan_layers=args.scan_layers,
+            # Unset: under scan where it saves memory (a quantized base: bench/RESULTS.md).
+            scan_layers=args.quantization is not None
+            if args.scan_layers is None
+            else args.scan_layers,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,

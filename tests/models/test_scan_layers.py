@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import Trainer, TrainingArguments
+from jaxtrain.config.sections import ModelSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM, MoeConfig, MoeForCausalLM
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
@@ -295,15 +296,15 @@ def _losses(out) -> list[float]:
 
 def test_qlora_trains_the_same_with_and_without_scan(tmp_path):
     """The Trainer on a tiny config, LoRA (dropout on) over an NF4 base: the same loss at
-    each of 3 steps."""
+    each of 3 steps. Left unset, scan_layers is on for the quantized base."""
     rows = [{"input_ids": (np.arange(16) * (i + 1)) % 61} for i in range(24)]
     losses = {}
-    for scan in (False, True):
+    for scan, given in ((False, False), (True, None)):
         args = TrainingArguments(
             output_dir=str(tmp_path / str(scan) / "run"), max_steps=3, total_batch_size=4,
             max_sequence_length=16, learning_rate=5e-2, warmup_steps=0, logging_steps=1,
             progress_bar="none", save_final=False, run_report=False, lora_rank=4,
-            lora_alpha=8.0, lora_dropout=0.1, quantization="nf4", scan_layers=scan,
+            lora_alpha=8.0, lora_dropout=0.1, quantization="nf4", scan_layers=given,
         )  # fmt: skip
         model = llama(hidden_size=64, intermediate_size=128, num_hidden_layers=3)
         trainer = Trainer(arguments=args, model=model, dataset_train=rows)
@@ -315,6 +316,15 @@ def test_qlora_trains_the_same_with_and_without_scan(tmp_path):
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
 
 
-def test_scan_layers_is_validated():
-    with pytest.raises(ArgumentError, match="scan_layers must be true or false"):
+def test_scan_layers_is_validated_and_unset_on_for_a_quantized_base_only():
+    with pytest.raises(ArgumentError, match="scan_layers must be true, false or null"):
         TrainingArguments(scan_layers="yes")
+    scans = {
+        (given, quantization): ModelSettings.from_arguments(
+            TrainingArguments(scan_layers=given, quantization=quantization, lora_rank=4)
+        ).scan_layers
+        for given in (None, False, True)
+        for quantization in (None, "nf4")
+    }
+    assert scans == {(None, None): False, (None, "nf4"): True, (False, None): False,
+                     (False, "nf4"): False, (True, None): True, (True, "nf4"): True}  # fmt: skip
