@@ -72,8 +72,9 @@ class _Worker:
 
     def answer(self) -> Any:
         """The process's answer to the last request (raises OSError/EOFError if it died)."""
-        if not self.ready:
-            self.ready = self._receive() == self.pid
+        if not self.ready:  # its answer to the setup comes first
+            self._receive()
+            self.ready = True
         return self._receive()
 
     def _receive(self) -> Any:
