@@ -24,8 +24,9 @@ SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
 
 # models/layer_scan.py maps each to a jax.checkpoint policy of a decoder layer.
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
-# Decoder layers under jax.lax.scan (models/layer_scan.py): the models' default and
-# TrainingArguments.scan_layers'. Off: on XLA:CPU the scanned step ran at 0.8x the loop's
+# Decoder layers under jax.lax.scan (models/layer_scan.py): the models' default, and
+# TrainingArguments.scan_layers' when unset except for a quantized base (there it is on: one
+# layer dequantized at a time). Off: on XLA:CPU the scanned step ran at 0.8x the loop's
 # tokens/s and compiled no faster at 32 layers (bench/RESULTS.md, 2026-11-29).
 SCAN_LAYERS_DEFAULT = False
 
