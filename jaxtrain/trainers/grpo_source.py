@@ -51,7 +51,7 @@ from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
 from jaxtrain.trainers.grpo_round import GeneratedRound, rollout_batch
 from jaxtrain.trainers.grpo_sampler import RolloutSampler, completion_logs
 from jaxtrain.trainers.rewards import reward_name, score_completions
-from jaxtrain.trainers.rollout_processes import RolloutProcesses, Setup
+from jaxtrain.trainers.rollout_processes import RolloutProcesses
 from jaxtrain.trainers.rollout_rows import RolloutRows
 from jaxtrain.trainers.round_logps import RoundLogps
 from jaxtrain.trainers.rounds_ahead import RoundsAhead
@@ -125,11 +125,7 @@ class RolloutSource:
         self.routing = routing  # a MoE policy's routing shape: its agreement is measured
         self.rollout_workers: RolloutProcesses | None = None  # rollout_processes > 0
         if args.rollout_processes:
-            self.rollout_workers = RolloutProcesses(
-                args.rollout_processes,
-                Setup(args, tokenizer, eos_token_ids, pad_token_id, self.sampler.prompt_sets,
-                      args.rollout_processes, routing, graphdef=None, rest=None),
-            )  # fmt: skip
+            self.rollout_workers = RolloutProcesses(args.rollout_processes, self.sampler)
         self.tool_calls = tool_calls
         self._episodes: dict[int, Episode] = {}  # this round's multi-turn rollouts, by row
         self.ahead: RoundsAhead | None = None  # max_staleness > 0: rounds sampled ahead

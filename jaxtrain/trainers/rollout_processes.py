@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.errors import RolloutProcessError
+from jaxtrain.trainers.grpo_sampler import RolloutSampler
 from jaxtrain.trainers.rollout_rows import RolloutRows
 
 __all__ = ["MAX_RESTARTS", "RolloutProcesses", "Setup"]
@@ -42,17 +43,18 @@ MAX_RESTARTS = 3  # deaths in a row of one process before the run gives up
 
 @dataclasses.dataclass
 class Setup:
-    """What a rollout process samples with (RolloutSampler's arguments, the policy's parts)."""
+    """What a rollout process samples with (its RolloutSampler's arguments: `share`, the
+    processes sharing each round; the policy's graph and unchanging part, on the host)."""
 
     args: Any  # the run's RolloutArguments
     tokenizer: Any
     eos_token_ids: list[int]
     pad_token_id: int
-    prompt_sets: list[Any]  # the run's Prompts (train, then eval)
-    share: int  # the processes sharing each round (each samples 1 / share of it)
+    prompt_sets: list[Any]
+    share: int
     routing: tuple[int, int] | None
     graphdef: Any
-    rest: Any  # the policy's state but its parameters, on the host
+    rest: Any
 
 
 class _Worker:
@@ -108,11 +110,14 @@ class _Worker:
 
 
 class RolloutProcesses:
-    """`count` rollout processes sampling with `setup`'s settings (its graphdef and rest are
-    filled from the first policy); `roll` is RolloutSampler.roll from the given policy."""
+    """`count` rollout processes sampling as `sampler` (the trainer's, whose settings and
+    prompts they copy) would; `roll` is its roll from the given policy."""
 
-    def __init__(self, count: int, setup: Setup):
-        self.count, self.setup = count, setup
+    def __init__(self, count: int, sampler: RolloutSampler):
+        self.count = count
+        self.setup = Setup(sampler.args, sampler.tokenizer, sampler.eos_token_ids,
+                           sampler.pad_token_id, sampler.prompt_sets, count, sampler.routing,
+                           graphdef=None, rest=None)  # fmt: skip
         self.workers: list[_Worker] = []
         self.last_send_s = 0.0  # the last weight handoff's seconds (device -> host -> sockets)
         self._sent: list[Any] = []  # the parameter arrays of the current version
