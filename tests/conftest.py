@@ -18,6 +18,15 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["JAXTRAIN_CACHE"], "xla")
 )
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_CACHE_BYTES))
+# Compiles are most of the suite's time: every test compiles its own small programs, and every
+# eager op of a test is a program of its own. XLA:CPU's legacy emitters at LLVM level 0
+# compile an eager op in about half the time (45 -> 24 ms) and a small train step in 0.65 s
+# against 0.9, for steps that run ~30% slower (bench/RESULTS.md, "The suite's XLA flags"). A
+# user's XLA_FLAGS wins over jaxtrain's CPU default (runtime/compiler.py), so the Trainer's
+# steps compile this way too. Worker processes add their device count to these flags.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 
 # The file that runs longest (every docs block, 10-20 minutes) starts first: started last, it

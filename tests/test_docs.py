@@ -117,7 +117,8 @@ if "docs_result" in sys.argv[2:]:
 
 
 def device_flag(count: int) -> str:
-    return f"--xla_force_host_platform_device_count={count}"
+    """The suite's XLA_FLAGS (tests/conftest.py) and `count` devices."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
 
 
 def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...] = ()) -> dict:

@@ -190,7 +190,7 @@ def two_devices(tmp_path_factory) -> subprocess.CompletedProcess:
     )
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(

@@ -76,12 +76,12 @@ def build_data(data: dict[str, Any], seq_len: int):
 
         kwargs = {k: data[k] for k in ("max_train_bytes", "vocab_size") if k in data}
         corpus = load_default_corpus(**kwargs)
-        tokenizer = corpus.tokenizer
         if data.get("tokenizer"):  # e.g. a pretrained model's own tokenizer
             tokenizer = _load_tokenizer(data["tokenizer"])
-        train = chunk_dataset(corpus.train, tokenizer, seq_len)
-        evaluation = chunk_dataset(corpus.eval, tokenizer, seq_len)
-        return train, evaluation, tokenizer
+            train = chunk_dataset(corpus.train, tokenizer, seq_len)
+            return train, chunk_dataset(corpus.eval, tokenizer, seq_len), tokenizer
+        rows = [corpus.token_rows(split, seq_len) for split in ("train", "eval")]
+        return *rows, corpus.tokenizer
     if source == "files":
         from jaxtrain.data.files import load_files
 

@@ -23,6 +23,7 @@ from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import gated
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.sharding import constrain, current_rules
+from jaxtrain.runtime.compiler import cpu_defaults
 
 Array = jax.Array
 DType = Any
@@ -41,7 +42,7 @@ def _normal_values(key: Array, *, shape: tuple[int, ...], std: float, dtype: Any
 _compiled_normal_values = jax.jit(
     _normal_values,
     static_argnames=("shape", "std", "dtype"),
-    compiler_options={"xla_backend_optimization_level": 1},
+    compiler_options=cpu_defaults() or None,
 )
 
 

@@ -9,6 +9,7 @@ defaults unless options are given.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -19,11 +20,19 @@ from jaxtrain.errors import ArgumentError
 CPU_DEFAULTS: dict[str, Any] = {"xla_backend_optimization_level": 1}
 
 
+def cpu_defaults() -> dict[str, Any]:
+    """CPU_DEFAULTS less the options the process's XLA_FLAGS sets itself: a flag the user gave
+    (`XLA_FLAGS=--xla_backend_optimization_level=0`, faster compiles for short runs and tests)
+    wins over jaxtrain's default."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in CPU_DEFAULTS.items() if f"--{k}=" not in flags}
+
+
 def resolve_compiler_options(setting: dict[str, Any] | None, platform: str) -> dict[str, Any]:
     """The options every Trainer compile gets: `setting` as given ({} = XLA's defaults), or
     jaxtrain's defaults for `platform` when it is None."""
     if setting is None:
-        return dict(CPU_DEFAULTS) if platform == "cpu" else {}
+        return cpu_defaults() if platform == "cpu" else {}
     return dict(setting)
 
 

@@ -128,6 +128,21 @@ def test_chunk_rows_are_exact_slices_of_the_concatenated_stream(corpus):
     np.testing.assert_array_equal(rows.reshape(-1), stream[: len(rows) * seq_len])
 
 
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_token_rows_are_the_chunks_and_a_second_call_reads_them(corpus, split):
+    text = {"train": corpus.train, "eval": corpus.eval}[split]
+    want = np.asarray(chunk_dataset(text, corpus.tokenizer, 48)["input_ids"][:])
+    first = corpus.token_rows(split, 48)
+    (cached,) = corpus.tokenizer_path.glob(f"rows-{split}-48*.npy")
+    np.save(cached, np.load(cached)[:2])  # what a second call returns comes from the file
+    second = corpus.token_rows(split, 48)
+    np.testing.assert_array_equal(np.asarray(first["input_ids"][:]), want)
+    np.testing.assert_array_equal(np.asarray(second["input_ids"][:]), want[:2])
+    assert first.features == second.features
+    assert len(corpus.token_rows(split, 16)[0]["input_ids"]) == 16  # a length: its own rows
+    assert not list(corpus.tokenizer_path.glob("tmp*"))  # no temporary file left
+
+
 def test_chunk_without_eos_and_from_list(corpus):
     tok = corpus.tokenizer
     docs = [{"body": "def f(x):\n    return x\n"}, {"body": "print('hi')\n"}]

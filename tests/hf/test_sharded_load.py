@@ -86,7 +86,7 @@ def test_weights_are_placed_directly_on_their_shards(tmp_path):
     save_hf("llama", tmp_path / "hf")
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(Path(__file__).parents[2]),
     }

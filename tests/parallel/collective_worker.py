@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+)
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -34,8 +34,9 @@ def run_worker(script: str, *args: str) -> object:
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of a worker subprocess: CPU only, its own XLA_FLAGS, jaxtrain importable."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """The environment of a worker subprocess: CPU only, jaxtrain importable; the worker adds
+    its device count to the suite's XLA_FLAGS (tests/conftest.py)."""
+    env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env

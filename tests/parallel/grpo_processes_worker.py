@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from grpo_worker import CONFIG, tokenizer  # noqa: E402
 
 # After that import (it sets 4 devices for itself); JAX reads the flag when it first runs.
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + (
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=" + (
     "4" if sys.argv[2] == "one" else "2"
 )
 

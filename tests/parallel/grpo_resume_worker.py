@@ -6,7 +6,9 @@ their completions after step 3 and the placement of the batch the resumed step c
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -4,7 +4,9 @@ devices; writes each run's parameters after every update to argv[1]/<mesh>.npz."
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

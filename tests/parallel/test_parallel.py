@@ -7,6 +7,7 @@ check; `multihost_worker.py` runs twice, as the two processes of a JAX cluster.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -203,7 +204,10 @@ def test_only_process_0_speaks_in_a_two_process_command_line_run(tmp_path):
     command = [sys.executable, "-m", "jaxtrain.cli", "train", "--output_dir", str(tmp_path)]
     command += [*TINY_CLI, "--progress_bar", "json", "--num_processes", "2"]
     command += ["--coordinator_address", f"127.0.0.1:{_free_port()}"]
-    env = {**worker_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {
+        **worker_env(),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1",
+    }
     procs = [
         subprocess.Popen(
             [*command, "--process_id", str(i)],
@@ -284,7 +288,10 @@ def test_cluster_detection_from_arguments_and_environment():
 
 
 def test_cli_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
-    env = {**worker_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {
+        **worker_env(),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    }
     command = [sys.executable, "-m", "jaxtrain.cli", "train", "--dry_run"]
     command += ["--sharding_axis_dims", "2,2,1,2,1", "--output_dir", str(tmp_path / "run")]
     command += ["--total_batch_size", "8", "--max_sequence_length", "32"]

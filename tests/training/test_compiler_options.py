@@ -12,7 +12,8 @@ from jaxtrain.runtime.compiler import CPU_DEFAULTS, resolve_compiler_options
 from jaxtrain.trainers.distill import DistillationArguments, DistillationTrainer
 
 
-def test_none_means_the_platform_defaults_and_an_empty_dict_means_xla_s_own():
+def test_none_means_the_platform_defaults_and_an_empty_dict_means_xla_s_own(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS")  # the suite's flags set the level (tests/conftest.py)
     assert resolve_compiler_options(None, "cpu") == CPU_DEFAULTS
     assert resolve_compiler_options(None, "gpu") == {}
     assert resolve_compiler_options({}, "cpu") == {}
@@ -20,9 +21,19 @@ def test_none_means_the_platform_defaults_and_an_empty_dict_means_xla_s_own():
     assert resolve_compiler_options(given, "gpu") == given
 
 
-def test_the_cpu_trainer_compiles_with_the_defaults(tmp_path):
+def test_the_cpu_trainer_compiles_with_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS")
     trainer = tiny_trainer(str(tmp_path))
     assert trainer.monitor.compiler_options == CPU_DEFAULTS
+
+
+def test_a_level_in_xla_flags_wins_over_the_cpu_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert resolve_compiler_options(None, "cpu") == {}
+    assert tiny_trainer(str(tmp_path)).monitor.compiler_options == {}
+    assert resolve_compiler_options({"xla_backend_optimization_level": 2}, "cpu") == {
+        "xla_backend_optimization_level": 2  # options given to the run still win over both
+    }
 
 
 @pytest.mark.parametrize("factory", [False, True], ids=["built_model", "model_factory"])
