@@ -12,6 +12,7 @@ Conventions
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
@@ -23,7 +24,6 @@ from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import gated
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.sharding import constrain, current_rules
-from jaxtrain.runtime.compiler import cpu_defaults
 
 Array = jax.Array
 DType = Any
@@ -42,7 +42,10 @@ def _normal_values(key: Array, *, shape: tuple[int, ...], std: float, dtype: Any
 _compiled_normal_values = jax.jit(
     _normal_values,
     static_argnames=("shape", "std", "dtype"),
-    compiler_options=cpu_defaults() or None,
+    # A level the user's XLA_FLAGS sets wins, as for the Trainer's compiles (runtime/compiler.py).
+    compiler_options=None
+    if "--xla_backend_optimization_level=" in os.environ.get("XLA_FLAGS", "")
+    else {"xla_backend_optimization_level": 1},
 )
 
 

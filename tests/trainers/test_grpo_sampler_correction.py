@@ -166,8 +166,9 @@ def test_the_correction_equals_trl(checkpoints, batch, tmp_path, tokenizer, case
                 sampler_correction_max=high)  # fmt: skip
     loss, grad, got = run_jaxtrain(policy, prompt, completion, mask, sampler, ours, tmp_path)
     # Without an upper bound a weight is exp of a completion's summed log-ratios, up to ~e^3
-    # here: it carries each token's float32 rounding (torch vs XLA) into the loss, 2e-5 seen.
-    rtol = 1e-5 if high is not None else 5e-5
+    # here: it carries each token's float32 rounding (torch vs XLA) into the loss: 2e-5 seen
+    # with XLA:CPU's fusion emitters, 5.6e-5 with its legacy ones (the suite's, conftest.py).
+    rtol = 1e-5 if high is not None else 1e-4
     np.testing.assert_allclose(loss, want_loss, rtol=rtol, atol=1e-7)
     np.testing.assert_allclose(grad, want_grad, rtol=rtol)
     names = {"entropy": "entropy", "clip_ratio": "clip_ratio/region_mean"}  # TRL: no KL at beta 0
