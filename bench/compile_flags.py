@@ -27,6 +27,7 @@ VARIANTS = {
     "xla_default": "",
     "level1": "--xla_backend_optimization_level=1",
     "level0": "--xla_backend_optimization_level=0",
+    "legacy_level1": "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false",
     "suite": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
 }
 FIGURES = ("eager_s", "build_s", "compile_s", "step_ms")
