@@ -116,9 +116,14 @@ if "docs_result" in sys.argv[2:]:
 """
 
 
+# Not the suite's XLA flags (tests/conftest.py): the pages' runs execute more than a test's
+# (a 32k-token row, samples of 120 tokens), and at level 0 a step runs ~4x slower; at level 1
+# XLA:CPU's legacy emitters still compile an eager op in 0.7x the time (bench/compile_flags.py).
+DOCS_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+
+
 def device_flag(count: int) -> str:
-    """The suite's XLA_FLAGS (tests/conftest.py) and `count` devices."""
-    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+    return f"{DOCS_XLA_FLAGS} --xla_force_host_platform_device_count={count}"
 
 
 def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...] = ()) -> dict:
