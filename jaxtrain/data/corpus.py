@@ -53,9 +53,8 @@ class DefaultCorpus:
     train_files: tuple[str, ...]  # stdlib-relative POSIX paths, in selection order
     eval_files: tuple[str, ...]
     tokenizer_path: Path  # the cache directory the tokenizer was loaded from
-    eval_fingerprint: str = (
-        ""  # of the eval files' paths and text (the train text's is in the path)
-    )
+    # Of the eval files' paths and text (the train text's is in tokenizer_path's name).
+    eval_fingerprint: str = ""
 
     def token_rows(self, split: str, seq_len: int) -> datasets.Dataset:
         """`chunk_dataset` of `split` ("train" or "eval") with the corpus's own tokenizer,
@@ -73,7 +72,11 @@ class DefaultCorpus:
         rows = chunk_dataset(texts, self.tokenizer, seq_len)
         # Written beside the target and renamed: a crash or a concurrent run never leaves half.
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy", delete=False) as tmp:
-            np.save(tmp, np.asarray(rows.with_format("numpy")["input_ids"], np.int32))
+            try:
+                np.save(tmp, np.asarray(rows.with_format("numpy")["input_ids"], np.int32))
+            except BaseException:
+                os.unlink(tmp.name)
+                raise
         os.replace(tmp.name, path)
         return rows
 
