@@ -9,26 +9,23 @@ from jaxtrain.cache import MAX_CACHE_BYTES  # imports no jax: the settings below
 # Tests share one tokenizer cache per session, never the user's ~/.cache.
 os.environ.setdefault("JAXTRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))
 # And one XLA program cache for every process a test starts, from its first compile (not only
-# from a Trainer's), set before anything imports jax. Programs that compile in under a second
-# stay out (JAX's default): kept too, every eager op of a test was written to it under the
-# lock, and the suite from an empty cache took 2,907 s instead of 2,785 (test_qlora 145 ->
-# 435 s). The size cap (jaxtrain's own) turns on JAX's file lock, which keeps a process from
-# reading an entry another is still writing.
+# from a Trainer's), set before anything imports jax. The size cap (jaxtrain's own) turns on
+# JAX's file lock, which keeps a process from reading an entry another is still writing.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["JAXTRAIN_CACHE"], "xla")
 )
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_CACHE_BYTES))
-# Under the flags below a small model's train step or an engine's step compiles in 0.2-0.9 s,
-# under JAX's 1 s: kept from 0.2 s, a program another test or process compiles again (shared
-# fixtures, the CLI's tiny runs, the same engine shapes) is read back instead; an eager op
-# (~25 ms) still stays out.
+# Programs kept from 0.2 s of compile (JAX's default is 1 s): under the flags below a small
+# train or engine step compiles in well under a second, and another test or process that
+# compiles it again (shared fixtures, the CLI's tiny runs) reads it back. Eager ops (~50 ms)
+# stay out: kept too, each was written under the lock (session 20: 2,907 s against 2,785).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-# Compiles are most of the suite's time: every test compiles its own small programs, and every
-# eager op of a test is a program of its own. XLA:CPU's legacy emitters at LLVM level 0
-# compile an eager op in about half the time (45 -> 24 ms) and a small train step in 0.65 s
-# against 0.9, for steps that run ~30% slower (bench/RESULTS.md, "The suite's XLA flags"). A
-# user's XLA_FLAGS wins over jaxtrain's CPU default (runtime/compiler.py), so the Trainer's
-# steps compile this way too. Worker processes add their device count to these flags.
+# Compiles are most of the suite's time, and on XLA:CPU every eager op of a new shape is a
+# program of its own. LLVM level 0 with XLA:CPU's legacy emitters compiles eager ops, a model
+# build and a train step in 0.4-0.5x level 1's time, for steps ~4x slower (bench/RESULTS.md,
+# "XLA:CPU flags against the suite's time"; the docs' test, whose runs execute more, sets its
+# own). A user's XLA_FLAGS level wins over jaxtrain's CPU default (runtime/compiler.py), so
+# the Trainer's steps compile this way too. Worker processes add their device count to these.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
