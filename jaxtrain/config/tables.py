@@ -7,6 +7,7 @@ policy, a mesh axis) reads the same tuple.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
@@ -17,6 +18,20 @@ PROGRESS_BARS = ("rich", "tqdm", "json", "none")
 EVALUATION_STRATEGIES = ("no", "steps", "epoch")
 ON_NAN = ("stop", "skip")
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+# XLA options of every Trainer compile on a CPU (runtime/compiler.py) and of a model's eager
+# initialisers (models/layers.py): LLVM level 1 compiles the fused kernels around the library
+# matmuls faster, and the step runs as fast.
+CPU_DEFAULTS = {"xla_backend_optimization_level": 1}
+
+
+def cpu_defaults() -> dict[str, int]:
+    """CPU_DEFAULTS less the options the process's XLA_FLAGS sets itself: a flag the user gave
+    (`XLA_FLAGS=--xla_backend_optimization_level=0`, faster compiles for short runs and tests)
+    wins over jaxtrain's default."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in CPU_DEFAULTS.items() if f"--{k}=" not in flags}
+
 
 # training/optim.py builds each of these.
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")

@@ -12,7 +12,6 @@ Conventions
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.config.tables import cpu_defaults
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import gated
 from jaxtrain.models.config import LlamaConfig
@@ -42,10 +42,7 @@ def _normal_values(key: Array, *, shape: tuple[int, ...], std: float, dtype: Any
 _compiled_normal_values = jax.jit(
     _normal_values,
     static_argnames=("shape", "std", "dtype"),
-    # A level the user's XLA_FLAGS sets wins, as for the Trainer's compiles (runtime/compiler.py).
-    compiler_options=None
-    if "--xla_backend_optimization_level=" in os.environ.get("XLA_FLAGS", "")
-    else {"xla_backend_optimization_level": 1},
+    compiler_options=cpu_defaults() or None,  # as the Trainer's compiles (config/tables.py)
 )
 
 

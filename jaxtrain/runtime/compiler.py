@@ -3,29 +3,20 @@
 On a CPU, the matmuls of a train step run in library kernels; what XLA:CPU compiles with
 LLVM are the fused elementwise kernels around them. LLVM's optimisation level 1 instead of
 XLA's default 2 compiles those faster, and the step runs as fast (bench/compiler_options.py,
-figures in bench/RESULTS.md), so level 1 is the CPU default. Other platforms keep XLA's own
-defaults unless options are given.
+figures in bench/RESULTS.md), so level 1 is the CPU default (config/tables.py CPU_DEFAULTS),
+unless the process's XLA_FLAGS sets a level itself. Other platforms keep XLA's own defaults
+unless options are given.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.config.tables import cpu_defaults
 from jaxtrain.errors import ArgumentError
-
-CPU_DEFAULTS: dict[str, Any] = {"xla_backend_optimization_level": 1}
-
-
-def cpu_defaults() -> dict[str, Any]:
-    """CPU_DEFAULTS less the options the process's XLA_FLAGS sets itself: a flag the user gave
-    (`XLA_FLAGS=--xla_backend_optimization_level=0`, faster compiles for short runs and tests)
-    wins over jaxtrain's default."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    return {k: v for k, v in CPU_DEFAULTS.items() if f"--{k}=" not in flags}
 
 
 def resolve_compiler_options(setting: dict[str, Any] | None, platform: str) -> dict[str, Any]:

@@ -7,8 +7,9 @@ import pytest
 from tiny_run import tiny_arguments, tiny_model, tiny_trainer
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.config.tables import CPU_DEFAULTS
 from jaxtrain.parallel import ModelFactory
-from jaxtrain.runtime.compiler import CPU_DEFAULTS, resolve_compiler_options
+from jaxtrain.runtime.compiler import resolve_compiler_options
 from jaxtrain.trainers.distill import DistillationArguments, DistillationTrainer
 
 
