@@ -9,21 +9,26 @@ fits, so a session lent a device for minutes gets the most important figures fir
 
 - train/<variant>: the Trainer on random tokens (no padding), AdamW, bf16 compute with fp32
   parameters, for attention "cudnn" (jax.nn.dot_product_attention's fused kernel, no remat),
-  "blockwise" (models/blockwise.py, no remat), "xla" (dense einsums; its [B, N, T, T]
-  probabilities need remat "dots_saveable" to fit at 4096) and "auto" (no implementation set:
-  the default a user gets); `--variants cudnn_cublas` adds cuDNN with XLA's Triton GEMMs off. tokens/s and MFU are the Trainer's
-  own logged values over steps W+1..N (its metrics.jsonl), the memory keys those of its
-  monitor (track_memory), the compiled step's memory from its run_info.json.
+  "blockwise" (models/blockwise.py), "xla" (dense einsums; its [B, N, T, T] probabilities need
+  remat "dots_saveable" to fit at 4096), "auto" (no implementation set: the default a user
+  gets), "bf16_moments" and "scan" ("auto" with mu_dtype bfloat16, with scan_layers) and
+  "cudnn_cublas" (XLA's Triton GEMMs off). tokens/s and MFU are the Trainer's own logged
+  values over steps W+1..N (its metrics.jsonl), the memory keys those of its monitor
+  (track_memory), the compiled step's memory from its run_info.json.
+- profile: the first variant's steps W+1..N traced with jax.profiler, summed by kernel and
+  category (bench/trace_summary.py); the trace stays in DIR/trace.
+- engine: the serving engine (paged KV pool, greedy, bf16) on generate's prompts, its pages
+  read by the gather path and (GPU or TPU) by JAX's Pallas paged-attention kernel: new tokens/s
+  of the second call, and how many tokens the two agree on.
 - generate: `jaxtrain.models.generate` (KV cache, greedy) from bf16 parameters: new tokens/s of
   the second call (the first compiles).
+- plan: `jaxtrain plan --devices 1` of the first variant's run, its predicted step time and
+  memory next to the measured ones. On a GPU, after the train stages, with the GPU's own
+  compiler (deviceless, for the accelerator the device's name gives: the check of the plan's
+  memory against a run); elsewhere XLA:CPU in a child process beside the other stages.
 - batch: the largest batch that fits, for the first train variant: the GPU compiler's memory
   analysis of the step at two batch sizes (compiled from shapes, nothing allocated), a line
   through them to the device's limit, then real steps at that batch.
-- profile: the first variant's steps W+1..N traced with jax.profiler, summed by kernel and
-  category (bench/trace_summary.py); the trace stays in DIR/trace.
-- plan: `jaxtrain plan --devices 1 --accelerator h100` of the same run (XLA:CPU in a child
-  process: it runs beside the GPU stages), its predicted step time and memory next to the
-  measured ones.
 
 Writes DIR/accelerator.json and prints a Markdown table for bench/RESULTS.md.
 """
@@ -43,40 +48,46 @@ from accelerator_stages import MODELS, RESULT_PREFIX, RUNS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name: (attention implementation, remat policy, extra environment), most wanted first.
-# "auto" is attention_implementation=None, the default a user gets.
-TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
-    "cudnn": ("cudnn", "none", {}),
-    "blockwise": ("blockwise", "none", {}),
-    "xla": ("xla", "dots_saveable", {}),
-    "auto": ("auto", "none", {}),
+# name: (attention implementation, remat policy, extra environment, TrainingArguments
+# overrides), most wanted first. "auto" is attention_implementation=None, the default a user
+# gets.
+TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict]] = {
+    "cudnn": ("cudnn", "none", {}, {}),
+    # The default attention (cuDNN's on an NVIDIA GPU) with AdamW's first moment in bf16 (less
+    # of the update's memory traffic), and with the decoder layers under one scan.
+    "bf16_moments": ("auto", "none", {}, {"mu_dtype": "bfloat16"}),
+    "scan": ("auto", "none", {}, {"scan_layers": True}),
+    "blockwise": ("blockwise", "none", {}, {}),
+    "xla": ("xla", "dots_saveable", {}, {}),
+    "auto": ("auto", "none", {}, {}),
     # Every matmul through cuBLAS instead of XLA's Triton GEMM emitter where it would pick one.
-    "cudnn_cublas": ("cudnn", "none", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}),
+    "cudnn_cublas": ("cudnn", "none", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, {}),
 }
-DEFAULT_VARIANTS = "cudnn,blockwise,xla,auto"
+DEFAULT_VARIANTS = "cudnn,bf16_moments,scan,auto"
 GPU_ONLY = ("cudnn", "cudnn_cublas")
-STAGES = ("train", "generate", "batch", "profile", "plan")
+STAGES = ("train", "profile", "engine", "generate", "plan", "batch")
+# How the engine stage reads its KV pages: the gather path and, on a GPU, JAX's Pallas kernel.
+ENGINE_ATTENTION = ("gather", "pallas")
 # Seconds a stage needs at the least (start, imports, compile); a stage is skipped when less
 # of the budget is left. Tiny runs have no minimum.
-MIN_STAGE_S = {"train": 60, "generate": 40, "batch": 100, "profile": 60}
+MIN_STAGE_S = {"train": 60, "generate": 40, "engine": 40, "batch": 100, "profile": 60, "plan": 40}
 
 
-def plan_command(size: str, attention: str, remat: str, out: Path) -> list[str]:
-    """`jaxtrain plan` of the first train variant's run on one H100."""
+def plan_command(
+    size: str, attention: str, remat: str, out: Path, accelerator: str, compiler: str
+) -> list[str]:
+    """`jaxtrain plan` of the first train variant's run on one `accelerator`."""
     run = RUNS[size]
     hf_config = out / "model_config.json"
     hf_config.write_text(json.dumps({"model_type": "llama", **MODELS[size]}))
     return [
         sys.executable, "-m", "jaxtrain.cli", "plan",
-        "--hf_config", str(hf_config), "--devices", "1", "--accelerator", "h100",
+        "--hf_config", str(hf_config), "--devices", "1", "--accelerator", accelerator,
         "--output", str(out / "plan.json"),
         "--total_batch_size", str(run["batch"]),
         "--max_sequence_length", str(run["seq"]),
         "--dtype", "bfloat16", "--gradient_checkpointing", remat,
-        "--optimizer", "adamw",
-        # XLA:CPU beside the GPU stages: the GPU compiler's own plan (planning/targets.py)
-        # would open the GPU the training stages are measuring.
-        "--compiler", "cpu",
+        "--optimizer", "adamw", "--compiler", compiler,
     ] + ([] if attention == "auto" else ["--model.attention_implementation", attention])  # fmt: skip
 
 
@@ -123,6 +134,26 @@ def run_stage(args: list[str], timeout: float, log: Path, env: dict | None = Non
     return {"error": f"exit {out.returncode}: " + " | ".join(tail)[-600:], "process_s": seconds}
 
 
+def engine_agreement(out: Path) -> dict:
+    """How many of the engine's greedy tokens the Pallas kernel and the gather path share
+    (bf16: a near-tie may flip one token, and the rows part from there)."""
+    paths = {k: out / f"engine-{k}.npy" for k in ENGINE_ATTENTION}
+    if not all(p.exists() for p in paths.values()):
+        return {"error": "needs both engine runs' tokens"}
+    import numpy as np
+
+    gather, pallas = (np.load(p) for p in paths.values())
+    same = gather == pallas
+    # Tokens up to each row's first difference: after it the rows' contexts differ.
+    prefix = np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
+    return {
+        "rows_identical": int(same.all(1).sum()),
+        "rows": int(same.shape[0]),
+        "tokens_equal": float(same.mean()),
+        "mean_prefix_before_first_difference": float(prefix.mean()),
+    }
+
+
 def gib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**30:.1f}"
 
@@ -153,6 +184,25 @@ def markdown(report: dict) -> list[str]:
             f"\ngeneration: {gen['batch']} rows x {gen['new_tokens_per_row']} new tokens after "
             f"{gen['prompt']}-token prompts: {gen['new_tokens_per_second']:,.0f} new tokens/s "
             f"(first call {gen['first_call_s']:.1f} s, compile included)"
+        )
+    for kernel, r in (report.get("engine") or {}).items():
+        rows.append(
+            f"engine ({kernel}): "
+            + (
+                r["error"][:200]
+                if "error" in r
+                else f"{r['batch']} rows x {r['new_tokens_per_row']} new tokens after {r['prompt']}-"
+                f"token prompts: {r['new_tokens_per_second']:,.0f} new tokens/s (first call "
+                f"{r['first_call_s']:.1f} s)"
+            )
+        )
+    agree = report.get("engine_agreement") or {}
+    if "rows" in agree:
+        rows.append(
+            f"engine pallas vs gather: {agree['rows_identical']}/{agree['rows']} rows identical, "
+            f"{100 * agree['tokens_equal']:.1f}% of tokens equal, "
+            f"{agree['mean_prefix_before_first_difference']:.0f} tokens before a row's first "
+            "difference on average"
         )
     batch = report.get("batch") or {}
     if "predicted" in batch:
@@ -214,67 +264,62 @@ def main(argv: list[str] | None = None) -> int:
     report["train"] = {}
     print(f"accelerator campaign on {device}: stages {stages}, variants {variants}", flush=True)
     first = variants[0] if variants else "blockwise"
-    attention, remat, first_env = TRAIN_VARIANTS[first]
+    attention, remat, first_env, _ = TRAIN_VARIANTS[first]
+    on_gpu = device.get("platform") == "gpu"
+    # On a GPU the plan compiles with the GPU's own compiler once the GPU is free (after the
+    # train stages); elsewhere XLA:CPU runs beside the stages from the start.
+    accelerator = "h200" if "H200" in str(device.get("kind", "")) else "h100"
     plan_proc = None
-    if "plan" in stages:  # XLA:CPU in the background, beside the GPU stages
+    if "plan" in stages:
         plan_log = open(out / "plan.log", "w")  # noqa: SIM115 - closed after wait()
-        command = plan_command(size, attention, remat, out)
-        plan_proc = subprocess.Popen(command, stdout=plan_log, stderr=subprocess.STDOUT)
+        command = plan_command(
+            size, attention, remat, out, accelerator, "auto" if on_gpu else "cpu"
+        )
+        if not on_gpu:
+            plan_proc = subprocess.Popen(command, stdout=plan_log, stderr=subprocess.STDOUT)
     tiny = ["--size", size]
 
-    def left(stage: str) -> float | None:
-        """Seconds this stage may take, or None to skip it."""
+    def stage(name: str, args: list[str], log: str, env: dict | None = None) -> dict:
+        """The stage's worker within what is left of the budget (tiny runs have no minimum)."""
         remaining = deadline - time.perf_counter()
-        return remaining if opts.tiny or remaining >= MIN_STAGE_S[stage] else None
+        if not opts.tiny and remaining < MIN_STAGE_S[name]:
+            return {"error": "skipped: the budget ran out"}
+        return run_stage([name, *tiny, *args], remaining, out / log, env)
 
     def record(key: str, result: dict) -> None:
         print(f"{key}: {json.dumps(result)[:400]}", flush=True)
         (out / "accelerator.json").write_text(json.dumps(report, indent=2) + "\n")
 
+    first_args = ["--attention", attention, "--remat", remat]
     if "train" in stages:
         for name in variants:
-            budget = left("train")
-            impl, policy, env = TRAIN_VARIANTS[name]
-            args = ["train", *tiny, "--attention", impl, "--remat", policy]
-            result = (
-                {"error": "skipped: the budget ran out"}
-                if budget is None
-                else run_stage(args, budget, out / f"train-{name}.log", env)
-            )
-            report["train"][name] = result
-            record(f"train/{name}", result)
-    if "generate" in stages:
-        budget = left("generate")
-        result = (
-            {"error": "skipped: the budget ran out"}
-            if budget is None
-            else run_stage(["generate", *tiny], budget, out / "generate.log")
-        )
-        report["generate"] = result
-        record("generate", result)
-    if "batch" in stages:
-        budget = left("batch")
-        args = ["batch", *tiny, "--attention", attention, "--remat", remat]
-        result = (
-            {"error": "skipped: the budget ran out"}
-            if budget is None
-            else run_stage(args, budget, out / "batch.log", first_env)
-        )
-        report["batch"] = result
-        record("batch", result)
+            impl, policy, env, overrides = TRAIN_VARIANTS[name]
+            args = ["--attention", impl, "--remat", policy, "--overrides", json.dumps(overrides)]
+            report["train"][name] = stage("train", args, f"train-{name}.log", env)
+            record(f"train/{name}", report["train"][name])
     if "profile" in stages:
-        budget = left("profile")
-        args = ["profile", *tiny, "--attention", attention, "--remat", remat]
-        args += ["--trace-dir", str(out / "trace")]
-        result = (
-            {"error": "skipped: the budget ran out"}
-            if budget is None
-            else run_stage(args, budget, out / "profile.log", first_env)
-        )
-        report["profile"] = result
-        record("profile", result)
-    if plan_proc is not None:
+        args = [*first_args, "--trace-dir", str(out / "trace")]
+        report["profile"] = stage("profile", args, "profile.log", first_env)
+        record("profile", report["profile"])
+    if "engine" in stages:
+        report["engine"] = {}
+        for kernel in ENGINE_ATTENTION if device.get("platform") in ("gpu", "tpu") else ("gather",):
+            tokens = out / f"engine-{kernel}.npy"
+            args = ["--attention", kernel, "--tokens", str(tokens)]
+            report["engine"][kernel] = stage("engine", args, f"engine-{kernel}.log")
+            record(f"engine/{kernel}", report["engine"][kernel])
+        report["engine_agreement"] = engine_agreement(out)
+        record("engine_agreement", report["engine_agreement"])
+    if "generate" in stages:
+        report["generate"] = stage("generate", [], "generate.log")
+        record("generate", report["generate"])
+    if "plan" in stages:
+        remaining = deadline - time.perf_counter()
+        if on_gpu and remaining >= MIN_STAGE_S["plan"]:
+            plan_proc = subprocess.Popen(command, stdout=plan_log, stderr=subprocess.STDOUT)
         try:
+            if plan_proc is None:
+                raise subprocess.TimeoutExpired(command, 0)
             plan_proc.wait(timeout=max(deadline - time.perf_counter(), 5))
             report["plan"] = (
                 read_plan(out / "plan.json")
@@ -282,10 +327,14 @@ def main(argv: list[str] | None = None) -> int:
                 else {"error": f"jaxtrain plan exited {plan_proc.returncode} (plan.log)"}
             )
         except subprocess.TimeoutExpired:
-            plan_proc.kill()
+            if plan_proc is not None:
+                plan_proc.kill()
             report["plan"] = {"error": "jaxtrain plan did not finish inside the budget"}
         plan_log.close()
         record("plan", report["plan"])
+    if "batch" in stages:
+        report["batch"] = stage("batch", first_args, "batch.log", first_env)
+        record("batch", report["batch"])
     table = markdown(report)
     (out / "accelerator.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))

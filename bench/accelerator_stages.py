@@ -1,7 +1,9 @@
 """The stages of bench/accelerator.py (the one-command GPU campaign), each run in a process
 of its own by the campaign: `python bench/accelerator_stages.py STAGE [--size S]
 [--attention A] [--remat R] [--trace-dir DIR]` prints one ACCELERATOR_RESULT line (JSON).
-Stages: train, profile, generate, batch (see bench/accelerator.py for what each measures).
+Stages: train, profile, generate, engine, batch (see bench/accelerator.py for what each
+measures). `--overrides JSON` sets TrainingArguments fields of a train variant (mu_dtype,
+scan_layers).
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ def model_config(size: str):
     return LlamaConfig(**MODELS[size])
 
 
-def training_arguments(out_dir: str, size: str, batch: int, steps: int, remat: str):
+def training_arguments(
+    out_dir: str, size: str, batch: int, steps: int, remat: str, overrides: dict | None = None
+):
     from jaxtrain import TrainingArguments
 
     run = RUNS[size]
     return TrainingArguments(
+        **(overrides or {}),
         output_dir=out_dir,
         overwrite_output_dir=True,
         seed=0,
@@ -121,7 +126,12 @@ def profiled_window(warmup: int, steps: int, trace_dir: Path):
 
 
 def train(
-    size: str, attention: str, remat: str, batch: int | None = None, trace_dir: Path | None = None
+    size: str,
+    attention: str,
+    remat: str,
+    batch: int | None = None,
+    trace_dir: Path | None = None,
+    overrides: dict | None = None,
 ) -> dict:
     """The Trainer for RUNS[size]'s steps; its own logged figures of the last window. With
     `trace_dir`, that window is traced (jax.profiler) and summed by kernel."""
@@ -131,7 +141,7 @@ def train(
     batch = batch or run["batch"]
     steps = run["steps"]
     with tempfile.TemporaryDirectory(prefix="jaxtrain-accel-") as out_dir:
-        args = training_arguments(out_dir, size, batch, steps, remat)
+        args = training_arguments(out_dir, size, batch, steps, remat, overrides)
         trainer = Trainer(
             arguments=args,
             model=build_model(size, attention),
@@ -154,6 +164,7 @@ def train(
     result = {
         "attention": attention,
         "remat": remat,
+        "overrides": overrides or {},
         "batch": batch,
         "seq": run["seq"],
         "steps": steps,
@@ -251,6 +262,51 @@ def generation(size: str) -> dict:
     }
 
 
+def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
+    """New tokens per second of the serving engine (paged KV pool, greedy, bf16 parameters)
+    on generation()'s prompts, its pages read by `attention` ("gather" or "pallas"); the
+    second call's tokens are saved to `tokens_path` for the parent to compare."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxtrain.models import LlamaForCausalLM
+    from jaxtrain.serving import Engine, SamplingParams
+
+    run = RUNS[size]
+    model = LlamaForCausalLM(
+        model_config(size), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
+    vocab = MODELS[size]["vocab_size"]
+    prompts = np.random.default_rng(1).integers(
+        0, vocab, size=(run["gen_batch"], run["prompt"]), dtype=np.int32
+    )
+    engine = Engine(
+        model,
+        max_slots=run["gen_batch"],
+        max_length=run["prompt"] + run["new"],
+        prefill_tokens=run["gen_batch"] * run["prompt"],
+        attention=attention,
+    )
+    params = SamplingParams(max_tokens=run["new"], temperature=0.0, ignore_eos=True)
+    times = []
+    for _ in range(2):  # the first call compiles its buckets
+        start = time.perf_counter()
+        out = engine.generate([list(p) for p in prompts], params)
+        times.append(time.perf_counter() - start)
+    tokens = np.array([request[0].token_ids for request in out], dtype=np.int32)
+    np.save(tokens_path, tokens)
+    return {
+        "attention": attention,
+        "batch": run["gen_batch"],
+        "prompt": run["prompt"],
+        "new_tokens_per_row": int(tokens.shape[1]),
+        "first_call_s": times[0],
+        "second_call_s": times[1],
+        "new_tokens_per_second": tokens.size / times[1],
+        "tokens": str(tokens_path),
+    }
+
+
 def run_worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("stage")
@@ -258,13 +314,17 @@ def run_worker(argv: list[str]) -> None:
     parser.add_argument("--attention", default="cudnn")
     parser.add_argument("--remat", default="none")
     parser.add_argument("--trace-dir", type=Path)
+    parser.add_argument("--tokens", type=Path, help="engine: where its tokens are saved")
+    parser.add_argument("--overrides", type=json.loads, default={})
     opts = parser.parse_args(argv)
     if opts.stage == "train":
-        result = train(opts.size, opts.attention, opts.remat)
+        result = train(opts.size, opts.attention, opts.remat, overrides=opts.overrides)
     elif opts.stage == "profile":
         result = train(opts.size, opts.attention, opts.remat, trace_dir=opts.trace_dir)
     elif opts.stage == "generate":
         result = generation(opts.size)
+    elif opts.stage == "engine":
+        result = engine_decode(opts.size, opts.attention, opts.tokens)
     elif opts.stage == "batch":
         result = largest_batch(opts.size, opts.attention, opts.remat)
     else:

@@ -17,7 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 def campaign(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("accelerator")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "accelerator.py"), "--tiny", "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "bench" / "accelerator.py"),
+            "--tiny",
+            "--out",
+            str(out),
+            "--variants",
+            "cudnn,blockwise,auto,bf16_moments,scan",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=600,
@@ -31,7 +39,9 @@ def test_train_variants_report_the_trainers_figures(campaign):
     report, _ = campaign
     assert report["device"]["platform"] == "cpu"
     # cudnn has no CPU kernel: the campaign leaves it out there.
-    assert set(report["train"]) == {"blockwise", "xla", "auto"}
+    assert set(report["train"]) == {"blockwise", "auto", "bf16_moments", "scan"}
+    assert report["train"]["bf16_moments"]["overrides"] == {"mu_dtype": "bfloat16"}
+    assert report["train"]["scan"]["overrides"] == {"scan_layers": True}
     for name, result in report["train"].items():
         assert "error" not in result, (name, result)
         assert result["tokens_per_second"] > 0 and 0 < result["mfu"] <= 1
@@ -43,10 +53,16 @@ def test_train_variants_report_the_trainers_figures(campaign):
     assert max(losses) - min(losses) < 1e-2 * max(losses)
 
 
-def test_generation_and_batch_stages(campaign):
-    report, _ = campaign
+def test_generation_engine_and_batch_stages(campaign):
+    report, out = campaign
     gen = report["generate"]
     assert gen["new_tokens_per_row"] == 8 and gen["new_tokens_per_second"] > 0
+    # The engine's gather path only on CPU (the Pallas kernel is the GPU's or TPU's).
+    assert set(report["engine"]) == {"gather"}
+    engine = report["engine"]["gather"]
+    assert engine["new_tokens_per_row"] == 8 and engine["new_tokens_per_second"] > 0
+    assert (out / "engine-gather.npy").exists()
+    assert "needs both" in report["engine_agreement"]["error"]
     batch = report["batch"]
     small, large = batch["compiled"]
     assert large["batch"] == 2 * small["batch"]
