@@ -135,22 +135,26 @@ def run_stage(args: list[str], timeout: float, log: Path, env: dict | None = Non
 
 
 def engine_agreement(out: Path) -> dict:
-    """How many of the engine's greedy tokens the Pallas kernel and the gather path share
-    (bf16: a near-tie may flip one token, and the rows part from there)."""
-    paths = {k: out / f"engine-{k}.npy" for k in ENGINE_ATTENTION}
+    """How far the Pallas kernel's greedy tokens follow the gather path's (bf16 on random
+    weights: a near-tie flips a token, and the rows part from there), and how close the two
+    log-probs are over the tokens both drew from the same context."""
+    paths = {k: out / f"engine-{k}.npz" for k in ENGINE_ATTENTION}
     if not all(p.exists() for p in paths.values()):
         return {"error": "needs both engine runs' tokens"}
     import numpy as np
 
     gather, pallas = (np.load(p) for p in paths.values())
-    same = gather == pallas
+    same = gather["tokens"] == pallas["tokens"]
     # Tokens up to each row's first difference: after it the rows' contexts differ.
     prefix = np.where(same.all(1), same.shape[1], np.argmin(same, axis=1))
+    shared = np.arange(same.shape[1])[None] < prefix[:, None]
+    gap = np.abs(gather["logprobs"] - pallas["logprobs"])[shared]
     return {
         "rows_identical": int(same.all(1).sum()),
         "rows": int(same.shape[0]),
         "tokens_equal": float(same.mean()),
         "mean_prefix_before_first_difference": float(prefix.mean()),
+        "max_logprob_gap_on_shared_tokens": float(gap.max()) if gap.size else None,
     }
 
 
@@ -193,7 +197,8 @@ def markdown(report: dict) -> list[str]:
                 if "error" in r
                 else f"{r['batch']} rows x {r['new_tokens_per_row']} new tokens after {r['prompt']}-"
                 f"token prompts: {r['new_tokens_per_second']:,.0f} new tokens/s (first call "
-                f"{r['first_call_s']:.1f} s)"
+                f"{r['first_call_s']:.1f} s; shapes compiled in the timed call: "
+                f"{r['shapes_compiled_in_second_call']})"
             )
         )
     agree = report.get("engine_agreement") or {}
@@ -202,7 +207,8 @@ def markdown(report: dict) -> list[str]:
             f"engine pallas vs gather: {agree['rows_identical']}/{agree['rows']} rows identical, "
             f"{100 * agree['tokens_equal']:.1f}% of tokens equal, "
             f"{agree['mean_prefix_before_first_difference']:.0f} tokens before a row's first "
-            "difference on average"
+            "difference on average; log-probs of the shared tokens differ by at most "
+            f"{agree['max_logprob_gap_on_shared_tokens']}"
         )
     batch = report.get("batch") or {}
     if "predicted" in batch:
@@ -304,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" in stages:
         report["engine"] = {}
         for kernel in ENGINE_ATTENTION if device.get("platform") in ("gpu", "tpu") else ("gather",):
-            tokens = out / f"engine-{kernel}.npy"
+            tokens = out / f"engine-{kernel}.npz"
             args = ["--attention", kernel, "--tokens", str(tokens)]
             report["engine"][kernel] = stage("engine", args, f"engine-{kernel}.log")
             record(f"engine/{kernel}", report["engine"][kernel])

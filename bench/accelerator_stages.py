@@ -263,9 +263,11 @@ def generation(size: str) -> dict:
 
 
 def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
-    """New tokens per second of the serving engine (paged KV pool, greedy, bf16 parameters)
-    on generation()'s prompts, its pages read by `attention` ("gather" or "pallas"); the
-    second call's tokens are saved to `tokens_path` for the parent to compare."""
+    """New tokens per second of the serving engine (paged KV pool, greedy, bf16 parameters),
+    its pages read by `attention` ("gather" or "pallas"). The first call compiles; the timed
+    second call has prompts of its own (the same prompts would hit the prefix cache and
+    prefill a shape the first call did not compile), and the shapes it compiled are counted.
+    Its tokens and log-probs are saved to `tokens_path` (.npz) for the parent to compare."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -277,9 +279,6 @@ def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
         model_config(size), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
     )
     vocab = MODELS[size]["vocab_size"]
-    prompts = np.random.default_rng(1).integers(
-        0, vocab, size=(run["gen_batch"], run["prompt"]), dtype=np.int32
-    )
     engine = Engine(
         model,
         max_slots=run["gen_batch"],
@@ -288,13 +287,18 @@ def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
         attention=attention,
     )
     params = SamplingParams(max_tokens=run["new"], temperature=0.0, ignore_eos=True)
-    times = []
-    for _ in range(2):  # the first call compiles its buckets
+    times, shapes = [], []
+    for seed in (2, 1):  # the first call compiles; the second, timed, is generation()'s prompts
+        prompts = np.random.default_rng(seed).integers(
+            0, vocab, size=(run["gen_batch"], run["prompt"]), dtype=np.int32
+        )
         start = time.perf_counter()
         out = engine.generate([list(p) for p in prompts], params)
         times.append(time.perf_counter() - start)
+        shapes.append(sum(len(v) for v in engine.steps.compiles.values()))
     tokens = np.array([request[0].token_ids for request in out], dtype=np.int32)
-    np.save(tokens_path, tokens)
+    logprobs = np.array([request[0].logprobs for request in out], dtype=np.float32)
+    np.savez(tokens_path, tokens=tokens, logprobs=logprobs)
     return {
         "attention": attention,
         "batch": run["gen_batch"],
@@ -302,6 +306,7 @@ def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
         "new_tokens_per_row": int(tokens.shape[1]),
         "first_call_s": times[0],
         "second_call_s": times[1],
+        "shapes_compiled_in_second_call": shapes[1] - shapes[0],
         "new_tokens_per_second": tokens.size / times[1],
         "tokens": str(tokens_path),
     }
