@@ -2,7 +2,9 @@
 
 Per device:
   compute        the program's matmul FLOPs (loops counted, remat's recompute included) at
-                 the accelerator's peak for the run's compute dtype
+                 the accelerator's peak for the run's compute dtype; at least the model's
+                 FLOPs, since a kernel the compiler calls out to (cuDNN's fused attention on
+                 XLA:GPU) counts none
   memory         XLA's bytes accessed at HBM bandwidth
   communication  each collective's per-device link bytes (ring algorithms: (n-1)/n of the
                  tensor, twice for an all-reduce) at the intra-node rate, or the inter-node
@@ -50,7 +52,8 @@ def estimate(
 ) -> dict[str, Any]:
     low_precision = dtype is not None and np.dtype(dtype).itemsize <= 2
     peak = accel.bf16_flops if low_precision else accel.f32_flops
-    compute = figures["matmul_flops"] / peak
+    model_flops_per_device = figures["model_flops"] / devices
+    compute = max(figures["matmul_flops"], model_flops_per_device) / peak
     memory = figures["bytes_accessed"] / accel.hbm_bandwidth
     links = communication_seconds(
         figures["collective_ops"], node_of_partition(devices, per_node), accel
@@ -58,7 +61,6 @@ def estimate(
     communication = links["intra_node"] + links["inter_node"]
     overlapped = max(compute, memory, communication)
     serial = max(compute, memory) + communication
-    model_flops_per_device = figures["model_flops"] / devices
     peak_bytes = figures["peak_bytes"]
     return {
         "peak_flops_per_device": peak,
