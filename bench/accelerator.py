@@ -18,8 +18,9 @@ fits, so a session lent a device for minutes gets the most important figures fir
 - profile: the first variant's steps W+1..N traced with jax.profiler, summed by kernel and
   category (bench/trace_summary.py); the trace stays in DIR/trace.
 - engine: the serving engine (paged KV pool, greedy, bf16) on generate's prompts, its pages
-  read by the gather path and (GPU or TPU) by JAX's Pallas paged-attention kernel: new tokens/s
-  of the second call, and how many tokens the two agree on.
+  read by the gather path and (GPU or TPU) by JAX's Pallas paged-attention kernel, and with 8
+  decode steps per call: new tokens/s of a timed call, and how many tokens the two kernels
+  agree on.
 - generate: `jaxtrain.models.generate` (KV cache, greedy) from bf16 parameters: new tokens/s of
   the second call (the first compiles).
 - plan: `jaxtrain plan --devices 1` of the first variant's run, its predicted step time and
@@ -66,8 +67,10 @@ TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict]] = {
 DEFAULT_VARIANTS = "cudnn,bf16_moments,scan,auto"
 GPU_ONLY = ("cudnn", "cudnn_cublas")
 STAGES = ("train", "profile", "engine", "generate", "plan", "batch")
-# How the engine stage reads its KV pages: the gather path and, on a GPU, JAX's Pallas kernel.
-ENGINE_ATTENTION = ("gather", "pallas")
+# The engine stage's variants: name -> (how it reads its KV pages, decode steps per call).
+# "pallas" (JAX's Pallas kernel) runs on a GPU or TPU only.
+ENGINE_VARIANTS = {"gather": ("gather", 1), "pallas": ("pallas", 1), "steps8": ("gather", 8)}
+ENGINE_ATTENTION = ("gather", "pallas")  # the two engine_agreement compares
 # Seconds a stage needs at the least (start, imports, compile); a stage is skipped when less
 # of the budget is left. Tiny runs have no minimum.
 MIN_STAGE_S = {"train": 60, "generate": 40, "engine": 40, "batch": 100, "profile": 60, "plan": 40}
@@ -309,11 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         record("profile", report["profile"])
     if "engine" in stages:
         report["engine"] = {}
-        for kernel in ENGINE_ATTENTION if device.get("platform") in ("gpu", "tpu") else ("gather",):
-            tokens = out / f"engine-{kernel}.npz"
-            args = ["--attention", kernel, "--tokens", str(tokens)]
-            report["engine"][kernel] = stage("engine", args, f"engine-{kernel}.log")
-            record(f"engine/{kernel}", report["engine"][kernel])
+        accelerated = device.get("platform") in ("gpu", "tpu")
+        for name, (kernel, steps) in ENGINE_VARIANTS.items():
+            if kernel == "pallas" and not accelerated:
+                continue
+            tokens = out / f"engine-{name}.npz"
+            args = ["--attention", kernel, "--decode-steps", str(steps), "--tokens", str(tokens)]
+            report["engine"][name] = stage("engine", args, f"engine-{name}.log")
+            record(f"engine/{name}", report["engine"][name])
         report["engine_agreement"] = engine_agreement(out)
         record("engine_agreement", report["engine_agreement"])
     if "generate" in stages:

@@ -262,9 +262,10 @@ def generation(size: str) -> dict:
     }
 
 
-def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
+def engine_decode(size: str, attention: str, decode_steps: int, tokens_path: Path) -> dict:
     """New tokens per second of the serving engine (paged KV pool, greedy, bf16 parameters),
-    its pages read by `attention` ("gather" or "pallas"). The first call compiles; the timed
+    its pages read by `attention` ("gather" or "pallas"), `decode_steps` tokens per decode
+    call. The first call compiles; the timed
     second call has prompts of its own (the same prompts would hit the prefix cache and
     prefill a shape the first call did not compile), and the shapes it compiled are counted.
     Its tokens and log-probs are saved to `tokens_path` (.npz) for the parent to compare."""
@@ -285,6 +286,7 @@ def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
         max_length=run["prompt"] + run["new"],
         prefill_tokens=run["gen_batch"] * run["prompt"],
         attention=attention,
+        decode_steps=decode_steps,
     )
     params = SamplingParams(max_tokens=run["new"], temperature=0.0, ignore_eos=True)
     times, shapes = [], []
@@ -301,6 +303,7 @@ def engine_decode(size: str, attention: str, tokens_path: Path) -> dict:
     np.savez(tokens_path, tokens=tokens, logprobs=logprobs)
     return {
         "attention": attention,
+        "decode_steps": decode_steps,
         "batch": run["gen_batch"],
         "prompt": run["prompt"],
         "new_tokens_per_row": int(tokens.shape[1]),
@@ -319,6 +322,7 @@ def run_worker(argv: list[str]) -> None:
     parser.add_argument("--attention", default="cudnn")
     parser.add_argument("--remat", default="none")
     parser.add_argument("--trace-dir", type=Path)
+    parser.add_argument("--decode-steps", type=int, default=1)
     parser.add_argument("--tokens", type=Path, help="engine: where its tokens are saved")
     parser.add_argument("--overrides", type=json.loads, default={})
     opts = parser.parse_args(argv)
@@ -329,7 +333,7 @@ def run_worker(argv: list[str]) -> None:
     elif opts.stage == "generate":
         result = generation(opts.size)
     elif opts.stage == "engine":
-        result = engine_decode(opts.size, opts.attention, opts.tokens)
+        result = engine_decode(opts.size, opts.attention, opts.decode_steps, opts.tokens)
     elif opts.stage == "batch":
         result = largest_batch(opts.size, opts.attention, opts.remat)
     else:

@@ -36,7 +36,8 @@ RESULT = "ENGINE_RESULT "
 # generate_sorted: `generate` with top_p just under 1, which sorts the vocabulary at every step
 # as `generate` did for every sampled call before it skipped the sort at top_p = 1.
 # baseline: the engine of the checkout --baseline names (its package first on the path).
-VARIANTS = ("engine", "generate", "generate_sorted", "baseline")
+# engine_steps8: the engine decoding 8 tokens per call (Engine(decode_steps=8)).
+VARIANTS = ("engine", "engine_steps8", "generate", "generate_sorted", "baseline")
 NEARLY_ONE = 1.0 - 2.0**-20
 PROMPTS, GROUP, NEW = 8, 8, 128
 
@@ -68,10 +69,11 @@ def worker(variant: str, temperature: float, rounds: int) -> dict:
     eos = int(tokenizer.eos_token_id)
     prompts = chat_prompts(tokenizer)
     engine = None
-    if variant in ("engine", "baseline"):
+    if variant in ("engine", "engine_steps8", "baseline"):
         longest = max(len(p) for p in prompts)
+        many = {"decode_steps": 8} if variant == "engine_steps8" else {}
         engine = Engine(model, max_slots=PROMPTS * GROUP, page_size=16, max_length=longest + NEW,
-                        eos_token_ids=[eos])  # fmt: skip
+                        eos_token_ids=[eos], **many)  # fmt: skip
         if hasattr(engine, "warm_up"):  # as GRPO does; an older engine compiled mid-round
             engine.warm_up(max_prompt_tokens=longest)
 

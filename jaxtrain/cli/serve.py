@@ -29,7 +29,8 @@ SERVE_USAGE = (
     "[--num_pages N] [--model_name NAME] [--max_body_bytes 4194304] [--max_prompt_tokens N] "
     "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
     "[--request_timeout 600] [--warm_up true] [--kv_cache_gib G] [--memory_fraction F] "
-    "[--prefill_tokens 512] [--speculative_tokens 0] [--attention auto] [--max_images 1] "
+    "[--prefill_tokens 512] [--speculative_tokens 0] [--decode_steps 1] [--attention auto] "
+    "[--max_images 1] "
     "[--lora NAME=ADAPTER_DIR[,NAME=ADAPTER_DIR...]]"
 )
 API_KEY_VARIABLE = "JAXTRAIN_API_KEY"
@@ -81,13 +82,15 @@ OPTIONS = {
     "memory_fraction": float,
     "prefill_tokens": int,
     "speculative_tokens": int,
+    "decode_steps": int,
     "attention": str,
     "max_images": int,
     "lora": _adapters,
 }
 # Options handed to the Engine as they are (it checks them and names the one that is wrong).
 ENGINE_OPTIONS = ("max_length", "num_pages", "kv_cache_gib", "memory_fraction",
-                  "prefill_tokens", "speculative_tokens", "attention", "max_images")  # fmt: skip
+                  "prefill_tokens", "speculative_tokens", "decode_steps", "attention",
+                  "max_images")  # fmt: skip
 LIMITS = (
     "max_body_bytes",
     "max_prompt_tokens",

@@ -10,7 +10,8 @@ n samples together: the prompt's full pages shared, its last page each sample's 
 (2) prefills one chunk of the admitted prompts, several rows in one call of at most
 `prefill_tokens` padded tokens, so decoding goes on between a long prompt's chunks; the
 samples of every prompt it finishes draw their first token in it; (3) decodes one token for
-every active sequence, in bucketed rows and page-table widths (x2 apart; a prefill's x4).
+every active sequence (or `decode_steps` tokens in one call, serving/decoding.py), in
+bucketed rows and page-table widths (x2 apart; a prefill's x4).
 Pages are taken as sequences grow; when none is free the youngest sequences are preempted
 (freed, recomputed later: a draw depends only on the seed and the position, so no token
 changes). A finished sequence frees its slot and pages at once; full pages stay cached as
@@ -33,6 +34,7 @@ from flax import nnx
 from jaxtrain.errors import ArgumentError
 from jaxtrain.serving import requests
 from jaxtrain.serving.adapters import adapter_count
+from jaxtrain.serving.decoding import DecodeSteps
 from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
@@ -45,15 +47,14 @@ from jaxtrain.serving.requests import (
     eos_ids,
     sample_seed,
 )
-from jaxtrain.serving.sampling import Drawn, SamplingParams, sampling_arrays
-from jaxtrain.serving.speculation import ngram_draft
+from jaxtrain.serving.sampling import SamplingParams, sampling_arrays
 from jaxtrain.serving.steps import PREFILL_GROWTH, Steps, bucket, chunk_tokens, table_width
 from jaxtrain.serving.warm_up import compile_every_bucket
 
 __all__ = ["Completion", "Engine"]
 
 
-class Engine:
+class Engine(DecodeSteps):
     """See the module docstring. `model`: an NNX model of a family with a KV cache (the
     Llama family and its dropless MoE, Gemma 2 / 3, GPT-2); `max_slots`: sequences decoded
     at once; `page_size`: tokens per page; `max_length`: prompt + new tokens of one
@@ -62,7 +63,9 @@ class Engine:
     memory, on a GPU or TPU); `prefill_tokens`: the tokens (padding included) one prefill call
     writes, a bound on how long it holds up the sequences decoding; `speculative_tokens`: k > 0
     drafts up to k tokens per sequence from its own text and verifies them in one step
-    (speculation.py; outputs unchanged); `attention`: how decode steps read the pages,
+    (speculation.py; outputs unchanged); `decode_steps`: k > 1 decodes up to k tokens per
+    sequence in one call while nothing waits to be prefilled (decoding.py; outputs
+    unchanged; not with speculative_tokens); `attention`: how decode steps read the pages,
     "gather", "pallas" (in place, by JAX's Pallas kernel of the GPU or TPU) or "interpret"
     (paged.PagedSlots); "auto" is "gather" until the kernel has been measured on a device;
     `eos_token_ids`: default the tokenizer's or the
@@ -85,6 +88,7 @@ class Engine:
         memory_fraction: float | None = None,
         prefill_tokens: int = 512,
         speculative_tokens: int = 0,
+        decode_steps: int = 1,
         attention: str = "auto",
         eos_token_ids: Sequence[int] | None = None,
         logprobs_mode: str = "raw",
@@ -93,12 +97,13 @@ class Engine:
     ):
         check_engine_options(model, max_slots=max_slots, page_size=page_size,
                              prefill_tokens=prefill_tokens, speculative_tokens=speculative_tokens,
-                             attention=attention, logprobs_mode=logprobs_mode,
+                             decode_steps=decode_steps, attention=attention, logprobs_mode=logprobs_mode,
                              record_routing=record_routing)  # fmt: skip
         config = model.config
         self.tokenizer, self.max_slots, self.page_size = tokenizer, max_slots, page_size
         self.vocab_size = config.vocab_size
         self.prefill_tokens, self.speculative_tokens = prefill_tokens, speculative_tokens
+        self.decode_steps = decode_steps
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
         self.graphdef, self.state = nnx.split(model)
@@ -113,9 +118,8 @@ class Engine:
         self.pages = PageAllocator(num_pages, page_size)
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
-        self.steps = Steps(
-            self.graphdef, page_size, sharding, attention, logprobs_mode == "processed"
-        )
+        self.steps = Steps(self.graphdef, page_size, sharding, attention,
+                           logprobs_mode == "processed", decode_steps)  # fmt: skip
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
         self.images = ImageInputs.of(config, max_images)  # None: the model takes no images
         self.adapters = adapter_count(model)  # LoRA adapters a request may choose (adapters.py)
@@ -364,80 +368,6 @@ class Engine:
         seq = self.active.pop()
         self.pages.release(seq.pages)
         self.waiting.appendleft(seq.preempted())
-
-    def _decode(self) -> None:
-        self._grow()
-        if not self.active:
-            return
-        drafts = self._drafts() if self.speculative_tokens else []
-        if any(len(d) for d in drafts):
-            self._verify(drafts)
-            return
-        rows = bucket(len(self.active), 1, self.max_slots)
-        seqs = list(self.active)
-        ids = np.zeros((rows, 1), np.int32)
-        start = np.zeros(rows, np.int32)
-        for r, seq in enumerate(seqs):
-            ids[r, 0], start[r] = seq.generated[-1], seq.position
-        seeds = [sample_seed(s.params.seed, s.index) for s in seqs]
-        width = self._width(max(s.position for s in seqs) // self.page_size + 1)
-        drawn, self.pool = self.steps.decode(
-            self.state,
-            self.pool,
-            jax.device_put(ids),
-            jax.device_put(start),
-            jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
-            jax.device_put(self._adapters(seqs, rows)),
-            *sampling_arrays([s.params for s in seqs], seeds, rows),
-        )
-        drawn = jax.device_get(drawn)
-        for r, seq in enumerate(seqs):
-            self._append(seq, drawn, r)
-
-    def _drafts(self) -> list[np.ndarray]:
-        """Each active sequence's draft: at most speculative_tokens, no more than it may still
-        generate after the next token, and no more than its pages hold (a page is taken for a
-        draft only while one is free: a draft never preempts)."""
-        drafts = []
-        for seq in self.active:
-            room = seq.params.max_tokens - len(seq.generated) - 1
-            tokens = np.concatenate([seq.prompt, np.asarray(seq.generated, np.int32)])
-            draft = ngram_draft(tokens, min(self.speculative_tokens, room))
-            more = (seq.position + len(draft)) // self.page_size + 1 - len(seq.pages)
-            if more > 0 and self.pages.available >= more:
-                seq.pages += self.pages.allocate(more)
-            drafts.append(draft[: len(seq.pages) * self.page_size - 1 - seq.position])
-        return drafts
-
-    def _verify(self, drafts: list[np.ndarray]) -> None:
-        """One step that feeds every sequence's newest token and its draft, keeping the draft
-        tokens its own sampler confirms (speculation.py)."""
-        seqs, k = list(self.active), self.speculative_tokens
-        rows = bucket(len(seqs), 1, self.max_slots)
-        ids = np.zeros((rows, 1 + k), np.int32)
-        start, drafted = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        for r, (seq, draft) in enumerate(zip(seqs, drafts)):
-            ids[r, 0], ids[r, 1 : 1 + len(draft)] = seq.generated[-1], draft
-            start[r], drafted[r] = seq.position, len(draft)
-        seeds = [sample_seed(s.params.seed, s.index) for s in seqs]
-        last = max(s.position + len(d) for s, d in zip(seqs, drafts))
-        width = self._width(last // self.page_size + 1)
-        drawn, kept, self.pool = self.steps.verify(
-            self.state, self.pool, *map(jax.device_put, (ids, start)),
-            jax.device_put(self._tables([s.pages for s in seqs], rows, width)),
-            jax.device_put(self._adapters(seqs, rows)),
-            jax.device_put(drafted), *sampling_arrays([s.params for s in seqs], seeds, rows),
-        )  # fmt: skip
-        drawn, kept = jax.device_get((drawn, kept))
-        self.drafted += int(drafted.sum())
-        for r, seq in enumerate(seqs):
-            row = Drawn(*(x[r] for x in (drawn.tokens, drawn.logprobs, drawn.top_ids,
-                                         drawn.top_logprobs)))  # fmt: skip
-            for j in range(int(kept[r]) + 1):
-                if seq not in self.active:  # ended at an earlier token of this step
-                    break
-                self.accepted += j > 0
-                self._append(seq, row, j)
 
     def _adapters(self, seqs: list[requests.Sequence], rows: int) -> np.ndarray:
         """[rows]: each sequence's LoRA adapter (0 for idle rows)."""

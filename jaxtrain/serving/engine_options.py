@@ -22,6 +22,7 @@ def check_engine_options(
     prefill_tokens: Any,
     speculative_tokens: Any,
     attention: Any,
+    decode_steps: Any = 1,
     logprobs_mode: Any,
     record_routing: bool = False,
 ) -> None:
@@ -34,6 +35,14 @@ def check_engine_options(
     if not isinstance(speculative_tokens, int) or speculative_tokens < 0:
         raise ArgumentError(
             f"speculative_tokens must be an integer >= 0 (0: off), got {speculative_tokens!r}"
+        )
+    if not isinstance(decode_steps, int) or decode_steps < 1:
+        raise ArgumentError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
+    if decode_steps > 1 and speculative_tokens:
+        raise ArgumentError(
+            f"decode_steps={decode_steps} and speculative_tokens={speculative_tokens}: each "
+            "decode call takes several tokens either way; choose one (the other at its "
+            "default)"
         )
     if attention not in ("auto", "gather", "pallas", "interpret"):
         raise ArgumentError(

@@ -71,18 +71,22 @@ class Steps:
         pool_sharding: Any,
         kernel: str = "gather",
         processed_logprobs: bool = False,
+        decode_steps: int = 1,
     ):
         # Every step returns the pool with the sharding it came in with: a pool whose
         # placement changed would compile each step a second time.
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
         self.kernel = kernel  # how decode steps attend: PagedSlots.kernel
         self.processed = processed_logprobs  # log-probs after temperature (sampling.py)
+        self.decode_steps = decode_steps  # tokens per sequence of a decode_many call
         self.compiles: dict[str, set[tuple]] = {
-            "prefill": set(), "prefill_images": set(), "decode": set(), "verify": set()
+            "prefill": set(), "prefill_images": set(), "decode": set(), "decode_many": set(),
+            "verify": set(),
         }  # fmt: skip
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
         self._prefill_images = jax.jit(self._prefill_images_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
+        self._decode_many = jax.jit(self._decode_many_fn, donate_argnums=1)
         self._verify = jax.jit(self._verify_fn, donate_argnums=1)
         self._routing = jax.jit(routing_of)
         self._copy = jax.jit(
@@ -122,6 +126,19 @@ class Steps:
     def _decode_fn(self, state, pool, ids, start, table, adapters, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table, adapters)
         return sample_rows(logits, *sampling, start + 1, self.processed), pool
+
+    def _decode_many_fn(self, state, pool, ids, start, table, adapters, limit, *sampling):
+        def one(carry, i):
+            pool, ids = carry
+            # A row past its `limit` (its last token drawn) writes to the garbage page only.
+            live = jnp.where((i < limit)[:, None], table, 0)
+            logits, pool = self._forward(state, pool, ids, start + i, live, adapters)
+            drawn = sample_rows(logits, *sampling, start + i + 1, self.processed)
+            return (pool, drawn.tokens[:, None]), drawn
+
+        steps = jnp.arange(self.decode_steps, dtype=jnp.int32)
+        (pool, _), drawn = jax.lax.scan(one, (pool, ids), steps)
+        return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), drawn), pool
 
     def _verify_fn(self, state, pool, ids, start, table, adapters, drafted, *sampling):
         logits, pool = self._forward(state, pool, ids, start, table, adapters, every=True)
@@ -172,6 +189,17 @@ class Steps:
         self.compiles["decode"].add((ids.shape, table.shape))
         return self._decode(state, pool, ids, start, table, adapters, *sampling)
 
+    def decode_many(
+        self, state, pool, ids, start, table, adapters, limit, *sampling
+    ) -> tuple[Drawn, Any]:
+        """`decode_steps` decode steps in one call, each row's draw fed back as its next
+        token: draws [B, decode_steps] (Drawn's arrays with a step axis after the row's).
+        Row b draws its first `limit[b]` tokens; after them it writes only to the garbage
+        page (its later draws are read by no one). Each draw equals `decode`'s at its
+        position: one call instead of decode_steps saves the host's work between steps."""
+        self.compiles["decode_many"].add((ids.shape, table.shape))
+        return self._decode_many(state, pool, ids, start, table, adapters, limit, *sampling)
+
     def verify(self, state, pool, ids, start, table, adapters, drafted, *sampling):
         """Each row's newest token and its draft [B, 1 + k] (the first `drafted` [B] draft
         tokens real) at positions from `start` [B]: the draw after every position [B, 1 + k]
@@ -180,10 +208,11 @@ class Steps:
         return self._verify(state, pool, ids, start, table, adapters, drafted, *sampling)
 
     def lower(self, kind: str, state: Any, pool: Any, *args: Any) -> Any:
-        """The `kind` step ("prefill", "prefill_images", "decode" or "verify") lowered for these arguments
+        """The `kind` step (a name of `compiles`) lowered for these arguments
         (arrays, or jax.ShapeDtypeStructs), not run: what `jaxtrain plan` compiles."""
         steps = {"prefill": self._prefill, "prefill_images": self._prefill_images,
-                 "decode": self._decode, "verify": self._verify}  # fmt: skip
+                 "decode": self._decode, "decode_many": self._decode_many,
+                 "verify": self._verify}  # fmt: skip
         return steps[kind].lower(state, pool, *args)
 
     def routing(self, pool: Any, pages: list[int], max_pages: int) -> np.ndarray:

@@ -38,6 +38,7 @@ class EngineShape:
     num_pages: int | None = None
     prefill_tokens: int = 512
     speculative_tokens: int = 0
+    decode_steps: int = 1
     # A vision-language model's prefill calls that write images: (max_images, (C, H, W)).
     images: tuple[int, tuple[int, ...]] | None = None
 
@@ -84,6 +85,9 @@ def step_calls(
         idle = (np.zeros(r, np.int32), np.zeros((r, width), np.int32), np.zeros(r, np.int32))
         sampling = sampling_arrays([], [], r)
         calls.append(("decode", (np.zeros((r, 1), np.int32), *idle, *sampling)))
+        if s.decode_steps > 1:
+            ids = np.zeros((r, 1), np.int32)
+            calls.append(("decode_many", (ids, *idle, np.zeros(r, np.int32), *sampling)))
         if s.speculative_tokens:
             ids = np.zeros((r, 1 + s.speculative_tokens), np.int32)
             calls.append(("verify", (ids, *idle, np.zeros(r, np.int32), *sampling)))
@@ -98,7 +102,8 @@ def compile_every_bucket(
     e = engine
     images = None if e.images is None else (e.images.max_images, e.images.shape)
     shape = EngineShape(e.max_slots, e.page_size, e.max_length, e.pages.num_pages,
-                        e.prefill_tokens, e.speculative_tokens, images)  # fmt: skip
+                        e.prefill_tokens, e.speculative_tokens, e.decode_steps,
+                        images)  # fmt: skip
     before = sum(len(shapes) for shapes in e.steps.compiles.values())
     for kind, args in step_calls(shape, max_prompt_tokens, max_prefill_rows):
         *_, e.pool = getattr(e.steps, kind)(e.state, e.pool, *args)
