@@ -155,6 +155,9 @@ class RolloutArguments(TrainingArguments):
     # (sent when it changed) and a share of each round's groups; one that dies is started
     # again and asked again. 0: the engine runs in the trainer's process.
     rollout_processes: int = 0
+    # Tokens each of the engine's decode calls draws per completion (serving/decoding.py): the
+    # same completions, the host's work between steps paid once per k tokens.
+    rollout_decode_steps: int = 1
     # A mixture-of-experts policy: each forward of the loss routes every token to the experts
     # the sampler chose for it (recorded by the engine), weighted by the trainer's router, so
     # routing flips between sampler and trainer no longer change the log-probs (rollout
@@ -252,6 +255,10 @@ class RolloutArguments(TrainingArguments):
                 f"rollout_processes={self.rollout_processes} and rollout_devices="
                 f"{self.rollout_devices}: sample either in processes of their own or on devices "
                 "of the trainer's; set one of them to 0",
+            ),
+            (
+                isinstance(self.rollout_decode_steps, int) and self.rollout_decode_steps >= 1,
+                f"rollout_decode_steps={self.rollout_decode_steps!r} must be an integer >= 1",
             ),
             (
                 isinstance(self.max_staleness, int) and self.max_staleness >= 0,

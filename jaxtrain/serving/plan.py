@@ -40,7 +40,8 @@ def plan_engine(
         sharding = pool_sharding(state) if placed else SingleDeviceSharding(jax.devices()[0])
     pool = jax.eval_shape(lambda: empty_pool(model, shape.pages, shape.page_size, record_routing))
     pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), pool)
-    steps = Steps(graphdef, shape.page_size, sharding, "gather", logprobs_mode == "processed")
+    steps = Steps(graphdef, shape.page_size, sharding, "gather", logprobs_mode == "processed",
+                  shape.decode_steps)  # fmt: skip
     platform = next(iter(sharding.device_set)).platform
     start, peaks, temporaries, shapes = time.perf_counter(), [], [], {}
     for kind, args in step_calls(shape, max_prompt_tokens):

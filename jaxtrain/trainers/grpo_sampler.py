@@ -38,6 +38,7 @@ def rollout_engine_shape(args: GRPOArguments) -> EngineShape:
         max_slots=args.total_batch_size,
         page_size=16,
         max_length=args.max_prompt_length + args.max_completion_length,
+        decode_steps=args.rollout_decode_steps,
     )
 
 
@@ -77,6 +78,7 @@ class RolloutSampler:
                 max_slots=shape.max_slots,
                 page_size=shape.page_size,
                 max_length=shape.max_length,
+                decode_steps=shape.decode_steps,
                 eos_token_ids=self.eos_token_ids,
                 logprobs_mode="processed",  # scored as the trainer scores them
                 max_images=self.args.images_per_row,

@@ -345,3 +345,18 @@ def test_eval_prompts_are_scored_every_eval_steps(tokenizer, tmp_path):
     assert (
         again["eval/reward"] == last["eval/reward"] and again["eval/pass@3"] == last["eval/pass@3"]
     )
+
+
+def test_several_decode_steps_a_call_sample_the_same_rounds(tokenizer, tmp_path):
+    """rollout_decode_steps=4: the engine draws up to 4 tokens per completion in a call, and
+    the run's completions, losses and parameters are those of single steps."""
+    one, four = Completions(), Completions()
+    settings = dict(max_steps=2, num_iterations=1, save_steps=None, max_completion_length=7)
+    params_one = run(tokenizer, tmp_path / "one", one, **settings)
+    params_four = run(tokenizer, tmp_path / "four", four, rollout_decode_steps=4, **settings)
+    assert four.by_step == one.by_step
+    assert [four.logs[s]["loss"] for s in (1, 2)] == [one.logs[s]["loss"] for s in (1, 2)]
+    for a, b in zip(params_four, params_one):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ArgumentError, match="rollout_decode_steps=0 must be an integer >= 1"):
+        grpo_args(tmp_path, rollout_decode_steps=0)
