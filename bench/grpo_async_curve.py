@@ -54,7 +54,7 @@ def run_variant(opts: argparse.Namespace) -> None:
     from flax import nnx
 
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
-    from jaxtrain.task_arguments import GRPOArguments
+    from jaxtrain.rollout_arguments import GRPOArguments
     from jaxtrain.trainers import GRPOTrainer
 
     class Rewards:

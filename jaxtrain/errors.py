@@ -24,6 +24,7 @@ EXIT_OUT_OF_MEMORY = 6  # a step ran out of device memory: change a setting (the
 # A signal ends the run with 128 + its number, as shells report it: 130 SIGINT, 143 SIGTERM.
 
 __all__ = [
+    "first_failed_check",
     "EXIT_BAD_INPUT",
     "EXIT_CRASH",
     "EXIT_NONFINITE",
@@ -211,3 +212,11 @@ class TrainingInterrupted(JaxtrainError):
             f"{signal_name} received: stopped after step {step} and saved {where}. "
             "Run the same command again to resume."
         )
+
+
+def first_failed_check(owner: str, checks: list[tuple[bool, str]]) -> None:
+    """ArgumentError for the first failed (ok, message) of `checks`, named `owner.field...`
+    (the arguments classes' checks: each message starts with its field)."""
+    for ok, message in checks:
+        if not ok:
+            raise ArgumentError(f"{owner}.{message}.")

@@ -227,6 +227,7 @@ LAYERS = (
         "jaxtrain.config",
         "jaxtrain.config_values",
         "jaxtrain.task_arguments",
+        "jaxtrain.rollout_arguments",
         "jaxtrain.seed_names",
     ),
     ("jaxtrain.models", "jaxtrain.quantization"),

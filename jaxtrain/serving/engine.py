@@ -10,7 +10,7 @@ n samples together: the prompt's full pages shared, its last page each sample's 
 (2) prefills one chunk of the admitted prompts, several rows in one call of at most
 `prefill_tokens` padded tokens, so decoding goes on between a long prompt's chunks; the
 samples of every prompt it finishes draw their first token in it; (3) decodes one token for
-every active sequence (or `decode_steps` tokens in one call, serving/decoding.py), in
+every active sequence (or `decode_steps` tokens in one call: `_many_steps`), in
 bucketed rows and page-table widths (x2 apart; a prefill's x4).
 Pages are taken as sequences grow; when none is free the youngest sequences are preempted
 (freed, recomputed later: a draw depends only on the seed and the position, so no token
@@ -34,7 +34,6 @@ from flax import nnx
 from jaxtrain.errors import ArgumentError
 from jaxtrain.serving import requests
 from jaxtrain.serving.adapters import adapter_count
-from jaxtrain.serving.decoding import DecodeSteps
 from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
@@ -48,13 +47,22 @@ from jaxtrain.serving.requests import (
     sample_seed,
 )
 from jaxtrain.serving.sampling import SamplingParams, sampling_arrays
-from jaxtrain.serving.steps import PREFILL_GROWTH, Steps, bucket, chunk_tokens, table_width
+from jaxtrain.serving.speculation import ngram_draft
+from jaxtrain.serving.steps import (
+    PREFILL_GROWTH,
+    Steps,
+    adapter_rows,
+    bucket,
+    chunk_tokens,
+    page_tables,
+    table_width,
+)
 from jaxtrain.serving.warm_up import compile_every_bucket
 
 __all__ = ["Completion", "Engine"]
 
 
-class Engine(DecodeSteps):
+class Engine:
     """See the module docstring. `model`: an NNX model of a family with a KV cache (the
     Llama family and its dropless MoE, Gemma 2 / 3, GPT-2); `max_slots`: sequences decoded
     at once; `page_size`: tokens per page; `max_length`: prompt + new tokens of one
@@ -64,7 +72,7 @@ class Engine(DecodeSteps):
     writes, a bound on how long it holds up the sequences decoding; `speculative_tokens`: k > 0
     drafts up to k tokens per sequence from its own text and verifies them in one step
     (speculation.py; outputs unchanged); `decode_steps`: k > 1 decodes up to k tokens per
-    sequence in one call while nothing waits to be prefilled (decoding.py; outputs
+    sequence in one call while nothing waits to be prefilled (`_many_steps`; outputs
     unchanged; not with speculative_tokens); `attention`: how decode steps read the pages,
     "gather", "pallas" (in place, by JAX's Pallas kernel of the GPU or TPU) or "interpret"
     (paged.PagedSlots); "auto" is "gather" until the kernel has been measured on a device;
@@ -223,34 +231,19 @@ class Engine(DecodeSteps):
 
     def _admit(self) -> None:
         while self.waiting and self.slots_in_use + self.waiting[0].n <= self.max_slots:
-            held = self._hold_pages(self.waiting[0])
+            request = self.waiting[0]
+            held = self.pages.hold_prompt(
+                request.prompt, request.n, request.adapter, cached=request.images is None
+            )  # an image's pages are not known by their token ids (images.py): never cached
             if held is None:
                 return
+            tables, cached_tokens = held
             self.waiting.popleft()
-            self.prefilling.append(held)
+            self.prefilling.append(Prefill(request, tables, done=cached_tokens))
 
-    def _hold_pages(self, request: Request) -> Prefill | None:
-        """The pages the request's prompt fills, for every sample (the full ones shared, the
-        last, partial one each sample's own), or None while the pool is short. Pages for
-        the tokens it generates are taken as it decodes."""
-        prompt, size = request.prompt, self.page_size
-        total = math.ceil(len(prompt) / size)
-        cached = []  # an image's pages are not known by their token ids (images.py)
-        if request.images is None:
-            keys = prefix_keys(prompt[: len(prompt) - 1], size, request.adapter)
-            cached = self.pages.cached_prefix(keys)
-        full = len(prompt) // size  # pages the prompt fills: shared by the other samples
-        self.pages.share(cached)  # held first: the allocations below must not evict them
-        need = (total - len(cached)) + (request.n - 1) * (total - full)
-        if need > self.pages.available:
-            self.pages.release(cached)
-            return None
-        first = cached + self.pages.allocate(total - len(cached))
-        tables = [first]
-        for _ in range(1, request.n):
-            self.pages.share(first[:full])
-            tables.append(first[:full] + self.pages.allocate(total - full))
-        return Prefill(request, tables, done=len(cached) * size)
+    def table_width(self, pages: int, growth: int = 2) -> int:
+        """Page-table columns of a step whose rows use up to `pages` pages."""
+        return table_width(pages, self.max_pages, growth)
 
     def _chunk(self) -> list[tuple[Prefill, int]]:
         """The prompts the next prefill call writes and how many tokens of each: in order,
@@ -285,8 +278,10 @@ class Engine(DecodeSteps):
             ids[row, t - take :] = item.request.prompt[item.done : item.done + take]
             start[row], pad[row] = item.done, t - take
             ends.append(item.done + take)
-        width = self._width(max((end - 1) // self.page_size + 1 for end in ends), PREFILL_GROWTH)
-        tables = self._tables([item.tables[0] for item, _ in chunk], r, width)
+        width = self.table_width(
+            max((end - 1) // self.page_size + 1 for end in ends), PREFILL_GROWTH
+        )
+        tables = page_tables([item.tables[0] for item, _ in chunk], r, width)
         # The samples of every prompt this chunk finishes draw their first token in the call.
         starting = []
         for row, (item, take) in enumerate(chunk):
@@ -369,20 +364,92 @@ class Engine(DecodeSteps):
         self.pages.release(seq.pages)
         self.waiting.appendleft(seq.preempted())
 
-    def _adapters(self, seqs: list[requests.Sequence], rows: int) -> np.ndarray:
-        """[rows]: each sequence's LoRA adapter (0 for idle rows)."""
-        return np.asarray([s.adapter for s in seqs] + [0] * (rows - len(seqs)), np.int32)
+    def _decode(self) -> None:
+        """One call for every active sequence: one token each; `decode_steps` tokens each
+        (`_many_steps`); or each one's newest token and its speculative draft, keeping the
+        draft tokens its own sampler confirms (speculation.py)."""
+        many = self._many_steps()
+        if many == 1:
+            self._grow()
+        if not self.active:
+            return
+        seqs = list(self.active)
+        drafts = self._drafts() if self.speculative_tokens else [[] for _ in seqs]
+        speculating = any(len(d) for d in drafts)
+        rows = bucket(len(seqs), 1, self.max_slots)
+        ids = np.zeros((rows, 1 + self.speculative_tokens if speculating else 1), np.int32)
+        # Tokens each row may draw in a call of several steps; a draft's length when verifying.
+        start, extra = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        for r, (seq, draft) in enumerate(zip(seqs, drafts)):
+            ids[r, 0], ids[r, 1 : 1 + len(draft)] = seq.generated[-1], draft
+            start[r] = seq.position
+            extra[r] = len(draft) if speculating else self._tokens_ahead(seq, many)
+        last = max(s.position + int(n) - (not speculating) for s, n in zip(seqs, extra))
+        tables = page_tables(
+            [s.pages for s in seqs], rows, self.table_width(last // self.page_size + 1)
+        )
+        inputs = (self.state, self.pool, *map(jax.device_put, (ids, start, tables)),
+                  jax.device_put(adapter_rows([s.adapter for s in seqs], rows)))  # fmt: skip
+        seeds = [sample_seed(s.params.seed, s.index) for s in seqs]
+        sampling = sampling_arrays([s.params for s in seqs], seeds, rows)
+        if speculating:
+            drawn, kept, self.pool = self.steps.verify(*inputs, jax.device_put(extra), *sampling)
+            drawn, counts = jax.device_get((drawn, kept + 1))
+            self.drafted += int(extra.sum())
+        elif many > 1:
+            drawn, self.pool = self.steps.decode_many(*inputs, jax.device_put(extra), *sampling)
+            drawn, counts = jax.device_get(drawn), extra
+        else:
+            drawn, self.pool = self.steps.decode(*inputs, *sampling)
+            drawn, counts = jax.tree.map(lambda x: x[:, None], jax.device_get(drawn)), extra
+        for r, seq in enumerate(seqs):
+            row = drawn.row(r)
+            for j in range(int(counts[r])):
+                if seq not in self.active:  # ended at an earlier token of this call
+                    break
+                self.accepted += speculating and j > 0
+                self._append(seq, row, j)
 
-    def _width(self, pages: int, growth: int = 2) -> int:
-        return table_width(pages, self.max_pages, growth)
+    def _tokens_ahead(self, seq: requests.Sequence, steps: int) -> int:
+        """Tokens `seq` may still draw in a call of `steps` steps (no more than max_tokens)."""
+        return min(steps, seq.params.max_tokens - len(seq.generated))
 
-    def _tables(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
-        """[rows, width] page tables: each sequence's first `width` pages (the ones it has
-        written so far or writes now; it holds the rest for its later tokens)."""
-        out = np.zeros((rows, width), np.int32)  # page 0: the garbage page
-        for r, pages in enumerate(tables):
-            out[r, : min(len(pages), width)] = pages[:width]
-        return out
+    def _many_steps(self) -> int:
+        """Steps of the next decode call: `decode_steps` while no prompt waits for a free
+        slot or is being prefilled (it would wait k steps, not one) and the pool has pages for
+        every sequence's next k tokens (a call never preempts; it takes them here); else 1.
+        One call of k steps feeds each draw back as the next token inside one compiled scan:
+        the host builds the arrays, dispatches and reads back once per k tokens, which on a GPU
+        was most of a step (bench/RESULTS.md, 2026-11-29). A draw depends only on the seed and
+        the position, so the tokens are those of single steps."""
+        k = self.decode_steps
+        if k == 1 or self.prefilling or not self.active:
+            return 1
+        if self.waiting and self.slots_in_use + self.waiting[0].n <= self.max_slots:
+            return 1
+        size = self.page_size
+        need = [max(0, (s.position + self._tokens_ahead(s, k) - 1) // size + 1 - len(s.pages))
+                for s in self.active]  # fmt: skip
+        if sum(need) > self.pages.available:
+            return 1
+        for seq, more in zip(self.active, need):
+            seq.pages += self.pages.allocate(more) if more else []
+        return k
+
+    def _drafts(self) -> list[np.ndarray]:
+        """Each active sequence's draft: at most speculative_tokens, no more than it may still
+        generate after the next token, and no more than its pages hold (a page is taken for a
+        draft only while one is free: a draft never preempts)."""
+        drafts = []
+        for seq in self.active:
+            room = seq.params.max_tokens - len(seq.generated) - 1
+            tokens = np.concatenate([seq.prompt, np.asarray(seq.generated, np.int32)])
+            draft = ngram_draft(tokens, min(self.speculative_tokens, room))
+            more = (seq.position + len(draft)) // self.page_size + 1 - len(seq.pages)
+            if more > 0 and self.pages.available >= more:
+                seq.pages += self.pages.allocate(more)
+            drafts.append(draft[: len(seq.pages) * self.page_size - 1 - seq.position])
+        return drafts
 
     def _append(self, seq: requests.Sequence, drawn: Any, row: int) -> None:
         """Row `row` of a step's draw is `seq`'s new token; it finishes on an end id, a stop

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from typing import Any
 
 import jax
@@ -290,6 +291,28 @@ class PageAllocator:
         self.free = list(range(num_pages - 1, GARBAGE_PAGE, -1))  # pop() hands out low ids
         self.refs = np.zeros(num_pages, np.int32)
         self.prefixes: dict[str, int] = {}  # prefix key -> page (order: least recently used first)
+
+    def hold_prompt(
+        self, prompt: np.ndarray, n: int, adapter: int, cached: bool = True
+    ) -> tuple[list[list[int]], int] | None:
+        """The pages a prompt of `n` samples fills, for every sample (the full ones shared,
+        the last, partial one each sample's own), and how many of its tokens a cached prefix
+        already holds (`cached`: look it up); None while the pool is short. Pages for the
+        tokens the samples generate are taken as they decode."""
+        size = self.page_size
+        total = math.ceil(len(prompt) / size)
+        found = self.cached_prefix(prefix_keys(prompt[:-1], size, adapter)) if cached else []
+        full = len(prompt) // size  # pages the prompt fills: shared by the other samples
+        self.share(found)  # held first: the allocations below must not evict them
+        if (total - len(found)) + (n - 1) * (total - full) > self.available:
+            self.release(found)
+            return None
+        first = found + self.allocate(total - len(found))
+        tables = [first]
+        for _ in range(1, n):
+            self.share(first[:full])
+            tables.append(first[:full] + self.allocate(total - full))
+        return tables, len(found) * size
 
     @property
     def available(self) -> int:

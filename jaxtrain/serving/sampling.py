@@ -87,6 +87,11 @@ class Drawn:
     top_ids: Array
     top_logprobs: Array
 
+    def row(self, r: int) -> Drawn:
+        """Row r of a draw whose arrays have a step axis after the row's (a call of several
+        steps or a verification): its tokens in order."""
+        return Drawn(self.tokens[r], self.logprobs[r], self.top_ids[r], self.top_logprobs[r])
+
 
 def sampling_arrays(
     params: Sequence[SamplingParams], seeds: Sequence[int], rows: int

@@ -61,6 +61,21 @@ def chunk_tokens(tokens: int, budget: int) -> int:
     return bucket(tokens, SMALLEST_PREFILL, max(SMALLEST_PREFILL, budget), PREFILL_GROWTH)
 
 
+def page_tables(tables: list[list[int]], rows: int, width: int) -> np.ndarray:
+    """[rows, width] page tables: each sequence's first `width` pages (the ones it has
+    written so far or writes now; it holds the rest for its later tokens); idle rows and
+    columns past a sequence's pages are page 0, the garbage page."""
+    out = np.zeros((rows, width), np.int32)
+    for r, pages in enumerate(tables):
+        out[r, : min(len(pages), width)] = pages[:width]
+    return out
+
+
+def adapter_rows(adapters: list[int], rows: int) -> np.ndarray:
+    """[rows]: each sequence's LoRA adapter (0, none, for idle rows)."""
+    return np.asarray(list(adapters) + [0] * (rows - len(adapters)), np.int32)
+
+
 class Steps:
     """The jitted steps of one model graph on pages of `page_size` tokens."""
 

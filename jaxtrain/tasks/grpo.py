@@ -8,7 +8,7 @@ from functools import partial
 from typing import Any
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.task_arguments import (
+from jaxtrain.rollout_arguments import (
     GRPO_IMPORTANCE_SAMPLING_LEVELS,
     GRPO_LOSS_TYPES,
     GRPO_SAMPLER_CORRECTIONS,

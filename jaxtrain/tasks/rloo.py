@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from jaxtrain.task_arguments import RLOOArguments
+from jaxtrain.rollout_arguments import RLOOArguments
 from jaxtrain.tasks.grpo import check_prompt_files, no_eval_set, reference_when_beta
 from jaxtrain.tasks.task import Task, imported
 

@@ -24,8 +24,8 @@ from jaxtrain.data.vision import text_tokenizer
 from jaxtrain.models.kv_cache import supports_kv_cache
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
+from jaxtrain.rollout_arguments import GRPOArguments, RolloutArguments
 from jaxtrain.serving.tool_chat import check_tool_template
-from jaxtrain.task_arguments import GRPOArguments, RolloutArguments
 from jaxtrain.trainers.base import concrete_model, task_pad_token_id, task_runtime
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.parallel.process_local import process_block
-from jaxtrain.task_arguments import GRPOArguments
+from jaxtrain.rollout_arguments import GRPOArguments
 
 __all__ = ["GeneratedRound", "rollout_batch"]
 

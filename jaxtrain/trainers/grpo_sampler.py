@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from jaxtrain.rollout_arguments import GRPOArguments
 from jaxtrain.serving import Completion, Engine, SamplingParams
 from jaxtrain.serving.tool_chat import response_template
 from jaxtrain.serving.warm_up import EngineShape
-from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.grpo_prompts import Prompts, chat_ids, observed_prompt
 from jaxtrain.trainers.rollout_rows import MODEL, PAD, TOOL, RolloutRows
 from jaxtrain.trainers.tool_rollouts import Episode, play_tool_turns

@@ -44,8 +44,8 @@ from jaxtrain.data.batch_source import SourceBatch
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
+from jaxtrain.rollout_arguments import GRPOArguments
 from jaxtrain.serving import Engine
-from jaxtrain.task_arguments import GRPOArguments
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
 from jaxtrain.trainers.grpo_round import GeneratedRound, rollout_batch

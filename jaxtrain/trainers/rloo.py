@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.models.lora import adapters_off
-from jaxtrain.task_arguments import RLOOArguments
+from jaxtrain.rollout_arguments import RLOOArguments
 from jaxtrain.trainers.grpo import GRPOTrainer
 from jaxtrain.trainers.grpo_loss import grpo_normalizer, quiet_nan_warnings
 from jaxtrain.trainers.grpo_source import RolloutSource

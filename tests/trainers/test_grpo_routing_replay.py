@@ -26,7 +26,7 @@ from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 from jaxtrain.observability.report import write_report
-from jaxtrain.task_arguments import GRPOArguments
+from jaxtrain.rollout_arguments import GRPOArguments
 from jaxtrain.trainers import GRPOTrainer
 from jaxtrain.trainers.grpo_agreement import routing_agreement
 from jaxtrain.training.logps import model_token_logps
@@ -195,7 +195,7 @@ def test_routing_replay_needs_experts_and_single_turn_rollouts(tokenizer, tmp_pa
 
 
 def test_rloo_replays_the_sampler_s_routing_too(tokenizer, tmp_path):
-    from jaxtrain.task_arguments import RLOOArguments
+    from jaxtrain.rollout_arguments import RLOOArguments
     from jaxtrain.trainers import RLOOTrainer
 
     record = StaleRouter()

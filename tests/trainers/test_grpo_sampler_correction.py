@@ -42,7 +42,7 @@ from test_grpo_trl_objectives import (  # noqa: E402
 
 from jaxtrain.data.collate import IGNORE_INDEX  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
-from jaxtrain.task_arguments import GRPOArguments  # noqa: E402
+from jaxtrain.rollout_arguments import GRPOArguments  # noqa: E402
 from jaxtrain.trainers import GRPOTrainer  # noqa: E402
 from jaxtrain.trainers.frozen import TaskModel  # noqa: E402
 from jaxtrain.trainers.grpo import grpo_objective  # noqa: E402

@@ -206,7 +206,7 @@ def test_the_objective_at_temperature_07_equals_trl(
     gradient's global norm, and the logged KL, clip ratio and entropy (token means)."""
     import jax
 
-    from jaxtrain.task_arguments import GRPOArguments
+    from jaxtrain.rollout_arguments import GRPOArguments
     from jaxtrain.trainers.frozen import TaskModel
     from jaxtrain.trainers.grpo import grpo_objective
 

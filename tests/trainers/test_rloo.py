@@ -13,7 +13,7 @@ from flax import nnx
 from test_grpo_trl_objectives import Logs, first_is_big
 
 from jaxtrain.models.lora import adapters_off
-from jaxtrain.task_arguments import RLOOArguments
+from jaxtrain.rollout_arguments import RLOOArguments
 from jaxtrain.trainers import RLOOTrainer, rloo_advantages
 from jaxtrain.training.logps import model_token_logps
 

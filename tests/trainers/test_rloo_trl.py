@@ -24,7 +24,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from jaxtrain.data.collate import IGNORE_INDEX  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
-from jaxtrain.task_arguments import RLOOArguments  # noqa: E402
+from jaxtrain.rollout_arguments import RLOOArguments  # noqa: E402
 from jaxtrain.trainers.frozen import TaskModel  # noqa: E402
 from jaxtrain.trainers.rloo import rloo_advantages, rloo_objective  # noqa: E402
 from jaxtrain.training.logps import model_token_logps  # noqa: E402
