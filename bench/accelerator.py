@@ -11,7 +11,8 @@ fits, so a session lent a device for minutes gets the most important figures fir
   parameters, for attention "cudnn" (jax.nn.dot_product_attention's fused kernel, no remat),
   "blockwise" (models/blockwise.py), "xla" (dense einsums; its [B, N, T, T] probabilities need
   remat "dots_saveable" to fit at 4096), "auto" (no implementation set: the default a user
-  gets), "bf16_moments" and "scan" ("auto" with mu_dtype bfloat16, with scan_layers) and
+  gets), "fp8", "bf16_moments" and "scan" ("auto" with fp8_matmuls, with mu_dtype bfloat16,
+  with scan_layers) and
   "cudnn_cublas" (XLA's Triton GEMMs off). tokens/s and MFU are the Trainer's own logged
   values over steps W+1..N (its metrics.jsonl), the memory keys those of its monitor
   (track_memory), the compiled step's memory from its run_info.json.
@@ -58,13 +59,15 @@ TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict]] = {
     # of the update's memory traffic), and with the decoder layers under one scan.
     "bf16_moments": ("auto", "none", {}, {"mu_dtype": "bfloat16"}),
     "scan": ("auto", "none", {}, {"scan_layers": True}),
+    # The decoder layers' projections in float8 (models/fp8.py): issue 49's >= 1.15x bar.
+    "fp8": ("auto", "none", {}, {"fp8_matmuls": True}),
     "blockwise": ("blockwise", "none", {}, {}),
     "xla": ("xla", "dots_saveable", {}, {}),
     "auto": ("auto", "none", {}, {}),
     # Every matmul through cuBLAS instead of XLA's Triton GEMM emitter where it would pick one.
     "cudnn_cublas": ("cudnn", "none", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, {}),
 }
-DEFAULT_VARIANTS = "cudnn,bf16_moments,scan,auto"
+DEFAULT_VARIANTS = "cudnn,fp8,bf16_moments,scan"
 GPU_ONLY = ("cudnn", "cudnn_cublas")
 STAGES = ("train", "profile", "engine", "generate", "plan", "batch")
 # The engine stage's variants: name -> (how it reads its KV pages, decode steps per call).

@@ -180,6 +180,10 @@ class TrainingArguments:
     # None: on for a quantized base (QLoRA: each layer's kernels dequantized in its own scan
     # step, so no float copy of the whole base exists), else off.
     scan_layers: bool | None = None
+    # The decoder layers' projections with both operands in float8 (models/fp8.py: e4m3
+    # forward, e5m2 gradients, per-tensor current scaling) for the FP8 tensor cores of
+    # Hopper-class GPUs; the embedding, norms and LM head stay in `dtype`.
+    fp8_matmuls: bool = False
 
     # LoRA: rank of the adapters (0 = off). Only the adapters are trained, held in the
     # optimizer state and checkpointed; the base weights stay frozen (jaxtrain.models.lora).

@@ -256,9 +256,10 @@ def check_model(args: Any) -> None:
             f"TrainingArguments.gradient_checkpointing={policy!r} is not supported.{hint} "
             f"Choose one of: {', '.join(REMAT_POLICIES)}."
         )
-    if not isinstance(args.freeze_vision_tower, bool):
-        raise ArgumentError("TrainingArguments.freeze_vision_tower must be true or false, got "
-                            f"{args.freeze_vision_tower!r}.")  # fmt: skip
+    for name in ("freeze_vision_tower", "fp8_matmuls"):
+        if not isinstance(getattr(args, name), bool):
+            raise ArgumentError(f"TrainingArguments.{name} must be true or false, got "
+                                f"{getattr(args, name)!r}.")  # fmt: skip
     if args.scan_layers is not None and not isinstance(args.scan_layers, bool):
         raise ArgumentError("TrainingArguments.scan_layers must be true, false or null (on for "
                             f"a quantized base), got {args.scan_layers!r}.")  # fmt: skip

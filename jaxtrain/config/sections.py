@@ -89,6 +89,7 @@ class ModelSettings:
     quantization_block_size: int
     quantization_double: bool
     freeze_vision_tower: bool = False  # a vision-language model's image encoder stays as is
+    fp8_matmuls: bool = False  # the decoder layers' projections in float8 (models/fp8.py)
 
     @classmethod
     def from_arguments(cls, args: Any) -> ModelSettings:
@@ -102,6 +103,7 @@ class ModelSettings:
             scan_layers=args.quantization is not None
             if args.scan_layers is None
             else args.scan_layers,
+            fp8_matmuls=args.fp8_matmuls,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,

@@ -23,6 +23,7 @@ from jaxtrain.config.tables import cpu_defaults
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import gated
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.fp8 import fp8_matmul
 from jaxtrain.models.sharding import constrain, current_rules
 
 Array = jax.Array
@@ -52,8 +53,9 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, param_dtype: DTy
     return draw(key, shape=tuple(shape), std=float(std), dtype=jnp.dtype(param_dtype))
 
 
-def dense(x: Array, kernel: Array, in_ndim: int = 1) -> Array:
-    """x [*lead, *in] times kernel [*in, *out] -> [*lead, *out], as one 2-D matmul.
+def dense(x: Array, kernel: Array, in_ndim: int = 1, fp8: bool = False) -> Array:
+    """x [*lead, *in] times kernel [*in, *out] -> [*lead, *out], as one 2-D matmul (`fp8`:
+    with both operands in float8, models/fp8.py).
 
     The lead (token) dims are flattened first. Why: the weight gradient of a [B, T, D] x
     [D, F] einsum contracts B and T together, and XLA:CPU lowers that with an
@@ -61,14 +63,16 @@ def dense(x: Array, kernel: Array, in_ndim: int = 1) -> Array:
     (the SwiGLU backward then runs at a strided, unvectorised pace). As a [B * T, D] matmul
     the gradient is a plain one: an S1 MLP forward and backward ran 1.8x faster
     (bench/RESULTS.md, 2026-11-24, session 7). Under a mesh that shards the length axis
-    (sp) merging batch and length would move data between devices, so there the einsum stays.
+    (sp) merging batch and length would move data between devices, so there the einsum stays
+    (in the compute dtype, fp8 or not).
     """
     lead = x.shape[: x.ndim - in_ndim]
     out = kernel.shape[in_ndim:]
     if len(lead) > 1 and _length_is_sharded(lead[1]):  # lead is [batch, length, ...]
         return jnp.tensordot(x, kernel, axes=in_ndim)  # the einsum, dims kept apart
     rows = x.reshape(int(np.prod(lead)), -1)
-    y = rows @ kernel.reshape(rows.shape[1], -1)
+    matrix = kernel.reshape(rows.shape[1], -1)
+    y = fp8_matmul(rows, matrix) if fp8 else rows @ matrix
     return y.reshape(*lead, *out)
 
 
@@ -110,9 +114,11 @@ class Projection(nnx.Module):
         param_dtype: DType,
         rngs: nnx.Rngs,
     ):
-        """``bias_ndim``: None for no bias, else the bias covers the last ``bias_ndim`` dims."""
+        """``bias_ndim``: None for no bias, else the bias covers the last ``bias_ndim`` dims.
+        ``fp8`` (set by a run's fp8_matmuls): the matmul with both operands in float8."""
         self.equation = equation
         self.dtype = dtype
+        self.fp8 = False
         self.kernel = nnx.Param(
             _normal(rngs, kernel_shape, std, param_dtype), logical_axes=tuple(kernel_axes)
         )
@@ -127,7 +133,10 @@ class Projection(nnx.Module):
     def __call__(self, x: Array) -> Array:
         x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
         in_ndim = dense_in_ndim(self.equation)
-        y = jnp.einsum(self.equation, x, kernel) if in_ndim is None else dense(x, kernel, in_ndim)
+        if in_ndim is None:
+            y = jnp.einsum(self.equation, x, kernel)
+        else:
+            y = dense(x, kernel, in_ndim, getattr(self, "fp8", False))
         lora = getattr(self, "lora", None)  # a LoRA adapter (jaxtrain.models.lora)
         if lora is not None:
             y = y + lora(x)

@@ -26,12 +26,14 @@ from flax import nnx
 from jaxtrain.config.sections import ModelSettings, OptimizerSettings, PruningSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.frozen import freeze
+from jaxtrain.models.layers import Projection
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
 from jaxtrain.models.sharding import with_activation_sharding
 from jaxtrain.objective import Difference
 from jaxtrain.observability.compiles import TrackedJit
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.parallel.init import cast_floating, cast_frozen
+from jaxtrain.quantization.kernel import KEPT_IN_FLOAT
 from jaxtrain.runtime import Runtime
 from jaxtrain.state import TrainState
 from jaxtrain.training.evaluation import Evaluator
@@ -125,9 +127,12 @@ def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
     """The run's remat policy, layer scan and compute dtype on `model`, in place."""
     # Every module with the attribute: a task's frozen reference or teacher, a reward model's
     # backbone and a VLM's language model scan as the trained model does.
-    for _, module in nnx.iter_modules(model):
+    for path, module in nnx.iter_modules(model):
         if hasattr(module, "scan_layers"):
             module.scan_layers = settings.scan_layers
+        # The output head stays in the compute dtype (models/fp8.py).
+        if isinstance(module, Projection) and path and path[-1] not in KEPT_IN_FLOAT:
+            module.fp8 = settings.fp8_matmuls
     if hasattr(model, "remat_policy"):
         model.remat_policy = settings.remat_policy
     elif settings.remat_policy != "none":
