@@ -188,25 +188,23 @@ def markdown(report: dict) -> list[str]:
             f"{100 * (r['mfu'] or 0):.1f}% | {r['step_time_s']:.3f} | {r['compile_s'] or 0:.1f} | "
             f"{'-' if peak is None else f'{peak:.1f}'} | {gib(compiled)} |"
         )
-    gen = report.get("generate") or {}
-    if "new_tokens_per_second" in gen:
-        rows.append(
-            f"\ngeneration: {gen['batch']} rows x {gen['new_tokens_per_row']} new tokens after "
-            f"{gen['prompt']}-token prompts: {gen['new_tokens_per_second']:,.0f} new tokens/s "
-            f"(first call {gen['first_call_s']:.1f} s, compile included)"
+
+    def decoded(r: dict) -> str:
+        if "error" in r:
+            return r["error"][:200]
+        compiled = r.get("shapes_compiled_in_second_call")
+        return (
+            f"{r['batch']} rows x {r['new_tokens_per_row']} new tokens after {r['prompt']}-token "
+            f"prompts: {r['new_tokens_per_second']:,.0f} new tokens/s (first call "
+            f"{r['first_call_s']:.1f} s, compile included"
+            + ("" if compiled is None else f"; shapes compiled in the timed call: {compiled}")
+            + ")"
         )
-    for kernel, r in (report.get("engine") or {}).items():
-        rows.append(
-            f"engine ({kernel}): "
-            + (
-                r["error"][:200]
-                if "error" in r
-                else f"{r['batch']} rows x {r['new_tokens_per_row']} new tokens after {r['prompt']}-"
-                f"token prompts: {r['new_tokens_per_second']:,.0f} new tokens/s (first call "
-                f"{r['first_call_s']:.1f} s; shapes compiled in the timed call: "
-                f"{r['shapes_compiled_in_second_call']})"
-            )
-        )
+
+    if report.get("generate"):
+        rows.append(f"\ngeneration: {decoded(report['generate'])}")
+    for name, r in (report.get("engine") or {}).items():
+        rows.append(f"engine ({name}): {decoded(r)}")
     agree = report.get("engine_agreement") or {}
     if "rows" in agree:
         rows.append(

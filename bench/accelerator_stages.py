@@ -229,22 +229,32 @@ def largest_batch(size: str, attention: str, remat: str) -> dict:
     return result
 
 
-def generation(size: str) -> dict:
-    """New tokens per second of greedy `generate` with a KV cache, bf16 parameters."""
-    import jax
+def decoding_model(size: str):
+    """The model the decoding stages run: bf16 parameters and compute."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxtrain.models import LlamaForCausalLM, generate
+    from jaxtrain.models import LlamaForCausalLM
+
+    bf16 = jnp.bfloat16
+    return LlamaForCausalLM(model_config(size), dtype=bf16, param_dtype=bf16, rngs=nnx.Rngs(0))
+
+
+def decoding_prompts(size: str, seed: int) -> np.ndarray:
+    """[gen_batch, prompt] random token ids."""
+    run = RUNS[size]
+    shape = (run["gen_batch"], run["prompt"])
+    return np.random.default_rng(seed).integers(0, MODELS[size]["vocab_size"], shape, np.int32)
+
+
+def generation(size: str) -> dict:
+    """New tokens per second of greedy `generate` with a KV cache, bf16 parameters."""
+    import jax
+
+    from jaxtrain.models import generate
 
     run = RUNS[size]
-    model = LlamaForCausalLM(
-        model_config(size), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
-    )
-    vocab = MODELS[size]["vocab_size"]
-    prompts = np.random.default_rng(1).integers(
-        0, vocab, size=(run["gen_batch"], run["prompt"]), dtype=np.int32
-    )
+    model, prompts = decoding_model(size), decoding_prompts(size, 1)
     times = []
     for _ in range(2):  # the first call compiles
         start = time.perf_counter()
@@ -265,23 +275,15 @@ def generation(size: str) -> dict:
 def engine_decode(size: str, attention: str, decode_steps: int, tokens_path: Path) -> dict:
     """New tokens per second of the serving engine (paged KV pool, greedy, bf16 parameters),
     its pages read by `attention` ("gather" or "pallas"), `decode_steps` tokens per decode
-    call. The first call compiles; the timed
-    second call has prompts of its own (the same prompts would hit the prefix cache and
-    prefill a shape the first call did not compile), and the shapes it compiled are counted.
-    Its tokens and log-probs are saved to `tokens_path` (.npz) for the parent to compare."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxtrain.models import LlamaForCausalLM
+    call. The first call compiles; the timed second call has prompts of its own (the same
+    prompts would hit the prefix cache and prefill a shape the first call did not compile),
+    and the shapes it compiled are counted. Its tokens and log-probs are saved to
+    `tokens_path` (.npz) for the parent to compare."""
     from jaxtrain.serving import Engine, SamplingParams
 
     run = RUNS[size]
-    model = LlamaForCausalLM(
-        model_config(size), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
-    )
-    vocab = MODELS[size]["vocab_size"]
     engine = Engine(
-        model,
+        decoding_model(size),
         max_slots=run["gen_batch"],
         max_length=run["prompt"] + run["new"],
         prefill_tokens=run["gen_batch"] * run["prompt"],
@@ -291,9 +293,7 @@ def engine_decode(size: str, attention: str, decode_steps: int, tokens_path: Pat
     params = SamplingParams(max_tokens=run["new"], temperature=0.0, ignore_eos=True)
     times, shapes = [], []
     for seed in (2, 1):  # the first call compiles; the second, timed, is generation()'s prompts
-        prompts = np.random.default_rng(seed).integers(
-            0, vocab, size=(run["gen_batch"], run["prompt"]), dtype=np.int32
-        )
+        prompts = decoding_prompts(size, seed)
         start = time.perf_counter()
         out = engine.generate([list(p) for p in prompts], params)
         times.append(time.perf_counter() - start)
