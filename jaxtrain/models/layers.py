@@ -136,7 +136,7 @@ class Projection(nnx.Module):
         if in_ndim is None:
             y = jnp.einsum(self.equation, x, kernel)
         else:
-            y = dense(x, kernel, in_ndim, getattr(self, "fp8", False))
+            y = dense(x, kernel, in_ndim, self.fp8)
         lora = getattr(self, "lora", None)  # a LoRA adapter (jaxtrain.models.lora)
         if lora is not None:
             y = y + lora(x)
