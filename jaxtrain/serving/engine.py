@@ -241,10 +241,6 @@ class Engine:
             self.waiting.popleft()
             self.prefilling.append(Prefill(request, tables, done=cached_tokens))
 
-    def table_width(self, pages: int, growth: int = 2) -> int:
-        """Page-table columns of a step whose rows use up to `pages` pages."""
-        return table_width(pages, self.max_pages, growth)
-
     def _chunk(self) -> list[tuple[Prefill, int]]:
         """The prompts the next prefill call writes and how many tokens of each: in order,
         while the call's padded size (row bucket x token bucket) stays within the budget."""
@@ -278,9 +274,8 @@ class Engine:
             ids[row, t - take :] = item.request.prompt[item.done : item.done + take]
             start[row], pad[row] = item.done, t - take
             ends.append(item.done + take)
-        width = self.table_width(
-            max((end - 1) // self.page_size + 1 for end in ends), PREFILL_GROWTH
-        )
+        pages = max((end - 1) // self.page_size + 1 for end in ends)
+        width = table_width(pages, self.max_pages, PREFILL_GROWTH)
         tables = page_tables([item.tables[0] for item, _ in chunk], r, width)
         # The samples of every prompt this chunk finishes draw their first token in the call.
         starting = []
@@ -386,7 +381,7 @@ class Engine:
             extra[r] = len(draft) if speculating else self._tokens_ahead(seq, many)
         last = max(s.position + int(n) - (not speculating) for s, n in zip(seqs, extra))
         tables = page_tables(
-            [s.pages for s in seqs], rows, self.table_width(last // self.page_size + 1)
+            [s.pages for s in seqs], rows, table_width(last // self.page_size + 1, self.max_pages)
         )
         inputs = (self.state, self.pool, *map(jax.device_put, (ids, start, tables)),
                   jax.device_put(adapter_rows([s.adapter for s in seqs], rows)))  # fmt: skip
