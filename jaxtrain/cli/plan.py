@@ -1,7 +1,8 @@
 """`jaxtrain plan`: compile the run's train step for a target cluster and predict the step.
 
     jaxtrain plan [CONFIG.yaml] [--hf_config config.json] --devices 256 --accelerator h100
-                  [--processes 32] [--sweep] [--layers auto|all|unit] [--output plan.json]
+                  [--processes 32] [--sweep | --choices] [--layers auto|all|unit]
+                  [--output plan.json]
                   [--field value ...]
     jaxtrain plan ... --accelerator v5e|v5p|v6e --topology 2x4   (a TPU slice's chips)
 
@@ -10,7 +11,9 @@ from the config and flags as for `jaxtrain train`. The compile runs in a child p
 (jaxtrain/planning/worker.py) by the target's own compiler where this machine has one
 (XLA:TPU with the `tpu` extra, XLA:GPU with the CUDA plugin and a GPU), else by XLA:CPU
 for that many virtual devices (planning/targets.py; `--compiler cpu` asks for it); the
-plan says which. Nothing is allocated, nothing trained.
+plan says which. Nothing is allocated, nothing trained. `--sweep` compiles every mesh of the
+devices; `--choices` the run's mesh with scan_layers, mu_dtype and fp8_matmuls each changed
+alone (planning/choices.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ PLAN_OPTIONS = {
     "topology": None,
     "compiler": "auto",
 }
-PLAN_FLAGS = ("sweep",)
+PLAN_FLAGS = ("sweep", "choices")
 # Attention kernels XLA:CPU cannot lower, and what the plan compiles in their place.
 CPU_STAND_INS = STAND_INS
 
@@ -41,7 +44,7 @@ CPU_STAND_INS = STAND_INS
 def split_plan_options(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     """(plan options, the rest for the run's config)."""
     options: dict[str, Any] = dict(PLAN_OPTIONS)
-    options["sweep"] = False
+    options.update(dict.fromkeys(PLAN_FLAGS, False))
     rest: list[str] = []
     index = 0
     while index < len(tokens):
@@ -178,6 +181,7 @@ def cmd_plan(tokens: list[str]) -> int:
     )
     from jaxtrain.cli.usage import split_positional
     from jaxtrain.planning.accelerators import accelerator, accelerator_key
+    from jaxtrain.planning.choices import AS_CONFIGURED, choices, choices_table
     from jaxtrain.planning.program import build_config
     from jaxtrain.planning.report import details, ranked, table
     from jaxtrain.planning.roofline import estimate
@@ -223,6 +227,11 @@ def cmd_plan(tokens: list[str]) -> int:
     if devices % processes:
         raise ArgumentError(f"--devices {devices} must divide evenly over --processes {processes}.")
     per_node = min(devices // processes, accel.node)
+    if options["sweep"] and options["choices"]:
+        raise ArgumentError(
+            "--choices compares settings on the run's own mesh: drop --sweep (or plan the "
+            "meshes first, then --choices with the chosen --sharding_axis_dims)."
+        )
     if options["sweep"]:
         meshes = sweep_meshes(devices, per_node, args.micro_batch_size, model_config)
         if not meshes:
@@ -247,6 +256,7 @@ def cmd_plan(tokens: list[str]) -> int:
         "topology": options["topology"],
         "compiler": options["compiler"],
         "per_node": per_node,
+        "choices": choices(args) if options["choices"] else [(AS_CONFIGURED, {})],
     }
     where = f"{options['topology']} slice of " if chips else ""
     print(
@@ -265,9 +275,13 @@ def cmd_plan(tokens: list[str]) -> int:
             entry["estimate"] = estimate(
                 entry["figures"], accel, devices=devices, per_node=per_node, dtype=args.dtype
             )
-    entries = ranked(entries)
-    print("\n".join(table(entries)))
-    best = next((e for e in entries if "estimate" in e), None)
+    if options["choices"]:
+        print("\n".join(choices_table(entries)))
+        best = next((e for e in entries if e["choice"] == AS_CONFIGURED and "estimate" in e), None)
+    else:
+        entries = ranked(entries)
+        print("\n".join(table(entries)))
+        best = next((e for e in entries if "estimate" in e), None)
     if best is not None:
         print("\n".join(details(best, accel.name)))
     out = plan_path(options, args, sources)

@@ -16,7 +16,7 @@ USAGE = f"""usage:
   jaxtrain report RUN_DIR   (writes RUN_DIR/report.png and report.html)
   jaxtrain serve MODEL_OR_RUN_DIR [--port 8000] [--max_slots 8] [--api_key KEY] [--warm_up true]
                  (an OpenAI-compatible server; compiles every shape before it listens)
-  jaxtrain plan [CONFIG.yaml] [--hf_config config.json] --devices N --accelerator h100 [--sweep]
+  jaxtrain plan [CONFIG.yaml] [--hf_config config.json] --devices N --accelerator h100 [--sweep|--choices]
                 [--accelerator v5e|v5p|v6e --topology 2x4]   (TPU slices, compiled by XLA:TPU)
   jaxtrain launch --ray|--slurm [options] COMMAND ...   (one jaxtrain per Ray actor / SLURM task)
   jaxtrain tune CONFIG.yaml --search 'lr=loguniform(1e-4,1e-2)' [--num_samples N] [--scheduler asha]

@@ -26,6 +26,9 @@ class Accelerator:
     inter_node: float
     node: int
     source: str
+    # Dense FP8 (e4m3) matmuls; None where the chip has no FP8 rate of its own (A100, these
+    # TPUs): float8 operands then run no faster than bf16 ones.
+    fp8_flops: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,6 +48,7 @@ ACCELERATORS = {
         50 * GB,
         8,
         "NVIDIA H100 datasheet; DGX H100 (8 GPUs, 400 Gb/s InfiniBand per GPU)",
+        1979e12,  # FP8 3,958 TFLOPS with sparsity
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute, 141 GB HBM3e at
     # 4.8 TB/s, NVLink 900 GB/s; HGX H200 nodes: 400 Gb/s per GPU.
@@ -58,6 +62,7 @@ ACCELERATORS = {
         50 * GB,
         8,
         "NVIDIA H200 datasheet; HGX H200 (8 GPUs, 400 Gb/s InfiniBand per GPU)",
+        1979e12,
     ),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): BF16 312 TFLOPS, TF32 156 TFLOPS
     # dense, 2,039 GB/s, NVLink 600 GB/s; DGX A100: one 200 Gb/s HDR port per GPU.
@@ -85,6 +90,7 @@ ACCELERATORS = {
         12.5 * GB,
         8,
         "NVIDIA L4 datasheet (PCIe; a server of 8, 100 Gb/s Ethernet between servers)",
+        242.5e12,  # FP8 485 TFLOPS with sparsity
     ),
     # Google Cloud TPU v5e documentation: 197 TFLOPS bf16, 16 GB HBM2 at 819 GB/s, ICI
     # 1,600 Gbps per chip, 256 chips per pod. Data-center network between pods: not in the

@@ -249,6 +249,9 @@ def plan_program(
     # Frozen weights (a reference, a teacher, a LoRA base, quantized or not): state too.
     frozen = float(tree_bytes_per_device(full.rest, full.plan.param_shardings(full.rest)))
     full_shapes = (dict(full.mesh.shape), abstract.params)
+    fp8_flops = fp8_model_flops(full, args) if args.fp8_matmuls else 0.0
+    # Its rollouts run on the engine between updates: the engine's steps on the full model.
+    sampler = sampler_figures(full, args) if get_task(task).samples_on_engine else None
     total_layers = int(config.num_hidden_layers)
     period = layer_period(config)
     whole = layers == "all" or (layers == "auto" and total_layers <= WHOLE_MODEL_LAYERS)
@@ -294,8 +297,9 @@ def plan_program(
         sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
     )
     figures["model_flops"] = model_flops(config, args, figures["num_parameters"])
-    if get_task(task).samples_on_engine:  # its rollouts run on the engine between updates
-        figures["sampler"] = sampler_figures(full, args)
+    figures["fp8_model_flops"] = fp8_flops
+    if sampler is not None:
+        figures["sampler"] = sampler
     return figures
 
 
@@ -318,6 +322,28 @@ def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
     )
     return {"memory": {k: figures[k] for k in ("peak", "temporaries", "pool_bytes")},
             "shapes": figures["shapes"], "compile_seconds": figures["compile_seconds"]}  # fmt: skip
+
+
+def fp8_model_flops(program: Any, args: Any) -> float:
+    """The model FLOPs of one step that a run with fp8_matmuls computes in float8: 6 per
+    token (forward and backward) for each trained weight of a projection that runs in
+    float8 (every flattened projection but the output head: training/program.py)."""
+    from flax import nnx
+
+    from jaxtrain.models.layers import Projection, dense_in_ndim
+
+    abstract = program.abstract_state()
+    trained = dict(nnx.to_flat_state(abstract.params))
+    merged = nnx.merge(program.graphdef, abstract.params, program.rest)
+    weights = sum(
+        math.prod(trained[(*path, "kernel")].get_value().shape)
+        for path, module in nnx.iter_modules(merged)
+        if isinstance(module, Projection)
+        and module.fp8
+        and dense_in_ndim(module.equation) is not None
+        and (*path, "kernel") in trained
+    )
+    return 6.0 * weights * args.total_batch_size * args.max_sequence_length
 
 
 def shape_estimate(

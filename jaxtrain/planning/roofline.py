@@ -4,7 +4,8 @@ Per device:
   compute        the program's matmul FLOPs (loops counted, remat's recompute included) at
                  the accelerator's peak for the run's compute dtype; at least the model's
                  FLOPs, since a kernel the compiler calls out to (cuDNN's fused attention on
-                 XLA:GPU) counts none
+                 XLA:GPU) counts none. With fp8_matmuls, the projections' share of the model's
+                 FLOPs (`fp8_model_flops`) runs at the accelerator's FP8 rate, where it has one
   memory         XLA's bytes accessed at HBM bandwidth
   communication  each collective's per-device link bytes (ring algorithms: (n-1)/n of the
                  tensor, twice for an all-reduce) at the intra-node rate, or the inter-node
@@ -53,7 +54,9 @@ def estimate(
     low_precision = dtype is not None and np.dtype(dtype).itemsize <= 2
     peak = accel.bf16_flops if low_precision else accel.f32_flops
     model_flops_per_device = figures["model_flops"] / devices
-    compute = max(figures["matmul_flops"], model_flops_per_device) / peak
+    fp8 = figures.get("fp8_model_flops", 0.0) / devices
+    fp8_peak = accel.fp8_flops or peak
+    compute = (max(figures["matmul_flops"], model_flops_per_device) - fp8) / peak + fp8 / fp8_peak
     memory = figures["bytes_accessed"] / accel.hbm_bandwidth
     links = communication_seconds(
         figures["collective_ops"], node_of_partition(devices, per_node), accel

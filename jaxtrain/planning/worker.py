@@ -3,13 +3,15 @@
 It is started with XLA_FLAGS=--xla_force_host_platform_device_count=N (the target's device
 count, as CPU devices), takes the target's own compiler where there is one (targets.py:
 XLA:TPU for a TPU topology, XLA:GPU with the CUDA plugin and a GPU), else those CPU
-devices, compiles the train step for each mesh of SPEC and writes their figures (or the
-reason a mesh cannot run), each naming its compiler, to OUT as JSON.
+devices, compiles the train step for each mesh of SPEC (and each of its `choices`: argument
+overrides, planning/choices.py) and writes their figures (or the reason a mesh cannot run),
+each naming its compiler, to OUT as JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -19,6 +21,7 @@ from typing import Any
 
 def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from jaxtrain.errors import JaxtrainError
+    from jaxtrain.planning.choices import AS_CONFIGURED
     from jaxtrain.planning.program import build_config, plan_program
     from jaxtrain.planning.targets import STAND_INS, compile_target
     from jaxtrain.tasks import DEFAULT_TASK, get_task
@@ -32,8 +35,11 @@ def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
     if target.compiler != "XLA:GPU":
         attention = STAND_INS.get(attention, attention)
     results = []
-    for dims in spec["meshes"]:
-        args = dataclasses.replace(base, sharding_axis_dims=tuple(dims))
+    for dims, (choice, overrides) in itertools.product(
+        spec["meshes"], spec.get("choices", [(AS_CONFIGURED, {})])
+    ):
+        args = dataclasses.replace(base, sharding_axis_dims=tuple(dims), **overrides)
+        named = {"mesh": list(dims), "choice": choice, "compiler": target.to_json()}
         try:
             figures = plan_program(
                 config,
@@ -44,23 +50,17 @@ def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 task=task,
             )
         except JaxtrainError as err:  # this mesh cannot run the model: say why, try the next
-            results.append({"mesh": list(dims), "error": str(err), "compiler": target.to_json()})
+            results.append({**named, "error": str(err)})
             continue
         except Exception as err:
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
             # XLA:TPU refuses a program whose buffers exceed the chip's memory: it does not fit.
             reason = " ".join(str(err).split())[:300]
-            results.append(
-                {
-                    "mesh": list(dims),
-                    "error": f"does not fit: {reason}",
-                    "compiler": target.to_json(),
-                }
-            )
+            results.append({**named, "error": f"does not fit: {reason}"})
             continue
-        results.append({"mesh": list(dims), "figures": figures, "compiler": target.to_json()})
-        print(f"planned mesh {dims}: {figures['method']}", file=sys.stderr, flush=True)
+        results.append({**named, "figures": figures})
+        print(f"planned mesh {dims} ({choice}): {figures['method']}", file=sys.stderr, flush=True)
     return results
 
 

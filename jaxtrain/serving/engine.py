@@ -54,6 +54,7 @@ from jaxtrain.serving.steps import (
     adapter_rows,
     bucket,
     chunk_tokens,
+    flat_params,
     page_tables,
     table_width,
 )
@@ -115,6 +116,7 @@ class Engine:
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
         self.graphdef, self.state = nnx.split(model)
+        self.params = flat_params(self.state)  # what the steps take (steps.py)
         sharding = pool_sharding(self.state)
         if num_pages is None:
             num_pages = pool_pages(model, page_size, max_slots * self.max_pages + 1,
@@ -143,7 +145,7 @@ class Engine:
     def update_state(self, state: Any) -> None:
         """Decode from these parameters from now on (the same structure: no recompile). The
         cached prompt prefixes go: their keys and values were computed by the old ones."""
-        self.state = state
+        self.state, self.params = state, flat_params(state)
         self.pages.forget_prefixes()
 
     def submit(
@@ -297,15 +299,14 @@ class Engine:
         adapters = np.zeros(r, np.int32)
         adapters[: len(chunk)] = [item.request.adapter for item, _ in chunk]
         arrays = (ids, start, tables, pad, adapters, rows, positions)
-        arrays = tuple(map(jax.device_put, arrays))
         if any(item.request.images is not None for item, _ in chunk):
             written = [(item.request, end - take, take) for (item, take), end in zip(chunk, ends)]
-            pixels = jax.device_put(self.images.chunk(written, r))
+            pixels = self.images.chunk(written, r)
             drawn, self.pool = self.steps.prefill_images(
-                self.state, self.pool, *arrays, pixels, *sampling
+                self.params, self.pool, *arrays, pixels, *sampling
             )
         else:
-            drawn, self.pool = self.steps.prefill(self.state, self.pool, *arrays, *sampling)
+            drawn, self.pool = self.steps.prefill(self.params, self.pool, *arrays, *sampling)
         if starting:
             self._start(starting, jax.device_get(drawn))
 
@@ -383,16 +384,16 @@ class Engine:
         tables = page_tables(
             [s.pages for s in seqs], rows, table_width(last // self.page_size + 1, self.max_pages)
         )
-        inputs = (self.state, self.pool, *map(jax.device_put, (ids, start, tables)),
-                  jax.device_put(adapter_rows([s.adapter for s in seqs], rows)))  # fmt: skip
+        adapters = adapter_rows([s.adapter for s in seqs], rows)
+        inputs = (self.params, self.pool, ids, start, tables, adapters)
         seeds = [sample_seed(s.params.seed, s.index) for s in seqs]
         sampling = sampling_arrays([s.params for s in seqs], seeds, rows)
         if speculating:
-            drawn, kept, self.pool = self.steps.verify(*inputs, jax.device_put(extra), *sampling)
+            drawn, kept, self.pool = self.steps.verify(*inputs, extra, *sampling)
             drawn, counts = jax.device_get((drawn, kept + 1))
             self.drafted += int(extra.sum())
         elif many > 1:
-            drawn, self.pool = self.steps.decode_many(*inputs, jax.device_put(extra), *sampling)
+            drawn, self.pool = self.steps.decode_many(*inputs, extra, *sampling)
             drawn, counts = jax.device_get(drawn), extra
         else:
             drawn, self.pool = self.steps.decode(*inputs, *sampling)

@@ -291,6 +291,9 @@ class PageAllocator:
         self.free = list(range(num_pages - 1, GARBAGE_PAGE, -1))  # pop() hands out low ids
         self.refs = np.zeros(num_pages, np.int32)
         self.prefixes: dict[str, int] = {}  # prefix key -> page (order: least recently used first)
+        # The pages `prefixes` holds, as a mask: `available` counts the evictable ones in one
+        # vector operation (it is read several times a decode step, the cache holds hundreds).
+        self.cached = np.zeros(num_pages, bool)
 
     def hold_prompt(
         self, prompt: np.ndarray, n: int, adapter: int, cached: bool = True
@@ -316,8 +319,7 @@ class PageAllocator:
 
     @property
     def available(self) -> int:
-        evictable = sum(1 for page in self.prefixes.values() if self.refs[page] == 1)
-        return len(self.free) + evictable
+        return len(self.free) + int(np.count_nonzero(self.cached & (self.refs == 1)))
 
     def allocate(self, count: int) -> list[int]:
         if count > self.available:
@@ -357,12 +359,14 @@ class PageAllocator:
             if key not in self.prefixes:
                 self.prefixes[key] = page
                 self.refs[page] += 1
+                self.cached[page] = True
         self._touch(keys[: len(pages)])
 
     def forget_prefixes(self) -> None:
         """Drop every cached prefix (the cache's reference to each page): their keys and
         values belong to parameters that are no longer the engine's."""
         cached, self.prefixes = list(self.prefixes.values()), {}
+        self.cached[:] = False
         self.release(cached)
 
     def _touch(self, keys: list[str]) -> None:
@@ -374,6 +378,7 @@ class PageAllocator:
         for key, page in self.prefixes.items():
             if self.refs[page] == 1:  # only the cache holds it
                 del self.prefixes[key]
+                self.cached[page] = False
                 self.release([page])
                 return
         raise CacheFull("no free page and no unused cached prefix to evict")

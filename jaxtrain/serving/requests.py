@@ -40,7 +40,10 @@ class Completion:
     routing: np.ndarray | None = None
 
 
-@dataclasses.dataclass
+# Requests, prefills and sequences compare by identity (eq=False): the engine finds and removes
+# one object in its lists, and comparing every field at each lookup was a fifth of a decode
+# step's host time with 32 sequences.
+@dataclasses.dataclass(eq=False)
 class Request:
     """A request waiting for its slots: `prompt` is what its prefill writes. A preempted
     sample comes back as a request of its own (n = 1, `resume` the sample): its prompt is
@@ -56,7 +59,7 @@ class Request:
     adapter: int = 0  # the LoRA adapter it runs through (serving/adapters.py; 0: none)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Prefill:
     """A request admitted and being prefilled: every sample's page table is held (the first
     holds the prompt; the others share its full pages), `done` prompt tokens are in the cache
@@ -71,7 +74,7 @@ class Prefill:
         return len(self.request.prompt) - self.done
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Sequence:
     """One sample decoding."""
 

@@ -95,9 +95,10 @@ class Drawn:
 
 def sampling_arrays(
     params: Sequence[SamplingParams], seeds: Sequence[int], rows: int
-) -> list[Array]:
+) -> list[np.ndarray]:
     """[rows] arrays of temperature, top_k, top_p, seed and the top log-probs wanted (idle
-    rows greedy, asking for nothing)."""
+    rows greedy, asking for nothing): host arrays, which a jitted step places with its call
+    (steps.py: no device_put of each, and no compile of a copy as jnp.asarray would)."""
     temperature = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
     top_p = np.ones(rows, np.float32)
@@ -106,8 +107,7 @@ def sampling_arrays(
     for r, (p, s) in enumerate(zip(params, seeds)):
         temperature[r], top_k[r], top_p[r], seed[r] = p.temperature, p.top_k, p.top_p, s
         top_logprobs[r] = p.logprobs
-    # device_put, not jnp.asarray: the latter compiles a copy for every new shape.
-    return [jax.device_put(a) for a in (temperature, top_k, top_p, seed, top_logprobs)]
+    return [temperature, top_k, top_p, seed, top_logprobs]
 
 
 def _filtered(scaled: Array, top_k: Array, top_p: Array) -> Array:

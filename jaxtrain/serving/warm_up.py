@@ -106,7 +106,7 @@ def compile_every_bucket(
                         images)  # fmt: skip
     before = sum(len(shapes) for shapes in e.steps.compiles.values())
     for kind, args in step_calls(shape, max_prompt_tokens, max_prefill_rows):
-        *_, e.pool = getattr(e.steps, kind)(e.state, e.pool, *args)
+        *_, e.pool = getattr(e.steps, kind)(e.params, e.pool, *args)
     e.pool = e.steps.copy_page(e.pool, 0, 0)  # a group's partial page, copied for its samples
     if e.record_routing:  # a finished sequence's experts, read back
         e.steps.routing(e.pool, [], e.max_pages)

@@ -189,3 +189,44 @@ def test_plan_refuses_an_unknown_accelerator_and_a_bad_device_count(capsys):
     assert "--accelerator 'tpu-v9': choose one of h100" in capsys.readouterr().err
     assert main(["plan", "--devices", "0"]) == 2
     assert "--devices must be a positive integer" in capsys.readouterr().err
+
+
+def test_plan_choices_compiles_each_setting_changed_alone(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    hidden, inter, layers, kv_heads, heads = 64, 128, 2, 2, 4
+    model = ["--model.hidden_size", str(hidden), "--model.intermediate_size", str(inter),
+             "--model.num_hidden_layers", str(layers), "--model.num_attention_heads", str(heads),
+             "--model.num_key_value_heads", str(kv_heads), "--model.vocab_size", "256"]  # fmt: skip
+    run = ["--total_batch_size", "4", "--max_sequence_length", "64", "--dtype", "bfloat16"]
+    code = main(["plan", "--choices", "--devices", "1", "--accelerator", "h100",
+                 "--output", str(out), *run, *model])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    entries = {e["choice"]: e for e in json.loads(out.read_text())["meshes"]}
+    labels = ["as configured", "scan_layers=true", "mu_dtype=bfloat16", "fp8_matmuls=true"]
+    assert list(entries) == labels and all("estimate" in e for e in entries.values())
+    assert all(label in printed for label in labels) and "choices on" in printed
+    base, moments = entries["as configured"]["figures"], entries["mu_dtype=bfloat16"]["figures"]
+    # AdamW's first moments in bfloat16: its state is 3/4 of two float32 moments.
+    assert moments["state"]["optimizer_state"] / base["state"]["optimizer_state"] == (
+        pytest.approx(0.75, rel=0.01)
+    )
+    # Float8 projections: every decoder projection's weights (not the head), 6 FLOPs per
+    # weight per token, counted at the H100's FP8 rate (twice its bf16 rate).
+    fp8 = entries["fp8_matmuls=true"]
+    head_dim = hidden // heads
+    weights = layers * (2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter)
+    assert fp8["figures"]["fp8_model_flops"] == 6 * weights * 4 * 64
+    assert base["fp8_model_flops"] == 0
+    h100 = ACCELERATORS["h100"]
+    faster = fp8["figures"]["fp8_model_flops"] * (1 / h100.bf16_flops - 1 / h100.fp8_flops)
+    compute = entries["as configured"]["estimate"]["compute_s"]
+    expected = max(fp8["figures"]["matmul_flops"], fp8["figures"]["model_flops"]) / h100.bf16_flops
+    assert fp8["estimate"]["compute_s"] == pytest.approx(expected - faster)
+    assert fp8["estimate"]["compute_s"] < compute
+    # Without an FP8 rate of its own (an A100), float8 operands buy no compute time.
+    one_device = {**fp8["figures"], "collective_ops": []}  # plan.json leaves the list out
+    a100 = estimate(one_device, ACCELERATORS["a100"], devices=1, per_node=1, dtype="bfloat16")
+    assert a100["compute_s"] == pytest.approx(expected * h100.bf16_flops / 312e12)
+    assert main(["plan", "--choices", "--sweep", *run, *model]) == 2
+    assert "--choices compares settings on the run's own mesh" in capsys.readouterr().err
