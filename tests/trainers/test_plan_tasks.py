@@ -153,6 +153,11 @@ def test_an_rloo_plan_is_the_rloo_run_s_step_and_plans_its_engine(tokenizer, tmp
     nowhere = dataclasses.replace(args, output_dir=str(tmp_path / "never-written"))
     planned = plan_program(tiny_config(), nowhere, jax.devices()[:1], task="rloo")
     assert planned["sampler"]["memory"]["pool_bytes"] > 0
+    # A deeper policy compiles 2 and 3 of its layers and scales them; its engine is planned
+    # on the whole model (that plan once read the full Program after dropping it).
+    deep = plan_program(tiny_config(num_hidden_layers=7), nowhere, jax.devices()[:1], task="rloo")
+    assert deep["method"].startswith("2 and 3 of 7 layers compiled")
+    assert deep["sampler"]["memory"]["pool_bytes"] == 7 * planned["sampler"]["memory"]["pool_bytes"]
 
 
 def test_a_qlora_plan_counts_the_quantized_base_as_the_run_does(tmp_path):
