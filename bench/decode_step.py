@@ -41,6 +41,7 @@ def main() -> int:
     from jaxtrain.serving import Engine, SamplingParams
     from jaxtrain.serving.paged import PagedSlots
     from jaxtrain.serving.sampling import sample_rows, sampling_arrays
+    from jaxtrain.serving.steps import page_tables, table_width
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)
@@ -60,8 +61,8 @@ def main() -> int:
     positions = jax.device_put(np.arange(rows, dtype=np.int32))
     print(f"sampling: {median_ms(lambda: draw(logits, *sampling, positions)):.1f} ms")
     seqs = engine.active
-    width = engine._width(max(s.position for s in seqs) // engine.page_size + 1)
-    table = jax.device_put(engine._tables([s.pages for s in seqs], rows, width))
+    width = table_width(max(s.position for s in seqs) // engine.page_size + 1, engine.max_pages)
+    table = jax.device_put(page_tables([s.pages for s in seqs], rows, width))
     ids = jax.device_put(np.array([[s.generated[-1]] for s in seqs], np.int32))
     start = jax.device_put(np.array([s.position for s in seqs], np.int32))
     for attention in (True, False):
