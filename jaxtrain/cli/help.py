@@ -279,7 +279,7 @@ def task_of(tokens: list[str]) -> str | None:
 
 PLAN_HELP = """usage: jaxtrain plan [CONFIG.yaml] [--hf_config config.json] [--devices N]
                      [--accelerator h100|h200|a100|v5e|v5p|v6e] [--topology AxB[xC]]
-                     [--compiler auto|cpu] [--processes P] [--sweep]
+                     [--compiler auto|cpu] [--processes P] [--sweep | --choices]
                      [--layers auto|all|unit] [--output plan.json] [--field value ...]
 
 Compile the run's train step for N devices (from shapes alone: nothing is allocated) and read
@@ -298,6 +298,8 @@ plugin and a GPU), else XLA:CPU on N virtual devices; the plan says which, and w
   --compiler STR       auto (default): the target's compiler when there is one; cpu: XLA:CPU
   --processes INT      hosts (default: devices / devices per node); sets the link classes
   --sweep              plan every (dp, fsdp, ep, tp) mesh that divides the devices, ranked
+  --choices            plan the run's mesh as configured and with scan_layers, mu_dtype and
+                       fp8_matmuls each changed alone: memory and time of each
   --layers STR         all: compile every layer; unit: the repeating unit of layers, twice
                        and three times, scaled to the depth; auto (default): unit above 4
                        layers
