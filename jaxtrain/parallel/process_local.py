@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "gather_from_processes",
+    "gather_micro_batch_shares",
     "gather_shares",
+    "micro_batch_share",
     "process_block",
     "process_local_mesh",
     "process_local_state",
@@ -102,6 +104,29 @@ def gather_shares(local: np.ndarray, sizes: list[int]) -> np.ndarray:
     padded[: len(local)] = local
     every = gather_from_processes(padded)
     return np.concatenate([rows[:n] for rows, n in zip(every, sizes)])
+
+
+def micro_batch_share(
+    rows: np.ndarray, accumulation: int, index: int, count: int, *, micro_axis: bool = False
+) -> np.ndarray:
+    """Process `index` of `count`'s share of a step's rows ([N, ...] in batch order, or
+    [A, M, ...] with `micro_axis`, A = `accumulation`): its contiguous block of every
+    micro-batch, as the batch layout places them. One process: all of them."""
+    if count == 1:
+        return rows
+    shaped = rows if micro_axis else rows.reshape(accumulation, -1, *rows.shape[1:])
+    share = shaped.shape[1] // count
+    mine = shaped[:, index * share : (index + 1) * share]
+    return mine if micro_axis else mine.reshape(-1, *rows.shape[1:])
+
+
+def gather_micro_batch_shares(local: np.ndarray, accumulation: int, count: int) -> np.ndarray:
+    """The step's rows [N, ...] in batch order from the `micro_batch_share` of each of the
+    `count` processes."""
+    if count == 1:
+        return local
+    every = gather_from_processes(local.reshape(accumulation, -1, *local.shape[1:]))
+    return np.concatenate(list(every), axis=1).reshape(-1, *local.shape[1:])  # [P, A, M/P]
 
 
 def process_block(x: jax.Array) -> np.ndarray:

@@ -126,9 +126,10 @@ class Steps:
         )
 
     def _forward(
-        self, params, pool, ids, start, table, adapters, pad=None, every=False, pixel_values=None
-    ):
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(*params))
+        self, structure, leaves, pool, ids, start, table, adapters, pad=None, every=False,
+        pixel_values=None,
+    ):  # fmt: skip
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(structure, leaves))
         choose_adapters(model, adapters)  # each row's LoRA adapter (serving/adapters.py)
         slots = PagedSlots.of(start, ids.shape[1], table, self.page_size, pad, self.kernel)
         logits, pool = decode_with_slots(
@@ -142,7 +143,7 @@ class Steps:
     def _prefill_fn(
         self, structure, leaves, pool, ids, start, table, pad, adapters, rows, positions, *sampling
     ):
-        logits, pool = self._forward((structure, leaves), pool, ids, start, table, adapters, pad)
+        logits, pool = self._forward(structure, leaves, pool, ids, start, table, adapters, pad)
         return sample_rows(logits[rows], *sampling, positions, self.processed), pool
 
     def _prefill_images_fn(
@@ -150,12 +151,12 @@ class Steps:
         *sampling,
     ):  # fmt: skip
         logits, pool = self._forward(
-            (structure, leaves), pool, ids, start, table, adapters, pad, False, pixel_values
+            structure, leaves, pool, ids, start, table, adapters, pad, False, pixel_values
         )
         return sample_rows(logits[rows], *sampling, positions, self.processed), pool
 
     def _decode_fn(self, structure, leaves, pool, ids, start, table, adapters, *sampling):
-        logits, pool = self._forward((structure, leaves), pool, ids, start, table, adapters)
+        logits, pool = self._forward(structure, leaves, pool, ids, start, table, adapters)
         return sample_rows(logits, *sampling, start + 1, self.processed), pool
 
     def _decode_many_fn(
@@ -165,7 +166,7 @@ class Steps:
             pool, ids = carry
             # A row past its `limit` (its last token drawn) writes to the garbage page only.
             live = jnp.where((i < limit)[:, None], table, 0)
-            logits, pool = self._forward((structure, leaves), pool, ids, start + i, live, adapters)
+            logits, pool = self._forward(structure, leaves, pool, ids, start + i, live, adapters)
             drawn = sample_rows(logits, *sampling, start + i + 1, self.processed)
             return (pool, drawn.tokens[:, None]), drawn
 
@@ -175,7 +176,7 @@ class Steps:
 
     def _verify_fn(self, structure, leaves, pool, ids, start, table, adapters, drafted, *sampling):
         logits, pool = self._forward(
-            (structure, leaves), pool, ids, start, table, adapters, every=True
+            structure, leaves, pool, ids, start, table, adapters, every=True
         )
         b, t, v = logits.shape
         positions = (start[:, None] + 1 + jnp.arange(t, dtype=jnp.int32)[None]).reshape(-1)

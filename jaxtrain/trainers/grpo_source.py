@@ -43,7 +43,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtrain.data.batch_source import SourceBatch
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
-from jaxtrain.parallel.process_local import gather_from_processes, process_local_state
+from jaxtrain.parallel.process_local import (
+    gather_micro_batch_shares,
+    micro_batch_share,
+    process_local_state,
+)
 from jaxtrain.rollout_arguments import GRPOArguments
 from jaxtrain.serving import Engine
 from jaxtrain.trainers.grpo_loss import group_advantages
@@ -437,24 +441,15 @@ class RolloutSource:
 
     # ------------------------------------------------------------ processes
     def local_rows(self, rows: np.ndarray, *, micro_axis: bool = False) -> np.ndarray:
-        """This process's share of a round's rows ([N, ...] in batch order, or [A, M, ...]
-        with `micro_axis`): its contiguous block of every micro-batch, as the batch layout
-        places them. One process: all of them."""
-        if self.process_count == 1:
-            return rows
+        """This process's share of a round's rows (parallel/process_local.py)."""
         a = self.args.gradient_accumulation_steps
-        shaped = rows if micro_axis else rows.reshape(a, -1, *rows.shape[1:])
-        share = shaped.shape[1] // self.process_count
-        mine = shaped[:, self.process_index * share : (self.process_index + 1) * share]
-        return mine if micro_axis else mine.reshape(-1, *rows.shape[1:])
+        return micro_batch_share(rows, a, self.process_index, self.process_count,
+                                 micro_axis=micro_axis)  # fmt: skip
 
     def gather_rows(self, local: np.ndarray) -> np.ndarray:
         """The round's rows [N, ...] in batch order from every process's `local_rows`."""
-        if self.process_count == 1:
-            return local
         a = self.args.gradient_accumulation_steps
-        every = gather_from_processes(local.reshape(a, -1, *local.shape[1:]))  # [P, A, M/P]
-        return np.concatenate(list(every), axis=1).reshape(-1, *local.shape[1:])
+        return gather_micro_batch_shares(local, a, self.process_count)
 
     def sample(
         self, state: Any, rows: np.ndarray, mine: np.ndarray, step: int, attempt: int = 0
