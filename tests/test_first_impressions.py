@@ -168,6 +168,36 @@ def test_ctrl_c_during_plan_is_one_line_and_130(tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+# Ctrl-C lands the moment the compile process exists, before Popen has returned it: the
+# window where the command line's generic line once won on a loaded CI machine.
+_CTRL_C_AS_THE_CHILD_STARTS = """
+import os, signal, subprocess, sys
+from jaxtrain import interrupts
+from jaxtrain.planning.child import run_child
+
+started = subprocess.Popen
+def popen_then_ctrl_c(*args, **kwargs):
+    child = started(*args, **kwargs)
+    print(child.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    return child
+subprocess.Popen = popen_then_ctrl_c
+interrupts.install("jaxtrain plan")
+run_child("jaxtrain.planning.worker", {}, 1, label="jaxtrain plan")
+"""
+
+
+def test_ctrl_c_as_the_compile_process_starts_still_ends_it_with_the_plan_s_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-c", _CTRL_C_AS_THE_CHILD_STARTS]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "jaxtrain plan: interrupted by SIGINT; nothing was written"
+    ]
+    assert _ends(int(done.stdout.split()[0]))
+
+
 def _ends(pid: int, timeout: float = 30.0) -> bool:
     """Whether process `pid` is gone (or a zombie waiting for its reaper) within `timeout`."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,41 +31,59 @@ def run_child(module: str, spec: dict[str, Any], devices: int, *, label: str) ->
         env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
         # A session of its own: the terminal's Ctrl-C reaches only this process, which ends
         # the child itself (_ends_with), so the child never prints a traceback of its own.
-        child = subprocess.Popen(
-            [sys.executable, "-m", module, str(spec_path), str(out_path)],
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            with _ends_with(child, label):
+        with _ends_with(label) as started:
+            child = subprocess.Popen(
+                [sys.executable, "-m", module, str(spec_path), str(out_path)],
+                env=env,
+                start_new_session=True,
+            )
+            try:
+                started(child)
                 code = child.wait()
-        finally:
-            if child.poll() is None:  # this process is failing: the compile must not outlive it
-                child.kill()
-                child.wait()
+            finally:
+                if child.poll() is None:  # this process is failing: the compile must not outlive it
+                    child.kill()
+                    child.wait()
         if code != 0:
             raise RuntimeError(f"{label}'s compile process failed (exit {code}).")
         return json.loads(out_path.read_text())
 
 
 @contextlib.contextmanager
-def _ends_with(child: subprocess.Popen, label: str) -> Iterator[None]:
+def _ends_with(label: str) -> Iterator[Callable[[subprocess.Popen], None]]:
     """Ctrl-C while the child compiles: the child is killed, then one line and exit 130.
-    Only where the command line installed its interrupt handling (the process's own entry)."""
+    Only where the command line installed its interrupt handling (the process's own entry).
+
+    The handler is in place before the child starts (a Ctrl-C that arrived between the
+    start and the handler once met the command line's generic line); a Ctrl-C before the
+    child is known is acted on as soon as `started` names it."""
     from jaxtrain import interrupts
 
+    children: list[subprocess.Popen] = []
+    interrupted: list[bool] = []
+
+    def end() -> None:
+        # os.kill, not child.kill() + wait(): the interrupted wait holds Popen's lock.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(children[0].pid, signal.SIGKILL)
+        interrupts.abort(label, "interrupted by SIGINT; nothing was written")
+
+    def started(child: subprocess.Popen) -> None:
+        children.append(child)
+        if interrupted:
+            end()
+
     if not interrupts.installed() or threading.current_thread() is not threading.main_thread():
-        yield
+        yield children.append
         return
 
     def handle(number: int, frame: Any) -> None:
-        # os.kill, not child.kill() + wait(): the interrupted wait holds Popen's lock.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signal.SIGKILL)
-        interrupts.abort(label, "interrupted by SIGINT; nothing was written")
+        if children:
+            end()
+        interrupted.append(True)  # Popen has not returned the child yet: `started` ends it
 
     previous = signal.signal(signal.SIGINT, handle)
     try:
-        yield
+        yield started
     finally:
         signal.signal(signal.SIGINT, previous)
