@@ -31,6 +31,10 @@ fits, so a session lent a device for minutes gets the most important figures fir
 - batch: the largest batch that fits, for the first train variant: the GPU compiler's memory
   analysis of the step at two batch sizes (compiled from shapes, nothing allocated), a line
   through them to the device's limit, then real steps at that batch.
+- moe: the model's mixture-of-experts twin (8 experts of half the MLP width, top-2: the dense
+  model's active MLP) trained as train/<first variant> is, once per expert dispatch:
+  `jax.lax.ragged_dot` and the Pallas kernels (models/moe_kernels.py): tokens/s, MFU against
+  the dense step's, and the losses side by side.
 
 Writes DIR/accelerator.json and prints a Markdown table for bench/RESULTS.md.
 """
@@ -69,14 +73,20 @@ TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict]] = {
 }
 DEFAULT_VARIANTS = "cudnn,fp8,bf16_moments,scan"
 GPU_ONLY = ("cudnn", "cudnn_cublas")
-STAGES = ("train", "profile", "engine", "generate", "plan", "batch")
+STAGES = ("train", "profile", "engine", "generate", "plan", "batch", "moe")
+# The moe stage: the size's MoE twin (8 experts, top-2, the dense MLP's active width) trained
+# with each expert dispatch; on a CPU (the tiny dry run) the blocked loop and the GPU kernel's
+# code interpreted stand in for ragged_dot and the kernel.
+MOE_VARIANTS = {"gpu": ("ragged_dot", "pallas"), "tpu": ("ragged_dot", "pallas"),
+                "cpu": ("blocks", "interpret")}  # fmt: skip
 # The engine stage's variants: name -> (how it reads its KV pages, decode steps per call).
 # "pallas" (JAX's Pallas kernel) runs on a GPU or TPU only.
 ENGINE_VARIANTS = {"gather": ("gather", 1), "pallas": ("pallas", 1), "steps8": ("gather", 8)}
 ENGINE_ATTENTION = ("gather", "pallas")  # the two engine_agreement compares
 # Seconds a stage needs at the least (start, imports, compile); a stage is skipped when less
 # of the budget is left. Tiny runs have no minimum.
-MIN_STAGE_S = {"train": 60, "generate": 40, "engine": 40, "batch": 100, "profile": 60, "plan": 40}
+MIN_STAGE_S = {"train": 60, "generate": 40, "engine": 40, "batch": 100, "profile": 60, "plan": 40,
+               "moe": 90}  # fmt: skip
 
 
 def plan_command(
@@ -229,6 +239,7 @@ def markdown(report: dict) -> list[str]:
                 else ""
             )
         )
+    rows += moe_rows(report)
     profile = (report.get("profile") or {}).get("trace")
     if profile:
         from trace_summary import lines
@@ -243,6 +254,29 @@ def markdown(report: dict) -> list[str]:
             f"{gib(plan['shape_estimate_bytes'])} GiB; compute {est.get('compute_s', 0):.3f} s, "
             f"memory {est.get('memory_s', 0):.3f} s per step"
         )
+    return rows
+
+
+def moe_rows(report: dict) -> list[str]:
+    """The MoE twin per dispatch: tokens/s, MFU against the dense step's (the train stage's
+    first variant, same attention and batch) and the loss against the first dispatch's."""
+    moe = report.get("moe") or {}
+    dense = next(iter(report["train"].values()), {})
+    reference = next((r for r in moe.values() if "error" not in r), None)
+    rows = []
+    for impl, r in moe.items():
+        if "error" in r:
+            rows.append(f"moe ({impl}): {r['error'][:200]}")
+            continue
+        line = (
+            f"moe ({impl}): {r['tokens_per_second']:,.0f} tokens/s, MFU {100 * (r['mfu'] or 0):.1f}%"
+            f", step {r['step_time_s']:.3f} s, compile {r['compile_s'] or 0:.1f} s, loss {r['loss']:.4f}"
+        )
+        if dense.get("mfu"):
+            line += f"; MFU {r['mfu'] / dense['mfu']:.2f}x the dense step's"
+        if reference is not None and r is not reference:
+            line += f"; {r['tokens_per_second'] / reference['tokens_per_second']:.2f}x its tokens/s"
+        rows.append(line)
     return rows
 
 
@@ -348,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     if "batch" in stages:
         report["batch"] = stage("batch", first_args, "batch.log", first_env)
         record("batch", report["batch"])
+    if "moe" in stages:
+        report["moe"] = {}
+        for impl in MOE_VARIANTS.get(device.get("platform"), MOE_VARIANTS["cpu"]):
+            args = [*first_args, "--moe", impl]
+            report["moe"][impl] = stage("moe", args, f"moe-{impl}.log", first_env)
+            record(f"moe/{impl}", report["moe"][impl])
     table = markdown(report)
     (out / "accelerator.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))

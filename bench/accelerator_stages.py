@@ -1,9 +1,9 @@
 """The stages of bench/accelerator.py (the one-command GPU campaign), each run in a process
 of its own by the campaign: `python bench/accelerator_stages.py STAGE [--size S]
 [--attention A] [--remat R] [--trace-dir DIR]` prints one ACCELERATOR_RESULT line (JSON).
-Stages: train, profile, generate, engine, batch (see bench/accelerator.py for what each
+Stages: train, profile, generate, engine, batch, moe (see bench/accelerator.py for what each
 measures). `--overrides JSON` sets TrainingArguments fields of a train variant (mu_dtype,
-scan_layers).
+scan_layers); `--moe IMPL` trains the size's mixture-of-experts twin with that dispatch.
 """
 
 from __future__ import annotations
@@ -48,10 +48,20 @@ RUNS = {
 }
 
 
-def model_config(size: str):
-    from jaxtrain.models import LlamaConfig
+# The MoE twin of a size: 8 experts of half the dense MLP's width, top-2, so a token's
+# active MLP is the dense model's (its step's MFU is comparable with the dense step's).
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 
-    return LlamaConfig(**MODELS[size])
+
+def model_config(size: str, moe: str | None = None):
+    from jaxtrain.models import LlamaConfig
+    from jaxtrain.models.moe import MoeConfig
+
+    if moe is None:
+        return LlamaConfig(**MODELS[size])
+    shape = dict(MODELS[size], intermediate_size=MODELS[size]["intermediate_size"] // MOE_TOP_K)
+    return MoeConfig(**shape, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                     router_aux_loss_coef=0.01, moe_implementation=moe)  # fmt: skip
 
 
 def training_arguments(
@@ -92,14 +102,16 @@ def random_rows(size: str, rows: int) -> list[dict]:
     return [{"input_ids": row} for row in tokens]
 
 
-def build_model(size: str, attention: str):
+def build_model(size: str, attention: str, moe: str | None = None):
     from flax import nnx
 
     from jaxtrain.models import LlamaForCausalLM
+    from jaxtrain.models.moe import MoeForCausalLM
     from jaxtrain.parallel import ModelFactory
 
     def build():
-        model = LlamaForCausalLM(model_config(size), rngs=nnx.Rngs(0))
+        family = LlamaForCausalLM if moe is None else MoeForCausalLM
+        model = family(model_config(size, moe), rngs=nnx.Rngs(0))
         model.attention_implementation = None if attention == "auto" else attention
         return model
 
@@ -132,9 +144,11 @@ def train(
     batch: int | None = None,
     trace_dir: Path | None = None,
     overrides: dict | None = None,
+    moe: str | None = None,
 ) -> dict:
     """The Trainer for RUNS[size]'s steps; its own logged figures of the last window. With
-    `trace_dir`, that window is traced (jax.profiler) and summed by kernel."""
+    `trace_dir`, that window is traced (jax.profiler) and summed by kernel; with `moe`, the
+    size's MoE twin is trained with that expert dispatch."""
     from jaxtrain import Trainer
 
     run = RUNS[size]
@@ -144,7 +158,7 @@ def train(
         args = training_arguments(out_dir, size, batch, steps, remat, overrides)
         trainer = Trainer(
             arguments=args,
-            model=build_model(size, attention),
+            model=build_model(size, attention, moe),
             dataset_train=random_rows(size, batch * steps),
             callbacks=[]
             if trace_dir is None
@@ -165,6 +179,7 @@ def train(
         "attention": attention,
         "remat": remat,
         "overrides": overrides or {},
+        "moe": moe,
         "batch": batch,
         "seq": run["seq"],
         "steps": steps,
@@ -325,6 +340,7 @@ def run_worker(argv: list[str]) -> None:
     parser.add_argument("--decode-steps", type=int, default=1)
     parser.add_argument("--tokens", type=Path, help="engine: where its tokens are saved")
     parser.add_argument("--overrides", type=json.loads, default={})
+    parser.add_argument("--moe", help="moe: the expert dispatch (moe_implementation)")
     opts = parser.parse_args(argv)
     if opts.stage == "train":
         result = train(opts.size, opts.attention, opts.remat, overrides=opts.overrides)
@@ -334,6 +350,8 @@ def run_worker(argv: list[str]) -> None:
         result = generation(opts.size)
     elif opts.stage == "engine":
         result = engine_decode(opts.size, opts.attention, opts.decode_steps, opts.tokens)
+    elif opts.stage == "moe":
+        result = train(opts.size, opts.attention, opts.remat, moe=opts.moe)
     elif opts.stage == "batch":
         result = largest_batch(opts.size, opts.attention, opts.remat)
     else:

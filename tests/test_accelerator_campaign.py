@@ -98,3 +98,19 @@ def test_profile_stage_traces_the_steady_steps(campaign):
     odd = [(name, count) for name, _, count in trace["kernels"] if count % 2]
     assert not odd, odd
     assert list((out / "trace").rglob("perfetto_trace.json.gz"))
+
+
+def test_moe_stage_trains_the_twin_with_each_dispatch(campaign):
+    report, out = campaign
+    moe = report["moe"]
+    # On CPU the blocked loop and the GPU kernel's own code (interpreted) stand in.
+    assert set(moe) == {"blocks", "interpret"}
+    for impl, result in moe.items():
+        assert "error" not in result, (impl, result)
+        assert result["moe"] == impl and result["window_steps"] == "5-6"
+        assert result["tokens_per_second"] > 0 and 0 < result["mfu"] <= 1
+    # Same weights, same rows, an exact dispatch each: the same loss (bf16 compute).
+    losses = [r["loss"] for r in moe.values()]
+    assert max(losses) - min(losses) < 1e-3 * max(losses)
+    table = (out / "accelerator.md").read_text()
+    assert "moe (interpret):" in table and "the dense step's" in table

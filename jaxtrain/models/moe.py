@@ -45,7 +45,13 @@ from jaxtrain.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
 )
-from jaxtrain.models.moe_dispatch import IMPLEMENTATIONS, expert_mlp, route, router_losses
+from jaxtrain.models.moe_dispatch import (
+    IMPLEMENTATIONS,
+    PALLAS_IMPLEMENTATIONS,
+    expert_mlp,
+    route,
+    router_losses,
+)
 from jaxtrain.models.sharding import constrain, current_rules
 
 Array = jax.Array
@@ -68,7 +74,8 @@ class MoeConfig(LlamaConfig):
     - ``capacity_factor``: None is dropless; c keeps at most ceil(c * tokens * k / E) rows
       per expert and layer (earliest tokens first) and drops the others' expert output.
     - ``moe_implementation``: None (blocks on CPU, ragged_dot elsewhere), "blocks",
-      "ragged_dot" -- all exact.
+      "ragged_dot", "pallas" (GPU/TPU kernels, models/moe_kernels.py), "interpret" and
+      "interpret_tpu" (those kernels' code interpreted, for tests) -- all exact.
     """
 
     SUPPORTED_MODEL_TYPES: ClassVar[tuple[str, ...]] = MOE_MODEL_TYPES
@@ -259,7 +266,9 @@ class SparseMoeBlock(nnx.Module):
         )
         rules = current_rules()
         ep = 1 if rules is None else rules.mesh.shape["ep"]
-        if ep == 1:
+        # A Pallas kernel has no sharding rule (XLA would gather its operands onto every
+        # device): on a mesh it runs per device under shard_map, even without ep.
+        if rules is None or (ep == 1 and self.implementation not in PALLAS_IMPLEMENTATIONS):
             b, t, d = x.shape
             flat = expert_mlp(
                 x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),

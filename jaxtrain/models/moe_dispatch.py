@@ -3,7 +3,7 @@
 Every (token, choice) pair of the top-k routing is a *row*. Rows are sorted by expert, so
 each expert's rows are contiguous, then multiplied by that expert's weights only: no token
 is dropped (unless a ``capacity_factor`` asks for it) and no expert computes rows that are
-not its own. Two exact implementations of the grouped matmul:
+not its own. Exact implementations of the grouped matmul:
 
 - ``"blocks"`` (the default on CPU): each expert's rows are padded to a multiple of a block
   of rows, so every block belongs to one expert; a loop runs only over the blocks in use
@@ -11,6 +11,9 @@ not its own. Two exact implementations of the grouped matmul:
   dense masked product over *all* experts (8x the work at 8 experts), this costs about a
   dense matmul of the active rows.
 - ``"ragged_dot"`` (the default on GPU/TPU): ``jax.lax.ragged_dot`` on the sorted rows.
+- ``"pallas"`` (GPU/TPU): Pallas kernels (``moe_kernels``): ours on the blocks on a GPU,
+  JAX's megablox on the sorted rows on a TPU. ``"interpret"`` and ``"interpret_tpu"`` run
+  the GPU's and the TPU's kernel code in Pallas' interpret mode on any platform (tests).
 
 ``dense_reference`` runs every expert on every token and weights the outputs: the
 definition the dispatch is tested against.
@@ -18,21 +21,43 @@ definition the dispatch is tested against.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.errors import ArgumentError
 from jaxtrain.models.blocks import gated
+from jaxtrain.models.moe_kernels import gpu_grouped_matmul, tpu_ragged_matmul
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("blocks", "ragged_dot")
+PALLAS_IMPLEMENTATIONS = ("pallas", "interpret", "interpret_tpu")
+IMPLEMENTATIONS = ("blocks", "ragged_dot", *PALLAS_IMPLEMENTATIONS)
 
 
 def default_implementation() -> str:
     return "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+def platform_kernel(implementation: str) -> str:
+    """Which layout and kernel an implementation runs here: "blocks", "ragged_dot",
+    "gpu" or "gpu_interpret" (blocked layout), "tpu" or "tpu_interpret" (ragged layout)."""
+    if implementation == "interpret":
+        return "gpu_interpret"
+    if implementation == "interpret_tpu":
+        return "tpu_interpret"
+    if implementation != "pallas":
+        return implementation
+    platform = jax.default_backend()
+    if platform not in ("gpu", "tpu"):
+        raise ArgumentError(
+            f"moe_implementation='pallas' runs Pallas kernels on a GPU or TPU, not on "
+            f"{platform}; use 'blocks' there (or 'interpret' to run the kernel's code slowly)."
+        )
+    return platform
 
 
 def route(
@@ -159,6 +184,7 @@ def expert_mlp(
     implementation = implementation or default_implementation()
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"moe implementation={implementation!r} is not one of {IMPLEMENTATIONS}.")
+    kernel = platform_kernel(implementation)
     rows = n * k
     # Local experts first (0..L-1), in expert order, then the rows of other devices' experts.
     key = (experts.reshape(-1) - first_expert) % total
@@ -180,18 +206,28 @@ def expert_mlp(
     dn = down.astype(x.dtype)
     xs = x[token]  # [R, D]
 
-    if implementation == "ragged_dot":
+    if kernel in ("ragged_dot", "tpu", "tpu_interpret"):
         # Rows of other experts (and capacity drops) are zeroed, then all kept rows of
         # expert e sit first in its group: group sizes are the kept counts, the rest
         # of each group becomes the tail no group covers.
         pos = jnp.where(keep, (jnp.cumsum(kept) - kept)[e] + rank, rows)
         packed = jnp.zeros((rows, d), x.dtype).at[pos].set(xs, mode="drop")
-        h = jax.lax.ragged_dot(packed, gu, kept)
+        if kernel == "ragged_dot":
+            ragged = jax.lax.ragged_dot
+        else:
+            interpret = kernel == "tpu_interpret"
+            ragged = functools.partial(tpu_ragged_matmul, interpret=interpret)
+        h = ragged(packed, gu, kept)
         h = gated(activation, h[:, :f], h[:, f:])
-        y_packed = jax.lax.ragged_dot(h, dn, kept)
+        y_packed = ragged(h, dn, kept)
         ys = jnp.take(y_packed, pos, axis=0, mode="fill", fill_value=0)
     else:
         block = _block_size(rows, total)
+        if kernel == "blocks":
+            matmul = grouped_matmul
+        else:  # Triton's dot takes blocks of at least 16 rows
+            block = max(block, 16)
+            matmul = functools.partial(gpu_grouped_matmul, interpret=kernel == "gpu_interpret")
         padded = -(-kept // block) * block
         if cap is not None:
             num_blocks = local * -(-cap // block)
@@ -204,9 +240,9 @@ def expert_mlp(
         block_expert = jnp.searchsorted(ends, jnp.arange(num_blocks) * block, side="right")
         block_expert = jnp.minimum(block_expert, local - 1).astype(jnp.int32)
         used = (ends[-1] // block).astype(jnp.int32)
-        h = grouped_matmul(blocks.reshape(num_blocks, block, d), gu, block_expert, used)
+        h = matmul(blocks.reshape(num_blocks, block, d), gu, block_expert, used)
         h = gated(activation, h[..., :f], h[..., f:])
-        y_blocks = grouped_matmul(h, dn, block_expert, used).reshape(num_blocks * block, d)
+        y_blocks = matmul(h, dn, block_expert, used).reshape(num_blocks * block, d)
         ys = jnp.take(y_blocks, dest, axis=0, mode="fill", fill_value=0)
 
     w = weights.reshape(-1)[order].astype(x.dtype)

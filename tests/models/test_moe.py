@@ -34,7 +34,8 @@ def routed():
     return x, experts, weights, gate_up, down, logits
 
 
-@pytest.mark.parametrize("implementation", ["blocks", "ragged_dot"])
+# "interpret" and "interpret_tpu": the GPU's and the TPU's Pallas kernels, their own code.
+@pytest.mark.parametrize("implementation", ["blocks", "ragged_dot", "interpret", "interpret_tpu"])
 def test_dropless_dispatch_equals_every_expert_on_every_token(routed, implementation):
     x, experts, weights, gate_up, down, _ = routed
     assert int((experts == 5).sum()) == 0  # an expert without rows is handled
@@ -85,7 +86,7 @@ def test_capacity_drops_the_latest_rows_of_an_overfull_expert(routed):
             seen[e] += 1
     assert (kept == 0).any() and (kept != 0).any()
     expected = dense_reference(x, experts, jnp.asarray(kept), gate_up, down)
-    for implementation in ("blocks", "ragged_dot"):
+    for implementation in ("blocks", "ragged_dot", "interpret", "interpret_tpu"):
         got = expert_mlp(x, experts, weights, gate_up, down, capacity_factor=factor,
                          implementation=implementation)  # fmt: skip
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

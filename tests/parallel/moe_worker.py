@@ -9,6 +9,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -29,6 +30,9 @@ MOE_MESHES = {
     "dp4_ep2": (4, 1, 2, 1, 1),
     "fsdp2_ep4": (1, 2, 4, 1, 1),
     "dp2_ep2_tp2": (2, 1, 2, 2, 1),
+    # The GPU's Pallas kernels (interpreted): per device under shard_map, with and without ep.
+    "dp2_fsdp2_kernel": (2, 2, 1, 1, 1),
+    "dp2_ep2_kernel": (2, 1, 2, 1, 1),
 }
 CONFIG = MoeConfig(
     vocab_size=64,
@@ -63,6 +67,8 @@ def main(out_dir: str) -> None:
     dataset = token_dataset()
     finals = {}
     for name, dims in MOE_MESHES.items():
+        kernel = "interpret" if name.endswith("_kernel") else None
+        config = dataclasses.replace(CONFIG, moe_implementation=kernel)
         recorder = LogRecorder()
         trainer = Trainer(
             arguments=parallel_arguments(
@@ -72,7 +78,7 @@ def main(out_dir: str) -> None:
                 learning_rate=0.5,
                 max_steps=2,
             ),
-            model=ModelFactory(lambda: MoeForCausalLM(CONFIG, rngs=nnx.Rngs(0))),
+            model=ModelFactory(lambda config=config: MoeForCausalLM(config, rngs=nnx.Rngs(0))),
             dataset_train=dataset,
             callbacks=[recorder],
             devices=jax.devices()[: int(np.prod(dims))],
