@@ -13,8 +13,10 @@ A pattern that repeats with a period (Gemma's sliding/full alternation, a MoE mo
 and sparse layers) scans over groups of one period, the layers past the last whole group
 run after it one by one; layers that repeat no pattern run one by one, as without scan.
 
-A quantized base is stacked as its codes and scales: each layer dequantizes its own kernels
-inside the scan step, so the step never holds every layer's float kernels at once.
+A quantized base is not stacked: its integer codes (leaves of an integer dtype, which no
+gradient reaches) are read by each scan step from the layer it runs, through a switch on the
+step's index, so neither a stacked copy of the base's codes nor every layer's float kernels
+exist at once; each layer dequantizes its own kernels inside its step.
 """
 
 from __future__ import annotations
@@ -132,16 +134,21 @@ def _period(splits: Sequence[_Split]) -> int | None:
 
 
 def _pure_step(
-    split: _Split, step: LayerStep, remat_policy: str, prevent_cse: bool
+    split: _Split,
+    step: LayerStep,
+    remat_policy: str,
+    prevent_cse: bool,
+    state_of: Callable[[Any], Any] = lambda state: state,
 ) -> Callable[..., tuple[Array, Any]]:
     """step as a pure function of (state, arrays, x, inputs), rematerialised by the policy.
     The state is an explicit argument of jax.checkpoint (not nnx.remat): under jax.grad
     nnx.remat refuses to write back a layer's non-Param variables (LoRA's frozen base, a
-    quantized base, a frozen reference; Flax 0.12)."""
+    quantized base, a frozen reference; Flax 0.12). `state_of` makes the layer's state of
+    what the scan hands the step (inside the checkpoint, so remat recomputes it)."""
     graphdef, where = split.graphdef, split.where
 
     def pure(state: Any, arrays: Sequence[Array], x: Array, inputs: Any) -> tuple[Array, Any]:
-        layer = nnx.merge(graphdef, state)
+        layer = nnx.merge(graphdef, state_of(state))
         _set_arrays(layer, where, arrays)
         return step(layer, x, inputs)
 
@@ -153,6 +160,31 @@ def _pure_step(
 
 def _stack(trees: Sequence[Any]) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+class _Position:
+    """The layers at one position of the scanned groups (layers j, j + p, j + 2p, ...): the
+    float leaves of their states stacked for the scan; the integer leaves left per layer,
+    picked by the step's group index (``state_of``) instead of copied into a stack."""
+
+    def __init__(self, splits: Sequence[_Split]):
+        flat = [jax.tree.flatten(s.state) for s in splits]
+        leaves, self.treedef = [f[0] for f in flat], flat[0][1]
+        self.integer = [jnp.issubdtype(jnp.result_type(x), jnp.integer) for x in leaves[0]]
+        self.per_layer = [[x for x, i in zip(ls, self.integer) if i] for ls in leaves]
+        floats = [[x for x, i in zip(ls, self.integer) if not i] for ls in leaves]
+        self.stacked = _stack(floats)
+
+    def state_of(self, scanned: tuple[list[Array], Array]) -> Any:
+        """A layer's state from its scan slice: (its float leaves, its group index)."""
+        floats, group = scanned
+        ints = ()
+        if self.per_layer[0]:
+            branches = [lambda layer=layer: tuple(layer) for layer in self.per_layer]
+            ints = jax.lax.switch(group, branches)
+        it_float, it_int = iter(floats), iter(ints)
+        leaves = [next(it_int) if i else next(it_float) for i in self.integer]
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 def run_layers(
@@ -182,24 +214,30 @@ def run_layers(
     groups = n // period
     # prevent_cse=False inside scan: the loop already keeps XLA from merging the recompute
     # into the forward pass (jax.checkpoint's documentation), and CSE barriers cost speed.
-    fns = [_pure_step(splits[j], step, remat_policy, False) for j in range(period)]
-    # xs[j]: the states (and array attributes) of layers j, j + p, j + 2p, ... stacked.
+    members = [range(j, groups * period, period) for j in range(period)]
+    positions = [_Position([splits[i] for i in m]) for m in members]
+    fns = [
+        _pure_step(splits[j], step, remat_policy, False, positions[j].state_of)
+        for j in range(period)
+    ]
+    # xs[j]: the float states (and array attributes) of layers j, j + p, j + 2p, ... stacked.
     # The per-layer inputs ride along in xs; the shared ones are closed over.
     shared = layer_inputs is None
     xs = tuple(
-        _stack([(s.state, s.arrays, None if shared else layer_inputs[i])
-                for i, s in enumerate(splits) if i < groups * period and i % period == j])
-        for j in range(period)
+        (position.stacked,
+         _stack([(splits[i].arrays, None if shared else layer_inputs[i]) for i in m]))
+        for position, m in zip(positions, members)
     )  # fmt: skip
 
-    def body(x: Array, group: tuple[Any, ...]) -> tuple[Array, tuple[Any, ...]]:
+    def body(x: Array, scanned: tuple[Array, tuple[Any, ...]]) -> tuple[Array, tuple[Any, ...]]:
+        index, group = scanned
         auxes = []
-        for fn, (state, arrays, own) in zip(fns, group):
-            x, aux = fn(state, arrays, x, inputs if shared else (inputs, own))
+        for fn, (floats, (arrays, own)) in zip(fns, group):
+            x, aux = fn((floats, index), arrays, x, inputs if shared else (inputs, own))
             auxes.append(aux)
         return x, tuple(auxes)
 
-    x, stacked = jax.lax.scan(body, x, xs)
+    x, stacked = jax.lax.scan(body, x, (jnp.arange(groups), xs))
     # Layer i's aux is row i // p of what position i % p of the group returned.
     aux = [
         jax.tree.map(lambda a, row=i // period: a[row], stacked[i % period])

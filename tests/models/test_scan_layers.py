@@ -242,8 +242,8 @@ def _scan_operands(jaxpr) -> list:
 
 
 def test_a_quantized_base_is_dequantized_one_layer_at_a_time():
-    """The scan's stacked inputs are the codes and scales, never the float kernels: each
-    layer's kernels are dequantized inside the scan step."""
+    """The scan reads each layer's codes where they are (no stacked copy of the base) and
+    never stacks the float kernels: each layer's kernels are dequantized inside its step."""
     model = qlora_llama()
     model.scan_layers = True
     kernels = [m for _, m in nnx.iter_modules(model.model.layers[0])
@@ -251,11 +251,14 @@ def test_a_quantized_base_is_dequantized_one_layer_at_a_time():
     assert kernels
     n = model.config.num_hidden_layers
     jaxpr = jax.make_jaxpr(lambda m, x: m(x))(model, ids()).jaxpr
-    operands = _scan_operands(jaxpr)
-    stacked = {(a.shape, jnp.dtype(a.dtype)) for a in operands if a.shape[:1] == (n,)}
-    assert (tuple((n, *kernels[0].codes.shape)), jnp.dtype(jnp.uint8)) in stacked
+    operands = [(a.shape, jnp.dtype(a.dtype)) for a in _scan_operands(jaxpr)]
+    codes = (kernels[0].codes.shape, jnp.dtype(jnp.uint8))
+    assert operands.count(codes) == n * sum(k.codes.shape == codes[0] for k in kernels)
+    assert not [o for o in operands if o[1] == jnp.uint8 and o[0][:1] == (n,)]
+    stacked = {shape for shape, _ in operands if shape[:1] == (n,)}
     for kernel in kernels:
-        assert not [s for s, d in stacked if s == (n, *kernel.shape)], kernel.shape
+        assert (n, *kernel.scales.shape) in stacked  # the float scales are scanned
+        assert (n, *kernel.shape) not in stacked, kernel.shape
 
 
 def test_packed_rows_scan_like_the_loop():
