@@ -67,15 +67,15 @@ class TrainingLoop:
 
     def __init__(self, trainer: RunParts):
         self.trainer = trainer
-        self.args = LoopSettings.from_arguments(trainer.arguments)
+        self.settings = LoopSettings.from_arguments(trainer.arguments)
         self.program, self.source = trainer.program, trainer.train_source
-        self.total_steps = self.args.total_steps(self.source.steps_per_epoch)
-        self.deadline = Deadline(time_limit_seconds(self.args.training_time_limit))
+        self.total_steps = self.settings.total_steps(self.source.steps_per_epoch)
+        self.deadline = Deadline(time_limit_seconds(self.settings.training_time_limit))
         self.last_logs: dict[str, float] = {}
         self.eval_metrics: dict[str, float] = {}
         self.checkpoint_path: str | None = None
         self.stop_reason = "completed"
-        self.guard = NonFiniteGuard(self.args.on_nan, self.args.max_nan_skips)
+        self.guard = NonFiniteGuard(self.settings.on_nan, self.settings.max_nan_skips)
         self.pending = None  # a closed logging window whose device metrics are read one step late
         self.hooks = trainer.hooks  # who hears about the run, fixed for its duration
         self.train_step = None  # compiled while the state is built; this run owns it
@@ -85,17 +85,17 @@ class TrainingLoop:
 
     def run(self) -> TrainerOutput:
         # Held from the plan to the last commit: a second run into this directory is refused.
-        with hold_output_dir(self.args.output_dir, take=self.trainer.runtime.is_main_process):
+        with hold_output_dir(self.settings.output_dir, take=self.trainer.runtime.is_main_process):
             return self._run()
 
     def _run(self) -> TrainerOutput:
-        trainer, args, checkpoints = self.trainer, self.args, self.trainer.checkpoints
+        trainer, settings, checkpoints = self.trainer, self.settings, self.trainer.checkpoints
         # Named in the line of a lost peer process (multi-host).
         note_checkpoints(checkpoints.root, committed_steps)
         plan = checkpoints.plan_start()  # a resume that cannot happen fails here, before any work
         self.profiler = StepProfiler(
-            args.profile_steps,
-            args.output_dir,
+            settings.profile_steps,
+            settings.output_dir,
             trainer.runtime.process_index,
             announce=self._profile_written,
         )
@@ -103,10 +103,10 @@ class TrainingLoop:
         if trainer.runtime.is_main_process:
             checkpoints.write_run_files()
         # Written by process 0 only; a resumed run continues its trackers' runs.
-        self.log = trainer.monitor.open(args.output_dir, plan.step, plan.tracker_state)
+        self.log = trainer.monitor.open(settings.output_dir, plan.step, plan.tracker_state)
         primary = trainer.runtime.is_main_process
         self.progress = make_progress(
-            args.progress_bar, self.total_steps, plan.step, primary=primary
+            settings.progress_bar, self.total_steps, plan.step, primary=primary
         )
         self.latest_state = None  # the newest live state, for the model object on a failure
         self.step = plan.step  # steps done: what the progress watch of a multi-host run reads
@@ -128,7 +128,7 @@ class TrainingLoop:
                     err,
                     self.read_step,
                     self.step_memory,
-                    args.output_dir,
+                    settings.output_dir,
                     trainer.runtime.process_index,
                 ) from err
             raise
@@ -182,11 +182,11 @@ class TrainingLoop:
     def _announce(self, start: RunStart) -> None:
         """The run's first lines, once its state exists (a refused resume prints only its
         error)."""
-        trainer, args, program = self.trainer, self.args, self.program
+        trainer, settings, program = self.trainer, self.settings, self.program
         per_step = (
-            f"{args.total_batch_size} examples"
+            f"{settings.total_batch_size} examples"
             if program.objective.batch_unit == "examples"
-            else f"{args.total_batch_size} x {args.max_sequence_length} tokens"
+            else f"{settings.total_batch_size} x {settings.max_sequence_length} tokens"
         )
         mesh = program.mesh
         self.progress.write(
@@ -225,7 +225,7 @@ class TrainingLoop:
         resumed = start.resumed_from is not None
         saving = SaveHook(
             self.trainer.checkpoints.save,
-            self.args.save_steps,
+            self.settings.save_steps,
             self.stop,
             evaluation,
             saved_step=step if resumed else -1,
@@ -233,7 +233,7 @@ class TrainingLoop:
         return evaluation, saving
 
     def _steps(self, state, step: int, signals: StopSignals, start: RunStart):
-        trainer, args, total_steps = self.trainer, self.args, self.total_steps
+        trainer, settings, total_steps = self.trainer, self.settings, self.total_steps
         evaluation, saving = self._run_hooks(step, start)
         run_hooks = HookSet([evaluation, saving])
         window = trainer.monitor.window()
@@ -279,7 +279,7 @@ class TrainingLoop:
             if self.stop.reason is not None:
                 self.stop_reason = self.stop.reason
             last = step == total_steps or self.stop.reason is not None or trainer.should_stop
-            if step % args.logging_steps == 0 or last:
+            if step % settings.logging_steps == 0 or last:
                 self.pending = window.close(step, epoch=self.source.epoch(step))
             # The trace stops once this step is done and its window closed: the window is
             # read (one step late) with the step's time in it, the writing of the trace not.
@@ -300,7 +300,7 @@ class TrainingLoop:
         self.guard.flush()
         finished = self.stop_reason in ("completed", "callback", "data_exhausted")
         evaluation.finish(state, step, finished=finished)
-        saving.finish(state, step, finished=finished, save_final=args.save_final)
+        saving.finish(state, step, finished=finished, save_final=settings.save_final)
         self.checkpoint_path = saving.checkpoint_path or self.checkpoint_path
         return state, step
 
@@ -312,7 +312,7 @@ class TrainingLoop:
             raise TrainingInterrupted(signal_name, step, self.checkpoint_path)
         if self.stop_reason == "time_limit" and trainer.runtime.is_main_process:
             print(
-                f"jaxtrain: training_time_limit={self.args.training_time_limit} reached at "
+                f"jaxtrain: training_time_limit={self.settings.training_time_limit} reached at "
                 f"step {step}; saved {self.checkpoint_path}. Run the same command again to "
                 "continue."
             )
@@ -351,7 +351,7 @@ class TrainingLoop:
         self.stop.reason, self.stop.interval_save_due = None, False
         if jax.process_count() > 1 and step % MULTI_HOST_POLL_STEPS:
             return
-        interval = self.args.save_interval_minutes
+        interval = self.settings.save_interval_minutes
         interval_due = interval is not None and time.monotonic() - last_save_time >= interval * 60
         signal_seen, expired, interval_due = any_process(
             [signals.received is not None, self.deadline.expired(), interval_due]
@@ -384,14 +384,14 @@ class TrainingLoop:
             self.progress.write(profile_line(record))
 
     def _wants_eval(self) -> bool:
-        return self.trainer.evaluates and self.args.evaluation_strategy != "no"
+        return self.trainer.evaluates and self.settings.evaluation_strategy != "no"
 
     def _eval_steps(self) -> int | None:
         """Steps between evaluations: eval_steps, one epoch, or None (no evaluation)."""
         if not self._wants_eval():
             return None
-        if self.args.evaluation_strategy == "steps":
-            return self.args.eval_steps
+        if self.settings.evaluation_strategy == "steps":
+            return self.settings.eval_steps
         return self.source.steps_per_epoch  # "epoch"
 
     def _evaluate(self, state, step: int) -> None:
