@@ -20,8 +20,8 @@ fits, so a session lent a device for minutes gets the most important figures fir
   category (bench/trace_summary.py); the trace stays in DIR/trace.
 - engine: the serving engine (paged KV pool, greedy, bf16) on generate's prompts, its pages
   read by the gather path and (GPU or TPU) by JAX's Pallas paged-attention kernel, and with 8
-  decode steps per call: new tokens/s of a timed call, and how many tokens the two kernels
-  agree on.
+  decode steps per call: new tokens/s of a timed call, how many tokens the two kernels
+  agree on, and the first token's latency alone and with 8 prompts submitted together.
 - generate: `jaxtrain.models.generate` (KV cache, greedy) from bf16 parameters: new tokens/s of
   the second call (the first compiles).
 - plan: `jaxtrain plan --devices 1` of the first variant's run, its predicted step time and
@@ -215,6 +215,12 @@ def markdown(report: dict) -> list[str]:
         rows.append(f"\ngeneration: {decoded(report['generate'])}")
     for name, r in (report.get("engine") or {}).items():
         rows.append(f"engine ({name}): {decoded(r)}")
+        if "first_token_ratio" in r:
+            rows.append(
+                f"engine ({name}) first token: {r['first_token_lone_s'] * 1000:.1f} ms alone, "
+                f"{r['first_token_together_s'] * 1000:.1f} ms (median) with {r['clients']} "
+                f"prompts submitted together: {r['first_token_ratio']:.2f}x"
+            )
     agree = report.get("engine_agreement") or {}
     if "rows" in agree:
         rows.append(

@@ -287,13 +287,54 @@ def generation(size: str) -> dict:
     }
 
 
+def first_tokens(engine, prompts: np.ndarray) -> list[float]:
+    """Seconds from submitting `prompts` together to each one's first token (4 tokens each)."""
+    from jaxtrain.serving import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first: dict[int, float] = {}
+    start = time.perf_counter()
+
+    def on_token(request_id, index, token, logprob, top) -> None:
+        first.setdefault(request_id, time.perf_counter() - start)
+
+    ids = [engine.submit(list(p), params, on_token=on_token) for p in prompts]
+    while not engine.idle:
+        engine.step()
+    return [first[i] for i in ids]
+
+
+def first_token_latency(engine, size: str) -> dict:
+    """Issue 45's first-token goal at the engine: a lone prompt's first token against the
+    median of 8 prompts submitted together (new prompts each time: no prefix cache), after
+    one untimed round of each (their shapes compiled)."""
+    clients = min(8, RUNS[size]["gen_batch"])
+    before = sum(len(v) for v in engine.steps.compiles.values())
+    rounds = {}
+    for name, seed in (("warm", 3), ("timed", 5)):
+        lone = first_tokens(engine, decoding_prompts(size, seed)[:1])[0]
+        together = first_tokens(engine, decoding_prompts(size, seed + 1)[:clients])
+        rounds[name] = (lone, float(np.median(together)))
+        if name == "warm":
+            before = sum(len(v) for v in engine.steps.compiles.values())
+    lone, together = rounds["timed"]
+    return {
+        "clients": clients,
+        "first_token_lone_s": lone,
+        "first_token_together_s": together,
+        "first_token_ratio": together / lone,
+        "shapes_compiled_while_timed": sum(len(v) for v in engine.steps.compiles.values()) - before,
+    }
+
+
 def engine_decode(size: str, attention: str, decode_steps: int, tokens_path: Path) -> dict:
     """New tokens per second of the serving engine (paged KV pool, greedy, bf16 parameters),
     its pages read by `attention` ("gather" or "pallas"), `decode_steps` tokens per decode
     call. The first call compiles; the timed second call has prompts of its own (the same
     prompts would hit the prefix cache and prefill a shape the first call did not compile),
     and the shapes it compiled are counted. Its tokens and log-probs are saved to
-    `tokens_path` (.npz) for the parent to compare."""
+    `tokens_path` (.npz) for the parent to compare. Then the first token's latency, alone
+    and with 8 prompts submitted together (first_token_latency)."""
     from jaxtrain.serving import Engine, SamplingParams
 
     run = RUNS[size]
@@ -327,6 +368,7 @@ def engine_decode(size: str, attention: str, decode_steps: int, tokens_path: Pat
         "shapes_compiled_in_second_call": shapes[1] - shapes[0],
         "new_tokens_per_second": tokens.size / times[1],
         "tokens": str(tokens_path),
+        **first_token_latency(engine, size),
     }
 
 

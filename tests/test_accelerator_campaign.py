@@ -64,6 +64,9 @@ def test_generation_engine_and_batch_stages(campaign):
         assert engine["new_tokens_per_row"] == 8 and engine["new_tokens_per_second"] > 0
         # New prompts of known lengths: the timed call compiles nothing.
         assert engine["shapes_compiled_in_second_call"] == 0
+        # The first token alone and with the tiny run's 2 prompts together, warm.
+        assert engine["clients"] == 2 and engine["shapes_compiled_while_timed"] == 0
+        assert 0 < engine["first_token_lone_s"] and engine["first_token_ratio"] > 0
     # Eight steps a call decode the tokens of single steps.
     one, eight = (np.load(out / f"engine-{name}.npz") for name in ("gather", "steps8"))
     np.testing.assert_array_equal(one["tokens"], eight["tokens"])
