@@ -35,6 +35,9 @@ fits, so a session lent a device for minutes gets the most important figures fir
   model's active MLP) trained as train/<first variant> is, once per expert dispatch:
   `jax.lax.ragged_dot` and the Pallas kernels (models/moe_kernels.py): tokens/s, MFU against
   the dense step's, and the losses side by side.
+- grpo: GRPO (full fine-tuning, bf16 compute, the engine sampling, random prompts and a
+  word-level tokenizer: nothing to download) synchronous and with max_staleness 1: seconds per
+  step over the steady steps, their ratio (issue 47's figure), the weight handoff.
 
 Writes DIR/accelerator.json and prints a Markdown table for bench/RESULTS.md.
 """
@@ -73,7 +76,9 @@ TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict]] = {
 }
 DEFAULT_VARIANTS = "cudnn,fp8,bf16_moments,scan"
 GPU_ONLY = ("cudnn", "cudnn_cublas")
-STAGES = ("train", "profile", "engine", "generate", "plan", "batch", "moe")
+STAGES = ("train", "profile", "engine", "generate", "plan", "batch", "moe", "grpo")
+# The grpo stage: GRPO on the size's random model, synchronous and a round ahead.
+GRPO_VARIANTS = {"sync": 0, "async": 1}
 # The moe stage: the size's MoE twin (8 experts, top-2, the dense MLP's active width) trained
 # with each expert dispatch; on a CPU (the tiny dry run) the blocked loop and the GPU kernel's
 # code interpreted stand in for ragged_dot and the kernel.
@@ -86,7 +91,7 @@ ENGINE_ATTENTION = ("gather", "pallas")  # the two engine_agreement compares
 # Seconds a stage needs at the least (start, imports, compile); a stage is skipped when less
 # of the budget is left. Tiny runs have no minimum.
 MIN_STAGE_S = {"train": 60, "generate": 40, "engine": 40, "batch": 100, "profile": 60, "plan": 40,
-               "moe": 90}  # fmt: skip
+               "moe": 90, "grpo": 120}  # fmt: skip
 
 
 def plan_command(
@@ -245,7 +250,7 @@ def markdown(report: dict) -> list[str]:
                 else ""
             )
         )
-    rows += moe_rows(report)
+    rows += moe_rows(report) + grpo_rows(report)
     profile = (report.get("profile") or {}).get("trace")
     if profile:
         from trace_summary import lines
@@ -283,6 +288,25 @@ def moe_rows(report: dict) -> list[str]:
         if reference is not None and r is not reference:
             line += f"; {r['tokens_per_second'] / reference['tokens_per_second']:.2f}x its tokens/s"
         rows.append(line)
+    return rows
+
+
+def grpo_rows(report: dict) -> list[str]:
+    """Seconds per GRPO step, synchronous and a round ahead, and their ratio."""
+    grpo = report.get("grpo") or {}
+    rows = []
+    for name, r in grpo.items():
+        if "error" in r:
+            rows.append(f"grpo ({name}): {r['error'][:200]}")
+            continue
+        rows.append(
+            f"grpo ({name}, max_staleness {r['max_staleness']}): {r['step_s']:.3f} s/step over "
+            f"steps {r['steady_steps']} ({r['batch']} completions of <= {r['new']} tokens, "
+            f"{r['group']} per prompt)"
+            + ("" if r["weight_handoff_s"] is None else f", handoff {r['weight_handoff_s']:.4f} s")
+        )
+    if all("step_s" in grpo.get(k, {}) for k in ("sync", "async")):
+        rows.append(f"grpo async / sync: {grpo['async']['step_s'] / grpo['sync']['step_s']:.2f}x")
     return rows
 
 
@@ -394,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
             args = [*first_args, "--moe", impl]
             report["moe"][impl] = stage("moe", args, f"moe-{impl}.log", first_env)
             record(f"moe/{impl}", report["moe"][impl])
+    if "grpo" in stages:
+        report["grpo"] = {}
+        for name, staleness in GRPO_VARIANTS.items():
+            args = ["--max-staleness", str(staleness)]
+            report["grpo"][name] = stage("grpo", args, f"grpo-{name}.log")
+            record(f"grpo/{name}", report["grpo"][name])
     table = markdown(report)
     (out / "accelerator.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))

@@ -66,7 +66,7 @@ def test_generation_engine_and_batch_stages(campaign):
         assert engine["shapes_compiled_in_second_call"] == 0
         # The first token alone and with the tiny run's 2 prompts together, warm.
         assert engine["clients"] == 2 and engine["shapes_compiled_while_timed"] == 0
-        assert 0 < engine["first_token_lone_s"] and engine["first_token_ratio"] > 0
+        assert engine["first_token_lone_s"] > 0 and engine["first_token_ratio"] > 0
     # Eight steps a call decode the tokens of single steps.
     one, eight = (np.load(out / f"engine-{name}.npz") for name in ("gather", "steps8"))
     np.testing.assert_array_equal(one["tokens"], eight["tokens"])
@@ -117,3 +117,15 @@ def test_moe_stage_trains_the_twin_with_each_dispatch(campaign):
     assert max(losses) - min(losses) < 1e-3 * max(losses)
     table = (out / "accelerator.md").read_text()
     assert "moe (interpret):" in table and "the dense step's" in table
+
+
+def test_grpo_stage_times_sync_and_async_steps(campaign):
+    report, out = campaign
+    grpo = report["grpo"]
+    assert set(grpo) == {"sync", "async"}
+    for name, result in grpo.items():
+        assert "error" not in result, (name, result)
+        assert result["step_s"] > 0 and result["steady_steps"] == "3-4"
+    assert grpo["sync"]["weight_handoff_s"] is None  # nothing is handed to a round ahead
+    assert grpo["async"]["max_staleness"] == 1 and grpo["async"]["weight_handoff_s"] > 0
+    assert "grpo async / sync:" in (out / "accelerator.md").read_text()
