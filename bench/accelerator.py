@@ -35,6 +35,8 @@ fits, so a session lent a device for minutes gets the most important figures fir
   model's active MLP) trained as train/<first variant> is, once per expert dispatch:
   `jax.lax.ragged_dot` and the Pallas kernels (models/moe_kernels.py): tokens/s, MFU against
   the dense step's, and the losses side by side.
+- gmm: one grouped matmul of the MoE twin's layer (bf16, uneven groups) by `ragged_dot`, by
+  our Pallas kernel and (Hopper) by JAX's Mosaic-GPU example kernel: ms and TFLOP/s each.
 - grpo: GRPO (full fine-tuning, bf16 compute, the engine sampling, random prompts and a
   word-level tokenizer: nothing to download) synchronous and with max_staleness 1: seconds per
   step over the steady steps, their ratio (issue 47's figure), the weight handoff.
@@ -76,7 +78,7 @@ TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict]] = {
 }
 DEFAULT_VARIANTS = "cudnn,fp8,bf16_moments,scan"
 GPU_ONLY = ("cudnn", "cudnn_cublas")
-STAGES = ("train", "profile", "engine", "generate", "plan", "batch", "moe", "grpo")
+STAGES = ("train", "profile", "engine", "generate", "plan", "batch", "moe", "gmm", "grpo")
 # The grpo stage: GRPO on the size's random model, synchronous and a round ahead.
 GRPO_VARIANTS = {"sync": 0, "async": 1}
 # The moe stage: the size's MoE twin (8 experts, top-2, the dense MLP's active width) trained
@@ -91,7 +93,7 @@ ENGINE_ATTENTION = ("gather", "pallas")  # the two engine_agreement compares
 # Seconds a stage needs at the least (start, imports, compile); a stage is skipped when less
 # of the budget is left. Tiny runs have no minimum.
 MIN_STAGE_S = {"train": 60, "generate": 40, "engine": 40, "batch": 100, "profile": 60, "plan": 40,
-               "moe": 90, "grpo": 120}  # fmt: skip
+               "moe": 90, "gmm": 40, "grpo": 120}  # fmt: skip
 
 
 def plan_command(
@@ -250,7 +252,7 @@ def markdown(report: dict) -> list[str]:
                 else ""
             )
         )
-    rows += moe_rows(report) + grpo_rows(report)
+    rows += moe_rows(report) + gmm_rows(report) + grpo_rows(report)
     profile = (report.get("profile") or {}).get("trace")
     if profile:
         from trace_summary import lines
@@ -288,6 +290,24 @@ def moe_rows(report: dict) -> list[str]:
         if reference is not None and r is not reference:
             line += f"; {r['tokens_per_second'] / reference['tokens_per_second']:.2f}x its tokens/s"
         rows.append(line)
+    return rows
+
+
+def gmm_rows(report: dict) -> list[str]:
+    """One grouped matmul by each kernel: ms, TFLOP/s, distance from ragged_dot's output."""
+    gmm = report.get("gmm") or {}
+    if "error" in gmm:
+        return [f"gmm: {gmm['error'][:200]}"]
+    rows = []
+    for name, r in (gmm.get("kernels") or {}).items():
+        head = f"gmm {gmm['rows']} x {gmm['k']} x {gmm['n']}, {gmm['experts']} groups ({name})"
+        if "error" in r:
+            rows.append(f"{head}: {r['error'][:200]}")
+            continue
+        rows.append(
+            f"{head}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s, at most "
+            f"{r['max_abs_diff_from_ragged_dot']:.3g} from ragged_dot's output"
+        )
     return rows
 
 
@@ -418,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             args = [*first_args, "--moe", impl]
             report["moe"][impl] = stage("moe", args, f"moe-{impl}.log", first_env)
             record(f"moe/{impl}", report["moe"][impl])
+    if "gmm" in stages:
+        report["gmm"] = stage("gmm", [], "gmm.log")
+        record("gmm", report["gmm"])
     if "grpo" in stages:
         report["grpo"] = {}
         for name, staleness in GRPO_VARIANTS.items():

@@ -117,6 +117,11 @@ def test_moe_stage_trains_the_twin_with_each_dispatch(campaign):
     assert max(losses) - min(losses) < 1e-3 * max(losses)
     table = (out / "accelerator.md").read_text()
     assert "moe (interpret):" in table and "the dense step's" in table
+    # One grouped matmul: the kernel's code (interpreted) gives ragged_dot's numbers.
+    kernels = report["gmm"]["kernels"]
+    assert set(kernels) == {"ragged_dot", "pallas"}  # JAX's Mosaic-GPU kernel: Hopper only
+    assert kernels["pallas"]["max_abs_diff_from_ragged_dot"] < 0.05  # bf16, 32-long sums
+    assert all(k["ms"] > 0 for k in kernels.values()) and "(pallas):" in table
 
 
 def test_grpo_stage_times_sync_and_async_steps(campaign):
