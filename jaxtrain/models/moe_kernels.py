@@ -6,7 +6,9 @@
   gradient (the same kernel reading ``w[e]`` transposed) and the weight gradient (per expert,
   a loop over that expert's blocks only). Blocks past ``used`` cost nothing. Dimensions of any
   size: tiles are powers of two of at least 16 (Triton's dot needs them), edges are masked.
-  ``interpret=True`` runs the kernels' own code on any platform (the tests, on CPU).
+  ``interpret=True`` runs the kernels' own code on any platform (the tests, on CPU). JAX
+  0.11 deprecates Pallas' Triton backend for Mosaic GPU, whose Hopper-only ragged dot has no
+  interpret mode a CPU test can use; the campaign's gmm stage measures the two side by side.
 - TPU: JAX's megablox ``gmm`` (its custom VJP holds ``tgmm`` for the weight gradient) on the
   *ragged* layout that ``jax.lax.ragged_dot`` takes: no reason to write what JAX ships tuned
   for the TPU's MXU.
