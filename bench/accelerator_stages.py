@@ -309,21 +309,24 @@ def first_token_latency(engine, size: str) -> dict:
     median of 8 prompts submitted together (new prompts each time: no prefix cache), after
     one untimed round of each (their shapes compiled)."""
     clients = min(8, RUNS[size]["gen_batch"])
-    before = sum(len(v) for v in engine.steps.compiles.values())
-    rounds = {}
-    for name, seed in (("warm", 3), ("timed", 5)):
+
+    def round_(seed: int) -> tuple[float, float]:
         lone = first_tokens(engine, decoding_prompts(size, seed)[:1])[0]
         together = first_tokens(engine, decoding_prompts(size, seed + 1)[:clients])
-        rounds[name] = (lone, float(np.median(together)))
-        if name == "warm":
-            before = sum(len(v) for v in engine.steps.compiles.values())
-    lone, together = rounds["timed"]
+        return lone, float(np.median(together))
+
+    def compiled() -> int:
+        return sum(len(v) for v in engine.steps.compiles.values())
+
+    round_(3)  # untimed: compiles the shapes
+    before = compiled()
+    lone, together = round_(5)
     return {
         "clients": clients,
         "first_token_lone_s": lone,
         "first_token_together_s": together,
         "first_token_ratio": together / lone,
-        "shapes_compiled_while_timed": sum(len(v) for v in engine.steps.compiles.values()) - before,
+        "shapes_compiled_while_timed": compiled() - before,
     }
 
 
