@@ -28,6 +28,7 @@ from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.checkpointing import RunCheckpoints
 from jaxtrain.checkpointing.checksums import verify_checksums, write_checksums
 from jaxtrain.cli.run_config import DEFAULT_CONFIG
+from jaxtrain.config.sections import CheckpointSettings
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.training.step import make_train_step
 
@@ -77,7 +78,7 @@ def measure(name: str, steps: int) -> dict[str, float]:
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
 
-        checkpointer = RunCheckpoints(args)
+        checkpointer = RunCheckpoints(CheckpointSettings.from_arguments(args))
         blocked, committed = [], []
         for index in range(3):
             state, _ = step(state, batch)

@@ -65,7 +65,7 @@ def step_times(rounds: int, steps: int) -> None:
 
     from jaxtrain import TrainingArguments
     from jaxtrain.cli.run_config import DEFAULT_CONFIG
-    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.config.sections import RunSettings
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
     from jaxtrain.runtime import Runtime
     from jaxtrain.training.program import ModelParts, Program
@@ -84,9 +84,9 @@ def step_times(rounds: int, steps: int) -> None:
         )  # fmt: skip
         runtime = Runtime.from_arguments(args, jax.devices()[:1])
         parts = ModelParts.adopt(
-            LlamaForCausalLM(config, rngs=nnx.Rngs(0)), ModelSettings.from_arguments(args)
+            LlamaForCausalLM(config, rngs=nnx.Rngs(0)), RunSettings.from_arguments(args).model
         )
-        program = Program(parts, runtime, args, schedule_length=600)
+        program = Program(parts, runtime, RunSettings.from_arguments(args), schedule_length=600)
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
         runs[optimizer] = [program.compile_train_step(program.abstract_state(), abstract),
                            program.create_state()]  # fmt: skip

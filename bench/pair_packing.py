@@ -77,7 +77,7 @@ def build(shape: str, steps: int):
     import jax
     from flax import nnx
 
-    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.config.sections import RunSettings
     from jaxtrain.data.unit_packing import pack_units
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
     from jaxtrain.observability.compiles import memory_summary
@@ -143,8 +143,14 @@ def build(shape: str, steps: int):
     for name, (args, objective, reference, batches) in variants.items():
         model = TaskModel(policy(), reference=policy() if reference else None)
         runtime = Runtime.from_arguments(args, jax.devices()[:1])
-        parts = ModelParts.adopt(model, ModelSettings.from_arguments(args))
-        program = Program(parts, runtime, args, schedule_length=100, objective=objective(args))
+        parts = ModelParts.adopt(model, RunSettings.from_arguments(args).model)
+        program = Program(
+            parts,
+            runtime,
+            RunSettings.from_arguments(args),
+            schedule_length=100,
+            objective=objective(args),
+        )
         batches = [{k: jax.numpy.asarray(v)[None] for k, v in b.items()} for b in batches]
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batches[0].items()}
         step = program.compile_train_step(program.abstract_state(), abstract)

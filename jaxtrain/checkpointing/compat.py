@@ -16,22 +16,23 @@ from jaxtrain.checkpointing.files import (
     committed_steps,
     find_checkpoint,
 )
+from jaxtrain.config.sections import CheckpointSettings
 
 _MAX_LISTED = 8
 
 
-def resume_checkpoint(arguments: Any) -> Path | None:
+def resume_checkpoint(settings: CheckpointSettings) -> Path | None:
     """The step directory this run continues from, or None for a fresh start.
 
     - `resume_from` names one explicitly (it must exist);
     - otherwise, with `resume_if_possible`, the newest committed checkpoint in output_dir;
     - `overwrite_output_dir` asks for a fresh start and wins over `resume_if_possible`.
     """
-    if arguments.resume_from is not None:
-        return find_checkpoint(arguments.resume_from)
-    if arguments.overwrite_output_dir or not arguments.resume_if_possible:
+    if settings.resume_from is not None:
+        return find_checkpoint(settings.resume_from)
+    if settings.overwrite_output_dir or not settings.resume_if_possible:
         return None  # prepare_output_dir refuses old checkpoints unless overwriting
-    root = checkpoints_root(arguments.output_dir)
+    root = checkpoints_root(settings.output_dir)
     steps = committed_steps(root)
     return root / str(steps[-1]) if steps else None
 

@@ -69,8 +69,8 @@ class RunCheckpoints:
     background (keeping the newest `max_to_keep`), `close()` waits for the writes to commit.
     """
 
-    def __init__(self, settings: CheckpointSettings | Any):
-        self.settings = CheckpointSettings.from_arguments(settings)
+    def __init__(self, settings: CheckpointSettings):
+        self.settings = settings
         self.root = ckpt.checkpoints_root(self.settings.output_dir)
         self._saver: _Saver | None = None  # opened at the first save of a run
 
@@ -90,20 +90,22 @@ class RunCheckpoints:
         to) matches its step. Everything that can refuse a resume is checked here, before
         anything is compiled or restored.
         """
-        args = self.settings
-        path = compat.resume_checkpoint(args)
+        settings = self.settings
+        path = compat.resume_checkpoint(settings)
         if path is None:
-            refused = bool(ckpt.committed_steps(self.root)) and not args.overwrite_output_dir
+            refused = bool(ckpt.committed_steps(self.root)) and not settings.overwrite_output_dir
             # One process clears leftovers while the others wait; a refusal raises everywhere.
             if jax.process_index() == 0 or refused:
-                ckpt.prepare_output_dir(args.output_dir, overwrite=args.overwrite_output_dir)
-                (Path(args.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+                ckpt.prepare_output_dir(
+                    settings.output_dir, overwrite=settings.overwrite_output_dir
+                )
+                (Path(settings.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
             _barrier("jaxtrain_prepare_output_dir")
             return StartPlan(step=0)
         if path.parent != self.root and ckpt.committed_steps(self.root):
             raise CheckpointError(
-                f"resume_from={args.resume_from} is another run's checkpoint, but output_dir "
-                f"{args.output_dir} already holds checkpoints of its own. Choose a new "
+                f"resume_from={settings.resume_from} is another run's checkpoint, but output_dir "
+                f"{settings.output_dir} already holds checkpoints of its own. Choose a new "
                 "output_dir for the resumed run."
             )
         metadata = read_verified(path)
@@ -112,8 +114,8 @@ class RunCheckpoints:
             path=path,
             model_class=model_class,
             model_config=model_config,
-            optimizer=args.optimizer,
-            reset_optimizer=args.reset_optimizer,
+            optimizer=settings.optimizer,
+            reset_optimizer=settings.reset_optimizer,
         )
         step = int(metadata["step"])
         if "data_state" in metadata and check_data_state is not None:
@@ -124,9 +126,9 @@ class RunCheckpoints:
                     f"state (step {step}); the checkpoint is inconsistent. Resume from another."
                 )
         # The metric log continues from the checkpoint (before the log is opened for it).
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(settings.output_dir).mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
-            compat.trim_metric_log(Path(args.output_dir) / "metrics.jsonl", step)
+            compat.trim_metric_log(Path(settings.output_dir) / "metrics.jsonl", step)
         _barrier("jaxtrain_resume")
         return StartPlan(
             step=step,
@@ -147,12 +149,12 @@ class RunCheckpoints:
         """`plan` with its state: `fresh_state()`, or the checkpoint restored onto
         `abstract_state()` (its shardings); with `reset_optimizer`, only the parameters,
         with a new optimizer state from `init_optimizer(params)`."""
-        args, path = self.settings, plan.resumed_from
+        settings, path = self.settings, plan.resumed_from
         fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(StartPlan)}
         if path is None:
             return RunStart(**fields, state=fresh_state())
         abstract = abstract_state()
-        if args.reset_optimizer:
+        if settings.reset_optimizer:
             params = ckpt.restore_params(path, abstract.params)
             opt_state = jax.jit(init_optimizer)(params)
             step = jnp.asarray(plan.step, jnp.int32)

@@ -251,13 +251,14 @@ class RestoredRun:
         """The trained model as a Hugging Face directory of the task's kind (a causal LM; a
         sequence classifier for reward), as the run's trainer exports it; kwargs go to
         `jaxtrain.hf.save_pretrained` (max_shard_size, dtype, training_summary, ...)."""
+        from jaxtrain.config.sections import MonitorSettings
         from jaxtrain.data.padding import resolve_pad_token_id
         from jaxtrain.hf.model_card import training_summary
 
         args, tokenizer = self.sections.args, self.sections.tokenizer
         kwargs.setdefault("tokenizer", tokenizer)
         kwargs.setdefault("chat_template", getattr(args, "chat_template", None))
-        summary = training_summary(args, self.model(), self.state)
+        summary = training_summary(MonitorSettings.from_arguments(args), self.model(), self.state)
         kwargs["training_summary"] = {**summary, **kwargs.get("training_summary", {})}
         pad = resolve_pad_token_id(tokenizer, self.program.parts.config)
         return self.sections.task.save_model(
@@ -287,17 +288,18 @@ def restore_run(
         trainer = _eval_trainer(sections, runtime)
         state = trainer.load_checkpoint(checkpoint)
         return RestoredRun(trainer.program, state, checkpoint, sections, trainer)
-    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.config.sections import RunSettings
     from jaxtrain.training.program import ModelParts, Program
     from jaxtrain.training.trainer_checkpoints import load_program_state
 
     args = sections.args
+    settings = RunSettings.from_arguments(args)
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for, frozen_parts=False)
     model = sections.task.model(lambda: model, args, frozen=False)
-    parts = ModelParts.adopt(model, ModelSettings.from_arguments(args))
+    parts = ModelParts.adopt(model, settings.model)
     # The schedule's length does not change the optimizer state's structure.
-    program = Program(parts, runtime, args, schedule_length=max(args.max_steps, 1))
-    state = load_program_state(program, checkpoint, optimizer=args.optimizer)
+    program = Program(parts, runtime, settings, schedule_length=max(settings.loop.max_steps, 1))
+    state = load_program_state(program, checkpoint, optimizer=settings.optimizer.optimizer)
     return RestoredRun(program, state, checkpoint, sections)
 
 

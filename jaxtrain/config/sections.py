@@ -20,6 +20,7 @@ __all__ = [
     "MonitorSettings",
     "OptimizerSettings",
     "PruningSettings",
+    "RunSettings",
 ]
 
 
@@ -256,6 +257,8 @@ class LoopSettings:
     max_nan_skips: int
     progress_bar: str
     profile_steps: list[int] | None  # [first, last] traced with jax.profiler (profiling.py)
+    eval_tasks: list[str] | None  # lm-eval tasks run at each evaluation (evaluation/harness.py)
+    eval_tasks_limit: int | None
 
     @classmethod
     def from_arguments(cls, args: Any) -> LoopSettings:
@@ -266,3 +269,32 @@ class LoopSettings:
     def total_steps(self, steps_per_epoch: int) -> int:
         """Number of optimizer updates of the run."""
         return self.max_steps if self.max_steps > 0 else steps_per_epoch * self.num_train_epochs
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """Every section of one run, built once from its arguments (the Trainer, `jaxtrain plan`
+    and the run-directory commands do) and handed down: below them, nothing reads the flat
+    arguments."""
+
+    model: ModelSettings
+    data: DataSettings
+    optimizer: OptimizerSettings
+    pruning: PruningSettings
+    loop: LoopSettings
+    monitor: MonitorSettings
+    checkpoint: CheckpointSettings
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> RunSettings:
+        if isinstance(args, cls):
+            return args
+        return cls(
+            model=ModelSettings.from_arguments(args),
+            data=DataSettings.from_arguments(args),
+            optimizer=OptimizerSettings.from_arguments(args),
+            pruning=PruningSettings.from_arguments(args),
+            loop=LoopSettings.from_arguments(args),
+            monitor=MonitorSettings.from_arguments(args),
+            checkpoint=CheckpointSettings.from_arguments(args),
+        )

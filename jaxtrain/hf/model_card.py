@@ -10,19 +10,26 @@ from typing import Any
 
 import jax
 
+from jaxtrain.config.sections import MonitorSettings
+
 
 def training_summary(
-    args: Any, model: Any, state: Any, dataset_train: Any = None, dataset_eval: Any = None
+    run: MonitorSettings,
+    model: Any,
+    state: Any,
+    dataset_train: Any = None,
+    dataset_eval: Any = None,
 ) -> dict[str, Any]:
-    """Facts about a run for the card: base model, data, steps, losses, arguments."""
+    """Facts about a run for the card: base model, data, steps, losses, arguments (`run`: its
+    files and the arguments as recorded)."""
     summary: dict[str, Any] = {
         "base_model": getattr(model, "name_or_path", None),
         "steps": int(jax.device_get(state.step)),
-        "arguments": args.to_dict(),
+        "arguments": run.config,
         "data": describe_dataset(dataset_train),
         "eval_data": describe_dataset(dataset_eval),
     }
-    log = Path(args.output_dir) / "metrics.jsonl"
+    log = Path(run.output_dir) / "metrics.jsonl"
     summary["final_metrics"] = final_metrics(log, up_to_step=summary["steps"])
     return summary
 

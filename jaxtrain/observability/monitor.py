@@ -106,7 +106,7 @@ def memory_logs() -> dict[str, float]:
 class RunMonitor:
     def __init__(
         self,
-        args: MonitorSettings | Any,
+        settings: MonitorSettings,
         *,
         model_config: Any,
         num_parameters: int,
@@ -116,8 +116,7 @@ class RunMonitor:
         batch_unit: str = "tokens",
         differences: Sequence[Difference] = (),
     ):
-        self.settings = MonitorSettings.from_arguments(args)
-        args = self.settings
+        self.settings = settings
         self.batch_unit = batch_unit  # what throughput counts: "tokens" or "examples"
         self.perplexity = perplexity  # log exp(loss): the loss is a per-token NLL
         self.differences = tuple(differences)  # logged differences of means (objective.py)
@@ -145,7 +144,7 @@ class RunMonitor:
         # Sections the loop adds to run_info.json (the start-up summary), add_run_info().
         self.run_info_extra: dict[str, Any] = {}
         if self.is_writer:
-            check_trackers(args.report_to, args.output_dir)
+            check_trackers(settings.report_to, settings.output_dir)
 
     # ------------------------------------------------------------ startup
     def open(

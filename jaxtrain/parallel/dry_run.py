@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxtrain.config.sections import DataSettings
 from jaxtrain.parallel.mesh import describe_mesh
 from jaxtrain.pytrees import path_str
 
@@ -70,22 +71,24 @@ def activation_bytes_estimate(
     return int(tokens * (kept * dtype_bytes + 2 * vocab / tp * 4))
 
 
-def memory_estimate(program: Any, args: Any) -> dict[str, int | None]:
-    """Bytes per device of a Program's run (`args`: its batch, sequence, dtype and remat),
+def memory_estimate(program: Any, data: DataSettings) -> dict[str, int | None]:
+    """Bytes per device of a Program's run (`data`: its batch and sequence; the Program's
+    model settings: its dtype and remat),
     from shapes alone: parameters, gradients, optimizer state, activations (a rough estimate,
     None when the model's config lacks the sizes) and their total (None with it), plus the
     parameters' bytes over all devices."""
     abstract, shardings = program.abstract_state(), program.state_shardings
     param_b = tree_bytes_per_device(abstract.params, shardings.params)
     opt_b = tree_bytes_per_device(abstract.opt_state, shardings.opt_state)
-    dtype_bytes = np.dtype(args.dtype or getattr(program.model, "dtype", np.float32)).itemsize
+    model = program.settings
+    dtype_bytes = np.dtype(model.dtype or getattr(program.model, "dtype", np.float32)).itemsize
     act_b = activation_bytes_estimate(
         program.parts.config,
         dict(program.mesh.shape),
-        args.micro_batch_size,
-        args.max_sequence_length,
+        data.micro_batch_size,
+        data.seq_len,
         dtype_bytes=dtype_bytes,
-        remat=args.gradient_checkpointing,
+        remat=model.remat_policy,
     )
     return {
         "parameters": param_b,
@@ -100,18 +103,18 @@ def memory_estimate(program: Any, args: Any) -> dict[str, int | None]:
     }
 
 
-def dry_run_report(program: Any, args: Any) -> str:
+def dry_run_report(program: Any, data: DataSettings) -> str:
     """The text of `Trainer.dry_run()`: a Program's mesh, memory and shardings."""
     plan = program.plan
     abstract = program.abstract_state()
     shardings = program.state_shardings
-    memory = memory_estimate(program, args)
+    memory = memory_estimate(program, data)
     lines = [
         f"jaxtrain dry run: {describe_mesh(plan.mesh)}",
         f"parameters: {program.parts.num_parameters:,} ({human_bytes(memory['all_parameters'])} in "
         "total)",
-        f"global batch: {args.total_batch_size} x {args.max_sequence_length} tokens, "
-        f"{args.gradient_accumulation_steps} micro-batch(es) of {args.micro_batch_size} rows, "
+        f"global batch: {data.global_batch_size} x {data.seq_len} tokens, "
+        f"{data.accumulation_steps} micro-batch(es) of {data.micro_batch_size} rows, "
         f"batch sharding {plan.batch.spec(3, micro_axis=True)}",
         "per device:",
         f"  parameters       {human_bytes(memory['parameters']):>12}",
@@ -121,7 +124,7 @@ def dry_run_report(program: Any, args: Any) -> str:
     if memory["activations"] is not None:
         lines.append(
             f"  activations      {human_bytes(memory['activations']):>12}  (rough estimate, "
-            f"gradient_checkpointing={args.gradient_checkpointing})"
+            f"gradient_checkpointing={program.settings.remat_policy})"
         )
         lines.append(f"  total            {human_bytes(memory['total']):>12}")
     lines.append("parameter shardings (path, shape, dtype, logical axes, spec, per-device shard):")

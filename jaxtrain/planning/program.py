@@ -165,17 +165,18 @@ def plan_step_program(
     (jaxtrain/tasks) says its trainer builds them."""
     definition = get_task(task)
     build = model_factory(config, attention).build
-    from jaxtrain.config.sections import ModelSettings
+    from jaxtrain.config.sections import RunSettings
     from jaxtrain.parallel import ModelFactory
     from jaxtrain.runtime import Runtime
     from jaxtrain.training.program import ModelParts, Program
 
     runtime = Runtime.from_arguments(args, devices)
+    settings = RunSettings.from_arguments(args)
     model = ModelFactory(lambda: definition.model(build, args))
-    parts = ModelParts.adopt(model, ModelSettings.from_arguments(args))
-    schedule = max(args.max_steps, 1)
+    parts = ModelParts.adopt(model, settings.model)
+    schedule = max(settings.loop.max_steps, 1)
     objective = None if definition.objective is None else definition.objective(args)
-    return Program(parts, runtime, args, schedule_length=schedule, objective=objective)
+    return Program(parts, runtime, settings, schedule_length=schedule, objective=objective)
 
 
 def compile_step(program: Any, args: Any, task: str = DEFAULT_TASK) -> tuple[dict[str, Any], float]:

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps, hold_output_dir
-from jaxtrain.config.sections import LoopSettings
 from jaxtrain.data.batch_source import DataExhausted
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.profiling import StepProfiler, profile_line
@@ -67,7 +66,7 @@ class TrainingLoop:
 
     def __init__(self, trainer: RunParts):
         self.trainer = trainer
-        self.settings = LoopSettings.from_arguments(trainer.arguments)
+        self.settings = trainer.settings.loop
         self.program, self.source = trainer.program, trainer.train_source
         self.total_steps = self.settings.total_steps(self.source.steps_per_epoch)
         self.deadline = Deadline(time_limit_seconds(self.settings.training_time_limit))
@@ -197,7 +196,7 @@ class TrainingLoop:
         )
         if start.resumed_from is not None:
             self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
-        summary = startup_summary(program, self.trainer.arguments)  # all in run_info.json
+        summary = startup_summary(program, self.trainer.settings)  # all in run_info.json
         trainer.monitor.add_run_info("startup", summary)
         if trainer.runtime.is_main_process:
             for line in summary_lines(summary):

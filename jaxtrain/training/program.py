@@ -7,8 +7,9 @@ directory, loader, monitor or checkpoint: `jaxtrain plan` compiles a Program's s
 shapes, the Trainer composes one with batch sources, checkpoints, a monitor and hooks, and
 export and evaluation take one.
 
-    parts = ModelParts.adopt(model, ModelSettings.from_arguments(args), runtime.plan)
-    program = Program(parts, runtime, args, schedule_length=1000)
+    settings = RunSettings.from_arguments(args)
+    parts = ModelParts.adopt(model, settings.model, runtime.plan)
+    program = Program(parts, runtime, settings, schedule_length=1000)
     step = program.compile_train_step(program.abstract_state(), abstract_batch)
 """
 
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.config.sections import ModelSettings, OptimizerSettings, PruningSettings
+from jaxtrain.config.sections import ModelSettings, RunSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.frozen import freeze
 from jaxtrain.models.layers import Projection
@@ -233,8 +234,7 @@ def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
 class Program:
     """One run's step, compiled on the runtime's mesh (see the module docstring).
 
-    `arguments` is read for its optimizer, pruning and model sections (any object with those
-    fields: TrainingArguments or a task's arguments). `schedule_length` is the number of
+    `settings`: the run's sections (its model, optimizer and pruning are read). `schedule_length` is the number of
     updates the learning-rate schedule spans. `optimizer`: (optax transformation, schedule)
     in place of the arguments' own (pruning still wraps it when asked for).
     """
@@ -243,7 +243,7 @@ class Program:
         self,
         parts: ModelParts,
         runtime: Runtime,
-        arguments: Any,
+        settings: RunSettings,
         *,
         schedule_length: int,
         objective: Objective | None = None,
@@ -252,21 +252,19 @@ class Program:
     ):
         self.parts, self.runtime = parts, runtime
         self.plan, self.mesh = runtime.plan, runtime.mesh
-        self.settings = ModelSettings.from_arguments(arguments)
+        self.settings = settings.model
         self.objective = objective or Objective()
         self._jit = jit
         self.plan.check_expert_axis(parts.params)  # ep > 1 needs experts
         self.optimizer, self.schedule = optimizer or run_optimizer(
-            OptimizerSettings.from_arguments(arguments),
+            settings.optimizer,
             schedule_length,
             parts.params,
             logical_axes=param_logical_axes(parts.params),
             mesh=runtime.mesh,
         )
         # Masks live in the optimizer state, for any optimizer (pruning.py says why).
-        self.optimizer = with_pruning(
-            self.optimizer, PruningSettings.from_arguments(arguments), schedule_length
-        )
+        self.optimizer = with_pruning(self.optimizer, settings.pruning, schedule_length)
         self.seed = self.settings.seed
         self._state_shardings = self._state_shape_cache = None
         self._placed_rest = None  # the non-Param state on the mesh (frozen_state())

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.parallel.dry_run import human_bytes, memory_estimate
 from jaxtrain.pytrees import path_str
 
@@ -84,14 +85,14 @@ def partition_rules(program: Any) -> dict[str, str]:
     return compact
 
 
-def startup_summary(program: Any, args: Any) -> dict[str, Any]:
-    """Everything above for a Program and its run's arguments, JSON-ready (run_info.json's
+def startup_summary(program: Any, settings: RunSettings) -> dict[str, Any]:
+    """Everything above for a Program and its run's settings, JSON-ready (run_info.json's
     "startup")."""
     return {
         "versions": versions(),
         "jax_settings": jax_settings(program),
         "partition_rules": partition_rules(program),
-        "memory_per_device_bytes": memory_estimate(program, args),
+        "memory_per_device_bytes": memory_estimate(program, settings.data),
     }
 
 

@@ -16,7 +16,7 @@ minimises, objective.py), a `featurizer` (rows -> examples) and a collator, or a
 them on the subclass).
 
 What the loop reads: `program`, `runtime`, `monitor`, `hooks`, `checkpoints`,
-`train_source`, `evaluates`, `evaluate()`, `should_stop`, `arguments`.
+`train_source`, `evaluates`, `evaluate()`, `should_stop`, `settings`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.config.checks import check_warmup
-from jaxtrain.config.sections import (
-    DataSettings,
-    LoopSettings,
-    ModelSettings,
-    MonitorSettings,
-    OptimizerSettings,
-)
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.data import build_eval_loader, build_mixture_loader, build_train_loader
 from jaxtrain.data.batch_source import BatchSource, LoaderSource, eval_global_batches
 from jaxtrain.data.padding import resolve_pad_token_id
@@ -108,6 +102,8 @@ class Trainer:
         if model is None:
             raise ArgumentError("Trainer needs a model: Trainer(arguments=..., model=...).")
         self.arguments = args = arguments if arguments is not None else TrainingArguments()
+        # The run's sections, built once: the parts below read these, not the arguments.
+        self.settings = settings = RunSettings.from_arguments(args)
         self.processing_class, self.data_collator = processing_class, data_collator
         self.callbacks = list(callbacks or [])
         self.should_stop = False
@@ -116,7 +112,7 @@ class Trainer:
         # is checked before anything compiles; the optimizer needs the run's length.
         self.runtime = runtime_for(args, runtime, devices)
         self.sharding_plan, self.mesh = self.runtime.plan, self.runtime.mesh
-        self.model_parts = parts = ModelParts.adopt(model, ModelSettings.from_arguments(args))
+        self.model_parts = parts = ModelParts.adopt(model, settings.model)
         self.model, self.model_config = parts.model, parts.config
         self.num_parameters = parts.num_parameters
         self.pad_token_id = resolve_pad_token_id(processing_class, self.model_config)
@@ -133,7 +129,7 @@ class Trainer:
         if names:  # a mixture: each source's share (and loss, for the default LM loss)
             objective = mixture_objective(objective, names, lm_rows=default_loss)
         self.monitor = RunMonitor(  # trackers, throughput/MFU, compiles, report
-            MonitorSettings.from_arguments(args),
+            settings.monitor,
             model_config=self.model_config,
             num_parameters=self.num_parameters,
             num_devices=self.mesh.size,
@@ -146,7 +142,7 @@ class Trainer:
         self.program = Program(
             parts,
             self.runtime,
-            args,
+            settings,
             schedule_length=schedule_length,
             objective=objective,
             optimizer=self.create_optimizer(schedule_length),
@@ -154,6 +150,7 @@ class Trainer:
         )
         # Where train() starts, its saves, keep-N, the run's files.
         self.checkpoints = RunCheckpointer(
+            settings.checkpoint,
             args,
             self.program,
             self.train_source,
@@ -172,8 +169,7 @@ class Trainer:
             return given
         if dataset is None:
             return None
-        args, layout = self.arguments, self.sharding_plan.batch
-        settings = DataSettings.from_arguments(args)
+        settings, layout = self.settings.data, self.sharding_plan.batch
         if isinstance(dataset, Mapping):  # {name: source}: a weighted mixture
             loader = build_mixture_loader(settings, dataset, **self._data())
         elif settings.mixture_stages is not None:
@@ -183,23 +179,23 @@ class Trainer:
             )
         else:
             loader = build_train_loader(settings, dataset, **self._data())
-        layout.check(args.micro_batch_size, args.max_sequence_length, "micro-batch size")
-        return LoaderSource(loader, layout, prefetch_batches=args.prefetch_batches)
+        layout.check(settings.micro_batch_size, settings.seq_len, "micro-batch size")
+        return LoaderSource(loader, layout, prefetch_batches=settings.prefetch_batches)
 
     def _eval_loader(self, dataset: Any) -> Any:
         if dataset is None:
             return None
-        args = self.arguments
+        settings = self.settings.data
         self.sharding_plan.batch.check(
-            args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size"
+            settings.eval_batch_size, settings.seq_len, "eval_batch_size"
         )
-        return build_eval_loader(DataSettings.from_arguments(args), dataset, **self._data())
+        return build_eval_loader(settings, dataset, **self._data())
 
     def _task_suite(self) -> Any:
         """The lm-eval tasks of `eval_tasks` (evaluation/harness.py): their files and data
         checked, their documents read, before anything compiles; None without tasks."""
-        args = self.arguments
-        if not args.eval_tasks:
+        loop, data = self.settings.loop, self.settings.data
+        if not loop.eval_tasks:
             return None
         if self.processing_class is None:
             raise TaskError(
@@ -211,10 +207,8 @@ class Trainer:
                 "TrainingArguments.eval_tasks run on one process for now; evaluate the run's "
                 "checkpoints with `jaxtrain evaluate` instead."
             )
-        self.sharding_plan.batch.check(
-            args.resolved_eval_batch_size, args.max_sequence_length, "eval_batch_size"
-        )
-        return TaskSuite(args.eval_tasks, limit=args.eval_tasks_limit)
+        self.sharding_plan.batch.check(data.eval_batch_size, data.seq_len, "eval_batch_size")
+        return TaskSuite(loop.eval_tasks, limit=loop.eval_tasks_limit)
 
     def _data(self) -> dict[str, Any]:
         """What the loaders take besides the data settings."""
@@ -235,11 +229,11 @@ class Trainer:
         """The schedule's length in updates. Without training data (eval or sampling only) it
         is moot: it does not change the optimizer state's structure."""
         if self.train_source is None:
-            return max(self.arguments.max_steps, 1)
-        steps = LoopSettings.from_arguments(self.arguments).total_steps(
+            return max(self.settings.loop.max_steps, 1)
+        steps = self.settings.loop.total_steps(
             self.train_source.steps_per_epoch
         )  # with epochs, known only now that the data is
-        check_warmup(self.arguments, steps, "num_train_epochs x steps per epoch")
+        check_warmup(self.settings.optimizer, steps, "num_train_epochs x steps per epoch")
         return steps
 
     # ---------------------------------------------- what a subclass may change
@@ -283,7 +277,7 @@ class Trainer:
         arguments' optimizer for the model's parameters (`model_parts.params`)."""
         params = self.model_parts.params
         return run_optimizer(
-            OptimizerSettings.from_arguments(self.arguments),
+            self.settings.optimizer,
             total_steps,
             params,
             logical_axes=param_logical_axes(params),
@@ -326,10 +320,10 @@ class Trainer:
 
         kwargs.setdefault("tokenizer", self.processing_class)
         # The template the run rendered its conversations with (None: the tokenizer's own).
-        kwargs.setdefault("chat_template", getattr(self.arguments, "chat_template", None))
+        kwargs.setdefault("chat_template", self.settings.data.chat_template)
         if lora_format == "merged":
             summary = training_summary(
-                self.arguments, self.model, state, self.dataset_train, self.dataset_eval
+                self.settings.monitor, self.model, state, self.dataset_train, self.dataset_eval
             )
             kwargs["training_summary"] = {**summary, **kwargs.get("training_summary", {})}
         return save_program_state(
@@ -338,7 +332,7 @@ class Trainer:
 
     def dry_run(self) -> str:
         """Print (process 0) and return mesh, per-device memory and every param's sharding."""
-        report = dry_run_report(self.program, self.arguments)
+        report = dry_run_report(self.program, self.settings.data)
         if jax.process_index() == 0:
             print(report)
         return report
@@ -382,11 +376,11 @@ class Trainer:
         if self._evaluator is None:
             self._evaluator = self.program.evaluator()
         prefetched = eval_global_batches(
-            self.eval_loader, self.sharding_plan.batch, self.arguments.prefetch_batches
+            self.eval_loader, self.sharding_plan.batch, self.settings.data.prefetch_batches
         )
         try:
             batches = (global_batch for _, global_batch in prefetched)
-            limit = self.arguments.max_eval_batches if max_batches is None else max_batches
+            limit = self.settings.loop.max_eval_batches if max_batches is None else max_batches
             yield from self._evaluator.run(state.params, batches, limit)
         finally:
             prefetched.close()  # an evaluation cut short by max_eval_batches stops its reader
@@ -427,7 +421,7 @@ class Trainer:
             self._task_model = JaxLM(
                 model,
                 self.processing_class,
-                batch_size=self.arguments.resolved_eval_batch_size,
+                batch_size=self.settings.data.eval_batch_size,
                 sharding=sharding,
             )
         else:

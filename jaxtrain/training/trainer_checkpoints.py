@@ -35,6 +35,7 @@ class RunCheckpointer:
 
     def __init__(
         self,
+        settings: CheckpointSettings,
         arguments: Any,
         program: Any,
         source: Any,
@@ -52,7 +53,8 @@ class RunCheckpointer:
         )
         self.on_save, self.tokenizer = on_save, tokenizer
         self.initial_state = initial_state
-        self.files = RunCheckpoints(CheckpointSettings.from_arguments(arguments))
+        # `arguments`, the run's record, is written as such (arguments.json, each checkpoint).
+        self.files = RunCheckpoints(settings)
 
     @property
     def root(self) -> Path:
@@ -64,7 +66,7 @@ class RunCheckpointer:
 
     def write_run_files(self) -> None:
         """arguments.json and the tokenizer in output_dir (process 0 writes them)."""
-        out_dir = Path(self.arguments.output_dir)
+        out_dir = Path(self.files.settings.output_dir)
         self.arguments.save(out_dir / "arguments.json")
         if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(out_dir / "tokenizer")
@@ -102,16 +104,13 @@ class RunCheckpointer:
     def load(self, path: str | Path) -> TrainState:
         """Restore a TrainState written by this kind of run (same model and optimizer);
         `path` is a step directory or a run directory (its newest committed checkpoint)."""
-        return load_program_state(self.program, path, optimizer=self.arguments.optimizer)
+        return load_program_state(self.program, path, optimizer=self.files.settings.optimizer)
 
     def plan_start(self) -> StartPlan:
         """Where `train()` starts: step 0 (or the given initial state's step), or the
         checkpoint it resumes, checked (model, optimizer, data position) but not yet
         restored. Clears or refuses output_dir's old checkpoints as
         `jaxtrain.checkpointing.run` describes."""
-        settings = CheckpointSettings.from_arguments(self.arguments)
-        if settings != self.files.settings:  # arguments changed since the run was built
-            self.files = RunCheckpoints(settings)
         source = self.source
         plan = self.files.plan(
             model_class=type(self.program.model).__name__,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import factory, parallel_arguments, token_dataset  # noqa: E402
 
 from jaxtrain import Trainer  # noqa: E402
-from jaxtrain.config.sections import ModelSettings  # noqa: E402
+from jaxtrain.config.sections import RunSettings  # noqa: E402
 from jaxtrain.runtime import Runtime  # noqa: E402
 from jaxtrain.training.optim import muon_dimension_numbers  # noqa: E402
 from jaxtrain.training.program import ModelParts, Program  # noqa: E402
@@ -44,8 +44,8 @@ def updates_on(dims, out: Path) -> tuple[list[np.ndarray], dict[str, str]]:
     # sharding (a last-bit difference before any optimizer runs), which is not Muon's.
     args = parallel_arguments(str(out / "never"), sharding_axis_dims=dims, clip_grad=0.0, **MUON)
     runtime = Runtime.from_arguments(args, jax.devices()[: int(np.prod(dims))])
-    parts = ModelParts.adopt(factory(), ModelSettings.from_arguments(args))
-    program = Program(parts, runtime, args, schedule_length=10)
+    parts = ModelParts.adopt(factory(), RunSettings.from_arguments(args).model)
+    program = Program(parts, runtime, RunSettings.from_arguments(args), schedule_length=10)
     state = program.create_state()
     rng = np.random.default_rng(0)
     grads = [

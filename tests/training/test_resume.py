@@ -106,8 +106,9 @@ def test_another_optimizer_needs_reset_optimizer(tmp_path):
         tiny_trainer(str(tmp_path / "run"), max_steps=4, optimizer="lion").train()
 
     steps = LossRecorder()
-    trainer = tiny_trainer(str(tmp_path / "run"), max_steps=3, optimizer="lion")
-    trainer.arguments.reset_optimizer = True
+    trainer = tiny_trainer(
+        str(tmp_path / "run"), max_steps=3, optimizer="lion", reset_optimizer=True
+    )
     trainer.callbacks.append(steps)
     start_params = {}
     trainer.callbacks.append(
