@@ -203,12 +203,13 @@ def compiled_peak(size: str, attention: str, remat: str, batch: int) -> dict:
     """The accelerator compiler's memory analysis of the train step at `batch` (from shapes)."""
     import jax
 
+    from jaxtrain.config.sections import RunSettings
     from jaxtrain.planning.program import compile_step, plan_step_program
 
     args = training_arguments("unused", size, batch, RUNS[size]["steps"], remat)
     impl = None if attention == "auto" else attention
     program = plan_step_program(model_config(size), args, jax.devices()[:1], impl)
-    figures, seconds = compile_step(program, args)
+    figures, seconds = compile_step(program, RunSettings.from_arguments(args))
     return {"batch": batch, "memory": figures["memory"], "compile_s": seconds}
 
 

@@ -180,7 +180,7 @@ def test_the_loop_uses_only_the_trainers_public_interface():
 RUNTIME_STEPS = {
     "initialize_distributed",
     "enable_compilation_cache",
-    "ShardingPlan.from_arguments",
+    "ShardingPlan.from_settings",
     "run_compiler_options",
 }
 

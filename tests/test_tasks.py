@@ -15,6 +15,7 @@ import pytest
 
 import jaxtrain
 from jaxtrain.arguments import TrainingArguments
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.tasks import TASKS, get_task
 
@@ -95,7 +96,7 @@ def test_each_definition_names_its_classes_and_shapes(name):
     assert issubclass(task.arguments, TrainingArguments)
     assert issubclass(task.trainer_class(), Trainer)
     args = task.arguments(max_steps=2, total_batch_size=8, gradient_accumulation_steps=2)
-    batch = task.batch(args)
+    batch = task.batch(RunSettings.from_arguments(args))
     assert {v.shape[0] for v in batch.values()} == {2}  # [A, ...]
     assert (2, args.micro_batch_size) == batch["input_ids"].shape[:2]
     assert task.generates == (name != "reward")

@@ -7,10 +7,12 @@ These are public so scripts can do the same as the CLI.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 
 
@@ -142,6 +144,11 @@ class RunSections:
     tokenizer: Any
     config: dict[str, Any]  # the whole file: its task and the task's sections (teacher)
 
+    @functools.cached_property
+    def settings(self) -> RunSettings:
+        """The run's sections, built once from `args`."""
+        return RunSettings.from_arguments(self.args)
+
     @property
     def task(self) -> Any:
         """The run's task definition (jaxtrain.tasks.Task)."""
@@ -172,10 +179,9 @@ def frozen_base_weights(sections: RunSections, *, frozen_parts: bool = True) -> 
     """What of a run is not in its checkpoints but comes from its base model's weights: LoRA's
     frozen base, a task's reference (None: the checkpoint's parameters are the whole model).
     `frozen_parts=False`: the task's frozen models (a reference) are not wanted."""
-    args = sections.args
-    if getattr(args, "lora_rank", 0):
+    if sections.settings.model.lora_rank:
         return "LoRA's frozen base weights"
-    if frozen_parts and sections.task.needs_base_weights(args):
+    if frozen_parts and sections.task.needs_base_weights(sections.settings):
         return f"{sections.task.name.upper()}'s reference model"
     return None
 
@@ -191,15 +197,15 @@ def rebuild_model(sections: RunSections, *, sharding_for: Any = None, frozen_par
     """
     from jaxtrain.cli.pretrained import pretrained_load_options, run_model_section
 
-    section, args = sections.model, sections.args
+    section, seed = sections.model, sections.settings.model.seed
     base = section.get("base_model")
     if base and _base_is_present(base):
         model = build_model(
             {"pretrained": base},
             sections.tokenizer,
-            seed=args.seed,
+            seed=seed,
             sharding_for=sharding_for,
-            load_options=pretrained_load_options(args),
+            load_options=pretrained_load_options(sections.args),
         )
         differ = sorted(k for k, v in run_model_section(model).items() if section.get(k, v) != v)
         if differ:
@@ -217,7 +223,7 @@ def rebuild_model(sections: RunSections, *, sharding_for: Any = None, frozen_par
             "model back at that path, or set model.base_model in the run's config.yaml to "
             "where it is now."
         )
-    return build_model(section, sections.tokenizer, seed=args.seed)
+    return build_model(section, sections.tokenizer, seed=seed)
 
 
 def _base_is_present(base: str) -> bool:
@@ -251,14 +257,13 @@ class RestoredRun:
         """The trained model as a Hugging Face directory of the task's kind (a causal LM; a
         sequence classifier for reward), as the run's trainer exports it; kwargs go to
         `jaxtrain.hf.save_pretrained` (max_shard_size, dtype, training_summary, ...)."""
-        from jaxtrain.config.sections import MonitorSettings
         from jaxtrain.data.padding import resolve_pad_token_id
         from jaxtrain.hf.model_card import training_summary
 
-        args, tokenizer = self.sections.args, self.sections.tokenizer
+        settings, tokenizer = self.sections.settings, self.sections.tokenizer
         kwargs.setdefault("tokenizer", tokenizer)
-        kwargs.setdefault("chat_template", getattr(args, "chat_template", None))
-        summary = training_summary(MonitorSettings.from_arguments(args), self.model(), self.state)
+        kwargs.setdefault("chat_template", settings.data.chat_template)
+        summary = training_summary(settings.monitor, self.model(), self.state)
         kwargs["training_summary"] = {**summary, **kwargs.get("training_summary", {})}
         pad = resolve_pad_token_id(tokenizer, self.program.parts.config)
         return self.sections.task.save_model(
@@ -288,14 +293,12 @@ def restore_run(
         trainer = _eval_trainer(sections, runtime)
         state = trainer.load_checkpoint(checkpoint)
         return RestoredRun(trainer.program, state, checkpoint, sections, trainer)
-    from jaxtrain.config.sections import RunSettings
     from jaxtrain.training.program import ModelParts, Program
     from jaxtrain.training.trainer_checkpoints import load_program_state
 
-    args = sections.args
-    settings = RunSettings.from_arguments(args)
+    settings = sections.settings
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for, frozen_parts=False)
-    model = sections.task.model(lambda: model, args, frozen=False)
+    model = sections.task.model(lambda: model, settings, frozen=False)
     parts = ModelParts.adopt(model, settings.model)
     # The schedule's length does not change the optimizer state's structure.
     program = Program(parts, runtime, settings, schedule_length=max(settings.loop.max_steps, 1))
@@ -312,7 +315,7 @@ def _eval_trainer(sections: RunSections, runtime: Any) -> Any:
         raise ArgumentError(sections.task.no_eval_set)
     args, tokenizer = sections.args, sections.tokenizer
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for)
-    evaluation = build_data(sections.data, args.max_sequence_length)[1]
+    evaluation = build_data(sections.data, sections.settings.data.seq_len)[1]
     trainer_class, task_kwargs, _ = trainer_setup(
         sections.task.name,
         sections.config,

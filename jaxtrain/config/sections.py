@@ -8,6 +8,7 @@ own: every value comes from the arguments, so the two can never disagree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from jaxtrain.config.mixture import Stages, parse_mixture_weights
@@ -21,6 +22,8 @@ __all__ = [
     "OptimizerSettings",
     "PruningSettings",
     "RunSettings",
+    "RuntimeSettings",
+    "task_settings",
 ]
 
 
@@ -144,6 +147,10 @@ class DataSettings:
     chat_template: str | None
     drop_columns: tuple[str, ...]  # ids_to_pop_from_dataset
     prefetch_batches: int
+    # Rows with images (a vision-language model): image slots per row, and what a row whose
+    # images do not fit does.
+    images_per_row: int
+    image_truncation: str
     # A mixture's weights, parsed (config/mixture.py; None: not a mixture), and what it does
     # when a source runs out ("restart" or "stop").
     mixture_stages: Stages | None
@@ -181,6 +188,8 @@ class DataSettings:
             chat_template=args.chat_template,
             drop_columns=tuple(args.ids_to_pop_from_dataset or ()),
             prefetch_batches=args.prefetch_batches,
+            images_per_row=args.images_per_row,
+            image_truncation=args.image_truncation,
             mixture_stages=parse_mixture_weights(args.mixture_weights),
             mixture_exhausted=args.mixture_exhausted,
         )
@@ -272,6 +281,32 @@ class LoopSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeSettings:
+    """Where a run computes (runtime/): the cluster it joins, its mesh and sharding rules, the
+    XLA options of its compiles and the compilation cache. A run handed a Runtime must agree
+    with it on each."""
+
+    distributed: str
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    distributed_timeout_s: float
+    peer_timeout_s: float
+    step_timeout_s: float | None
+    compilation_cache_dir: str | None
+    sharding_axis_dims: tuple[int, ...]
+    sharding_rules: dict | None
+    sharding_regex_rules: list | None
+    xla_compiler_options: dict | None
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> RuntimeSettings:
+        if isinstance(args, cls):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSettings:
     """Every section of one run, built once from its arguments (the Trainer, `jaxtrain plan`
     and the run-directory commands do) and handed down: below them, nothing reads the flat
@@ -284,6 +319,7 @@ class RunSettings:
     loop: LoopSettings
     monitor: MonitorSettings
     checkpoint: CheckpointSettings
+    task: Any  # the task's own fields (task_settings); None for a plain TrainingArguments run
 
     @classmethod
     def from_arguments(cls, args: Any) -> RunSettings:
@@ -297,4 +333,44 @@ class RunSettings:
             loop=LoopSettings.from_arguments(args),
             monitor=MonitorSettings.from_arguments(args),
             checkpoint=CheckpointSettings.from_arguments(args),
+            task=task_settings(args),
         )
+
+
+def task_settings(args: Any) -> Any:
+    """The fields a task's arguments class adds to TrainingArguments (DPO's beta and
+    loss_type, GRPO's num_generations...), as a frozen section of their own named after the
+    class (DPOSettings, whose `arguments_class` is DPOArguments): the class stays the one
+    place they are declared. None when the class adds none."""
+    section = _task_section(type(args))
+    if section is None:
+        return None
+    return section(**{f.name: getattr(args, f.name) for f in dataclasses.fields(section)})
+
+
+@functools.cache
+def _task_section(arguments_class: type) -> type | None:
+    # TrainingArguments is the root dataclass of every arguments class.
+    root = [c for c in arguments_class.__mro__ if dataclasses.is_dataclass(c)][-1]
+    base = {f.name for f in dataclasses.fields(root)}
+    own = [(f.name, f.type) for f in dataclasses.fields(arguments_class) if f.name not in base]
+    if not own:
+        return None
+    name = arguments_class.__name__.removesuffix("Arguments") + "Settings"
+
+    def reduce(section: Any) -> tuple:  # pickled by its arguments class (rollout processes)
+        values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+        return _rebuild_task_section, (arguments_class, values)
+
+    namespace = {"__reduce__": reduce, "arguments_class": arguments_class}
+    # A class's constants stand in for fields it does not have (RLOO has no sampler
+    # correction: `sampler_correction: ClassVar[str] = "none"`); the section keeps them.
+    for klass in arguments_class.__mro__[: arguments_class.__mro__.index(root)]:
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            if str(annotation).startswith(("ClassVar", "typing.ClassVar")):
+                namespace.setdefault(name, getattr(arguments_class, name))
+    return dataclasses.make_dataclass(name, own, frozen=True, namespace=namespace)
+
+
+def _rebuild_task_section(arguments_class: type, values: dict[str, Any]) -> Any:
+    return _task_section(arguments_class)(**values)

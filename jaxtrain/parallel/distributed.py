@@ -76,12 +76,13 @@ def _int_env(env: dict[str, str], name: str) -> int | None:
         ) from None
 
 
-def detect_cluster(args: Any, env: dict[str, str] | None = None) -> ClusterSpec | None:
-    """What the arguments and environment say about the cluster (None: one process)."""
+def detect_cluster(settings: Any, env: dict[str, str] | None = None) -> ClusterSpec | None:
+    """What the run's RuntimeSettings (config/sections.py; a Ray actor's own namespace of
+    their cluster fields) and the environment say about the cluster (None: one process)."""
     env = dict(os.environ) if env is None else env
-    if args.coordinator_address or (args.num_processes or 1) > 1:
+    if settings.coordinator_address or (settings.num_processes or 1) > 1:
         return ClusterSpec(
-            "arguments", args.coordinator_address, args.num_processes, args.process_id
+            "arguments", settings.coordinator_address, settings.num_processes, settings.process_id
         )
     if env.get("JAXTRAIN_COORDINATOR_ADDRESS"):
         return ClusterSpec(
@@ -112,17 +113,17 @@ def _is_initialized() -> bool:
         return False
 
 
-def initialize_distributed(args: Any, *, watch_peers: bool = True) -> ClusterSpec | None:
-    """Form the cluster described by `args` (TrainingArguments) or the environment.
+def initialize_distributed(settings: Any, *, watch_peers: bool = True) -> ClusterSpec | None:
+    """Form the cluster described by `settings` (as detect_cluster's) or the environment.
 
     Returns the ClusterSpec used, or None for a single-process run. Idempotent. With
     `watch_peers`, the processes watch each other once the cluster is formed (module
     docstring); Ray's actors pass False.
     """
-    mode = args.distributed
+    mode = settings.distributed
     if mode == "off":
         return None
-    spec = detect_cluster(args)
+    spec = detect_cluster(settings)
     if spec is None:
         if mode == "on":
             raise DistributedError(
@@ -149,8 +150,8 @@ def initialize_distributed(args: Any, *, watch_peers: bool = True) -> ClusterSpe
             num_processes=spec.num_processes,
             process_id=spec.process_id,
         )
-    timeout = float(args.distributed_timeout_s)
-    peer_timeout = float(getattr(args, "peer_timeout_s", 30.0))
+    timeout = float(settings.distributed_timeout_s)
+    peer_timeout = float(getattr(settings, "peer_timeout_s", 30.0))
     if watch_peers:
         kwargs["heartbeat_timeout_seconds"] = jax_heartbeat_timeout(peer_timeout)
         if spec.coordinator_address and spec.process_id == 0:
@@ -194,7 +195,7 @@ def initialize_distributed(args: Any, *, watch_peers: bool = True) -> ClusterSpe
             "distinct process_id, before anything else touches JAX devices."
         ) from err
     if watch_peers:
-        _watch(spec, peer_timeout, getattr(args, "step_timeout_s", None))
+        _watch(spec, peer_timeout, getattr(settings, "step_timeout_s", None))
     return spec
 
 

@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.config.sections import RuntimeSettings
 from jaxtrain.errors import MeshError
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.parallel.mesh import build_mesh
@@ -34,12 +35,18 @@ class ShardingPlan:
         self.replicated = NamedSharding(mesh, P())
 
     @classmethod
+    def from_settings(
+        cls, settings: RuntimeSettings, devices: Sequence[jax.Device] | None = None
+    ) -> ShardingPlan:
+        mesh = build_mesh(settings.sharding_axis_dims, devices)
+        rules = ShardingRules(mesh, settings.sharding_rules, settings.sharding_regex_rules)
+        return cls(mesh, rules)
+
+    @classmethod
     def from_arguments(
         cls, args: TrainingArguments, devices: Sequence[jax.Device] | None = None
     ) -> ShardingPlan:
-        mesh = build_mesh(args.sharding_axis_dims, devices)
-        rules = ShardingRules(mesh, args.sharding_rules, args.sharding_regex_rules)
-        return cls(mesh, rules)
+        return cls.from_settings(RuntimeSettings.from_arguments(args), devices)
 
     def sharding_for(
         self, path: str, shape: Sequence[int], logical_axes: Sequence[str | None] | None

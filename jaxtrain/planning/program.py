@@ -159,10 +159,11 @@ def plan_step_program(
     devices: list[Any],
     attention: str | None = None,
     task: str = DEFAULT_TASK,
+    settings: Any = None,
 ):
     """The Program of a `task` run of `config` with `args` over `devices` (nothing
     allocated): the task's model with its frozen parts and its objective, as its definition
-    (jaxtrain/tasks) says its trainer builds them."""
+    (jaxtrain/tasks) says its trainer builds them. `settings`: args' sections, when built."""
     definition = get_task(task)
     build = model_factory(config, attention).build
     from jaxtrain.config.sections import RunSettings
@@ -171,28 +172,31 @@ def plan_step_program(
     from jaxtrain.training.program import ModelParts, Program
 
     runtime = Runtime.from_arguments(args, devices)
-    settings = RunSettings.from_arguments(args)
-    model = ModelFactory(lambda: definition.model(build, args))
+    settings = settings or RunSettings.from_arguments(args)
+    model = ModelFactory(lambda: definition.model(build, settings))
     parts = ModelParts.adopt(model, settings.model)
     schedule = max(settings.loop.max_steps, 1)
-    objective = None if definition.objective is None else definition.objective(args)
+    objective = None if definition.objective is None else definition.objective(settings)
     return Program(parts, runtime, settings, schedule_length=schedule, objective=objective)
 
 
-def compile_step(program: Any, args: Any, task: str = DEFAULT_TASK) -> tuple[dict[str, Any], float]:
+def compile_step(
+    program: Any, settings: Any, task: str = DEFAULT_TASK
+) -> tuple[dict[str, Any], float]:
     """(figures, compile seconds) of a Program's train step, compiled from shapes (with a
-    vision-language model's image slots: `images_per_row` images per row, each encoded)."""
+    vision-language model's image slots: `images_per_row` images per row, each encoded);
+    `settings`: the run's (config.sections.RunSettings)."""
     start = time.perf_counter()
-    batch = get_task(task).batch(args)
+    batch = get_task(task).batch(settings)
+    data = settings.data
+    a, m = data.accumulation_steps, data.micro_batch_size
     image_shape = getattr(program.parts.config, "image_shape", None)
     if image_shape is not None:
-        a, m = args.gradient_accumulation_steps, args.micro_batch_size
-        shape = (a, m, args.images_per_row, *image_shape)
+        shape = (a, m, data.images_per_row, *image_shape)
         batch = {**batch, "pixel_values": jax.ShapeDtypeStruct(shape, jax.numpy.float32)}
     routing = getattr(program.parts.config, "routing_shape", None)
-    if routing is not None and getattr(args, "routing_replay", False):  # GRPO's replay
-        a, m = args.gradient_accumulation_steps, args.micro_batch_size
-        shape = (a, m, routing[0], args.max_sequence_length, routing[1])
+    if routing is not None and getattr(settings.task, "routing_replay", False):  # GRPO's
+        shape = (a, m, routing[0], data.seq_len, routing[1])
         batch = {**batch, "routing": jax.ShapeDtypeStruct(shape, jax.numpy.int16)}
     step = program.compile_train_step(program.abstract_state(), batch)
     seconds = time.perf_counter() - start
@@ -243,36 +247,35 @@ def plan_program(
     sharding_axis_dims) over `devices`. `layers`: "all" compiles the whole model, "unit" the
     repeating unit twice and three times (scaled), "auto" the whole model up to
     WHOLE_MODEL_LAYERS layers."""
+    from jaxtrain.config.sections import RunSettings
     from jaxtrain.parallel.dry_run import tree_bytes_per_device
 
-    full = plan_step_program(config, args, devices, attention, task)
+    settings = RunSettings.from_arguments(args)
+    full = plan_step_program(config, args, devices, attention, task, settings)
     abstract, shardings = full.abstract_state(), full.state_shardings
     # Frozen weights (a reference, a teacher, a LoRA base, quantized or not): state too.
     frozen = float(tree_bytes_per_device(full.rest, full.plan.param_shardings(full.rest)))
     full_shapes = (dict(full.mesh.shape), abstract.params)
-    fp8_flops = fp8_model_flops(full, args) if args.fp8_matmuls else 0.0
+    fp8_flops = fp8_model_flops(full, settings.data) if settings.model.fp8_matmuls else 0.0
     # Its rollouts run on the engine between updates: the engine's steps on the full model.
-    sampler = sampler_figures(full, args) if get_task(task).samples_on_engine else None
+    sampler = sampler_figures(full, settings) if get_task(task).samples_on_engine else None
     total_layers = int(config.num_hidden_layers)
     period = layer_period(config)
     whole = layers == "all" or (layers == "auto" and total_layers <= WHOLE_MODEL_LAYERS)
     whole = whole or 3 * period >= total_layers
     if whole:
-        figures, seconds = compile_step(full, args, task)
+        figures, seconds = compile_step(full, settings, task)
         method = f"whole model compiled ({total_layers} layers)"
         compile_seconds = [seconds]
     else:
         del full
-        small, s1 = compile_step(
-            plan_step_program(with_layers(config, 2 * period), args, devices, attention, task),
-            args,
-            task,
-        )
-        large, s2 = compile_step(
-            plan_step_program(with_layers(config, 3 * period), args, devices, attention, task),
-            args,
-            task,
-        )
+
+        def unit_step(units: int) -> tuple[dict[str, Any], float]:
+            depth = with_layers(config, units * period)
+            program = plan_step_program(depth, args, devices, attention, task, settings)
+            return compile_step(program, settings, task)
+
+        (small, s1), (large, s2) = unit_step(2), unit_step(3)
         extra = total_layers / period - 2
         figures = _scale(small, large, extra)
         figures["collective_ops"] = _scaled_ops(
@@ -291,20 +294,22 @@ def plan_program(
         "frozen": frozen,
     }
     figures["peak_bytes"] = figures["memory"]["peak"]
-    figures["shape_estimate_bytes"] = shape_estimate(full_shapes, config, args, figures["state"])
+    figures["shape_estimate_bytes"] = shape_estimate(
+        full_shapes, config, settings, figures["state"]
+    )
     figures["method"] = method
     figures["compile_seconds"] = compile_seconds
     figures["num_parameters"] = int(
         sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params))
     )
-    figures["model_flops"] = model_flops(config, args, figures["num_parameters"])
+    figures["model_flops"] = model_flops(config, settings.data, figures["num_parameters"])
     figures["fp8_model_flops"] = fp8_flops
     if sampler is not None:
         figures["sampler"] = sampler
     return figures
 
 
-def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
+def sampler_figures(program: Any, settings: Any) -> dict[str, Any]:
     """Memory and compile time of the engine GRPO samples on (trainers/grpo_source.py): every
     prefill and decode bucket it compiles, on the policy's parameters and its page pool."""
     from flax import nnx
@@ -316,8 +321,8 @@ def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
     policy = nnx.merge(program.graphdef, abstract.params, program.rest).model
     figures = plan_engine(
         policy,
-        rollout_engine_shape(args),
-        max_prompt_tokens=args.max_prompt_length,
+        rollout_engine_shape(settings),
+        max_prompt_tokens=settings.task.max_prompt_length,
         logprobs_mode="processed",
         record_routing=hasattr(policy.config, "routing_shape"),  # as the sampler's (a MoE's)
     )
@@ -325,7 +330,7 @@ def sampler_figures(program: Any, args: Any) -> dict[str, Any]:
             "shapes": figures["shapes"], "compile_seconds": figures["compile_seconds"]}  # fmt: skip
 
 
-def fp8_model_flops(program: Any, args: Any) -> float:
+def fp8_model_flops(program: Any, data: Any) -> float:
     """The model FLOPs of one step that a run with fp8_matmuls computes in float8: 6 per
     token (forward and backward) for each trained weight of a projection that runs in
     float8 (every flattened projection but the output head: training/program.py)."""
@@ -344,11 +349,11 @@ def fp8_model_flops(program: Any, args: Any) -> float:
         and dense_in_ndim(module.equation) is not None
         and (*path, "kernel") in trained
     )
-    return 6.0 * weights * args.total_batch_size * args.max_sequence_length
+    return 6.0 * weights * data.global_batch_size * data.seq_len
 
 
 def shape_estimate(
-    full_shapes: tuple[dict[str, int], Any], config: Any, args: Any, state: dict[str, float]
+    full_shapes: tuple[dict[str, int], Any], config: Any, settings: Any, state: dict[str, float]
 ) -> float:
     """Per-device bytes from shapes alone, for a compiler that frees each layer's gathered
     weights and full-size gradient after use (XLA's GPU and TPU schedulers bound them; XLA:CPU
@@ -357,14 +362,14 @@ def shape_estimate(
     from jaxtrain.parallel.dry_run import activation_bytes_estimate
 
     mesh_shape, params = full_shapes
-    dtype_bytes = np.dtype(args.dtype or np.float32).itemsize
+    dtype_bytes = np.dtype(settings.model.dtype or np.float32).itemsize
     activations = activation_bytes_estimate(
         config,
         mesh_shape,
-        args.micro_batch_size,
-        args.max_sequence_length,
+        settings.data.micro_batch_size,
+        settings.data.seq_len,
         dtype_bytes=dtype_bytes,
-        remat=args.gradient_checkpointing,
+        remat=settings.model.remat_policy,
     )
     total_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     if hasattr(config, "num_parameters"):  # a frozen (LoRA, quantized) base is gathered too
@@ -375,12 +380,13 @@ def shape_estimate(
     return fixed + float(activations or 0) + 2 * 2 * layer
 
 
-def model_flops(config: Any, args: Any, num_parameters: int) -> float:
-    """Model FLOPs of one step whose rows are all real tokens (the Trainer's count, flops.py)."""
+def model_flops(config: Any, data: Any, num_parameters: int) -> float:
+    """Model FLOPs of one step whose rows are all real tokens (the Trainer's count, flops.py);
+    `data`: the run's DataSettings."""
     from jaxtrain.observability.flops import FlopsCounter
 
-    rows = args.total_batch_size
-    seq = args.max_sequence_length
+    rows = data.global_batch_size
+    seq = data.seq_len
     ones = np.ones((rows, seq), np.int32)
     full = {"input_ids": ones, "attention_mask": ones, "labels": ones}
     return FlopsCounter(config, num_parameters).batch_flops(full)

@@ -25,6 +25,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxtrain.cache import enable_compilation_cache
+from jaxtrain.config.sections import RuntimeSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.parallel.distributed import ClusterSpec, initialize_distributed
 from jaxtrain.parallel.plan import ShardingPlan
@@ -32,22 +33,10 @@ from jaxtrain.runtime.compiler import run_compiler_options
 
 __all__ = ["RUNTIME_FIELDS", "Runtime", "join_cluster", "runtime_for"]
 
-# The TrainingArguments fields a Runtime is built from; a run handed a runtime must agree
-# with it on each (the runtime's mesh, options and cluster are what the run uses).
-RUNTIME_FIELDS = (
-    "distributed",
-    "coordinator_address",
-    "num_processes",
-    "process_id",
-    "distributed_timeout_s",
-    "peer_timeout_s",
-    "step_timeout_s",
-    "compilation_cache_dir",
-    "sharding_axis_dims",
-    "sharding_rules",
-    "sharding_regex_rules",
-    "xla_compiler_options",
-)
+# The TrainingArguments fields a Runtime is built from (its RuntimeSettings); a run handed a
+# runtime must agree with it on each (the runtime's mesh, options and cluster are what the
+# run uses).
+RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(RuntimeSettings))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,17 +48,18 @@ class Runtime:
     compiler_options: dict[str, Any]
     cluster: ClusterSpec | None = None
     compilation_cache: Path | None = None
-    # The arguments' values of RUNTIME_FIELDS this runtime was built from.
-    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The settings this runtime was built from (None: built by hand, checked against none).
+    settings: RuntimeSettings | None = None
 
     @classmethod
     def from_arguments(cls, args: Any, devices: Sequence[jax.Device] | None = None) -> Runtime:
-        """The four steps of the module docstring, in order; `devices` default to all."""
-        cluster = _form_cluster(args)
-        cache = enable_compilation_cache(args.compilation_cache_dir)
-        plan = ShardingPlan.from_arguments(args, devices)
-        options = run_compiler_options(args.xla_compiler_options, plan.mesh.devices.flat[0])
-        settings = {name: getattr(args, name) for name in RUNTIME_FIELDS}
+        """The four steps of the module docstring, in order, from `args`' RuntimeSettings (or
+        a RuntimeSettings); `devices` default to all."""
+        settings = RuntimeSettings.from_arguments(args)
+        cluster = _form_cluster(settings)
+        cache = enable_compilation_cache(settings.compilation_cache_dir)
+        plan = ShardingPlan.from_settings(settings, devices)
+        options = run_compiler_options(settings.xla_compiler_options, plan.mesh.devices.flat[0])
         return cls(plan, options, cluster, cache, settings)
 
     @property
@@ -91,14 +81,14 @@ class Runtime:
 
     def check_arguments(self, args: Any, owner: str = "the Trainer") -> None:
         """ArgumentError when `args` ask for another environment than this runtime's."""
-        differ = [
-            name
-            for name in RUNTIME_FIELDS
-            if name in self.settings and getattr(args, name, None) != self.settings[name]
-        ]
+        if self.settings is None:
+            return
+        asked = RuntimeSettings.from_arguments(args)
+        differ = [n for n in RUNTIME_FIELDS if getattr(asked, n) != getattr(self.settings, n)]
         if differ:
             detail = ", ".join(
-                f"{n}={getattr(args, n, None)!r} (runtime: {self.settings[n]!r})" for n in differ
+                f"{n}={getattr(asked, n)!r} (runtime: {getattr(self.settings, n)!r})"
+                for n in differ
             )
             raise ArgumentError(
                 f"{owner}'s arguments differ from the runtime it was given: {detail}. Build the "

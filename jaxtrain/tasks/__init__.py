@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxtrain.arguments import TrainingArguments
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.tasks.task import Task
 
@@ -118,6 +119,7 @@ def trainer_setup(
     recorded: dict[str, Any] = {"task": name}
     if task.trainer_kwargs is not None:
         sections = {s: typed_model_section(config.get(s) or {}) for s in task.sections}
-        kwargs, extra = task.trainer_kwargs(sections, tokenizer, args, build_model)
+        settings = RunSettings.from_arguments(args)
+        kwargs, extra = task.trainer_kwargs(sections, tokenizer, settings, build_model)
         recorded.update(extra)
     return task.trainer_class(), kwargs, recorded

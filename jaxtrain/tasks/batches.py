@@ -1,4 +1,4 @@
-"""The abstract batches of the tasks' train steps, from the arguments alone (what `jaxtrain
+"""The abstract batches of the tasks' train steps, from a run's settings alone (what `jaxtrain
 plan` compiles): [A, M, ...] jax.ShapeDtypeStructs, A the accumulation steps, M the micro
 batch. JAX is imported when one is built, not with the task definitions."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 
 __all__ = ["check_files_source", "lm_batch", "packed_units_batch", "pair_batch", "shapes"]
@@ -13,12 +14,12 @@ __all__ = ["check_files_source", "lm_batch", "packed_units_batch", "pair_batch",
 PAIR_KEYS = ("input_ids", "labels", "attention_mask")
 
 
-def shapes(args: Any) -> tuple[Any, Any]:
+def shapes(settings: RunSettings) -> tuple[Any, Any]:
     """(ints(*shape), floats(*shape)): builders of [A, M, *shape] int32 / float32 shapes."""
     import jax
     import jax.numpy as jnp
 
-    a, m = args.gradient_accumulation_steps, args.micro_batch_size
+    a, m = settings.data.accumulation_steps, settings.data.micro_batch_size
 
     def ints(*shape: int) -> Any:
         return jax.ShapeDtypeStruct((a, m, *shape), jnp.int32)
@@ -29,40 +30,41 @@ def shapes(args: Any) -> tuple[Any, Any]:
     return ints, floats
 
 
-def lm_batch(args: Any) -> dict[str, Any]:
+def lm_batch(settings: RunSettings) -> dict[str, Any]:
     """Token rows of the causal LM loss (segment ids and positions when packed)."""
-    ints, _ = shapes(args)
+    ints, _ = shapes(settings)
     keys = ["input_ids", "attention_mask", "labels"]
-    if args.packing:
+    if settings.data.packing:
         keys += ["segment_ids", "positions"]
-    return {k: ints(args.max_sequence_length) for k in keys}
+    return {k: ints(settings.data.seq_len) for k in keys}
 
 
-def packed_units_batch(args: Any, *, labelled: bool = False) -> dict[str, Any]:
+def packed_units_batch(settings: RunSettings, *, labelled: bool = False) -> dict[str, Any]:
     """Rows of packed preference units (trainers/packed.py) and their per-unit slots."""
     import jax
     import jax.numpy as jnp
 
     from jaxtrain.trainers.packed import units_per_micro_batch
 
-    ints, _ = shapes(args)
-    t = args.max_sequence_length
-    units = units_per_micro_batch(args.micro_batch_size, t)
+    ints, _ = shapes(settings)
+    data = settings.data
+    t = data.seq_len
+    units = units_per_micro_batch(data.micro_batch_size, t)
     keys = (*PAIR_KEYS, "segment_ids", "positions", "sequence_index")
     batch = {k: ints(t) for k in keys}
-    per_unit = jax.ShapeDtypeStruct((args.gradient_accumulation_steps, units), jnp.float32)
+    per_unit = jax.ShapeDtypeStruct((data.accumulation_steps, units), jnp.float32)
     batch["pair_mask"] = per_unit
     if labelled:
         batch["label"] = per_unit
     return batch
 
 
-def pair_batch(args: Any) -> dict[str, Any]:
+def pair_batch(settings: RunSettings) -> dict[str, Any]:
     """A chosen and a rejected sequence per row (packed: units of both)."""
-    if args.packing:
-        return packed_units_batch(args)
-    ints, _ = shapes(args)
-    t = args.max_sequence_length
+    if settings.data.packing:
+        return packed_units_batch(settings)
+    ints, _ = shapes(settings)
+    t = settings.data.seq_len
     return {**{k: ints(t) for k in PAIR_KEYS}, **{f"rejected_{k}": ints(t) for k in PAIR_KEYS}}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.task_arguments import DistillationArguments
 from jaxtrain.tasks.batches import lm_batch
@@ -16,7 +17,7 @@ from jaxtrain.tasks.task import Task, imported
 def _teacher(
     sections: dict[str, dict[str, Any]],
     tokenizer: Any,
-    args: Any,
+    settings: RunSettings,
     build_model: Callable[..., Any],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     teacher = sections["teacher"]
@@ -25,7 +26,7 @@ def _teacher(
             "--task distill needs a teacher: a `teacher` section with `pretrained: DIR` "
             "(a local Hugging Face model) or model fields, e.g. --teacher.pretrained DIR."
         )
-    model = build_model(teacher, tokenizer, seed=args.seed + 1)
+    model = build_model(teacher, tokenizer, seed=settings.model.seed + 1)
     return {"teacher_model": model}, {"teacher": teacher}
 
 
@@ -36,7 +37,7 @@ TASK = Task(
     rows=SFT_ROWS,
     batch=lm_batch,
     objective=imported("jaxtrain.trainers.distill:distill_objective"),
-    frozen=lambda args: {"teacher": True},
+    frozen=lambda settings: {"teacher": True},
     sections=("teacher",),
     trainer_kwargs=_teacher,
 )

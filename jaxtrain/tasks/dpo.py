@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.task_arguments import DPO_LOSS_TYPES, DPOArguments
 from jaxtrain.tasks.batches import check_files_source, pair_batch
@@ -14,18 +15,18 @@ from jaxtrain.tasks.task import Task, imported
 PAIRS = "prompt, chosen, rejected"
 
 
-def _batch(args: Any) -> dict[str, Any]:
-    if args.precompute_reference_logps:
+def _batch(settings: RunSettings) -> dict[str, Any]:
+    if settings.task.precompute_reference_logps:
         raise ArgumentError(
             "--task dpo with precompute_reference_logps: the step then reads the reference "
             "log-probs from the batch; plan it with reference_free=true (the same program: no "
             "reference model on the devices)."
         )
-    return pair_batch(args)
+    return pair_batch(settings)
 
 
-def _frozen(args: Any) -> dict[str, bool]:
-    return {"reference": not (args.reference_free or args.lora_rank)}
+def _frozen(settings: RunSettings) -> dict[str, bool]:
+    return {"reference": not (settings.task.reference_free or settings.model.lora_rank)}
 
 
 TASK = Task(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.rollout_arguments import (
     GRPO_IMPORTANCE_SAMPLING_LEVELS,
@@ -45,9 +46,9 @@ def check_prompt_files(task: str, config: dict[str, Any]) -> None:
         )
 
 
-def reference_when_beta(args: Any) -> dict[str, bool]:
+def reference_when_beta(settings: RunSettings) -> dict[str, bool]:
     """A reference when beta > 0 (with LoRA none: the base without adapters is one)."""
-    return {"reference": args.beta > 0 and not args.lora_rank}
+    return {"reference": settings.task.beta > 0 and not settings.model.lora_rank}
 
 
 def no_eval_set(name: str, title: str) -> str:

@@ -12,7 +12,7 @@ from jaxtrain.tasks.dpo import PAIRS
 from jaxtrain.tasks.task import Task
 
 
-def _objective(args: Any) -> Any:
+def _objective(settings: Any) -> Any:
     from jaxtrain.trainers.reward import REWARD_OBJECTIVE
 
     return REWARD_OBJECTIVE

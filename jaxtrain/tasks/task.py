@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.arguments import TrainingArguments
+from jaxtrain.config.sections import RunSettings
 
 __all__ = ["Task", "imported"]
 
 
-def _no_frozen(args: Any) -> dict[str, bool]:
+def _no_frozen(settings: RunSettings) -> dict[str, bool]:
     return {}
 
 
@@ -34,13 +35,14 @@ class Task:
     arguments: type[TrainingArguments]  # its arguments class (jaxtrain.task_arguments)
     trainer: str  # its trainer class, "module:Class", imported on use
     rows: str  # the rows its data holds, as the errors and docs say them
-    # The abstract global batch its train step takes, from the arguments alone:
+    # The abstract global batch its train step takes, from the run's settings alone:
     # {key: jax.ShapeDtypeStruct of [A, M, ...]} (jaxtrain/tasks/batches.py).
     batch: Callable[[Any], dict[str, Any]]
-    # The Objective its step minimizes (None: the causal LM loss), as its trainer builds it.
+    # The Objective its step minimizes (None: the causal LM loss) from the run's settings
+    # (config.sections.RunSettings), as its trainer builds it.
     objective: Callable[[Any], Any] | None = None
     # The frozen models beside the trained one, each a copy of an architecture, and whether
-    # the arguments ask for it (the slot is None when not). A "reference" is a copy of the
+    # the run's settings ask for it (the slot is None when not). A "reference" is a copy of the
     # starting weights; none is in a checkpoint, so sampling and export need none of them.
     frozen: Callable[[Any], dict[str, bool]] = _no_frozen
     wrapped: bool = True  # a TaskModel around the trained model (lm and sft train it bare)
@@ -49,7 +51,7 @@ class Task:
     # arguments are built (ArgumentError said in flags).
     check_data: Callable[[dict[str, Any]], None] = _no_check
     # Model sections of its own in the config (distill's teacher), and the trainer's keyword
-    # arguments built from them: ({section: typed model section}, tokenizer, args,
+    # arguments built from them: ({section: typed model section}, tokenizer, settings,
     # build_model) -> (kwargs, what config.yaml records).
     sections: tuple[str, ...] = ()
     trainer_kwargs: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None
@@ -67,11 +69,11 @@ class Task:
         module_name, _, class_name = self.trainer.partition(":")
         return getattr(importlib.import_module(module_name), class_name)
 
-    def needs_base_weights(self, args: Any) -> bool:
+    def needs_base_weights(self, settings: RunSettings) -> bool:
         """Whether a frozen part of this run is a copy of its starting weights (a reference)."""
-        return bool(self.frozen(args).get("reference"))
+        return bool(self.frozen(settings).get("reference"))
 
-    def model(self, build: Callable[[], Any], args: Any, *, frozen: bool = True) -> Any:
+    def model(self, build: Callable[[], Any], settings: RunSettings, *, frozen: bool = True) -> Any:
         """The module its trainer trains, from `build()` (a fresh model each call, concrete or
         abstract): the model, or a TaskModel of the trained part (a RewardModel around it
         for reward) beside its frozen copies. `frozen=False` leaves the frozen copies out:
@@ -85,8 +87,8 @@ class Task:
             from jaxtrain.trainers.reward import RewardModel
 
             if not isinstance(model, RewardModel):
-                model = RewardModel(model, seed=args.seed)
-        slots = self.frozen(args).items()
+                model = RewardModel(model, seed=settings.model.seed)
+        slots = self.frozen(settings).items()
         return TaskModel(model, **{name: build() if frozen and on else None for name, on in slots})
 
     def save_model(self, program: Any, state: Any, directory: str | Path, **kwargs: Any) -> Path:

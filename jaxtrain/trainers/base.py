@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.config.sections import DataSettings, ModelSettings, RunSettings
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.data.vision import is_processor
 from jaxtrain.parallel import ModelFactory
@@ -26,6 +27,7 @@ __all__ = [
     "pair_normalizer",
     "task_pad_token_id",
     "task_runtime",
+    "task_settings",
 ]
 
 
@@ -38,11 +40,21 @@ def task_runtime(args: TrainingArguments, kwargs: dict[str, Any]) -> Runtime:
     return runtime
 
 
-def concrete_model(model: Any, args: TrainingArguments, runtime: Runtime) -> nnx.Module:
+def task_settings(args: TrainingArguments, kwargs: dict[str, Any]) -> RunSettings:
+    """The sections of a task trainer's run, built once: the task trainer reads them before
+    its base Trainer exists, and `kwargs` (the Trainer's keyword arguments) hand them on."""
+    settings = kwargs.get("settings") or RunSettings.from_arguments(args)
+    kwargs["settings"] = settings
+    return settings
+
+
+def concrete_model(model: Any, settings: ModelSettings, runtime: Runtime) -> nnx.Module:
     """A ModelFactory is created sharded on the run's mesh (a frozen copy needs arrays)."""
     if isinstance(model, ModelFactory):
         return model.create(
-            runtime.plan, param_dtype=args.param_dtype, compiler_options=runtime.compiler_options
+            runtime.plan,
+            param_dtype=settings.param_dtype,
+            compiler_options=runtime.compiler_options,
         )
     if model is None:
         raise ArgumentError("the task trainer needs a model: Trainer(arguments=..., model=...).")
@@ -78,7 +90,7 @@ class PairTrainer(TaskTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
-        arguments = kwargs.get("arguments")
+        data = task_settings(kwargs["arguments"], kwargs).data
         user_collator = kwargs.get("data_collator") is not None
         pad = task_pad_token_id(kwargs.get("processing_class"), kwargs.get("model"))
         if is_processor(kwargs.get("processing_class")) and not user_collator:
@@ -86,20 +98,20 @@ class PairTrainer(TaskTrainer):
             featurizer = self._image_pairs("dataset_train", kwargs)
             kwargs["data_collator"] = featurizer.collator
         elif not user_collator:
-            length = arguments.max_sequence_length if arguments else 0
-            kwargs["data_collator"] = PairCollator(length, pad)
-        if arguments is not None and arguments.packing:
+            kwargs["data_collator"] = PairCollator(data.seq_len, pad)
+        if data.packing:
             featurizer = PairFeaturizer(
                 name="dataset_train",
                 tokenizer=kwargs.get("processing_class"),
-                max_length=arguments.max_sequence_length,
-                chat_template=arguments.chat_template,
+                max_length=data.seq_len,
+                chat_template=data.chat_template,
             )
             layout_of = lambda f: PairLayout(f.float_columns)  # noqa: E731
             dataset = kwargs.get("dataset_train")
             add_packed_source(
                 kwargs,
-                arguments,
+                data,
+                task_runtime(kwargs["arguments"], kwargs),
                 dataset,
                 featurizer,
                 layout_of,
@@ -112,25 +124,26 @@ class PairTrainer(TaskTrainer):
     def _image_pairs(self, name: str, kwargs: dict[str, Any]) -> VisionPairFeaturizer:
         config = getattr(trained_model(kwargs.get("model")), "config", None)
         return vision_pair_featurizer(
-            name, kwargs.get("processing_class"), config, kwargs.get("arguments")
+            name, kwargs.get("processing_class"), config, kwargs["settings"].data
         )
 
     def create_featurizer(self, name: str) -> PairFeaturizer | VisionPairFeaturizer:
         if is_processor(self.processing_class):
             kwargs = dict(model=self.model, processing_class=self.processing_class,
-                          arguments=self.arguments)  # fmt: skip
+                          settings=self.settings)  # fmt: skip
             return self._image_pairs(name, kwargs)
         return PairFeaturizer(
             name=name,
             tokenizer=self.processing_class,
-            max_length=self.arguments.max_sequence_length,
-            chat_template=self.arguments.chat_template,
+            max_length=self.settings.data.seq_len,
+            chat_template=self.settings.data.chat_template,
         )
 
 
 def add_packed_source(
     kwargs: dict[str, Any],
-    args: TrainingArguments,
+    data: DataSettings,
+    runtime: Runtime,
     dataset: Any,
     featurizer: Any,
     layout_of: Any,
@@ -150,8 +163,8 @@ def add_packed_source(
             "data_collator. Drop one of them."
         )
     kwargs["train_source"] = packed_source(
-        args,
-        task_runtime(args, kwargs),
+        data,
+        runtime,
         dataset,
         featurizer,
         layout_of,

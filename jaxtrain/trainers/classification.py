@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.arguments import ArgumentError
+from jaxtrain.arguments import ArgumentError, TrainingArguments
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.models.vit import classification_sums
+from jaxtrain.trainers.base import task_settings
 from jaxtrain.training.trainer import Trainer
 
 __all__ = ["ImageClassificationTrainer", "ImageCollator", "ImageFeaturizer"]
@@ -91,14 +92,13 @@ class ImageClassificationTrainer(Trainer):
     loss_is_token_nll = False  # no perplexity: the loss is not a token NLL
     batch_unit = "examples"  # throughput in examples/s: an image has no tokens
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        arguments = kwargs.get("arguments")
-        if arguments is not None and arguments.packing:
+    def __init__(self, arguments: TrainingArguments | None = None, *args: Any, **kwargs: Any):
+        if arguments is not None and task_settings(arguments, kwargs).data.packing:
             raise ArgumentError("images cannot be packed; set packing=False.")
         kwargs.setdefault("data_collator", None)
         if kwargs["data_collator"] is None:
             kwargs["data_collator"] = ImageCollator()
-        super().__init__(*args, **kwargs)
+        super().__init__(arguments, *args, **kwargs)
 
     def create_featurizer(self, name: str) -> ImageFeaturizer:
         return ImageFeaturizer(name=name)

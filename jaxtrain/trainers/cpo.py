@@ -22,8 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import CPO_LOSS_TYPES, CPOArguments
-from jaxtrain.trainers.base import PairTrainer, concrete_model, pair_normalizer, task_runtime
+from jaxtrain.trainers.base import (
+    PairTrainer,
+    concrete_model,
+    pair_normalizer,
+    task_runtime,
+    task_settings,
+)
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
     real_units,
@@ -62,10 +69,9 @@ def cpo_losses(
     raise ValueError(f"unknown CPO loss_type {loss_type!r}; use one of {CPO_LOSS_TYPES}")
 
 
-def cpo_loss_sums(
-    policy: Any, batch: dict[str, jax.Array], args: CPOArguments
-) -> dict[str, jax.Array]:
-    """The objective's sums over a batch of pairs (per pair, but `nll_loss`: per token)."""
+def cpo_loss_sums(policy: Any, batch: dict[str, jax.Array], task: Any) -> dict[str, jax.Array]:
+    """The objective's sums over a batch of pairs (per pair, but `nll_loss`: per token);
+    `task`: CPOArguments' section (beta, loss_type, label_smoothing, cpo_alpha, simpo_gamma)."""
     n = unit_count(batch)
     s = sequence_logps(policy, batch)
     chosen, rejected = s.side("logps", 0, n), s.side("logps", 1, n)
@@ -73,7 +79,7 @@ def cpo_loss_sums(
     real = real_units(batch)
     nll_sum = -(chosen * real).sum()  # the chosen responses' summed log-probs
     nll_tokens = (chosen_n * real).sum()
-    if args.loss_type in ("ipo", "simpo"):  # length-normalised: mean per-token log-probs
+    if task.loss_type in ("ipo", "simpo"):  # length-normalised: mean per-token log-probs
         chosen, rejected = (
             chosen / jnp.maximum(chosen_n, 1.0),
             rejected / jnp.maximum(rejected_n, 1.0),
@@ -81,17 +87,17 @@ def cpo_loss_sums(
     losses = cpo_losses(
         chosen,
         rejected,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        label_smoothing=args.label_smoothing,
-        simpo_gamma=args.simpo_gamma,
+        beta=task.beta,
+        loss_type=task.loss_type,
+        label_smoothing=task.label_smoothing,
+        simpo_gamma=task.simpo_gamma,
     )
     scale = batch[NLL_SCALE] if NLL_SCALE in batch else real.sum() / jnp.maximum(nll_tokens, 1.0)
     stop = jax.lax.stop_gradient
-    reward_chosen, reward_rejected = args.beta * stop(chosen), args.beta * stop(rejected)
+    reward_chosen, reward_rejected = task.beta * stop(chosen), task.beta * stop(rejected)
     won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
     sums = {
-        "loss_sum": (losses * real).sum() + args.cpo_alpha * nll_sum * scale,
+        "loss_sum": (losses * real).sum() + task.cpo_alpha * nll_sum * scale,
         "tokens": real.sum(),
         "correct": won.sum(),
         "rewards/chosen_sum": (reward_chosen * real).sum(),
@@ -101,18 +107,19 @@ def cpo_loss_sums(
         "logps/chosen_sum": (stop(chosen) * real).sum(),
         "logps/rejected_sum": (stop(rejected) * real).sum(),
     }
-    if args.cpo_alpha:  # without the term TRL logs no NLL (a 0), nor does jaxtrain
+    if task.cpo_alpha:  # without the term TRL logs no NLL (a 0), nor does jaxtrain
         sums["nll_loss_sum"] = stop(nll_sum)
         sums["nll_loss_count"] = nll_tokens
     return sums
 
 
-def cpo_objective(args: CPOArguments) -> Objective:
+def cpo_objective(settings: RunSettings) -> Objective:
     """CPO's (or SimPO's) objective on a TaskModel without frozen parts."""
+    task = settings.task
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        return cpo_loss_sums(model.model, batch, args)
+        return cpo_loss_sums(model.model, batch, task)
 
     def scalars(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         tokens = jnp.maximum(response_token_count(batch, side=0), 1.0)
@@ -122,7 +129,7 @@ def cpo_objective(args: CPOArguments) -> Objective:
         loss_sums=loss_sums,
         normalizer=pair_normalizer,
         token_nll=False,
-        global_scalars=scalars if args.cpo_alpha else None,
+        global_scalars=scalars if task.cpo_alpha else None,
     )
 
 
@@ -142,7 +149,8 @@ class CPOTrainer(PairTrainer):
                 "CPOTrainer needs CPOArguments (TrainingArguments plus beta, loss_type, "
                 "cpo_alpha, simpo_gamma, ...)."
             )
-        model = concrete_model(model, args, task_runtime(args, kwargs))
+        settings = task_settings(args, kwargs)
+        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
         super().__init__(
-            arguments=args, model=TaskModel(model), objective=cpo_objective(args), **kwargs
+            arguments=args, model=TaskModel(model), objective=cpo_objective(settings), **kwargs
         )

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import DistillationArguments
-from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime
+from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime, task_settings
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sft import SFTTrainer
 from jaxtrain.training.program import Objective
@@ -64,26 +65,27 @@ class DistillationTrainer(TaskTrainer):
             )
         if teacher_model is None:
             raise ArgumentError("DistillationTrainer needs teacher_model=<a causal LM>.")
-        model = concrete_model(model, args, task_runtime(args, kwargs))
-        teacher = concrete_model(teacher_model, args, kwargs["runtime"])
+        settings = task_settings(args, kwargs)
+        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
+        teacher = concrete_model(teacher_model, settings.model, kwargs["runtime"])
         vocab = [getattr(getattr(m, "config", None), "vocab_size", None) for m in (model, teacher)]
         if None not in vocab and vocab[0] != vocab[1]:
             raise ArgumentError(
                 f"the teacher's vocabulary ({vocab[1]}) differs from the student's ({vocab[0]}); "
                 "distillation needs the same tokenizer for both"
             )
-        self.distill_args = args
         super().__init__(
             arguments=args,
             model=TaskModel(model, teacher=teacher),
-            objective=distill_objective(args),
+            objective=distill_objective(settings),
             **kwargs,
         )
 
 
-def distill_objective(args: DistillationArguments) -> Objective:
+def distill_objective(settings: RunSettings) -> Objective:
     """Distillation's objective on a TaskModel (the student `model`, the frozen `teacher`):
     alpha * T^2 * KL(teacher || student at temperature T) + (1 - alpha) * cross-entropy."""
+    alpha, temperature = settings.task.distill_alpha, settings.task.distill_temperature
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
@@ -91,10 +93,8 @@ def distill_objective(args: DistillationArguments) -> Objective:
         student = model.model(batch["input_ids"], **inputs)
         teacher = jax.lax.stop_gradient(model.teacher(batch["input_ids"], **inputs))
         sums = causal_lm_sums(student, batch["labels"])
-        temperature = args.distill_temperature
         kl = distillation_kl(student, teacher, batch["labels"], temperature)
         ce = sums["loss_sum"]
-        alpha = args.distill_alpha
         return {
             **sums,
             "loss_sum": alpha * temperature**2 * kl + (1 - alpha) * ce,

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.task_arguments import DPO_LOSS_TYPES, DPOArguments
@@ -33,6 +34,7 @@ from jaxtrain.trainers.base import (
     dataset_columns,
     pair_normalizer,
     task_runtime,
+    task_settings,
 )
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
@@ -92,10 +94,11 @@ def dpo_loss_sums(
     policy: Any,
     reference: Any,
     batch: dict[str, jax.Array],
-    args: DPOArguments,
+    task: Any,
     reference_logps: tuple[jax.Array, jax.Array] | None = None,
 ) -> dict[str, jax.Array]:
-    """The objective's sums over a batch of pairs (per pair: loss, rewards, log-probs).
+    """The objective's sums over a batch of pairs (per pair: loss, rewards, log-probs);
+    `task`: DPOArguments' section (beta, loss_type, label_smoothing).
 
     The reference log-probs are the batch's precomputed columns when present, else
     ``reference``'s (no gradient), else 0 (reference-free).
@@ -111,17 +114,17 @@ def dpo_loss_sums(
         ref_chosen, ref_rejected = jax.lax.stop_gradient(ref[0]), jax.lax.stop_gradient(ref[1])
     else:  # reference_free
         ref_chosen = ref_rejected = jnp.zeros_like(chosen)
-    if args.loss_type == "ipo":  # IPO compares mean per-token log-probs
+    if task.loss_type == "ipo":  # IPO compares mean per-token log-probs
         c_n, r_n = jnp.maximum(chosen_n, 1.0), jnp.maximum(rejected_n, 1.0)
         terms = (chosen / c_n, rejected / r_n, ref_chosen / c_n, ref_rejected / r_n)
     else:
         terms = (chosen, rejected, ref_chosen, ref_rejected)
     losses = dpo_losses(
-        *terms, beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing
+        *terms, beta=task.beta, loss_type=task.loss_type, label_smoothing=task.label_smoothing
     )
     real = real_units(batch)
-    reward_chosen = args.beta * jax.lax.stop_gradient(chosen - ref_chosen)
-    reward_rejected = args.beta * jax.lax.stop_gradient(rejected - ref_rejected)
+    reward_chosen = task.beta * jax.lax.stop_gradient(chosen - ref_chosen)
+    reward_rejected = task.beta * jax.lax.stop_gradient(rejected - ref_rejected)
     won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
     return {
         "loss_sum": (losses * real).sum(),
@@ -136,23 +139,24 @@ def dpo_loss_sums(
     }
 
 
-def dpo_objective(args: DPOArguments) -> Objective:
+def dpo_objective(settings: RunSettings) -> Objective:
     """DPO's objective on a TaskModel (`reference`: the frozen reference, or None when the
     batch holds precomputed reference log-probs or the loss is reference-free)."""
+    task, lora = settings.task, bool(settings.model.lora_rank)
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
         ref = None
         base_is_reference = (
             model.reference is None
-            and args.lora_rank
-            and not args.reference_free
+            and lora
+            and not task.reference_free
             and "reference_chosen_logps" not in batch
         )
         if base_is_reference:  # LoRA: the reference is the policy without its adapters
             with adapters_off(model.model) as base:
                 ref = pair_logps(base, batch)[:2]
-        return dpo_loss_sums(model.model, model.reference, batch, args, ref)
+        return dpo_loss_sums(model.model, model.reference, batch, task, ref)
 
     return Objective(loss_sums=loss_sums, normalizer=pair_normalizer, token_nll=False)
 
@@ -180,22 +184,23 @@ class DPOTrainer(PairTrainer):
             raise ArgumentError(
                 "DPOTrainer needs DPOArguments (TrainingArguments plus beta, loss_type, ...)."
             )
-        model = concrete_model(model, args, task_runtime(args, kwargs))
-        self.dpo_args = args
+        settings = task_settings(args, kwargs)
+        task = settings.task
+        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
         reference = None
         # With LoRA and no reference given, the reference is the policy's own base without
         # its adapters (no second copy of the weights: with --quantization, the one quantized
         # base serves both).
-        base_is_reference = bool(args.lora_rank) and reference_model is None
-        if not args.reference_free:
+        base_is_reference = bool(settings.model.lora_rank) and reference_model is None
+        if not task.reference_free:
             if reference_model is not None:
-                reference = concrete_model(reference_model, args, kwargs["runtime"])
+                reference = concrete_model(reference_model, settings.model, kwargs["runtime"])
             elif not base_is_reference:
                 reference = nnx.clone(model)
-            if args.precompute_reference_logps:  # before LoRA: `model` is the base itself
+            if task.precompute_reference_logps:  # before LoRA: `model` is the base itself
                 self.processing_class = processing_class
                 dataset_train, dataset_eval = (
-                    self._with_reference_logps(reference or model, d, processing_class)
+                    self._with_reference_logps(reference or model, d, processing_class, settings)
                     for d in (dataset_train, dataset_eval)
                 )
             # With the log-probs stored in every dataset the reference is not needed.
@@ -217,21 +222,23 @@ class DPOTrainer(PairTrainer):
             dataset_train=dataset_train,
             dataset_eval=dataset_eval,
             processing_class=processing_class,
-            objective=dpo_objective(args),
+            objective=dpo_objective(settings),
             **kwargs,
         )
 
     # --------------------------------------------------------------- precompute
-    def _with_reference_logps(self, reference: nnx.Module, dataset: Any, tokenizer: Any) -> Any:
+    def _with_reference_logps(
+        self, reference: nnx.Module, dataset: Any, tokenizer: Any, settings: RunSettings
+    ) -> Any:
         if dataset is None or all(c in dataset_columns(dataset) for c in REFERENCE_COLUMNS):
             return dataset
         columns = reference_logps(
             reference,
             dataset,
             tokenizer=tokenizer,
-            max_length=self.dpo_args.max_sequence_length,
-            batch_size=self.dpo_args.resolved_eval_batch_size,
-            chat_template=self.dpo_args.chat_template,
+            max_length=settings.data.seq_len,
+            batch_size=settings.data.eval_batch_size,
+            chat_template=settings.data.chat_template,
             pad_token_id=_pad_id(tokenizer, reference),
         )
         return add_columns(dataset, columns)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.vision import text_tokenizer
 from jaxtrain.models.kv_cache import supports_kv_cache
@@ -26,7 +27,7 @@ from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
 from jaxtrain.rollout_arguments import GRPOArguments, RolloutArguments
 from jaxtrain.serving.tool_chat import check_tool_template
-from jaxtrain.trainers.base import concrete_model, task_pad_token_id, task_runtime
+from jaxtrain.trainers.base import concrete_model, task_pad_token_id, task_runtime, task_settings
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
@@ -57,8 +58,8 @@ class GRPOTrainer(Trainer):
     source_class: type[RolloutSource] = RolloutSource
 
     @staticmethod
-    def task_objective(args: Any) -> Objective:
-        return grpo_objective(args)
+    def task_objective(settings: RunSettings) -> Objective:
+        return grpo_objective(settings)
 
     def __init__(
         self,
@@ -81,11 +82,11 @@ class GRPOTrainer(Trainer):
                 f"{name} needs processing_class=tokenizer (prompts are tokenized and "
                 "completions decoded for the reward functions)."
             )
-        self.grpo_args = args
-        tool_calls = self._tool_calls(tools, environment_factory, args, processing_class)
+        settings = task_settings(args, kwargs)
+        tool_calls = self._tool_calls(tools, environment_factory, settings, processing_class)
         extra = tool_calls.rewards if tool_calls is not None else []  # environments' get_reward
-        self.reward_funcs = reward_funcs = self._reward_funcs(reward_funcs, args, extra)
-        weights = args.reward_weights or [1.0] * len(reward_funcs)
+        self.reward_funcs = reward_funcs = self._reward_funcs(reward_funcs, settings, extra)
+        weights = settings.task.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
             raise ArgumentError(
                 f"{type(args).__name__}.reward_weights has {len(weights)} weights for "
@@ -94,34 +95,36 @@ class GRPOTrainer(Trainer):
         if dataset_train is None:
             raise ArgumentError(f"{name} needs dataset_train (the prompts).")
         shown = tool_calls.shown if tool_calls is not None else None  # each row's tools
-        prompts = read_prompts(dataset_train, processing_class, args.max_prompt_length, shown)
+        prompts = read_prompts(
+            dataset_train, processing_class, settings.task.max_prompt_length, shown
+        )
         self.prompt_truncated_share = prompts.truncated_share
         dataset_eval = kwargs.pop("dataset_eval", None)
         eval_prompts = None
         if dataset_eval is not None:  # prompts whose completions are scored, not trained on
             eval_prompts = read_prompts(
-                dataset_eval, processing_class, args.max_prompt_length, shown
+                dataset_eval, processing_class, settings.task.max_prompt_length, shown
             )
-        rollout_mesh = split_rollout_devices(args, kwargs)
+        rollout_mesh = split_rollout_devices(settings, kwargs)
         runtime = task_runtime(args, kwargs)
-        check_process_groups(args, runtime.process_count)
-        sequence_length = args.max_prompt_length + args.max_completion_length
-        runtime.plan.batch.check(args.micro_batch_size, sequence_length, "micro-batch")
-        model = concrete_model(model, args, runtime)
+        check_process_groups(settings, runtime.process_count)
+        sequence_length = settings.task.max_prompt_length + settings.task.max_completion_length
+        runtime.plan.batch.check(settings.data.micro_batch_size, sequence_length, "micro-batch")
+        model = concrete_model(model, settings.model, runtime)
         if not supports_kv_cache(model):
             raise ArgumentError(
                 f"GRPO samples with the KV-cache generator; {type(model).__name__} has no KV "
                 "cache (the Llama family and its MoE, Gemma 2/3 and GPT-2 have)."
             )
         routing = getattr(model.config, "routing_shape", None)  # a MoE policy's
-        check_routing_replay(args, routing, tool_calls)
-        check_rollout_processes(args, runtime.process_count, tool_calls)
+        check_routing_replay(settings, routing, tool_calls)
+        check_rollout_processes(settings, runtime.process_count, tool_calls)
         if tool_calls is not None:  # a multi-turn rollout's turns record no routing (yet)
             routing = None
         reference = None
-        if args.beta > 0 and (reference_model is not None or not args.lora_rank):
+        if settings.task.beta > 0 and (reference_model is not None or not settings.model.lora_rank):
             reference = (
-                concrete_model(reference_model, args, runtime)
+                concrete_model(reference_model, settings.model, runtime)
                 if reference_model is not None
                 else nnx.clone(model)
             )
@@ -132,7 +135,7 @@ class GRPOTrainer(Trainer):
         eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
                    if e is not None]  # fmt: skip
         source = self.source_class(
-            args,
+            settings,
             prompts,
             tokenizer=text,
             reward_funcs=reward_funcs,
@@ -151,7 +154,7 @@ class GRPOTrainer(Trainer):
             dataset_train=dataset_train,
             processing_class=processing_class,
             train_source=source,
-            objective=self.task_objective(args),
+            objective=self.task_objective(settings),
             **kwargs,
         )
 
@@ -176,12 +179,12 @@ class GRPOTrainer(Trainer):
         pass@k (the share of prompts with a completion reaching eval_pass_threshold).
         `max_batches` is the batches of an eval set: the prompts are all sampled."""
         del max_batches
-        args, source = self.grpo_args, self.train_source
+        settings, source = self.settings, self.train_source
         prompts = source.eval_prompts
         source.settle()  # the engine finishes the rounds sampled ahead first
         if prompts is None:
             raise ArgumentError(f"{type(self).__name__}.evaluate needs dataset_eval (prompts).")
-        k, seed = args.eval_num_generations, args.seed + 0x5EED
+        k, seed = settings.task.eval_num_generations, settings.data.seed + 0x5EED
         # Each process completes and scores its contiguous share of the prompts.
         shares = np.array_split(np.arange(len(prompts)), source.process_count)
         mine = shares[source.process_index]
@@ -194,7 +197,7 @@ class GRPOTrainer(Trainer):
         per_func = gather_shares(scores, sizes)
         lengths = gather_shares(rollouts.model_lengths.astype(np.float64), sizes)
         rewards = np.nansum(per_func * source.reward_weights, axis=1)
-        passed = (rewards >= args.eval_pass_threshold).reshape(len(prompts), k).any(1)
+        passed = (rewards >= settings.task.eval_pass_threshold).reshape(len(prompts), k).any(1)
         logs = {
             "eval/reward": float(np.mean(rewards)),
             f"eval/pass@{k}": float(passed.mean()),
@@ -212,14 +215,14 @@ class GRPOTrainer(Trainer):
 
     @staticmethod
     def _tool_calls(
-        tools: Any, environment_factory: Any, args: RolloutArguments, tokenizer: Any
+        tools: Any, environment_factory: Any, settings: RunSettings, tokenizer: Any
     ) -> ToolCalls | None:
-        """The run's tools (given, or loaded from `args.tools` / `args.environment`), after
+        """The run's tools (given, or loaded from `settings.task.tools` / `settings.task.environment`), after
         checking that the chat template shows tool calls and that they can be parsed."""
-        if tools is None and args.tools:
-            tools = [load_callable(spec, "tool") for spec in args.tools]
-        if environment_factory is None and args.environment:
-            environment_factory = load_callable(args.environment, "environment")
+        if tools is None and settings.task.tools:
+            tools = [load_callable(spec, "tool") for spec in settings.task.tools]
+        if environment_factory is None and settings.task.environment:
+            environment_factory = load_callable(settings.task.environment, "environment")
         if not tools and environment_factory is None:
             return None
         check_tool_template(tokenizer)
@@ -227,10 +230,13 @@ class GRPOTrainer(Trainer):
 
     @classmethod
     def _reward_funcs(
-        cls, funcs: Any, args: RolloutArguments, extra: list[Callable]
+        cls, funcs: Any, settings: RunSettings, extra: list[Callable]
     ) -> list[Callable]:
         if funcs is None:
-            funcs = [load_reward(s, format_pattern=args.format_pattern) for s in args.reward or []]
+            funcs = [
+                load_reward(s, format_pattern=settings.task.format_pattern)
+                for s in settings.task.reward or []
+            ]
         funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         funcs += extra  # an environment's get_reward
         if not funcs:
@@ -245,10 +251,10 @@ class GRPOTrainer(Trainer):
         return funcs
 
 
-def split_rollout_devices(args: RolloutArguments, kwargs: dict[str, Any]) -> Mesh | None:
+def split_rollout_devices(settings: RunSettings, kwargs: dict[str, Any]) -> Mesh | None:
     """With `rollout_devices` r: the mesh of the last r of the run's devices (`devices=`, else
     all), where the engine samples; `kwargs` then train on the others. None: no split."""
-    r = args.rollout_devices
+    r = settings.task.rollout_devices
     if not r:
         return None
     if kwargs.get("runtime") is not None:
@@ -270,17 +276,17 @@ def split_rollout_devices(args: RolloutArguments, kwargs: dict[str, Any]) -> Mes
     return Mesh(np.array(devices[-r:]), ("rollout",))
 
 
-def check_process_groups(args: RolloutArguments, processes: int) -> None:
+def check_process_groups(settings: RunSettings, processes: int) -> None:
     """On several processes each generates whole groups of its rows of every micro-batch."""
     if processes == 1:
         return
-    if args.max_staleness:
+    if settings.task.max_staleness:
         raise ArgumentError(
-            f"max_staleness={args.max_staleness}: asynchronous rollouts run in one process for "
+            f"max_staleness={settings.task.max_staleness}: asynchronous rollouts run in one process for "
             f"now (this run has {processes}); set max_staleness=0, or run in one process."
         )
-    micro = args.total_batch_size // args.gradient_accumulation_steps
-    share, g = micro // processes, args.num_generations
+    micro = settings.data.global_batch_size // settings.data.accumulation_steps
+    share, g = micro // processes, settings.task.num_generations
     if micro % processes or share % g:
         raise ArgumentError(
             f"GRPO on {processes} processes: each generates its share of every micro-batch "
@@ -291,51 +297,58 @@ def check_process_groups(args: RolloutArguments, processes: int) -> None:
 
 
 def check_rollout_processes(
-    args: RolloutArguments, processes: int, tool_calls: ToolCalls | None
+    settings: RunSettings, processes: int, tool_calls: ToolCalls | None
 ) -> None:
     """Rollout processes serve one trainer process, and sample single-turn rollouts (a
     multi-turn rollout's environments live in the trainer's process)."""
-    if not args.rollout_processes:
+    if not settings.task.rollout_processes:
         return
     if processes > 1:
         raise ArgumentError(
-            f"rollout_processes={args.rollout_processes}: rollout processes serve a trainer "
+            f"rollout_processes={settings.task.rollout_processes}: rollout processes serve a trainer "
             f"in one process (this run has {processes}); set rollout_processes=0."
         )
     if tool_calls is not None:
         raise ArgumentError(
-            f"rollout_processes={args.rollout_processes}: rollouts with tools run in the "
+            f"rollout_processes={settings.task.rollout_processes}: rollouts with tools run in the "
             "trainer's process (their environments and tools live there); set "
             "rollout_processes=0."
         )
 
 
+def arguments_name(settings: RunSettings) -> str:
+    """The arguments class a run's task section comes from (GRPOArguments), as errors name it."""
+    return settings.task.arguments_class.__name__
+
+
 def check_routing_replay(
-    args: RolloutArguments, routing: tuple[int, int] | None, tool_calls: ToolCalls | None
+    settings: RunSettings, routing: tuple[int, int] | None, tool_calls: ToolCalls | None
 ) -> None:
     """routing_replay needs a mixture-of-experts policy sampled in single turns (the engine
     records the experts of one request's tokens)."""
-    if not args.routing_replay:
+    if not settings.task.routing_replay:
         return
     if routing is None:
         raise ArgumentError(
-            f"{type(args).__name__}.routing_replay replays a mixture-of-experts policy's "
+            f"{arguments_name(settings)}.routing_replay replays a mixture-of-experts policy's "
             "expert choices; this policy has no experts: set routing_replay=False."
         )
     if tool_calls is not None:
         raise ArgumentError(
-            f"{type(args).__name__}.routing_replay does not replay multi-turn tool rollouts "
+            f"{arguments_name(settings)}.routing_replay does not replay multi-turn tool rollouts "
             "yet (their turns are separate requests): set routing_replay=False, or drop tools."
         )
 
 
-def grpo_objective(args: GRPOArguments) -> Objective:
-    """GRPO's objective for `args` (loss type, beta, clipping): on a TaskModel whose
-    `reference` is the frozen KL reference (None with LoRA: the policy without adapters)."""
+def grpo_objective(settings: RunSettings) -> Objective:
+    """GRPO's objective for a run's settings (its task's loss type, beta, clipping): on a
+    TaskModel whose `reference` is the frozen KL reference (None with LoRA: the policy
+    without adapters)."""
+    task = settings.task
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        ids, labels, t = batch["input_ids"], batch["labels"], args.temperature
+        ids, labels, t = batch["input_ids"], batch["labels"], task.temperature
         # A vision prompt's images (None for text prompts), seen by every model.
         seen = dict(temperature=t, pixel_values=batch.get("pixel_values"))
         # Log-probs of softmax(logits / temperature): the distribution the completions were
@@ -346,7 +359,7 @@ def grpo_objective(args: GRPOArguments) -> Objective:
             model.model, ids, labels, entropy=True, routing=batch.get("routing"), **seen
         )
         ref = None
-        if args.beta > 0:
+        if task.beta > 0:
             if model.reference is not None:
                 ref, _ = model_token_logps(model.reference, ids, labels, **seen)
             else:  # LoRA: the base model is the policy without its adapters
@@ -355,15 +368,15 @@ def grpo_objective(args: GRPOArguments) -> Objective:
             ref = jax.lax.stop_gradient(ref)
         sums = grpo_loss_sums(
             logps, batch.get("old_logps"), ref, batch["advantages"], mask,
-            loss_type=args.loss_type, max_completion_length=args.max_completion_length,
+            loss_type=task.loss_type, max_completion_length=task.max_completion_length,
             sampler_logps=batch.get("sampler_logps"), sampler_weight=batch.get("sampler_weight"),
-            **loss_options(args),
+            **loss_options(task),
         )  # fmt: skip
         mask = mask.astype(jnp.float32)
         tokens = sums["completion_tokens"]
         out = {
             "loss_sum": sums["loss_sum"],
-            "tokens": loss_units(args.loss_type, mask).sum(),
+            "tokens": loss_units(task.loss_type, mask).sum(),
             # KL, clip ratio and entropy: means over every completion token of the window, as
             # TRL logs them (whatever unit the loss is averaged over; the clip ratio over the
             # completions at the sequence level).
@@ -375,32 +388,33 @@ def grpo_objective(args: GRPOArguments) -> Objective:
         if "phi_sum" in sums:  # vespo's weight, a mean over completions (TRL's phi_seq_mean)
             out["vespo/phi_seq_mean_sum"] = sums["phi_sum"]
             out["vespo/phi_seq_mean_count"] = jnp.float32(mask.shape[0])
-        clip_name = clip_metric_name(args.loss_type)  # none for sapo, cispo's own for cispo
+        clip_name = clip_metric_name(task.loss_type)  # none for sapo, cispo's own for cispo
         if clip_name is not None:
             out[f"{clip_name}_sum"] = sums["clipped_sum"]
             out[f"{clip_name}_count"] = sums["clipped_count"]
         return out
 
     def normalizer(batch: dict[str, jax.Array]) -> jax.Array:
-        return grpo_normalizer(args.loss_type, batch["labels"][..., 1:] != IGNORE_INDEX)
+        return grpo_normalizer(task.loss_type, batch["labels"][..., 1:] != IGNORE_INDEX)
 
     return Objective(loss_sums=loss_sums, normalizer=normalizer, token_nll=False)
 
 
-def loss_options(args: GRPOArguments) -> dict[str, Any]:
-    """grpo_token_terms's keywords from `args` (clipping, KL, ratio level, sapo, mask)."""
+def loss_options(task: Any) -> dict[str, Any]:
+    """grpo_token_terms's keywords from GRPOArguments' section (clipping, KL, ratio level,
+    sapo, mask)."""
     return {
-        "beta": args.beta,
-        "epsilon": args.epsilon,
-        "epsilon_high": args.epsilon_high,
-        "kl_ratio_weight": args.kl_ratio_weight,
-        "importance_sampling_level": args.importance_sampling_level,
-        "sapo_temperature_pos": args.sapo_temperature_pos,
-        "sapo_temperature_neg": args.sapo_temperature_neg,
-        "off_policy_mask_threshold": args.off_policy_mask_threshold,
-        "delta": args.delta,
-        "vespo": (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
-                  args.vespo_lambda_neg),
+        "beta": task.beta,
+        "epsilon": task.epsilon,
+        "epsilon_high": task.epsilon_high,
+        "kl_ratio_weight": task.kl_ratio_weight,
+        "importance_sampling_level": task.importance_sampling_level,
+        "sapo_temperature_pos": task.sapo_temperature_pos,
+        "sapo_temperature_neg": task.sapo_temperature_neg,
+        "off_policy_mask_threshold": task.off_policy_mask_threshold,
+        "delta": task.delta,
+        "vespo": (task.vespo_k_pos, task.vespo_lambda_pos, task.vespo_k_neg,
+                  task.vespo_lambda_neg),
     }  # fmt: skip
 
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.parallel.process_local import process_block
-from jaxtrain.rollout_arguments import GRPOArguments
 
 __all__ = ["GeneratedRound", "rollout_batch"]
 
@@ -25,7 +25,7 @@ ROUNDS_KIND = "grpo_rounds"
 
 
 def rollout_batch(
-    args: GRPOArguments,
+    settings: RunSettings,
     image_shape: tuple[int, ...] | None = None,
     routing: tuple[int, int] | None = None,
 ) -> dict[str, jax.ShapeDtypeStruct]:
@@ -34,21 +34,24 @@ def rollout_batch(
     `image_shape`, each row's prompt images in `images_per_row` slots; with a MoE policy's
     `routing` shape (MoeConfig.routing_shape) and routing_replay, the sampler's experts of
     every token [A, M, S, T, k] (-1: none recorded)."""
-    a = args.gradient_accumulation_steps
-    m, t = args.total_batch_size // a, args.max_prompt_length + args.max_completion_length
+    a = settings.data.accumulation_steps
+    m, t = (
+        settings.data.global_batch_size // a,
+        settings.task.max_prompt_length + settings.task.max_completion_length,
+    )
     shapes = {
         "input_ids": ((a, m, t), jnp.int32),
         "labels": ((a, m, t), jnp.int32),
         "advantages": ((a, m), jnp.float32),
     }
-    if args.num_iterations > 1 or args.max_staleness > 0:  # the sampling policy's
+    if settings.task.num_iterations > 1 or settings.task.max_staleness > 0:  # the sampling policy's
         shapes["old_logps"] = ((a, m, t - 1), jnp.float32)
-    if args.sampler_correction != "none":
+    if settings.task.sampler_correction != "none":
         shapes["sampler_logps"] = ((a, m, t - 1), jnp.float32)
         shapes["sampler_weight"] = ((a, m, t - 1), jnp.float32)
     if image_shape is not None:
-        shapes["pixel_values"] = ((a, m, args.images_per_row, *image_shape), jnp.float32)
-    if routing is not None and args.routing_replay:
+        shapes["pixel_values"] = ((a, m, settings.data.images_per_row, *image_shape), jnp.float32)
+    if routing is not None and settings.task.routing_replay:
         shapes["routing"] = ((a, m, routing[0], t, routing[1]), jnp.int16)
     return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from jaxtrain.rollout_arguments import GRPOArguments
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.serving import Completion, Engine, SamplingParams
 from jaxtrain.serving.tool_chat import response_template
 from jaxtrain.serving.warm_up import EngineShape
@@ -31,14 +31,15 @@ __all__ = ["RolloutSampler", "completion_logs", "rollout_engine_shape"]
 Ask = tuple[Any, int, int, int, Any]
 
 
-def rollout_engine_shape(args: GRPOArguments) -> EngineShape:
+def rollout_engine_shape(settings: RunSettings) -> EngineShape:
     """The engine GRPO samples on: a slot per completion of an update, pages of 16 tokens,
     rows of a prompt and its completion (what `jaxtrain plan --task grpo` compiles too)."""
+    task = settings.task
     return EngineShape(
-        max_slots=args.total_batch_size,
+        max_slots=settings.data.global_batch_size,
         page_size=16,
-        max_length=args.max_prompt_length + args.max_completion_length,
-        decode_steps=args.rollout_decode_steps,
+        max_length=task.max_prompt_length + task.max_completion_length,
+        decode_steps=task.rollout_decode_steps,
     )
 
 
@@ -52,7 +53,7 @@ class RolloutSampler:
 
     def __init__(
         self,
-        args: GRPOArguments,
+        settings: RunSettings,
         tokenizer: Any,
         *,
         eos_token_ids: list[int],
@@ -62,7 +63,7 @@ class RolloutSampler:
         tool_calls: ToolCalls | None = None,
         routing: tuple[int, int] | None = None,
     ):
-        self.args, self.tokenizer, self.eos_token_ids = args, tokenizer, eos_token_ids
+        self.settings, self.tokenizer, self.eos_token_ids = settings, tokenizer, eos_token_ids
         self.routing = routing
         self.pad_token_id, self.prompt_sets, self.processes = pad_token_id, prompt_sets, processes
         self.tool_calls = tool_calls
@@ -72,7 +73,7 @@ class RolloutSampler:
     def load(self, policy: nnx.Module) -> None:
         """Sample from `policy` from now on (the engine is made at the first call)."""
         if self.engine is None:
-            shape = rollout_engine_shape(self.args)
+            shape = rollout_engine_shape(self.settings)
             self.engine = Engine(
                 policy,
                 max_slots=shape.max_slots,
@@ -81,7 +82,7 @@ class RolloutSampler:
                 decode_steps=shape.decode_steps,
                 eos_token_ids=self.eos_token_ids,
                 logprobs_mode="processed",  # scored as the trainer scores them
-                max_images=self.args.images_per_row,
+                max_images=self.settings.data.images_per_row,
                 record_routing=self.routing is not None,
             )
             self.engine.warm_up(*self._warm_up_limits())
@@ -95,7 +96,7 @@ class RolloutSampler:
         its episode comes back too. A completion is its tokens up to its end-of-sequence id
         or max_completion_length, with the sampler's log-prob of each (after the
         temperature)."""
-        args = self.args
+        settings = self.settings
         ids = [prompts.ids[r] for r in prompt_rows]
         boxes = None
         if self.tool_calls is not None:
@@ -106,7 +107,7 @@ class RolloutSampler:
             ]
         asks: list[Ask] = []
         for p, seed in enumerate(seeds):
-            group, most = ids[p * g : (p + 1) * g], args.max_completion_length
+            group, most = ids[p * g : (p + 1) * g], settings.task.max_completion_length
             images = None if prompts.images is None else prompts.images[prompt_rows[p * g]]
             if all(np.array_equal(x, group[0]) for x in group):
                 asks.append((group[0], g, seed, most, images))
@@ -115,7 +116,11 @@ class RolloutSampler:
         firsts = [c for group in self.run(asks) for c in group]
         fill = self.eos_token_ids[0] if self.eos_token_ids else self.pad_token_id
         out = RolloutRows.empty(
-            len(ids), args.max_prompt_length, args.max_completion_length, fill, self.routing
+            len(ids),
+            settings.task.max_prompt_length,
+            settings.task.max_completion_length,
+            fill,
+            self.routing,
         )
         if boxes is None:
             for i, (prompt, c) in enumerate(zip(ids, firsts)):
@@ -130,9 +135,9 @@ class RolloutSampler:
             self._next_turns,
             self.tokenizer,
             self.template,
-            max_completion_length=args.max_completion_length,
-            max_iterations=args.max_tool_calling_iterations,
-            timeout=args.tool_timeout,
+            max_completion_length=settings.task.max_completion_length,
+            max_iterations=settings.task.max_tool_calling_iterations,
+            timeout=settings.task.tool_timeout,
             seed=lambda i, turn: (seeds[i // g] * 1_000_003 + (i % g) * 7_919 + turn + 1) % 2**31,
         )
         for i, e in enumerate(episodes):
@@ -142,15 +147,15 @@ class RolloutSampler:
 
     def run(self, asks: list[Ask]) -> list[list[Completion]]:
         """Each request's completions, in the order of their index."""
-        args = self.args
+        settings = self.settings
         ids = [
             self.engine.submit(
                 prompt,
                 SamplingParams(
                     max_tokens=most,
-                    temperature=args.temperature,
-                    top_p=args.top_p,
-                    top_k=args.top_k or 0,
+                    temperature=settings.task.temperature,
+                    top_p=settings.task.top_p,
+                    top_k=settings.task.top_k or 0,
                     seed=seed,
                 ),  # fmt: skip
                 n=n,
@@ -173,21 +178,23 @@ class RolloutSampler:
     def _observed(self, messages: list, observation: str, tools: list) -> np.ndarray:
         """A prompt with its environment's observation, tokenized (left-cut to fit)."""
         tokens = chat_ids(self.tokenizer, observed_prompt(messages, observation), tools)
-        return np.asarray(tokens[-self.args.max_prompt_length :], np.int32)
+        return np.asarray(tokens[-self.settings.task.max_prompt_length :], np.int32)
 
     def _warm_up_limits(self) -> tuple[int, int]:
         """(the longest prompt, the most prompts one call submits) of the rounds and the
         evaluations on this process: the engine's warm-up compiles no shape beyond them."""
-        args = self.args
+        settings = self.settings
         longest = max(len(ids) for prompts in self.prompt_sets for ids in prompts.ids)
-        per_round = args.total_batch_size // self.processes // args.num_generations
+        per_round = (
+            settings.data.global_batch_size // self.processes // settings.task.num_generations
+        )
         if self.tool_calls is not None:  # every rollout's next turn: its whole sequence so far
-            longest = args.max_prompt_length + args.max_completion_length - 1
-            per_round = args.total_batch_size // self.processes
+            longest = settings.task.max_prompt_length + settings.task.max_completion_length - 1
+            per_round = settings.data.global_batch_size // self.processes
         # Evaluations: contiguous shares of the eval prompts, the first ones the larger.
         per_eval = max((-(-len(p) // self.processes) for p in self.prompt_sets[1:]), default=0)
         if self.tool_calls is not None:
-            per_eval *= args.eval_num_generations
+            per_eval *= settings.task.eval_num_generations
         return longest, max(per_round, per_eval)
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.batch_source import SourceBatch
 from jaxtrain.data.meter import DataMeter
 from jaxtrain.parallel.batch import BatchLayout
@@ -48,7 +49,6 @@ from jaxtrain.parallel.process_local import (
     micro_batch_share,
     process_local_state,
 )
-from jaxtrain.rollout_arguments import GRPOArguments
 from jaxtrain.serving import Engine
 from jaxtrain.trainers.grpo_loss import group_advantages
 from jaxtrain.trainers.grpo_prompts import PromptLoader, Prompts
@@ -79,7 +79,7 @@ class RolloutSource:
 
     def __init__(
         self,
-        args: GRPOArguments,
+        settings: RunSettings,
         prompts: Prompts,
         *,
         tokenizer: Any,
@@ -93,31 +93,31 @@ class RolloutSource:
         rollout_mesh: Any = None,
         routing: tuple[int, int] | None = None,
     ):
-        self.args, self.prompts, self.tokenizer = args, prompts, tokenizer
+        self.settings, self.prompts, self.tokenizer = settings, prompts, tokenizer
         self.eval_prompts = eval_prompts  # sampled by GRPOTrainer.evaluate on this engine
         self.reward_funcs, self.reward_weights = list(reward_funcs), reward_weights
         self.layout, self.pad_token_id, self.eos_token_ids = layout, pad_token_id, eos_token_ids
         self.order = PromptLoader(
             len(prompts),
-            args.total_batch_size // args.num_generations,
-            args.num_iterations,
-            args.seed,
-            args.shuffle_train,
-            group=args.num_generations,
-            accumulation=args.gradient_accumulation_steps,
+            settings.data.global_batch_size // settings.task.num_generations,
+            settings.task.num_iterations,
+            settings.data.seed,
+            settings.data.shuffle,
+            group=settings.task.num_generations,
+            accumulation=settings.data.accumulation_steps,
         )
         self.meter = DataMeter()  # nothing is truncated or padded by a collator here
         self.last_completions: list[str] = []  # the newest round's, for inspection
         self._program: Any = None
         self._round: GeneratedRound | None = None  # the batch the current round's steps reuse
         self._last_batch_time: float | None = None
-        self.logps = RoundLogps(args, layout)  # the trainer's log-probs of a round
+        self.logps = RoundLogps(settings, layout)  # the trainer's log-probs of a round
         self.process_index, self.process_count = jax.process_index(), layout.process_count
         self._local_rest: Any = None  # the policy's frozen part on this process's devices
         # A mesh of devices of its own for the engine (rollout_devices), or None.
         self.rollout_mesh = rollout_mesh
         self.sampler = RolloutSampler(
-            args,
+            settings,
             tokenizer,
             eos_token_ids=eos_token_ids,
             pad_token_id=pad_token_id,
@@ -128,14 +128,18 @@ class RolloutSource:
         )
         self.routing = routing  # a MoE policy's routing shape: its agreement is measured
         self.rollout_workers: RolloutProcesses | None = None  # rollout_processes > 0
-        if args.rollout_processes:
-            self.rollout_workers = RolloutProcesses(args.rollout_processes, self.sampler)
+        if settings.task.rollout_processes:
+            self.rollout_workers = RolloutProcesses(settings.task.rollout_processes, self.sampler)
         self.tool_calls = tool_calls
         self._episodes: dict[int, Episode] = {}  # this round's multi-turn rollouts, by row
         self.ahead: RoundsAhead | None = None  # max_staleness > 0: rounds sampled ahead
-        if args.max_staleness > 0:
-            last = (args.max_steps - 1) // args.num_iterations if args.max_steps > 0 else None
-            self.ahead = RoundsAhead(self._sample_round, args.max_staleness, last)
+        if settings.task.max_staleness > 0:
+            last = (
+                (settings.loop.max_steps - 1) // settings.task.num_iterations
+                if settings.loop.max_steps > 0
+                else None
+            )
+            self.ahead = RoundsAhead(self._sample_round, settings.task.max_staleness, last)
 
     @property
     def engine(self) -> Engine | None:
@@ -149,7 +153,7 @@ class RolloutSource:
 
     @property
     def sequence_length(self) -> int:
-        return self.args.max_prompt_length + self.args.max_completion_length
+        return self.settings.task.max_prompt_length + self.settings.task.max_completion_length
 
     # ------------------------------------------------------------ the protocol
     @property
@@ -190,7 +194,7 @@ class RolloutSource:
             k: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=self.layout.sharding(x.ndim, micro_axis=True)
             )
-            for k, x in rollout_batch(self.args, self.prompts.image_shape, self.routing).items()
+            for k, x in rollout_batch(self.settings, self.prompts.image_shape, self.routing).items()
         }
 
     def next(self, step: int, state: Any) -> SourceBatch:
@@ -202,7 +206,7 @@ class RolloutSource:
         logs: dict[str, float] = {}
         if self._last_batch_time is not None:  # the previous step's rest: its update
             logs["time/training_s"] = now - self._last_batch_time
-        n = self.args.num_iterations
+        n = self.settings.task.num_iterations
         generation = step // n
         if self._round is None and step % n:
             # Resumed inside a round from a checkpoint that does not keep its batch (see
@@ -238,7 +242,7 @@ class RolloutSource:
         """Inside a round (step `step` reuses the batch of the steps before it): the round's
         batch and logs, so a resume finishes the round exactly; and the rounds sampled ahead
         (waited for). At a boundary of a synchronous run: nothing."""
-        n, current = self.args.num_iterations, self._round
+        n, current = self.settings.task.num_iterations, self._round
         inside = current is not None and step % n != 0 and current.generation == step // n
         ahead = self.ahead.rounds() if self.ahead is not None else []
         if not ahead:
@@ -251,7 +255,7 @@ class RolloutSource:
         """The round a checkpoint kept becomes the current one (the next steps reuse it), and
         the rounds it sampled ahead the ones to come; rounds of another num_iterations are
         left unread."""
-        n = self.args.num_iterations
+        n = self.settings.task.num_iterations
         if details.get("num_iterations") != n:
             return
         rounds = GeneratedRound.restored_rounds(details, restore, self.abstract_batch())
@@ -273,12 +277,14 @@ class RolloutSource:
     def sampling_key(self, step: int) -> jax.Array:
         """The key of the completions of `step`'s round: a function of the seed and the
         round only, so a resumed run samples what the uninterrupted one did."""
-        return jax.random.fold_in(jax.random.key(self.args.seed), step // self.args.num_iterations)
+        return jax.random.fold_in(
+            jax.random.key(self.settings.data.seed), step // self.settings.task.num_iterations
+        )
 
     def _sample_round(self, state: Any, generation: int, launched_at: int) -> GeneratedRound:
         """Round `generation`, sampled from `state` (a copy of the parameters of the round
         `launched_at` when sampled ahead: its staleness is the difference)."""
-        start = self.args.num_iterations * generation
+        start = self.settings.task.num_iterations * generation
         placed, logs, host, texts = self._generate(state, start)
         if self.ahead is not None:
             logs["async/staleness"] = float(generation - launched_at)
@@ -298,7 +304,7 @@ class RolloutSource:
     def _generate(
         self, state: Any, step: int
     ) -> tuple[dict[str, jax.Array], dict[str, float], dict[str, np.ndarray], list[str]]:
-        args, g = self.args, self.args.num_generations
+        settings, g = self.settings, self.settings.task.num_generations
         rows = np.repeat(self.order.rows_at(step), g)  # each prompt's group, together
         n = len(rows)
         mine = self.local_rows(np.arange(n))  # the round's rows this process generates
@@ -310,7 +316,7 @@ class RolloutSource:
         per_func = self.gather_rows(scores_here)
         rewards, advantages, equal = self._advantages(per_func)
         used, replaced, passes = set(rows.tolist()), 0, 0
-        for attempt in range(1, args.dynamic_sampling_passes + 1):
+        for attempt in range(1, settings.task.dynamic_sampling_passes + 1):
             groups = np.flatnonzero(equal[::g])  # every process finds the same ones
             fresh = self.order.refill_rows(step, attempt, len(groups), np.asarray(sorted(used)))
             if not len(groups) or not len(fresh):
@@ -328,19 +334,19 @@ class RolloutSource:
             replaced, passes = replaced + len(groups), attempt
         every = RolloutRows(**{k: self.gather_rows(v) for k, v in here.arrays().items()})
         ended = every.ended(self.eos_token_ids)
-        scored = ~(~ended & args.mask_truncated_completions)
+        scored = ~(~ended & settings.task.mask_truncated_completions)
         texts = every.texts(self.tokenizer)
         host = every.train_rows(
             scored,
             advantages,
             sequence_length=self.sequence_length,
             pad_token_id=self.pad_token_id,
-            accumulation=args.gradient_accumulation_steps,
+            accumulation=settings.data.accumulation_steps,
         )
         if self.prompts.image_shape is not None:  # the prompts' images, for the forward
-            slots = self.prompts.image_slots(rows, args.images_per_row)
+            slots = self.prompts.image_slots(rows, settings.data.images_per_row)
             host["pixel_values"] = slots.reshape(
-                args.gradient_accumulation_steps, -1, *slots.shape[1:]
+                settings.data.accumulation_steps, -1, *slots.shape[1:]
             )
         host = {k: self.local_rows(v, micro_axis=True) for k, v in host.items()}
         placed = self.layout.to_global(host, micro_axis=True)
@@ -350,16 +356,16 @@ class RolloutSource:
         equal, penalty_logs = self.final_advantages(state, placed, trainer_logps, rewards, equal)
         sampler_logps = placed.pop("sampler_logps")
         if (
-            args.num_iterations > 1 or args.max_staleness > 0
+            settings.task.num_iterations > 1 or settings.task.max_staleness > 0
         ):  # later updates (or rounds) compare with it
             placed["old_logps"] = trainer_logps
         labels = placed["labels"]
         weight, agreement_logs = self.logps.agreement(trainer_logps, sampler_logps, labels)
         if "routing" in placed:  # a MoE policy: the trainer's routing against the sampler's
             agreement_logs.update(self.logps.routing(self._program, state, placed))
-            if not args.routing_replay:
+            if not settings.task.routing_replay:
                 del placed["routing"]
-        if args.sampler_correction != "none":
+        if settings.task.sampler_correction != "none":
             placed["sampler_logps"], placed["sampler_weight"] = sampler_logps, weight
         logs = {
             "reward": float(np.nanmean(rewards)),
@@ -372,7 +378,7 @@ class RolloutSource:
         }
         if self.rollout_workers is not None:  # the weight handoff to the processes
             logs["rollout/weight_send_s"] = self.rollout_workers.last_send_s
-        if args.dynamic_sampling_passes:
+        if settings.task.dynamic_sampling_passes:
             logs["dynamic_sampling/replaced_groups"] = float(replaced)
             logs["dynamic_sampling/passes"] = float(passes)
         for j, fn in enumerate(self.reward_funcs):
@@ -435,20 +441,20 @@ class RolloutSource:
     def _advantages(self, per_func: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(weighted rewards, NaN where no function scored; advantages; group all equal)."""
         rewards = self.weighted_rewards(per_func)
-        advantages, equal = group_advantages(rewards, self.args.num_generations,
-                                             self.args.scale_rewards)  # fmt: skip
+        advantages, equal = group_advantages(rewards, self.settings.task.num_generations,
+                                             self.settings.task.scale_rewards)  # fmt: skip
         return rewards, advantages, equal
 
     # ------------------------------------------------------------ processes
     def local_rows(self, rows: np.ndarray, *, micro_axis: bool = False) -> np.ndarray:
         """This process's share of a round's rows (parallel/process_local.py)."""
-        a = self.args.gradient_accumulation_steps
+        a = self.settings.data.accumulation_steps
         return micro_batch_share(rows, a, self.process_index, self.process_count,
                                  micro_axis=micro_axis)  # fmt: skip
 
     def gather_rows(self, local: np.ndarray) -> np.ndarray:
         """The round's rows [N, ...] in batch order from every process's `local_rows`."""
-        a = self.args.gradient_accumulation_steps
+        a = self.settings.data.accumulation_steps
         return gather_micro_batch_shares(local, a, self.process_count)
 
     def sample(
@@ -459,7 +465,7 @@ class RolloutSource:
         place j of the round draws with the round's seed + j, whichever process samples it;
         dynamic sampling's pass `attempt` with other seeds (the round's seed + attempt x
         groups)."""
-        g = self.args.num_generations
+        g = self.settings.task.num_generations
         round_seed = int(jax.random.randint(self.sampling_key(step), (), 0, 2**31 - 1))
         seeds = [round_seed + attempt * (len(rows) // g) + i // g for i in mine[::g]]
         out, episodes = self.roll(state, self.prompts, rows[mine], g, seeds)

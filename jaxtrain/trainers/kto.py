@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import KTO_LOSS_TYPES, KTOArguments
 from jaxtrain.trainers.base import (
     TaskTrainer,
@@ -36,6 +37,7 @@ from jaxtrain.trainers.base import (
     pair_normalizer,
     task_pad_token_id,
     task_runtime,
+    task_settings,
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.kto_data import KTOCollator, KTOFeaturizer, is_paired, unpair_preferences
@@ -70,12 +72,13 @@ def kto_losses(
 
 
 def kto_loss_sums(
-    policy: Any, reference: Any, batch: dict[str, jax.Array], args: KTOArguments
+    policy: Any, reference: Any, batch: dict[str, jax.Array], task: Any
 ) -> dict[str, jax.Array]:
     """The objective's sums over a batch of examples (per example; entropy per token, the
-    rewards and log-probs of each kind per example of that kind)."""
+    rewards and log-probs of each kind per example of that kind); `task`: KTOArguments'
+    section (beta, loss_type, desirable_weight, undesirable_weight)."""
     n = unit_count(batch)
-    with_kl = args.loss_type == "kto"
+    with_kl = task.loss_type == "kto"
     sides = KL_SIDES if with_kl else KL_SIDES[:1]
     stop = jax.lax.stop_gradient
     policy_s = sequence_logps(policy, batch, sides, entropy=True)
@@ -94,12 +97,12 @@ def kto_loss_sums(
         logratios,
         desirable > 0,
         kl,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        desirable_weight=args.desirable_weight,
-        undesirable_weight=args.undesirable_weight,
+        beta=task.beta,
+        loss_type=task.loss_type,
+        desirable_weight=task.desirable_weight,
+        undesirable_weight=task.undesirable_weight,
     )
-    rewards = args.beta * stop(logratios)
+    rewards = task.beta * stop(logratios)
     tokens = (policy_s.side("tokens", 0, n) * real).sum()
     return {
         "loss_sum": (losses * real).sum(),
@@ -118,12 +121,12 @@ def kto_loss_sums(
     }
 
 
-def kto_objective(args: KTOArguments) -> Objective:
+def kto_objective(settings: RunSettings) -> Objective:
     """KTO's objective on a TaskModel whose `reference` is the frozen reference."""
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        return kto_loss_sums(model.model, model.reference, batch, args)
+        return kto_loss_sums(model.model, model.reference, batch, settings.task)
 
     return Objective(
         loss_sums=loss_sums,
@@ -160,10 +163,11 @@ class KTOTrainer(TaskTrainer):
                 "KTOTrainer needs KTOArguments (TrainingArguments plus beta, loss_type, "
                 "desirable_weight, undesirable_weight)."
             )
-        runtime = task_runtime(args, kwargs)
-        model = concrete_model(model, args, runtime)
+        settings, runtime = task_settings(args, kwargs), task_runtime(args, kwargs)
+        data = settings.data
+        model = concrete_model(model, settings.model, runtime)
         reference = (
-            concrete_model(reference_model, args, runtime)
+            concrete_model(reference_model, settings.model, runtime)
             if reference_model is not None
             else nnx.clone(model)
         )
@@ -171,24 +175,25 @@ class KTOTrainer(TaskTrainer):
             unpair_preferences(d) if d is not None and is_paired(dataset_columns(d)) else d
             for d in (dataset_train, dataset_eval)
         )
-        kl = args.loss_type == "kto"  # apo_zero_unpaired needs no mismatched sequences
+        kl = settings.task.loss_type == "kto"  # apo_zero_unpaired needs no mismatched sequences
         user_collator = kwargs.get("data_collator") is not None
         pad = task_pad_token_id(processing_class, model)
         if not user_collator:
             # The KL rows rotate within each micro-batch's rows on this process.
-            group = args.micro_batch_size // runtime.process_count
-            kwargs["data_collator"] = KTOCollator(args.max_sequence_length, pad, group=group, kl=kl)
-        if args.packing:
+            group = data.micro_batch_size // runtime.process_count
+            kwargs["data_collator"] = KTOCollator(data.seq_len, pad, group=group, kl=kl)
+        if data.packing:
             featurizer = KTOFeaturizer(
                 name="dataset_train",
                 tokenizer=processing_class,
-                max_length=args.max_sequence_length,
-                chat_template=args.chat_template,
+                max_length=data.seq_len,
+                chat_template=data.chat_template,
             )
-            layout = KTOLayout(args.max_sequence_length, kl)
+            layout = KTOLayout(data.seq_len, kl)
             add_packed_source(
                 kwargs,
-                args,
+                data,
+                runtime,
                 dataset_train,
                 featurizer,
                 lambda _: layout,
@@ -202,7 +207,7 @@ class KTOTrainer(TaskTrainer):
             dataset_train=dataset_train,
             dataset_eval=dataset_eval,
             processing_class=processing_class,
-            objective=kto_objective(args),
+            objective=kto_objective(settings),
             **kwargs,
         )
 
@@ -210,6 +215,6 @@ class KTOTrainer(TaskTrainer):
         return KTOFeaturizer(
             name=name,
             tokenizer=self.processing_class,
-            max_length=self.arguments.max_sequence_length,
-            chat_template=self.arguments.chat_template,
+            max_length=self.settings.data.seq_len,
+            chat_template=self.settings.data.chat_template,
         )

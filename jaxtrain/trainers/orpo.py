@@ -22,8 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import ORPOArguments
-from jaxtrain.trainers.base import PairTrainer, concrete_model, pair_normalizer, task_runtime
+from jaxtrain.trainers.base import (
+    PairTrainer,
+    concrete_model,
+    pair_normalizer,
+    task_runtime,
+    task_settings,
+)
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
     full_target_count,
@@ -49,10 +56,9 @@ def odds_ratio_terms(chosen: jax.Array, rejected: jax.Array) -> tuple[jax.Array,
     return jax.nn.log_sigmoid(log_odds), log_odds
 
 
-def orpo_loss_sums(
-    policy: Any, batch: dict[str, jax.Array], args: ORPOArguments
-) -> dict[str, jax.Array]:
-    """The objective's sums over a batch of pairs (per pair, but `nll_loss`: per token)."""
+def orpo_loss_sums(policy: Any, batch: dict[str, jax.Array], beta: float) -> dict[str, jax.Array]:
+    """The objective's sums over a batch of pairs (per pair, but `nll_loss`: per token);
+    `beta` weighs the odds-ratio term."""
     n = unit_count(batch)
     s = sequence_logps(policy, batch, full=True)
     c_n, r_n = (jnp.maximum(s.side("tokens", k, n), 1.0) for k in (0, 1))
@@ -67,12 +73,12 @@ def orpo_loss_sums(
     nll_sum = -(s.side("full_logps", 0, n) * real).sum()
     nll_tokens = (s.side("full_tokens", 0, n) * real).sum()
     scale = batch[NLL_SCALE] if NLL_SCALE in batch else real.sum() / jnp.maximum(nll_tokens, 1.0)
-    reward_chosen = args.beta * jax.lax.stop_gradient(chosen)
-    reward_rejected = args.beta * jax.lax.stop_gradient(rejected)
+    reward_chosen = beta * jax.lax.stop_gradient(chosen)
+    reward_rejected = beta * jax.lax.stop_gradient(rejected)
     won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
     stop = jax.lax.stop_gradient
     return {
-        "loss_sum": nll_sum * scale - args.beta * (ratio * real).sum(),
+        "loss_sum": nll_sum * scale - beta * (ratio * real).sum(),
         "tokens": real.sum(),
         "correct": won.sum(),
         "rewards/chosen_sum": (reward_chosen * real).sum(),
@@ -88,12 +94,12 @@ def orpo_loss_sums(
     }
 
 
-def orpo_objective(args: ORPOArguments) -> Objective:
+def orpo_objective(settings: RunSettings) -> Objective:
     """ORPO's objective on a TaskModel without frozen parts."""
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        return orpo_loss_sums(model.model, batch, args)
+        return orpo_loss_sums(model.model, batch, settings.task.beta)
 
     def scalars(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         tokens = jnp.maximum(full_target_count(batch, side=0), 1.0)
@@ -116,7 +122,8 @@ class ORPOTrainer(PairTrainer):
         args = arguments if arguments is not None else ORPOArguments()
         if not isinstance(args, ORPOArguments):
             raise ArgumentError("ORPOTrainer needs ORPOArguments (TrainingArguments plus beta).")
-        model = concrete_model(model, args, task_runtime(args, kwargs))
+        settings = task_settings(args, kwargs)
+        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
         super().__init__(
-            arguments=args, model=TaskModel(model), objective=orpo_objective(args), **kwargs
+            arguments=args, model=TaskModel(model), objective=orpo_objective(settings), **kwargs
         )

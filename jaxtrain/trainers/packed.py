@@ -83,7 +83,7 @@ def units_per_micro_batch(rows: int, seq_len: int) -> int:
 
 
 def packed_source(
-    args: Any,
+    settings: DataSettings,
     runtime: Runtime,
     dataset: Any,
     featurizer: Any,
@@ -95,7 +95,6 @@ def packed_source(
     examples, `layout_of(featurizer)` (after its first row is seen) into sequences; the pad
     id is `pad_token_id`."""
     name = "dataset_train"
-    settings = DataSettings.from_arguments(args)
     if not settings.fixed_length:
         raise DatasetError(
             f"{name} with packing=True has no known number of steps per epoch (the pairs a "

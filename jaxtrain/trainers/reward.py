@@ -23,7 +23,13 @@ from flax import nnx
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.models.lora import merge_lora
 from jaxtrain.state import TrainState
-from jaxtrain.trainers.base import PairTrainer, concrete_model, pair_normalizer, task_runtime
+from jaxtrain.trainers.base import (
+    PairTrainer,
+    concrete_model,
+    pair_normalizer,
+    task_runtime,
+    task_settings,
+)
 from jaxtrain.trainers.frozen import TaskModel, freeze
 from jaxtrain.trainers.sequences import is_packed, real_units, unit_count
 from jaxtrain.training.program import Objective
@@ -130,9 +136,10 @@ class RewardTrainer(PairTrainer):
         from jaxtrain.arguments import TrainingArguments
 
         args = arguments if arguments is not None else TrainingArguments()
-        model = concrete_model(model, args, task_runtime(args, kwargs))
+        settings = task_settings(args, kwargs)
+        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
         if not isinstance(model, RewardModel):
-            model = RewardModel(model, seed=args.seed)
+            model = RewardModel(model, seed=settings.model.seed)
         super().__init__(
             arguments=args, model=TaskModel(model), objective=REWARD_OBJECTIVE, **kwargs
         )
@@ -150,7 +157,7 @@ class RewardTrainer(PairTrainer):
         if lora_format != "merged":
             raise ArgumentError("RewardTrainer exports merged weights only (lora_format='merged').")
         kwargs.setdefault("tokenizer", self.processing_class)
-        kwargs.setdefault("chat_template", self.arguments.chat_template)  # the run's template
+        kwargs.setdefault("chat_template", self.settings.data.chat_template)  # the run's one
         return save_reward_model(
             self.model_from_state(state), save_directory, pad_token_id=self.pad_token_id, **kwargs
         )

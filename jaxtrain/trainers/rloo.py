@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.rollout_arguments import RLOOArguments
@@ -66,17 +67,18 @@ def rloo_advantages(
     return np.nan_to_num(advantages, nan=0.0).astype(np.float32), equal
 
 
-def rloo_objective(args: RLOOArguments) -> Objective:
+def rloo_objective(settings: RunSettings) -> Objective:
     """RLOO's objective: a clipped ratio per completion (the sum of its log-ratios) times its
     advantage, averaged over completions. Logs the entropy (per token) and the share of
     clipped completions (TRL's clip_ratio/low_mean, high_mean, region_mean)."""
-    low_bound, high_bound = 1.0 - args.epsilon, 1.0 + args.epsilon_high
+    task = settings.task
+    low_bound, high_bound = 1.0 - task.epsilon, 1.0 + task.epsilon_high
 
     def loss_sums(model: Any, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
         ids, labels = batch["input_ids"], batch["labels"]
         logps, mask, entropy = model_token_logps(
-            model.model, ids, labels, entropy=True, temperature=args.temperature,
+            model.model, ids, labels, entropy=True, temperature=task.temperature,
             pixel_values=batch.get("pixel_values"), routing=batch.get("routing"),
         )  # fmt: skip
         mask = mask.astype(jnp.float32)
@@ -126,22 +128,22 @@ class RLOOSource(RolloutSource):
         rewards: np.ndarray,
         equal: np.ndarray,
     ) -> tuple[np.ndarray, dict[str, float]]:
-        args, logs = self.args, {}
+        settings, logs = self.settings, {}
         kl = np.zeros(len(rewards))
-        if args.beta > 0:
+        if settings.task.beta > 0:
             per_row, total, tokens = self._kl(state, placed, trainer_logps)
             kl = np.asarray(per_row, np.float64).reshape(-1)  # batch order, as `rewards`
             logs["kl"] = float(total) / max(float(tokens), 1.0)
-        clip = args.reward_clip_range
+        clip = settings.task.reward_clip_range
         advantages, equal = rloo_advantages(
             rewards,
             kl,
-            beta=args.beta,
-            num_generations=args.num_generations,
-            normalize=args.normalize_advantages,
+            beta=settings.task.beta,
+            num_generations=settings.task.num_generations,
+            normalize=settings.task.normalize_advantages,
             clip_range=None if clip is None else (float(clip[0]), float(clip[1])),
         )
-        shaped = advantages.reshape(args.gradient_accumulation_steps, -1)
+        shaped = advantages.reshape(settings.data.accumulation_steps, -1)
         local = {"advantages": self.local_rows(shaped, micro_axis=True)}
         placed["advantages"] = self.layout.to_global(local, micro_axis=True)["advantages"]
         return equal, logs
@@ -151,7 +153,7 @@ class RLOOSource(RolloutSource):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(each completion's summed log pi_old - log pi_ref [A, M], their total, the tokens),
         the same on every process."""
-        program, t = self.program, self.args.temperature
+        program, t = self.program, self.settings.task.temperature
         if self._kl_fn is None:
             graphdef = program.graphdef
             everywhere = NamedSharding(self.layout.mesh, PartitionSpec())
@@ -191,5 +193,5 @@ class RLOOTrainer(GRPOTrainer):
     source_class = RLOOSource
 
     @staticmethod
-    def task_objective(args: Any) -> Objective:
-        return rloo_objective(args)
+    def task_objective(settings: RunSettings) -> Objective:
+        return rloo_objective(settings)

@@ -46,7 +46,7 @@ class Setup:
     """What a rollout process samples with (its RolloutSampler's arguments: `share`, the
     processes sharing each round; the policy's graph and unchanging part, on the host)."""
 
-    args: Any  # the run's RolloutArguments
+    settings: Any  # the run's RunSettings (a rollout task's)
     tokenizer: Any
     eos_token_ids: list[int]
     pad_token_id: int
@@ -115,7 +115,7 @@ class RolloutProcesses:
 
     def __init__(self, count: int, sampler: RolloutSampler):
         self.count = count
-        self.setup = Setup(sampler.args, sampler.tokenizer, sampler.eos_token_ids,
+        self.setup = Setup(sampler.settings, sampler.tokenizer, sampler.eos_token_ids,
                            sampler.pad_token_id, sampler.prompt_sets, count, sampler.routing,
                            graphdef=None, rest=None)  # fmt: skip
         self.workers: list[_Worker] = []

@@ -38,7 +38,7 @@ class _Rollouts:
             self.setup = setup = message[1]
             self.rest = jax.device_put(setup.rest)  # on this process's first device
             self.sampler = RolloutSampler(
-                setup.args,
+                setup.settings,
                 setup.tokenizer,
                 eos_token_ids=setup.eos_token_ids,
                 pad_token_id=setup.pad_token_id,

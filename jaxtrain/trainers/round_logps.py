@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.parallel.batch import BatchLayout
 from jaxtrain.trainers.grpo_agreement import round_agreement, routing_agreement
 from jaxtrain.training.logps import model_token_logps
@@ -20,10 +21,10 @@ __all__ = ["RoundLogps"]
 
 
 class RoundLogps:
-    """Compiled at first use; `args` a RolloutArguments, `layout` the batch's on the mesh."""
+    """Compiled at first use; `settings` the run's (a rollout task's), `layout` the batch's on the mesh."""
 
-    def __init__(self, args: Any, layout: BatchLayout):
-        self.args, self.layout = args, layout
+    def __init__(self, settings: RunSettings, layout: BatchLayout):
+        self.settings, self.layout = settings, layout
         self._trainer_fn: Any = None
         self._agreement_fn: Any = None
         self._routing_fn: Any = None
@@ -33,7 +34,7 @@ class RoundLogps:
         policy (with routing_replay, through the sampler's experts); 0 where a label is
         ignored."""
         if self._trainer_fn is None:
-            graphdef, t = program.graphdef, self.args.temperature
+            graphdef, t = program.graphdef, self.settings.task.temperature
 
             @jax.jit
             def trainer_logps(params, rest, ids, labels, images, routing):
@@ -45,7 +46,7 @@ class RoundLogps:
                 return logps.reshape(*ids.shape[:2], -1)
 
             self._trainer_fn = trainer_logps
-        routing = batch.get("routing") if self.args.routing_replay else None
+        routing = batch.get("routing") if self.settings.task.routing_replay else None
         out = self._trainer_fn(
             state.params, program.frozen_state(), batch["input_ids"], batch["labels"],
             batch.get("pixel_values"), routing,
@@ -76,13 +77,13 @@ class RoundLogps:
         """The sampler correction's weights [A, M, T - 1] (None without a correction) and the
         round's agreement logs (grpo_agreement.py), over its scored completion tokens."""
         if self._agreement_fn is None:
-            args = self.args
+            settings = self.settings
             self._agreement_fn = jax.jit(
                 functools.partial(
                     round_agreement,
-                    mode=args.sampler_correction,
-                    low=args.sampler_correction_min,
-                    high=args.sampler_correction_max,
+                    mode=settings.task.sampler_correction,
+                    low=settings.task.sampler_correction_min,
+                    high=settings.task.sampler_correction_max,
                 )
             )
         weight, logs = self._agreement_fn(trainer_logps, sampler_logps, labels)

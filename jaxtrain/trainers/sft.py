@@ -26,15 +26,15 @@ class SFTTrainer(Trainer):
         super().__init__(arguments if arguments is not None else SFTArguments(), model, **kwargs)
 
     def create_featurizer(self, name: str) -> SFTFeaturizer | VisionFeaturizer:
-        args = self.arguments
+        data = self.settings.data
         rows = dict(
             name=name,
-            text_column=args.text_column,
-            messages_column=args.messages_column,
-            completion_only_loss=args.completion_only_loss,
-            chat_template=args.chat_template,
-            drop_columns=args.ids_to_pop_from_dataset or (),
-            max_length=args.max_sequence_length,
+            text_column=data.text_column,
+            messages_column=data.messages_column,
+            completion_only_loss=data.completion_only_loss,
+            chat_template=data.chat_template,
+            drop_columns=data.drop_columns,
+            max_length=data.seq_len,
         )
         if not is_processor(self.processing_class):
             return SFTFeaturizer(tokenizer=self.processing_class, **rows)
@@ -45,8 +45,8 @@ class SFTTrainer(Trainer):
             processor=self.processing_class,
             image_token_id=config.image_token_id,
             image_shape=config.image_shape,
-            images_per_row=args.images_per_row,
-            image_truncation=args.image_truncation,
-            truncation_mode=args.truncation_mode,
+            images_per_row=data.images_per_row,
+            image_truncation=data.image_truncation,
+            truncation_mode=data.truncation_mode,
             **rows,
         )

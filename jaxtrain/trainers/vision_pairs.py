@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.config.sections import DataSettings
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.images import images_of
@@ -120,18 +121,18 @@ class VisionPairCollator(PairCollator):
 
 
 def vision_pair_featurizer(
-    name: str, processor: Any, model_config: Any, args: Any
+    name: str, processor: Any, model_config: Any, data: DataSettings
 ) -> VisionPairFeaturizer:
     """The featurizer of image pairs for a vision-language model of `model_config`."""
     check_image_model(processor, model_config)
-    if args.packing:
+    if data.packing:
         raise ArgumentError(
             "packing=True: preference pairs with images are not packed yet (each pair's "
             "images would need their own slots in the packed rows); set packing=False."
         )
     return VisionPairFeaturizer(
         name=name, processor=processor, image_token_id=model_config.image_token_id,
-        image_shape=model_config.image_shape, max_length=args.max_sequence_length,
-        images_per_row=args.images_per_row, image_truncation=args.image_truncation,
-        truncation_mode="keep_start", chat_template=args.chat_template,
+        image_shape=model_config.image_shape, max_length=data.seq_len,
+        images_per_row=data.images_per_row, image_truncation=data.image_truncation,
+        truncation_mode="keep_start", chat_template=data.chat_template,
     )  # fmt: skip

@@ -93,17 +93,19 @@ class Trainer:
         featurizer: Callable[[str], Any] | None = None,
         train_source: BatchSource | None = None,
         initial_state: TrainState | None = None,
+        settings: RunSettings | None = None,
     ):
         """`runtime`: the run's environment (cluster, mesh and plan, XLA options), built from
         `arguments` over `devices` (default all) when not given. `objective`, `featurizer`
         (name -> Featurizer) and `train_source` configure a task (the module docstring);
         `initial_state`: a fresh run starts from this state instead of the model's
-        parameters (a resume still wins over it)."""
+        parameters (a resume still wins over it); `settings`: the sections of `arguments`,
+        when a task trainer has built them already."""
         if model is None:
             raise ArgumentError("Trainer needs a model: Trainer(arguments=..., model=...).")
         self.arguments = args = arguments if arguments is not None else TrainingArguments()
         # The run's sections, built once: the parts below read these, not the arguments.
-        self.settings = settings = RunSettings.from_arguments(args)
+        self.settings = settings = settings or RunSettings.from_arguments(args)
         self.processing_class, self.data_collator = processing_class, data_collator
         self.callbacks = list(callbacks or [])
         self.should_stop = False
@@ -362,7 +364,21 @@ class Trainer:
         """
         if self.train_source is None:
             raise ArgumentError("Trainer.train() needs dataset_train.")
+        self._check_arguments_unchanged()
         return TrainingLoop(self).run()
+
+    def _check_arguments_unchanged(self) -> None:
+        """The run was built from its arguments' sections: a field set on `trainer.arguments`
+        since then would be silently ignored, so it is an error that names it."""
+        now, then = self.arguments.to_dict(), self.settings.monitor.config
+        changed = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+        if changed:
+            detail = ", ".join(f"{k}={then.get(k)!r} -> {now.get(k)!r}" for k in changed)
+            raise ArgumentError(
+                f"trainer.arguments changed after the Trainer was built ({detail}); the run "
+                "is built from the arguments it was given. Build a new Trainer with these "
+                "arguments instead."
+            )
 
     # ------------------------------------------------------------------- eval
     def eval(self, state: TrainState, max_batches: int | None = None) -> Iterator[dict[str, float]]:

@@ -9,6 +9,7 @@ import pytest
 
 from jaxtrain import TrainingArguments
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RuntimeSettings
 from jaxtrain.distributed.slurm import SbatchOptions, sbatch_script
 from jaxtrain.parallel import detect_cluster
 from jaxtrain.parallel.slurm_env import PORT_BASE, expand_nodelist, slurm_task
@@ -48,7 +49,7 @@ def test_a_task_reads_its_rank_count_and_the_first_node_as_coordinator():
     assert task.coordinator_address == f"gpu07:{PORT_BASE + 123456 % 20000}"
     # Every task of the job computes the same coordinator.
     assert slurm_task(slurm_env(SLURM_PROCID="0")).coordinator_address == task.coordinator_address
-    spec = detect_cluster(TrainingArguments(), env=slurm_env())
+    spec = detect_cluster(RuntimeSettings.from_arguments(TrainingArguments()), env=slurm_env())
     assert (spec.source, spec.num_processes, spec.process_id) == ("slurm", 4, 2)
     assert spec.coordinator_address == task.coordinator_address
 

@@ -23,6 +23,7 @@ from pathlib import Path  # noqa: E402
 
 def main(port: str, process_id: str, peer_timeout_s: str, marker: str) -> None:
     from jaxtrain import TrainingArguments
+    from jaxtrain.config.sections import RuntimeSettings
     from jaxtrain.parallel.distributed import initialize_distributed
 
     args = TrainingArguments(
@@ -33,7 +34,7 @@ def main(port: str, process_id: str, peer_timeout_s: str, marker: str) -> None:
         distributed_timeout_s=60,
         peer_timeout_s=float(peer_timeout_s),
     )
-    initialize_distributed(args)
+    initialize_distributed(RuntimeSettings.from_arguments(args))
     jaxtrain_hook = sys.excepthook
 
     def hook(kind, value, traceback) -> None:

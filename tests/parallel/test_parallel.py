@@ -19,6 +19,7 @@ from common import MESHES, worker_env
 
 from jaxtrain import TrainingArguments
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RuntimeSettings
 from jaxtrain.parallel import MeshError, detect_cluster, resolve_axis_dims
 
 HERE = Path(__file__).parent
@@ -267,7 +268,7 @@ def test_axis_dims_resolve_and_parse_from_the_command_line():
 
 
 def test_cluster_detection_from_arguments_and_environment():
-    args = TrainingArguments()
+    args = RuntimeSettings.from_arguments(TrainingArguments())
     assert detect_cluster(args, env={}) is None
     assert detect_cluster(args, env={"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"}) is None
     assert detect_cluster(args, env={"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4"}).source == "slurm"
@@ -283,7 +284,9 @@ def test_cluster_detection_from_arguments_and_environment():
         2,
         1,
     )
-    explicit = TrainingArguments(coordinator_address="h:1", num_processes=2, process_id=0)
+    explicit = RuntimeSettings.from_arguments(
+        TrainingArguments(coordinator_address="h:1", num_processes=2, process_id=0)
+    )
     assert detect_cluster(explicit, env=env).source == "arguments"
 
 

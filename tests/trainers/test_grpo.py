@@ -10,6 +10,7 @@ import pytest
 from conftest import tiny_arguments, tiny_model
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer
 from jaxtrain.trainers.grpo import check_process_groups
 from jaxtrain.trainers.rewards import RewardError, format_regex, last_number_matches
@@ -132,11 +133,17 @@ def test_bad_arguments_are_argument_errors_before_compiling(tmp_path, overrides,
 def test_processes_must_each_generate_whole_groups(tmp_path):
     # 16 rows in 2 micro-batches of 8: 4 per process of 2 is one group of 4, not of 8.
     args = grpo_args(tmp_path, total_batch_size=16, gradient_accumulation_steps=2)
-    check_process_groups(dataclasses.replace(args, num_generations=4), 2)
+    check_process_groups(
+        RunSettings.from_arguments(dataclasses.replace(args, num_generations=4)), 2
+    )
     with pytest.raises(ArgumentError, match=r"8 rows / 2 processes = 4.*multiple of 16"):
-        check_process_groups(dataclasses.replace(args, num_generations=8), 2)
+        check_process_groups(
+            RunSettings.from_arguments(dataclasses.replace(args, num_generations=8)), 2
+        )
     with pytest.raises(ArgumentError, match=r"8 rows / 3 processes = 2.66667"):
-        check_process_groups(dataclasses.replace(args, num_generations=2), 3)
+        check_process_groups(
+            RunSettings.from_arguments(dataclasses.replace(args, num_generations=2)), 3
+        )
 
 
 def test_builtin_rewards():

@@ -13,6 +13,7 @@ from flax import nnx
 from test_grpo import Completions, big_first_number, grpo_args, prompts, run
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.trainers import GRPOTrainer
 from jaxtrain.trainers.grpo import check_process_groups, grpo_objective, split_rollout_devices
 from jaxtrain.training.logps import model_token_logps
@@ -60,7 +61,7 @@ def test_k1_trains_on_the_previous_policy_s_completions_off_policy(tokenizer, tm
     )
     # Its update is the off-policy one: the loss of the parameters after step 1 against them.
     program = trainer.program
-    objective = grpo_objective(trainer_args)
+    objective = grpo_objective(RunSettings.from_arguments(trainer_args))
     params = jax.tree.map(jnp.asarray, ahead.params[1])
 
     def loss(micro):
@@ -94,13 +95,20 @@ def test_async_resume_is_exact(tokenizer, tmp_path):
 
 def test_async_runs_in_one_process_and_checks_its_bound(tmp_path):
     with pytest.raises(ArgumentError, match="asynchronous rollouts run in one process"):
-        check_process_groups(grpo_args(tmp_path, max_staleness=1, total_batch_size=16), 2)
+        check_process_groups(
+            RunSettings.from_arguments(grpo_args(tmp_path, max_staleness=1, total_batch_size=16)), 2
+        )
     with pytest.raises(ArgumentError, match="max_staleness=-1 must be an integer >= 0"):
         grpo_args(tmp_path, max_staleness=-1)
     one = {"devices": jax.devices()[:1]}
     with pytest.raises(ArgumentError, match="rollout_devices=1 leaves no device to train on"):
-        split_rollout_devices(grpo_args(tmp_path, rollout_devices=1), one)
-    assert split_rollout_devices(grpo_args(tmp_path), one) is None and one["devices"]
+        split_rollout_devices(
+            RunSettings.from_arguments(grpo_args(tmp_path, rollout_devices=1)), one
+        )
+    assert (
+        split_rollout_devices(RunSettings.from_arguments(grpo_args(tmp_path)), one) is None
+        and one["devices"]
+    )
 
 
 def test_a_failed_round_is_raised_when_taken_and_said_when_dropped(caplog):

@@ -13,6 +13,7 @@ from conftest import tiny_model
 from test_grpo import Completions, big_first_number, grpo_args, prompts
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.trainers import GRPOTrainer
 from jaxtrain.trainers.grpo import check_rollout_processes
 
@@ -100,9 +101,9 @@ def test_rollout_processes_say_what_they_cannot_do(tmp_path):
         grpo_args(tmp_path, rollout_processes=-1)
     with pytest.raises(ArgumentError, match="sample either in processes of their own or on"):
         grpo_args(tmp_path, rollout_processes=1, rollout_devices=1)
-    args = grpo_args(tmp_path, rollout_processes=1)
+    settings = RunSettings.from_arguments(grpo_args(tmp_path, rollout_processes=1))
     with pytest.raises(ArgumentError, match="serve a trainer in one process"):
-        check_rollout_processes(args, 2, None)
+        check_rollout_processes(settings, 2, None)
     with pytest.raises(ArgumentError, match="rollouts with tools run in the trainer's process"):
-        check_rollout_processes(args, 1, object())
-    check_rollout_processes(args, 1, None)
+        check_rollout_processes(settings, 1, object())
+    check_rollout_processes(settings, 1, None)

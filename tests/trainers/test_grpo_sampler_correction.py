@@ -40,6 +40,7 @@ from test_grpo_trl_objectives import (  # noqa: E402
     torch_logps,
 )
 
+from jaxtrain.config.sections import RunSettings  # noqa: E402
 from jaxtrain.data.collate import IGNORE_INDEX  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
 from jaxtrain.rollout_arguments import GRPOArguments  # noqa: E402
@@ -141,7 +142,9 @@ def run_jaxtrain(policy, prompt, completion, mask, sampler, options, tmp_path):
         "sampler_logps": jnp.asarray(full),
         "sampler_weight": weight,
     }
-    loss, grad, means = loss_grad_and_means(grpo_objective(args), task, micro)
+    loss, grad, means = loss_grad_and_means(
+        grpo_objective(RunSettings.from_arguments(args)), task, micro
+    )
     return loss, grad, {**means, **{k: float(v) for k, v in logs.items()}}
 
 

@@ -220,7 +220,7 @@ def test_tool_rollouts_and_update_equal_trl(tok, checkpoint, tmp_path):
     # The update: loss, gradient norm and entropy through jaxtrain's objective on its batch.
     task = TaskModel(AutoModelForCausalLM.from_pretrained(checkpoint))
     micro = {k: v[0] for k, v in batch.items()}
-    loss, grad, means = loss_grad_and_means(grpo_objective(trainer.grpo_args), task, micro)
+    loss, grad, means = loss_grad_and_means(grpo_objective(trainer.settings), task, micro)
     assert abs(want_loss) > 1e-3  # advantages of both signs over unequal token counts
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5)

@@ -17,6 +17,7 @@ import transformers
 
 trl = pytest.importorskip("trl")
 
+from jaxtrain.config.sections import RunSettings  # noqa: E402
 from jaxtrain.data.collate import IGNORE_INDEX  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
 from jaxtrain.trainers.grpo_loss import group_advantages, grpo_loss  # noqa: E402
@@ -250,7 +251,7 @@ def test_the_objective_at_temperature_07_equals_trl(
         epsilon_high=0.28, temperature=temperature, total_batch_size=B, num_generations=G,
         max_completion_length=C, max_prompt_length=P,
     )  # fmt: skip
-    objective = grpo_objective(args)
+    objective = grpo_objective(RunSettings.from_arguments(args))
     task = TaskModel(
         AutoModelForCausalLM.from_pretrained(checkpoint),
         reference=AutoModelForCausalLM.from_pretrained(reference_checkpoint),

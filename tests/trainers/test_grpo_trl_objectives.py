@@ -23,6 +23,7 @@ from flax import nnx
 trl = pytest.importorskip("trl")
 
 from jaxtrain.arguments import ArgumentError  # noqa: E402
+from jaxtrain.config.sections import RunSettings  # noqa: E402
 from jaxtrain.data.collate import IGNORE_INDEX  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
 from jaxtrain.rollout_arguments import GRPOArguments  # noqa: E402
@@ -174,7 +175,7 @@ def run_jaxtrain(checkpoints, prompt, completion, mask, advantages, old, options
         output_dir=str(tmp_path / "jt"), total_batch_size=B, num_generations=G,
         max_completion_length=C, max_prompt_length=P, kl_ratio_weight=True, **options,
     )  # fmt: skip
-    objective = grpo_objective(args)
+    objective = grpo_objective(RunSettings.from_arguments(args))
     policy, reference = checkpoints
     task = TaskModel(
         AutoModelForCausalLM.from_pretrained(policy),

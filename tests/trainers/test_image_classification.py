@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import TrainingArguments
+from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.models.vit import ViTConfig, ViTForImageClassification
 from jaxtrain.observability.logs import read_jsonl
@@ -91,3 +92,13 @@ def test_rows_without_an_image_are_named():
             model=ViTForImageClassification(config, rngs=nnx.Rngs(0)),
             dataset_train=bad,
         )
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_packing_images_is_refused_in_one_line(positional):
+    args = TrainingArguments(output_dir="unused", total_batch_size=1, max_steps=1, packing=True)
+    with pytest.raises(ArgumentError, match="images cannot be packed"):
+        if positional:
+            ImageClassificationTrainer(args, model=object())
+        else:
+            ImageClassificationTrainer(arguments=args, model=object())

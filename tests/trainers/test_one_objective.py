@@ -46,7 +46,7 @@ def test_dpo_compute_loss_sums_is_dpo_s_and_a_subclass_s_replaces_it(tokenizer, 
     trainer = make(DPOTrainer, tokenizer, tmp_path / "dpo", metrics)
     batch, rng = pair_batch(), jax.random.key(0)
     ours = trainer.compute_loss_sums(trainer.model, batch, rng)
-    want = dpo_objective(trainer.arguments).loss_sums(trainer.model, batch, rng)
+    want = dpo_objective(trainer.settings).loss_sums(trainer.model, batch, rng)
     assert set(ours) == set(want) and "rewards/margins_sum" in ours
     for key in want:
         np.testing.assert_array_equal(np.asarray(ours[key]), np.asarray(want[key]))

@@ -12,6 +12,7 @@ import pytest
 from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model
 from flax import nnx
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.unit_packing import RowSpace, pack_units
 from jaxtrain.trainers import (
     CPOArguments,
@@ -160,15 +161,19 @@ def test_per_pair_log_probs_equal_the_padded_batch_s(batches):
 def test_dpo_loss_and_gradient_equal_the_padded_batch_s(batches):
     padded, packed = batches
     model = TaskModel(tiny_model(), reference=tiny_model(seed=1))
-    objective = dpo_objective(DPOArguments(beta=0.5))
+    objective = dpo_objective(RunSettings.from_arguments(DPOArguments(beta=0.5)))
     assert_equal_terms(jax_terms(objective, model, padded), jax_terms(objective, model, packed))
 
 
 @pytest.mark.parametrize(
     "objective",
     [
-        orpo_objective(ORPOArguments(beta=0.3)),
-        cpo_objective(CPOArguments(loss_type="simpo", cpo_alpha=0.5, simpo_gamma=0.4)),
+        orpo_objective(RunSettings.from_arguments(ORPOArguments(beta=0.3))),
+        cpo_objective(
+            RunSettings.from_arguments(
+                CPOArguments(loss_type="simpo", cpo_alpha=0.5, simpo_gamma=0.4)
+            )
+        ),
     ],
     ids=["orpo", "cpo_simpo"],
 )
@@ -210,7 +215,9 @@ def test_kto_with_its_rotated_kl_sequences_equals_the_padded_batch(tokenizer):
     # A sharp reference gives the mismatched completions lower log-probs than the near-uniform
     # policy does: the KL estimate is positive, not clamped to 0.
     model = TaskModel(tiny_model(), reference=tiny_model(seed=1, initializer_range=0.5))
-    objective = kto_objective(KTOArguments(beta=0.5, undesirable_weight=1.3))
+    objective = kto_objective(
+        RunSettings.from_arguments(KTOArguments(beta=0.5, undesirable_weight=1.3))
+    )
     padded_terms = jax_terms(objective, model, padded)
     assert padded_terms[0]["kl_sum"] > 0
     assert_equal_terms(padded_terms, jax_terms(objective, model, packed))

@@ -11,6 +11,7 @@ import jax
 import pytest
 from conftest import addition_pairs, tiny_arguments, tiny_config, tiny_model
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.planning.program import plan_program
 from jaxtrain.serving.warm_up import step_calls
 from jaxtrain.trainers import (
@@ -122,7 +123,7 @@ def test_a_grpo_plan_is_the_grpo_run_s_step_and_engine(tokenizer, tmp_path):
     assert planned["shapes"]["decode"] == len(engine.steps.compiles["decode"])
     pool = sum(x.nbytes for x in jax.tree.leaves(engine.pool))
     assert planned["memory"]["pool_bytes"] == pool > 0
-    shape = rollout_engine_shape(args)
+    shape = rollout_engine_shape(RunSettings.from_arguments(args))
     real = [
         engine.steps.lower(kind, engine.state, engine.pool, *call).compile().memory_analysis()
         for kind, call in step_calls(shape, args.max_prompt_length)

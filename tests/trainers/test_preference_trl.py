@@ -23,6 +23,7 @@ trl = pytest.importorskip("trl")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
 
+from jaxtrain.config.sections import RunSettings  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
 from jaxtrain.objective import summarize_sums  # noqa: E402
 from jaxtrain.trainers import CPOArguments, KTOArguments, ORPOArguments  # noqa: E402
@@ -199,7 +200,9 @@ def test_orpo_equals_trl(checkpoints, pair_batch, tokenizer, tmp_path):
         tokenizer,
         batch,
     )
-    objective = orpo_objective(ORPOArguments(beta=beta, max_sequence_length=T))
+    objective = orpo_objective(
+        RunSettings.from_arguments(ORPOArguments(beta=beta, max_sequence_length=T))
+    )
     ours = TaskModel(AutoModelForCausalLM.from_pretrained(checkpoints[0]))
     logs, our_norm, our_embedding = jax_loss_and_grads(objective, ours, batch)
     assert_same(logs, {"loss": loss}, ("loss",), "loss")
@@ -230,7 +233,9 @@ def test_cpo_and_simpo_equal_trl(checkpoints, pair_batch, tokenizer, tmp_path, c
         tokenizer,
         batch,
     )
-    objective = cpo_objective(CPOArguments(max_sequence_length=T, **kwargs))
+    objective = cpo_objective(
+        RunSettings.from_arguments(CPOArguments(max_sequence_length=T, **kwargs))
+    )
     ours = TaskModel(AutoModelForCausalLM.from_pretrained(checkpoints[0]))
     logs, our_norm, our_embedding = jax_loss_and_grads(objective, ours, batch)
     assert_same(logs, {"loss": loss}, ("loss",), "loss")
@@ -239,7 +244,11 @@ def test_cpo_and_simpo_equal_trl(checkpoints, pair_batch, tokenizer, tmp_path, c
     assert ("nll_loss" in logs) == bool(kwargs["cpo_alpha"])
     assert_grads(our_norm, norm, our_embedding, embedding)
     if case == "simpo":  # the margin gamma moved the loss: it is not the gamma-free one
-        free = cpo_objective(CPOArguments(max_sequence_length=T, **{**kwargs, "simpo_gamma": 0}))
+        free = cpo_objective(
+            RunSettings.from_arguments(
+                CPOArguments(max_sequence_length=T, **{**kwargs, "simpo_gamma": 0})
+            )
+        )
         assert jax_loss_and_grads(free, ours, batch)[0]["loss"] < logs["loss"] - 0.1
 
 
@@ -322,7 +331,9 @@ def test_kto_equals_trl_with_unbalanced_labels(checkpoints, kto_rows, tokenizer,
     norm, embedding = torch_grad_norms(trainer.model)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
 
-    objective = kto_objective(KTOArguments(max_sequence_length=T, **kwargs))
+    objective = kto_objective(
+        RunSettings.from_arguments(KTOArguments(max_sequence_length=T, **kwargs))
+    )
     policy = AutoModelForCausalLM.from_pretrained(checkpoints[0])
     reference = AutoModelForCausalLM.from_pretrained(checkpoints[1])
     logs, our_norm, our_embedding = jax_loss_and_grads(

@@ -22,6 +22,7 @@ trl = pytest.importorskip("trl")
 
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
+from jaxtrain.config.sections import RunSettings  # noqa: E402
 from jaxtrain.data.collate import IGNORE_INDEX  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM  # noqa: E402
 from jaxtrain.rollout_arguments import RLOOArguments  # noqa: E402
@@ -146,7 +147,7 @@ def test_advantages_loss_and_logs_equal_trl(checkpoints, batch, tmp_path, tokeni
         "advantages": jnp.asarray(advantages),
     }
     ours_loss, ours_grad, means = loss_grad_and_means(
-        rloo_objective(args), TaskModel(policy), micro
+        rloo_objective(RunSettings.from_arguments(args)), TaskModel(policy), micro
     )
     np.testing.assert_allclose(ours_loss, float(loss), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(ours_grad, grad, rtol=1e-5)
@@ -186,7 +187,7 @@ def test_a_later_iteration_clips_as_trl_does(checkpoints, batch, tmp_path, token
         "advantages": jnp.asarray(inputs["advantages"].numpy()),
         "old_logps": jnp.asarray(old),
     }
-    objective = rloo_objective(args)
+    objective = rloo_objective(RunSettings.from_arguments(args))
     ours_loss, ours_grad, _ = loss_grad_and_means(objective, TaskModel(policy), micro)
     np.testing.assert_allclose(ours_loss, float(loss), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(ours_grad, grad, rtol=1e-5)

@@ -24,6 +24,7 @@ trl = pytest.importorskip("trl")
 from trl.trainer.dpo_trainer import DataCollatorForVisionPreference  # noqa: E402
 
 from jaxtrain.cli import main  # noqa: E402
+from jaxtrain.config.sections import RunSettings  # noqa: E402
 from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer  # noqa: E402
 from jaxtrain.objective import summarize_sums  # noqa: E402
 from jaxtrain.trainers import DPOArguments, DPOTrainer  # noqa: E402
@@ -96,7 +97,7 @@ def test_image_pairs_loss_gradient_and_rewards_equal_trl(checkpoints, tmp_path):
             completion = batch["completion_mask"][row].numpy()[real].astype(bool)
             np.testing.assert_array_equal(example[f"{side}_labels"] >= 0, completion)
     ours_batch = {k: jax.numpy.asarray(v) for k, v in ours.data_collator(examples).items()}
-    objective = dpo_objective(args)
+    objective = dpo_objective(RunSettings.from_arguments(args))
     graphdef, params, rest = nnx.split(ours.model, nnx.Param, ...)
 
     def objective_loss(params):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.trainers.dpo import DPOArguments, dpo_loss_sums
 from jaxtrain.training import logps
@@ -187,7 +188,7 @@ def test_dpo_at_a_large_vocabulary_never_builds_whole_logits(setup, monkeypatch)
         policy, reference = (nnx.merge(graphdef, x, rest) for x in (p, ref_p))
         if whole:  # plain callables, without hidden_states: whole-batch logits
             policy, reference = (whole_logits_of(m) for m in (policy, reference))
-        sums = dpo_loss_sums(policy, reference, pairs, args)
+        sums = dpo_loss_sums(policy, reference, pairs, RunSettings.from_arguments(args).task)
         return sums["loss_sum"], sums
 
     grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)

@@ -9,6 +9,7 @@ from tiny_run import tiny_model, tiny_trainer, token_dataset
 
 from jaxtrain.checkpointing import CheckpointError, committed_steps, read_metadata
 from jaxtrain.data import DatasetError
+from jaxtrain.errors import ArgumentError
 from jaxtrain.observability.logs import read_jsonl
 
 
@@ -190,3 +191,11 @@ def test_saves_run_in_the_background_while_training_continues(tmp_path):
     assert ("save_started", 4) in events
     assert overlapped, "no step ran while the step-4 checkpoint was being written"
     assert committed_steps(tmp_path / "run" / "checkpoints") == [4, 8, 12]
+
+
+def test_arguments_changed_after_the_trainer_was_built_are_named_not_ignored(tmp_path):
+    trainer = tiny_trainer(str(tmp_path / "run"), max_steps=2)
+    trainer.arguments.max_steps = 5  # the run is built from the arguments it was given
+    with pytest.raises(ArgumentError, match=r"max_steps=2 -> 5.*Build a new Trainer"):
+        trainer.train()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing ran

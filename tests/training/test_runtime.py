@@ -25,7 +25,7 @@ def test_a_trainer_given_a_runtime_uses_its_plan_and_options(tmp_path):
 def test_a_trainer_without_one_builds_it_from_its_arguments(tmp_path, monkeypatch):
     monkeypatch.delenv("XLA_FLAGS")  # the suite's flags set the level (tests/conftest.py)
     trainer = Trainer(arguments=tiny_arguments(str(tmp_path)), model=tiny_model())
-    assert trainer.runtime.settings["xla_compiler_options"] is None
+    assert trainer.runtime.settings.xla_compiler_options is None
     assert trainer.runtime.compiler_options == {"xla_backend_optimization_level": 1}
     assert trainer.runtime.is_main_process and trainer.runtime.process_count == 1
     assert trainer.mesh.size == len(jax.devices())
