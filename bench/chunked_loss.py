@@ -38,6 +38,7 @@ def worker(variant: str, vocab: int, steps: int) -> dict:
     import optax
     from flax import nnx
 
+    from jaxtrain.config.sections import RunSettings
     from jaxtrain.models import LlamaConfig, LlamaForCausalLM
     from jaxtrain.state import TrainState
     from jaxtrain.trainers.dpo import DPOArguments, dpo_loss_sums
@@ -53,7 +54,7 @@ def worker(variant: str, vocab: int, steps: int) -> dict:
     def full(model, batch, rng):
         return causal_lm_sums(model(batch["input_ids"]), batch["labels"])
 
-    dpo_args = DPOArguments(output_dir="unused")
+    dpo_loss = RunSettings.from_arguments(DPOArguments(output_dir="unused")).task
 
     def whole_logits(model):  # a plain callable, no hidden_states: whole-batch logits
         return lambda input_ids: model(input_ids)
@@ -62,7 +63,7 @@ def worker(variant: str, vocab: int, steps: int) -> dict:
         policy, reference = model.model, model.reference
         if variant == "dpo-full":
             policy, reference = whole_logits(policy), whole_logits(reference)
-        return dpo_loss_sums(policy, reference, batch, dpo_args)
+        return dpo_loss_sums(policy, reference, batch, dpo_loss)
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=1024,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
@@ -87,8 +88,10 @@ def worker(variant: str, vocab: int, steps: int) -> dict:
     if is_dpo:
         labels = ids.copy()
         labels[..., :128] = -100  # the prompt
+        mask = np.ones_like(ids)  # the pair layout names every side's attention mask
         batch = {"input_ids": ids[:, :4], "rejected_input_ids": ids[:, 4:],
-                 "labels": labels[:, :4], "rejected_labels": labels[:, 4:]}  # fmt: skip
+                 "labels": labels[:, :4], "rejected_labels": labels[:, 4:],
+                 "attention_mask": mask[:, :4], "rejected_attention_mask": mask[:, 4:]}  # fmt: skip
     compiled = step.lower(state, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     times, losses = [], []

@@ -143,13 +143,10 @@ def build(shape: str, steps: int):
     for name, (args, objective, reference, batches) in variants.items():
         model = TaskModel(policy(), reference=policy() if reference else None)
         runtime = Runtime.from_arguments(args, jax.devices()[:1])
-        parts = ModelParts.adopt(model, RunSettings.from_arguments(args).model)
+        settings = RunSettings.from_arguments(args)
+        parts = ModelParts.adopt(model, settings.model)
         program = Program(
-            parts,
-            runtime,
-            RunSettings.from_arguments(args),
-            schedule_length=100,
-            objective=objective(args),
+            parts, runtime, settings, schedule_length=100, objective=objective(settings)
         )
         batches = [{k: jax.numpy.asarray(v)[None] for k, v in b.items()} for b in batches]
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batches[0].items()}

@@ -250,6 +250,12 @@ class Program:
         optimizer: tuple[Any, Callable[[Any], Any]] | None = None,
         jit: JitFactory | None = None,
     ):
+        if not isinstance(settings, RunSettings):
+            raise ArgumentError(
+                f"Program takes the run's sections, not a {type(settings).__name__}: "
+                "Program(parts, runtime, RunSettings.from_arguments(args), ...) "
+                "(jaxtrain.config.sections)."
+            )
         self.parts, self.runtime = parts, runtime
         self.plan, self.mesh = runtime.plan, runtime.mesh
         self.settings = settings.model

@@ -6,7 +6,7 @@ import jax
 import pytest
 from tiny_run import tiny_arguments, tiny_model, token_dataset
 
-from jaxtrain import Trainer
+from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.parallel import ModelFactory
 from jaxtrain.runtime import Runtime
@@ -60,3 +60,12 @@ def test_devices_and_a_runtime_together_are_refused(tmp_path):
     runtime = Runtime.from_arguments(arguments)
     with pytest.raises(ArgumentError, match="both devices= and runtime="):
         Trainer(arguments=arguments, model=tiny_model(), runtime=runtime, devices=jax.devices())
+
+
+def test_a_program_given_the_flat_arguments_says_what_it_takes():
+    """Program once took the arguments; code written for that gets a line, not an
+    AttributeError from deep inside."""
+    from jaxtrain.training.program import Program
+
+    with pytest.raises(ArgumentError, match=r"RunSettings\.from_arguments\(args\)"):
+        Program(None, None, TrainingArguments(), schedule_length=1)
