@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Self
 
 from jaxtrain.config.mixture import Stages, parse_mixture_weights
 
@@ -27,8 +27,19 @@ __all__ = [
 ]
 
 
+class SameNamedFields:
+    """A section whose fields are the arguments' fields of the same names: from_arguments
+    copies them (a section given is returned as it is)."""
+
+    @classmethod
+    def from_arguments(cls, args: Any) -> Self:
+        if isinstance(args, cls):
+            return args
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass(frozen=True)
-class OptimizerSettings:
+class OptimizerSettings(SameNamedFields):
     """The optimizer and its learning-rate schedule (training/optim.py)."""
 
     optimizer: str
@@ -44,12 +55,6 @@ class OptimizerSettings:
     momentum: float
     clip_grad: float | None
     mu_dtype: str | None
-
-    @classmethod
-    def from_arguments(cls, args: Any) -> OptimizerSettings:
-        if isinstance(args, cls):
-            return args
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +230,7 @@ class MonitorSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointSettings:
+class CheckpointSettings(SameNamedFields):
     """What a run's checkpoints read of its arguments, and nothing else."""
 
     output_dir: str
@@ -236,17 +241,9 @@ class CheckpointSettings:
     reset_optimizer: bool
     save_total_limit: int | None  # keep-N
 
-    @classmethod
-    def from_arguments(cls, args: Any) -> CheckpointSettings:
-        """The one place these fields are read from TrainingArguments (returned as it is
-        when it already is one)."""
-        if isinstance(args, CheckpointSettings):
-            return args
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
 
 @dataclasses.dataclass(frozen=True)
-class LoopSettings:
+class LoopSettings(SameNamedFields):
     """What the training loop reads: cadences, stops, saving, the run's files."""
 
     output_dir: str
@@ -269,19 +266,13 @@ class LoopSettings:
     eval_tasks: list[str] | None  # lm-eval tasks run at each evaluation (evaluation/harness.py)
     eval_tasks_limit: int | None
 
-    @classmethod
-    def from_arguments(cls, args: Any) -> LoopSettings:
-        if isinstance(args, cls):
-            return args
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
     def total_steps(self, steps_per_epoch: int) -> int:
         """Number of optimizer updates of the run."""
         return self.max_steps if self.max_steps > 0 else steps_per_epoch * self.num_train_epochs
 
 
 @dataclasses.dataclass(frozen=True)
-class RuntimeSettings:
+class RuntimeSettings(SameNamedFields):
     """Where a run computes (runtime/): the cluster it joins, its mesh and sharding rules, the
     XLA options of its compiles and the compilation cache. A run handed a Runtime must agree
     with it on each."""
@@ -298,12 +289,6 @@ class RuntimeSettings:
     sharding_rules: dict | None
     sharding_regex_rules: list | None
     xla_compiler_options: dict | None
-
-    @classmethod
-    def from_arguments(cls, args: Any) -> RuntimeSettings:
-        if isinstance(args, cls):
-            return args
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)
