@@ -217,7 +217,7 @@ class GRPOTrainer(Trainer):
     def _tool_calls(
         tools: Any, environment_factory: Any, settings: RunSettings, tokenizer: Any
     ) -> ToolCalls | None:
-        """The run's tools (given, or loaded from `settings.task.tools` / `settings.task.environment`), after
+        """The run's tools (given, or loaded from the task's `tools` / `environment`), after
         checking that the chat template shows tool calls and that they can be parsed."""
         if tools is None and settings.task.tools:
             tools = [load_callable(spec, "tool") for spec in settings.task.tools]
@@ -282,8 +282,9 @@ def check_process_groups(settings: RunSettings, processes: int) -> None:
         return
     if settings.task.max_staleness:
         raise ArgumentError(
-            f"max_staleness={settings.task.max_staleness}: asynchronous rollouts run in one process for "
-            f"now (this run has {processes}); set max_staleness=0, or run in one process."
+            f"max_staleness={settings.task.max_staleness}: asynchronous rollouts run in one "
+            f"process for now (this run has {processes}); set max_staleness=0, or run in one "
+            "process."
         )
     micro = settings.data.global_batch_size // settings.data.accumulation_steps
     share, g = micro // processes, settings.task.num_generations
@@ -305,8 +306,8 @@ def check_rollout_processes(
         return
     if processes > 1:
         raise ArgumentError(
-            f"rollout_processes={settings.task.rollout_processes}: rollout processes serve a trainer "
-            f"in one process (this run has {processes}); set rollout_processes=0."
+            f"rollout_processes={settings.task.rollout_processes}: rollout processes serve a "
+            f"trainer in one process (this run has {processes}); set rollout_processes=0."
         )
     if tool_calls is not None:
         raise ArgumentError(

@@ -21,7 +21,8 @@ __all__ = ["RoundLogps"]
 
 
 class RoundLogps:
-    """Compiled at first use; `settings` the run's (a rollout task's), `layout` the batch's on the mesh."""
+    """Compiled at first use; `settings` the run's (a rollout task's), `layout` the batch's on
+    the mesh."""
 
     def __init__(self, settings: RunSettings, layout: BatchLayout):
         self.settings, self.layout = settings, layout

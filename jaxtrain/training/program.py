@@ -234,9 +234,10 @@ def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
 class Program:
     """One run's step, compiled on the runtime's mesh (see the module docstring).
 
-    `settings`: the run's sections (its model, optimizer and pruning are read). `schedule_length` is the number of
-    updates the learning-rate schedule spans. `optimizer`: (optax transformation, schedule)
-    in place of the arguments' own (pruning still wraps it when asked for).
+    `settings`: the run's sections (config.sections.RunSettings: its model, optimizer and
+    pruning are read). `schedule_length` is the number of updates the learning-rate schedule
+    spans. `optimizer`: (optax transformation, schedule) in place of the settings' own
+    (pruning still wraps it when asked for).
     """
 
     def __init__(
