@@ -134,11 +134,8 @@ class RolloutSource:
         self._episodes: dict[int, Episode] = {}  # this round's multi-turn rollouts, by row
         self.ahead: RoundsAhead | None = None  # max_staleness > 0: rounds sampled ahead
         if settings.task.max_staleness > 0:
-            last = (
-                (settings.loop.max_steps - 1) // settings.task.num_iterations
-                if settings.loop.max_steps > 0
-                else None
-            )
+            steps, n = settings.loop.max_steps, settings.task.num_iterations
+            last = (steps - 1) // n if steps > 0 else None
             self.ahead = RoundsAhead(self._sample_round, settings.task.max_staleness, last)
 
     @property
