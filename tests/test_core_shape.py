@@ -165,3 +165,87 @@ def test_no_new_file_reads_the_flat_arguments():
     assert "config/sections.py" in readers and "cli/commands.py" in readers  # the scan sees them
     assert set(readers) <= FLAT_ARGUMENT_READERS, sorted(set(readers) - FLAT_ARGUMENT_READERS)
     assert len(readers) <= 12
+
+
+def task_trainer_classes() -> list[type]:
+    import importlib
+    import pkgutil
+
+    import jaxtrain.trainers
+
+    for module in pkgutil.iter_modules(jaxtrain.trainers.__path__):
+        importlib.import_module(f"jaxtrain.trainers.{module.name}")
+    found, todo = [], list(Trainer.__subclasses__())
+    while todo:
+        klass = todo.pop()
+        found.append(klass)
+        todo += klass.__subclasses__()
+    return [k for k in found if k.__module__.startswith("jaxtrain.")]
+
+
+def is_super_init(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "__init__"
+        and ast.unparse(node.func.value) == "super()"
+    )
+
+
+def half_built_uses(klass: type) -> list[str]:
+    """What `klass.__init__` does with `self` before the base Trainer is built, or after."""
+    import textwrap
+
+    init = ast.parse(textwrap.dedent(inspect.getsource(klass.__init__))).body[0]
+    *before, last = init.body
+    problems = [] if any(map(is_super_init, ast.walk(last))) else ["ends without super()"]
+    for node in (n for statement in before for n in ast.walk(statement)):
+        if is_super_init(node):
+            problems.append(f"line {node.lineno}: super().__init__ is not the last statement")
+        elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self":
+            static = inspect.getattr_static(klass, node.attr, None)
+            if isinstance(node.ctx, ast.Store) or inspect.isfunction(static):
+                problems.append(f"line {node.lineno}: self.{node.attr}")  # a half-built trainer
+    return problems
+
+
+def test_a_task_trainer_is_built_in_one_phase():
+    """Issue 46, design target 3: a task trainer resolves its run (TaskStart: sections,
+    runtime), builds its models, objective and sources, then builds the base Trainer, last.
+    Nothing is set on or called of the half-built trainer (a DPO trainer once set its
+    processing_class early for a featurizer method; GRPO its reward functions)."""
+    classes = task_trainer_classes()
+    names = {k.__name__ for k in classes}
+    assert {"DPOTrainer", "GRPOTrainer", "KTOTrainer", "RLOOTrainer", "PairTrainer"} <= names
+    offences = {
+        k.__qualname__: problems
+        for k in classes
+        if "__init__" in vars(k) and (problems := half_built_uses(k))
+    }
+    assert not offences, offences
+
+
+def test_no_task_helper_rewrites_the_callers_keyword_arguments():
+    """The keyword arguments a task trainer was given are read, never written: a helper once
+    popped `devices` and put a runtime in their place (task_runtime), another added the
+    collator and the packed source; TaskStart.trainer_kwargs builds the base's instead."""
+    writes = ("pop", "setdefault", "update", "clear", "popitem", "__setitem__")
+    offences = []
+    for path in sorted((ROOT / "trainers").glob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            # A dict handed in, or a trainer's own **kwargs (save_pretrained's are its own).
+            given = [a.arg for a in (*function.args.args, *function.args.kwonlyargs)]
+            if function.args.kwarg and function.name == "__init__":
+                given.append(function.args.kwarg.arg)
+            if "kwargs" not in given:
+                continue
+            for node in ast.walk(function):
+                stored = isinstance(node, ast.Subscript) and isinstance(
+                    node.ctx, ast.Store | ast.Del
+                )
+                called = isinstance(node, ast.Attribute) and node.attr in writes
+                if (stored or called) and ast.unparse(node.value) == "kwargs":
+                    offences.append(f"{path.name}:{node.lineno} {function.name}")
+    assert not offences, offences

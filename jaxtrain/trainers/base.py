@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,30 +24,58 @@ from jaxtrain.training.trainer import Trainer
 
 __all__ = [
     "PairTrainer",
+    "TaskStart",
     "TaskTrainer",
     "concrete_model",
     "pair_normalizer",
     "task_pad_token_id",
-    "task_runtime",
     "task_settings",
 ]
 
 
-def task_runtime(args: TrainingArguments, kwargs: dict[str, Any]) -> Runtime:
-    """The runtime of a task trainer, resolved before its frozen models are made: the one in
-    `kwargs` (checked against `args`) or one built over `kwargs`' devices. `kwargs` (the
-    Trainer's keyword arguments) then carry it, and no `devices`, to the base Trainer."""
-    runtime = runtime_for(args, kwargs.get("runtime"), kwargs.pop("devices", None))
-    kwargs["runtime"] = runtime
-    return runtime
+# The keyword arguments a task trainer resolves itself before its base Trainer exists.
+RESOLVED = ("devices", "runtime", "settings")
 
 
-def task_settings(args: TrainingArguments, kwargs: dict[str, Any]) -> RunSettings:
-    """The sections of a task trainer's run, built once: the task trainer reads them before
-    its base Trainer exists, and `kwargs` (the Trainer's keyword arguments) hand them on."""
-    settings = kwargs.get("settings") or RunSettings.from_arguments(args)
-    kwargs["settings"] = settings
-    return settings
+@dataclasses.dataclass(frozen=True)
+class TaskStart:
+    """What a task trainer resolves once, before the base Trainer exists (its frozen models
+    are made on the run's mesh, its sources read the sections): the run's sections and
+    runtime, and the caller's other keyword arguments. The caller's dict is left as it was."""
+
+    settings: RunSettings
+    runtime: Runtime
+    rest: Mapping[str, Any]  # the caller's keyword arguments but `RESOLVED`
+
+    @classmethod
+    def resolve(
+        cls,
+        args: TrainingArguments,
+        kwargs: Mapping[str, Any],
+        *,
+        settings: RunSettings | None = None,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> TaskStart:
+        """The sections (`settings`, else the caller's, else built from `args`) and the
+        runtime (the caller's, checked against `args`, else built over `devices`, else over
+        the caller's `devices`)."""
+        settings = settings or kwargs.get("settings") or RunSettings.from_arguments(args)
+        if devices is None:
+            devices = kwargs.get("devices")
+        runtime = runtime_for(args, kwargs.get("runtime"), devices)
+        rest = {name: value for name, value in kwargs.items() if name not in RESOLVED}
+        return cls(settings, runtime, rest)
+
+    def trainer_kwargs(self, **parts: Any) -> dict[str, Any]:
+        """The base Trainer's keyword arguments: the caller's, the task's `parts` over them,
+        and the resolved sections and runtime."""
+        return {**self.rest, **parts, "settings": self.settings, "runtime": self.runtime}
+
+
+def task_settings(args: TrainingArguments, kwargs: Mapping[str, Any]) -> RunSettings:
+    """The sections of a task trainer's run: the caller's (`settings=`), else built from
+    `args`; a trainer that needs no runtime before its base hands them on as `settings=`."""
+    return kwargs.get("settings") or RunSettings.from_arguments(args)
 
 
 def concrete_model(model: Any, settings: ModelSettings, runtime: Runtime) -> nnx.Module:
@@ -90,15 +120,20 @@ class PairTrainer(TaskTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
-        data = task_settings(kwargs["arguments"], kwargs).data
-        user_collator = kwargs.get("data_collator") is not None
+        start = TaskStart.resolve(kwargs["arguments"], kwargs)
+        data = start.settings.data
+        collator = kwargs.get("data_collator")
         pad = task_pad_token_id(kwargs.get("processing_class"), kwargs.get("model"))
-        if is_processor(kwargs.get("processing_class")) and not user_collator:
+        if is_processor(kwargs.get("processing_class")) and collator is None:
             # Pairs whose prompts hold images: their collator knows the model's image slots.
-            featurizer = self._image_pairs("dataset_train", kwargs)
-            kwargs["data_collator"] = featurizer.collator
-        elif not user_collator:
-            kwargs["data_collator"] = PairCollator(data.seq_len, pad)
+            config = getattr(trained_model(kwargs.get("model")), "config", None)
+            featurizer = vision_pair_featurizer(
+                "dataset_train", kwargs.get("processing_class"), config, data
+            )
+            collator = featurizer.collator
+        elif collator is None:
+            collator = PairCollator(data.seq_len, pad)
+        source = kwargs.get("train_source")
         if data.packing:
             featurizer = PairFeaturizer(
                 name="dataset_train",
@@ -106,32 +141,22 @@ class PairTrainer(TaskTrainer):
                 max_length=data.seq_len,
                 chat_template=data.chat_template,
             )
-            layout_of = lambda f: PairLayout(f.float_columns)  # noqa: E731
-            dataset = kwargs.get("dataset_train")
-            add_packed_source(
+            source = packed_train_source(
+                kwargs.get("dataset_train"),
                 kwargs,
                 data,
-                task_runtime(kwargs["arguments"], kwargs),
-                dataset,
+                start.runtime,
                 featurizer,
-                layout_of,
+                lambda f: PairLayout(f.float_columns),
                 "pairs",
-                user_collator=user_collator,
                 pad_token_id=pad,
             )
-        super().__init__(*args, **kwargs)
-
-    def _image_pairs(self, name: str, kwargs: dict[str, Any]) -> VisionPairFeaturizer:
-        config = getattr(trained_model(kwargs.get("model")), "config", None)
-        return vision_pair_featurizer(
-            name, kwargs.get("processing_class"), config, kwargs["settings"].data
-        )
+        super().__init__(*args, **start.trainer_kwargs(data_collator=collator, train_source=source))
 
     def create_featurizer(self, name: str) -> PairFeaturizer | VisionPairFeaturizer:
         if is_processor(self.processing_class):
-            kwargs = dict(model=self.model, processing_class=self.processing_class,
-                          settings=self.settings)  # fmt: skip
-            return self._image_pairs(name, kwargs)
+            config = getattr(trained_model(self.model), "config", None)
+            return vision_pair_featurizer(name, self.processing_class, config, self.settings.data)
         return PairFeaturizer(
             name=name,
             tokenizer=self.processing_class,
@@ -140,36 +165,29 @@ class PairTrainer(TaskTrainer):
         )
 
 
-def add_packed_source(
-    kwargs: dict[str, Any],
+def packed_train_source(
+    dataset: Any,
+    kwargs: Mapping[str, Any],
     data: DataSettings,
     runtime: Runtime,
-    dataset: Any,
     featurizer: Any,
     layout_of: Any,
     what: str,
     *,
-    user_collator: bool,
     pad_token_id: int,
-) -> None:
-    """`kwargs` (a task trainer's, for the base Trainer) get the packed train source of
-    `dataset` (trainers/packed.py); a data_collator of the user's is an error: packing
-    builds its own rows."""
-    if kwargs.get("train_source") is not None or dataset is None:
-        return
-    if user_collator:
+) -> Any:
+    """The packed train source of `dataset` (trainers/packed.py), or the caller's own
+    `train_source` (`kwargs`: a task trainer's); None without either. A data_collator of the
+    caller's is an error: packing builds its own rows."""
+    given = kwargs.get("train_source")
+    if given is not None or dataset is None:
+        return given
+    if kwargs.get("data_collator") is not None:
         raise ArgumentError(
             f"packing=True packs the {what} itself; it cannot be combined with a "
             "data_collator. Drop one of them."
         )
-    kwargs["train_source"] = packed_source(
-        data,
-        runtime,
-        dataset,
-        featurizer,
-        layout_of,
-        pad_token_id=pad_token_id,
-    )
+    return packed_source(data, runtime, dataset, featurizer, layout_of, pad_token_id=pad_token_id)
 
 
 def pair_normalizer(batch: dict[str, jax.Array]) -> jax.Array:

@@ -93,12 +93,12 @@ class ImageClassificationTrainer(Trainer):
     batch_unit = "examples"  # throughput in examples/s: an image has no tokens
 
     def __init__(self, arguments: TrainingArguments | None = None, *args: Any, **kwargs: Any):
-        if arguments is not None and task_settings(arguments, kwargs).data.packing:
+        settings = None if arguments is None else task_settings(arguments, kwargs)
+        if settings is not None and settings.data.packing:
             raise ArgumentError("images cannot be packed; set packing=False.")
-        kwargs.setdefault("data_collator", None)
-        if kwargs["data_collator"] is None:
-            kwargs["data_collator"] = ImageCollator()
-        super().__init__(arguments, *args, **kwargs)
+        collator = kwargs.get("data_collator") or ImageCollator()
+        given = {**kwargs, "data_collator": collator, "settings": settings}
+        super().__init__(arguments, *args, **given)
 
     def create_featurizer(self, name: str) -> ImageFeaturizer:
         return ImageFeaturizer(name=name)

@@ -26,10 +26,9 @@ from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import CPO_LOSS_TYPES, CPOArguments
 from jaxtrain.trainers.base import (
     PairTrainer,
+    TaskStart,
     concrete_model,
     pair_normalizer,
-    task_runtime,
-    task_settings,
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
@@ -149,8 +148,9 @@ class CPOTrainer(PairTrainer):
                 "CPOTrainer needs CPOArguments (TrainingArguments plus beta, loss_type, "
                 "cpo_alpha, simpo_gamma, ...)."
             )
-        settings = task_settings(args, kwargs)
-        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
+        start = TaskStart.resolve(args, kwargs)
+        model = concrete_model(model, start.settings.model, start.runtime)
+        objective = cpo_objective(start.settings)
         super().__init__(
-            arguments=args, model=TaskModel(model), objective=cpo_objective(settings), **kwargs
+            **start.trainer_kwargs(arguments=args, model=TaskModel(model), objective=objective)
         )

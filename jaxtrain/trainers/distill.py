@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import DistillationArguments
-from jaxtrain.trainers.base import TaskTrainer, concrete_model, task_runtime, task_settings
+from jaxtrain.trainers.base import TaskStart, TaskTrainer, concrete_model
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sft import SFTTrainer
 from jaxtrain.training.program import Objective
@@ -65,9 +65,10 @@ class DistillationTrainer(TaskTrainer):
             )
         if teacher_model is None:
             raise ArgumentError("DistillationTrainer needs teacher_model=<a causal LM>.")
-        settings = task_settings(args, kwargs)
-        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
-        teacher = concrete_model(teacher_model, settings.model, kwargs["runtime"])
+        start = TaskStart.resolve(args, kwargs)
+        settings = start.settings
+        model = concrete_model(model, settings.model, start.runtime)
+        teacher = concrete_model(teacher_model, settings.model, start.runtime)
         vocab = [getattr(getattr(m, "config", None), "vocab_size", None) for m in (model, teacher)]
         if None not in vocab and vocab[0] != vocab[1]:
             raise ArgumentError(
@@ -75,10 +76,11 @@ class DistillationTrainer(TaskTrainer):
                 "distillation needs the same tokenizer for both"
             )
         super().__init__(
-            arguments=args,
-            model=TaskModel(model, teacher=teacher),
-            objective=distill_objective(settings),
-            **kwargs,
+            **start.trainer_kwargs(
+                arguments=args,
+                model=TaskModel(model, teacher=teacher),
+                objective=distill_objective(settings),
+            )
         )
 
 

@@ -29,12 +29,11 @@ from jaxtrain.models.lora import adapters_off
 from jaxtrain.task_arguments import DPO_LOSS_TYPES, DPOArguments
 from jaxtrain.trainers.base import (
     PairTrainer,
+    TaskStart,
     add_columns,
     concrete_model,
     dataset_columns,
     pair_normalizer,
-    task_runtime,
-    task_settings,
 )
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
@@ -184,9 +183,9 @@ class DPOTrainer(PairTrainer):
             raise ArgumentError(
                 "DPOTrainer needs DPOArguments (TrainingArguments plus beta, loss_type, ...)."
             )
-        settings = task_settings(args, kwargs)
-        task = settings.task
-        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
+        start = TaskStart.resolve(args, kwargs)
+        settings, task = start.settings, start.settings.task
+        model = concrete_model(model, settings.model, start.runtime)
         reference = None
         # With LoRA and no reference given, the reference is the policy's own base without
         # its adapters (no second copy of the weights: with --quantization, the one quantized
@@ -194,13 +193,12 @@ class DPOTrainer(PairTrainer):
         base_is_reference = bool(settings.model.lora_rank) and reference_model is None
         if not task.reference_free:
             if reference_model is not None:
-                reference = concrete_model(reference_model, settings.model, kwargs["runtime"])
+                reference = concrete_model(reference_model, settings.model, start.runtime)
             elif not base_is_reference:
                 reference = nnx.clone(model)
             if task.precompute_reference_logps:  # before LoRA: `model` is the base itself
-                self.processing_class = processing_class
                 dataset_train, dataset_eval = (
-                    self._with_reference_logps(reference or model, d, processing_class, settings)
+                    with_reference_logps(reference or model, d, processing_class, settings)
                     for d in (dataset_train, dataset_eval)
                 )
             # With the log-probs stored in every dataset the reference is not needed.
@@ -217,31 +215,33 @@ class DPOTrainer(PairTrainer):
                     "reference_rejected_logps, or neither"
                 )
         super().__init__(
-            arguments=args,
-            model=TaskModel(model, reference=reference),
-            dataset_train=dataset_train,
-            dataset_eval=dataset_eval,
-            processing_class=processing_class,
-            objective=dpo_objective(settings),
-            **kwargs,
+            **start.trainer_kwargs(
+                arguments=args,
+                model=TaskModel(model, reference=reference),
+                dataset_train=dataset_train,
+                dataset_eval=dataset_eval,
+                processing_class=processing_class,
+                objective=dpo_objective(settings),
+            )
         )
 
-    # --------------------------------------------------------------- precompute
-    def _with_reference_logps(
-        self, reference: nnx.Module, dataset: Any, tokenizer: Any, settings: RunSettings
-    ) -> Any:
-        if dataset is None or all(c in dataset_columns(dataset) for c in REFERENCE_COLUMNS):
-            return dataset
-        columns = reference_logps(
-            reference,
-            dataset,
-            tokenizer=tokenizer,
-            max_length=settings.data.seq_len,
-            batch_size=settings.data.eval_batch_size,
-            chat_template=settings.data.chat_template,
-            pad_token_id=_pad_id(tokenizer, reference),
-        )
-        return add_columns(dataset, columns)
+
+def with_reference_logps(
+    reference: nnx.Module, dataset: Any, tokenizer: Any, settings: RunSettings
+) -> Any:
+    """`dataset` with its rows' reference log-probs as columns (unchanged when it has them)."""
+    if dataset is None or all(c in dataset_columns(dataset) for c in REFERENCE_COLUMNS):
+        return dataset
+    columns = reference_logps(
+        reference,
+        dataset,
+        tokenizer=tokenizer,
+        max_length=settings.data.seq_len,
+        batch_size=settings.data.eval_batch_size,
+        chat_template=settings.data.chat_template,
+        pad_token_id=_pad_id(tokenizer, reference),
+    )
+    return add_columns(dataset, columns)
 
 
 def _pad_id(tokenizer: Any, model: Any) -> int:

@@ -9,7 +9,7 @@ logging are the base Trainer's, unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
 from jaxtrain.rollout_arguments import GRPOArguments, RolloutArguments
 from jaxtrain.serving.tool_chat import check_tool_template
-from jaxtrain.trainers.base import concrete_model, task_pad_token_id, task_runtime, task_settings
+from jaxtrain.trainers.base import TaskStart, concrete_model, task_pad_token_id, task_settings
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
@@ -71,6 +71,7 @@ class GRPOTrainer(Trainer):
         reference_model: Any = None,
         tools: Sequence[Callable] | None = None,
         environment_factory: Callable | None = None,
+        dataset_eval: Any = None,
         **kwargs: Any,
     ):
         name, wanted = type(self).__name__, self.arguments_class
@@ -85,7 +86,7 @@ class GRPOTrainer(Trainer):
         settings = task_settings(args, kwargs)
         tool_calls = self._tool_calls(tools, environment_factory, settings, processing_class)
         extra = tool_calls.rewards if tool_calls is not None else []  # environments' get_reward
-        self.reward_funcs = reward_funcs = self._reward_funcs(reward_funcs, settings, extra)
+        reward_funcs = self._reward_funcs(reward_funcs, settings, extra)
         weights = settings.task.reward_weights or [1.0] * len(reward_funcs)
         if len(weights) != len(reward_funcs):
             raise ArgumentError(
@@ -98,15 +99,14 @@ class GRPOTrainer(Trainer):
         prompts = read_prompts(
             dataset_train, processing_class, settings.task.max_prompt_length, shown
         )
-        self.prompt_truncated_share = prompts.truncated_share
-        dataset_eval = kwargs.pop("dataset_eval", None)
         eval_prompts = None
         if dataset_eval is not None:  # prompts whose completions are scored, not trained on
             eval_prompts = read_prompts(
                 dataset_eval, processing_class, settings.task.max_prompt_length, shown
             )
-        rollout_mesh = split_rollout_devices(settings, kwargs)
-        runtime = task_runtime(args, kwargs)
+        rollout_mesh, devices = split_rollout_devices(settings, kwargs)
+        start = TaskStart.resolve(args, kwargs, settings=settings, devices=devices)
+        runtime = start.runtime
         check_process_groups(settings, runtime.process_count)
         sequence_length = settings.task.max_prompt_length + settings.task.max_completion_length
         runtime.plan.batch.check(settings.data.micro_batch_size, sequence_length, "micro-batch")
@@ -149,14 +149,20 @@ class GRPOTrainer(Trainer):
             routing=routing,
         )
         super().__init__(
-            arguments=args,
-            model=TaskModel(model, reference=reference),
-            dataset_train=dataset_train,
-            processing_class=processing_class,
-            train_source=source,
-            objective=self.task_objective(settings),
-            **kwargs,
+            **start.trainer_kwargs(
+                arguments=args,
+                model=TaskModel(model, reference=reference),
+                dataset_train=dataset_train,
+                processing_class=processing_class,
+                train_source=source,
+                objective=self.task_objective(settings),
+            )
         )
+
+    @property
+    def reward_funcs(self) -> list[Callable]:
+        """The run's reward functions (given, loaded from `reward`, and an environment's)."""
+        return self.train_source.reward_funcs
 
     @property
     def last_completions(self) -> list[str]:
@@ -251,12 +257,15 @@ class GRPOTrainer(Trainer):
         return funcs
 
 
-def split_rollout_devices(settings: RunSettings, kwargs: dict[str, Any]) -> Mesh | None:
-    """With `rollout_devices` r: the mesh of the last r of the run's devices (`devices=`, else
-    all), where the engine samples; `kwargs` then train on the others. None: no split."""
+def split_rollout_devices(
+    settings: RunSettings, kwargs: Mapping[str, Any]
+) -> tuple[Mesh | None, list[jax.Device] | None]:
+    """With `rollout_devices` r: the mesh of the last r of the run's devices (`kwargs`'
+    `devices=`, else all), where the engine samples, and the others, which train. Without:
+    (None, None)."""
     r = settings.task.rollout_devices
     if not r:
-        return None
+        return None, None
     if kwargs.get("runtime") is not None:
         raise ArgumentError(
             f"rollout_devices={r} splits the devices itself: pass devices= (or none), not runtime=."
@@ -272,8 +281,7 @@ def split_rollout_devices(settings: RunSettings, kwargs: dict[str, Any]) -> Mesh
             f"rollout_devices={r} leaves no device to train on ({len(devices)} in all); keep "
             "at least one for training."
         )
-    kwargs["devices"] = devices[:-r]
-    return Mesh(np.array(devices[-r:]), ("rollout",))
+    return Mesh(np.array(devices[-r:]), ("rollout",)), devices[:-r]
 
 
 def check_process_groups(settings: RunSettings, processes: int) -> None:

@@ -30,14 +30,13 @@ from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import KTO_LOSS_TYPES, KTOArguments
 from jaxtrain.trainers.base import (
+    TaskStart,
     TaskTrainer,
-    add_packed_source,
     concrete_model,
     dataset_columns,
+    packed_train_source,
     pair_normalizer,
     task_pad_token_id,
-    task_runtime,
-    task_settings,
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.kto_data import KTOCollator, KTOFeaturizer, is_paired, unpair_preferences
@@ -163,8 +162,8 @@ class KTOTrainer(TaskTrainer):
                 "KTOTrainer needs KTOArguments (TrainingArguments plus beta, loss_type, "
                 "desirable_weight, undesirable_weight)."
             )
-        settings, runtime = task_settings(args, kwargs), task_runtime(args, kwargs)
-        data = settings.data
+        start = TaskStart.resolve(args, kwargs)
+        settings, runtime, data = start.settings, start.runtime, start.settings.data
         model = concrete_model(model, settings.model, runtime)
         reference = (
             concrete_model(reference_model, settings.model, runtime)
@@ -176,12 +175,13 @@ class KTOTrainer(TaskTrainer):
             for d in (dataset_train, dataset_eval)
         )
         kl = settings.task.loss_type == "kto"  # apo_zero_unpaired needs no mismatched sequences
-        user_collator = kwargs.get("data_collator") is not None
+        collator = kwargs.get("data_collator")
         pad = task_pad_token_id(processing_class, model)
-        if not user_collator:
+        if collator is None:
             # The KL rows rotate within each micro-batch's rows on this process.
             group = data.micro_batch_size // runtime.process_count
-            kwargs["data_collator"] = KTOCollator(data.seq_len, pad, group=group, kl=kl)
+            collator = KTOCollator(data.seq_len, pad, group=group, kl=kl)
+        source = kwargs.get("train_source")
         if data.packing:
             featurizer = KTOFeaturizer(
                 name="dataset_train",
@@ -190,25 +190,27 @@ class KTOTrainer(TaskTrainer):
                 chat_template=data.chat_template,
             )
             layout = KTOLayout(data.seq_len, kl)
-            add_packed_source(
+            source = packed_train_source(
+                dataset_train,
                 kwargs,
                 data,
                 runtime,
-                dataset_train,
                 featurizer,
                 lambda _: layout,
                 "examples",
-                user_collator=user_collator,
                 pad_token_id=pad,
             )
         super().__init__(
-            arguments=args,
-            model=TaskModel(model, reference=reference),
-            dataset_train=dataset_train,
-            dataset_eval=dataset_eval,
-            processing_class=processing_class,
-            objective=kto_objective(settings),
-            **kwargs,
+            **start.trainer_kwargs(
+                arguments=args,
+                model=TaskModel(model, reference=reference),
+                dataset_train=dataset_train,
+                dataset_eval=dataset_eval,
+                processing_class=processing_class,
+                objective=kto_objective(settings),
+                data_collator=collator,
+                train_source=source,
+            )
         )
 
     def create_featurizer(self, name: str) -> KTOFeaturizer:

@@ -26,10 +26,9 @@ from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import ORPOArguments
 from jaxtrain.trainers.base import (
     PairTrainer,
+    TaskStart,
     concrete_model,
     pair_normalizer,
-    task_runtime,
-    task_settings,
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
@@ -122,8 +121,9 @@ class ORPOTrainer(PairTrainer):
         args = arguments if arguments is not None else ORPOArguments()
         if not isinstance(args, ORPOArguments):
             raise ArgumentError("ORPOTrainer needs ORPOArguments (TrainingArguments plus beta).")
-        settings = task_settings(args, kwargs)
-        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
+        start = TaskStart.resolve(args, kwargs)
+        model = concrete_model(model, start.settings.model, start.runtime)
+        objective = orpo_objective(start.settings)
         super().__init__(
-            arguments=args, model=TaskModel(model), objective=orpo_objective(settings), **kwargs
+            **start.trainer_kwargs(arguments=args, model=TaskModel(model), objective=objective)
         )

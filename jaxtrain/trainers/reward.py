@@ -25,10 +25,9 @@ from jaxtrain.models.lora import merge_lora
 from jaxtrain.state import TrainState
 from jaxtrain.trainers.base import (
     PairTrainer,
+    TaskStart,
     concrete_model,
     pair_normalizer,
-    task_runtime,
-    task_settings,
 )
 from jaxtrain.trainers.frozen import TaskModel, freeze
 from jaxtrain.trainers.sequences import is_packed, real_units, unit_count
@@ -136,12 +135,14 @@ class RewardTrainer(PairTrainer):
         from jaxtrain.arguments import TrainingArguments
 
         args = arguments if arguments is not None else TrainingArguments()
-        settings = task_settings(args, kwargs)
-        model = concrete_model(model, settings.model, task_runtime(args, kwargs))
+        start = TaskStart.resolve(args, kwargs)
+        model = concrete_model(model, start.settings.model, start.runtime)
         if not isinstance(model, RewardModel):
-            model = RewardModel(model, seed=settings.model.seed)
+            model = RewardModel(model, seed=start.settings.model.seed)
         super().__init__(
-            arguments=args, model=TaskModel(model), objective=REWARD_OBJECTIVE, **kwargs
+            **start.trainer_kwargs(
+                arguments=args, model=TaskModel(model), objective=REWARD_OBJECTIVE
+            )
         )
 
     def save_pretrained(

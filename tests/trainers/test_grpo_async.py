@@ -105,9 +105,9 @@ def test_async_runs_in_one_process_and_checks_its_bound(tmp_path):
         split_rollout_devices(
             RunSettings.from_arguments(grpo_args(tmp_path, rollout_devices=1)), one
         )
-    assert (
-        split_rollout_devices(RunSettings.from_arguments(grpo_args(tmp_path)), one) is None
-        and one["devices"]
+    assert split_rollout_devices(RunSettings.from_arguments(grpo_args(tmp_path)), one) == (
+        None,
+        None,
     )
 
 
