@@ -95,12 +95,16 @@ def all_blocks() -> list[Block]:
     ]
 
 
+# Each block's seconds go to block_seconds.jsonl in the working directory (pytest's --basetemp
+# keeps it): where the suite's longest test spends its time.
 RUNNER = """
-import json, os, subprocess, sys
+import json, os, subprocess, sys, time
 blocks = json.load(open(sys.argv[1]))
 namespace = {"__name__": "__main__"}
+timings = open("block_seconds.jsonl", "a")
 for page, line, kind, code, target, xla_flags in blocks:
     print(f"--- {page}:{line} ({kind})", flush=True)
+    started = time.perf_counter()
     if kind == "python":
         exec(compile(code, f"{page}:{line}", "exec"), namespace)
     elif kind == "bash":
@@ -111,6 +115,9 @@ for page, line, kind, code, target, xla_flags in blocks:
     elif kind == "file":
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         open(target, "w").write(code)
+    seconds = round(time.perf_counter() - started, 1)
+    timings.write(json.dumps([page, line, kind, seconds]) + "\\n")
+    timings.flush()
 if "docs_result" in sys.argv[2:]:
     json.dump({k: namespace[k] for k in sys.argv[3:]}, open("docs_result.json", "w"))
 """

@@ -180,7 +180,10 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
 
     plotted: Series = {}
     online_rl = "reward" in series
-    fig, axes = plt.subplots(3 if online_rl else 2, 3, figsize=(15, 12.5 if online_rl else 8.5))
+    # Titles at a fixed height: placed above each axes' tick labels, they measured every
+    # label's box at every draw (a fifth of the report's time).
+    with plt.rc_context({"axes.titley": 1.01}):
+        fig, axes = plt.subplots(3 if online_rl else 2, 3, figsize=(15, 12.5 if online_rl else 8.5))
     fig.suptitle("jaxtrain run report", fontsize=14, fontweight="bold")
 
     def draw(ax, key: str, label: str, **style: Any) -> None:
@@ -238,8 +241,11 @@ def plot_series(series: Series, summary: list[tuple[str, str]], path: Path) -> S
         table.auto_set_font_size(False)
         table.set_fontsize(9)
     ax.set_title("summary")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # Fixed margins, not tight_layout: measuring every label's box cost a third of the
+    # report's time (0.4 s of every run's end); the titles and ticks fit these.
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.06, top=0.92, wspace=0.22, hspace=0.32)
+    # zlib's fastest level: a third of the size's worth of time saved, the file 10-20% larger.
+    fig.savefig(path, dpi=100, pil_kwargs={"compress_level": 1})
     plt.close(fig)
     return plotted
 
