@@ -150,3 +150,37 @@ def test_export_refuses_configs_transformers_cannot_express(tmp_path):
     )
     with pytest.raises(HFError, match="sliding_window"):  # HF Llama has no sliding window
         save_pretrained(llama, tmp_path)
+
+
+def test_a_saved_tokenizer_reads_back_as_auto_tokenizer_reads_it(tmp_path):
+    """load_processing_class reads jaxtrain's own tokenizers (a tokenizer.json alone) as the
+    class AutoTokenizer resolves them to, without AutoTokenizer's imports (torch among them:
+    3 s of every command); another class of tokenizer still goes through AutoTokenizer."""
+    import subprocess
+    import sys
+
+    from jaxtrain.hf.tokenizer_files import load_processing_class, save_tokenizer
+
+    template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    save_tokenizer(tiny_tokenizer(), tmp_path / "own", template)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "own", local_files_only=True)
+    ours = load_processing_class(tmp_path / "own")
+    assert type(ours) is type(auto) and ours.init_kwargs == auto.init_kwargs
+    assert ours.chat_template == auto.chat_template == template
+    text = "def add(a, b):\n    return a + b </s><pad>"
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert (ours.pad_token_id, ours.eos_token_id) == (auto.pad_token_id, auto.eos_token_id)
+    # Read in a process of its own: no torch.
+    probe = (
+        "import sys; from jaxtrain.hf.tokenizer_files import load_processing_class; "
+        f"load_processing_class({str(tmp_path / 'own')!r}); print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr[-2000:]
+    # A tokenizer of a model's own class is AutoTokenizer's to build.
+    gpt2 = transformers.GPT2TokenizerFast(tokenizer_object=tiny_tokenizer().backend_tokenizer)
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    assert (
+        type(load_processing_class(tmp_path / "gpt2")).__name__
+        == type(transformers.AutoTokenizer.from_pretrained(tmp_path / "gpt2")).__name__
+    )
