@@ -124,23 +124,12 @@ class PairTrainer(TaskTrainer):
         data = start.settings.data
         collator = kwargs.get("data_collator")
         pad = task_pad_token_id(kwargs.get("processing_class"), kwargs.get("model"))
-        if is_processor(kwargs.get("processing_class")) and collator is None:
-            # Pairs whose prompts hold images: their collator knows the model's image slots.
-            config = getattr(trained_model(kwargs.get("model")), "config", None)
-            featurizer = vision_pair_featurizer(
-                "dataset_train", kwargs.get("processing_class"), config, data
-            )
-            collator = featurizer.collator
-        elif collator is None:
-            collator = PairCollator(data.seq_len, pad)
+        tokenizer = kwargs.get("processing_class")
+        featurizer = pair_featurizer("dataset_train", tokenizer, kwargs.get("model"), data)
+        if collator is None:  # pairs whose prompts hold images: the model's image slots too
+            collator = getattr(featurizer, "collator", None) or PairCollator(data.seq_len, pad)
         source = kwargs.get("train_source")
         if data.packing:
-            featurizer = PairFeaturizer(
-                name="dataset_train",
-                tokenizer=kwargs.get("processing_class"),
-                max_length=data.seq_len,
-                chat_template=data.chat_template,
-            )
             source = packed_train_source(
                 kwargs.get("dataset_train"),
                 kwargs,
@@ -154,15 +143,20 @@ class PairTrainer(TaskTrainer):
         super().__init__(*args, **start.trainer_kwargs(data_collator=collator, train_source=source))
 
     def create_featurizer(self, name: str) -> PairFeaturizer | VisionPairFeaturizer:
-        if is_processor(self.processing_class):
-            config = getattr(trained_model(self.model), "config", None)
-            return vision_pair_featurizer(name, self.processing_class, config, self.settings.data)
-        return PairFeaturizer(
-            name=name,
-            tokenizer=self.processing_class,
-            max_length=self.settings.data.seq_len,
-            chat_template=self.settings.data.chat_template,
-        )
+        return pair_featurizer(name, self.processing_class, self.model, self.settings.data)
+
+
+def pair_featurizer(
+    name: str, tokenizer: Any, model: Any, data: DataSettings
+) -> PairFeaturizer | VisionPairFeaturizer:
+    """The featurizer of `name`'s pairs: text pairs, or with a processor (`tokenizer`) pairs
+    whose prompts hold images, laid out for `model`'s image slots."""
+    if is_processor(tokenizer):
+        config = getattr(trained_model(model), "config", None)
+        return vision_pair_featurizer(name, tokenizer, config, data)
+    return PairFeaturizer(
+        name=name, tokenizer=tokenizer, max_length=data.seq_len, chat_template=data.chat_template
+    )
 
 
 def packed_train_source(
