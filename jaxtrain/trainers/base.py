@@ -122,9 +122,8 @@ class PairTrainer(TaskTrainer):
     def __init__(self, *args: Any, **kwargs: Any):
         start = TaskStart.resolve(kwargs["arguments"], kwargs)
         data = start.settings.data
-        collator = kwargs.get("data_collator")
-        pad = task_pad_token_id(kwargs.get("processing_class"), kwargs.get("model"))
-        tokenizer = kwargs.get("processing_class")
+        tokenizer, collator = kwargs.get("processing_class"), kwargs.get("data_collator")
+        pad = task_pad_token_id(tokenizer, kwargs.get("model"))
         featurizer = pair_featurizer("dataset_train", tokenizer, kwargs.get("model"), data)
         if collator is None:  # pairs whose prompts hold images: the model's image slots too
             collator = getattr(featurizer, "collator", None) or PairCollator(data.seq_len, pad)
@@ -132,13 +131,14 @@ class PairTrainer(TaskTrainer):
         if data.packing:
             source = packed_train_source(
                 kwargs.get("dataset_train"),
-                kwargs,
                 data,
                 start.runtime,
                 featurizer,
                 lambda f: PairLayout(f.float_columns),
                 "pairs",
                 pad_token_id=pad,
+                given_source=source,
+                given_collator=kwargs.get("data_collator"),
             )
         super().__init__(*args, **start.trainer_kwargs(data_collator=collator, train_source=source))
 
@@ -161,7 +161,6 @@ def pair_featurizer(
 
 def packed_train_source(
     dataset: Any,
-    kwargs: Mapping[str, Any],
     data: DataSettings,
     runtime: Runtime,
     featurizer: Any,
@@ -169,14 +168,15 @@ def packed_train_source(
     what: str,
     *,
     pad_token_id: int,
+    given_source: Any,
+    given_collator: Any,
 ) -> Any:
-    """The packed train source of `dataset` (trainers/packed.py), or the caller's own
-    `train_source` (`kwargs`: a task trainer's); None without either. A data_collator of the
+    """The packed train source of `dataset` (trainers/packed.py), or the task trainer's
+    caller's own `train_source` (`given_source`); None without either. A data_collator of the
     caller's is an error: packing builds its own rows."""
-    given = kwargs.get("train_source")
-    if given is not None or dataset is None:
-        return given
-    if kwargs.get("data_collator") is not None:
+    if given_source is not None or dataset is None:
+        return given_source
+    if given_collator is not None:
         raise ArgumentError(
             f"packing=True packs the {what} itself; it cannot be combined with a "
             "data_collator. Drop one of them."

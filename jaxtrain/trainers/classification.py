@@ -93,8 +93,9 @@ class ImageClassificationTrainer(Trainer):
     batch_unit = "examples"  # throughput in examples/s: an image has no tokens
 
     def __init__(self, arguments: TrainingArguments | None = None, *args: Any, **kwargs: Any):
-        settings = None if arguments is None else task_settings(arguments, kwargs)
-        if settings is not None and settings.data.packing:
+        arguments = arguments if arguments is not None else TrainingArguments()
+        settings = task_settings(arguments, kwargs)
+        if settings.data.packing:
             raise ArgumentError("images cannot be packed; set packing=False.")
         collator = kwargs.get("data_collator") or ImageCollator()
         given = {**kwargs, "data_collator": collator, "settings": settings}

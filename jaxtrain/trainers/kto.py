@@ -192,13 +192,14 @@ class KTOTrainer(TaskTrainer):
             layout = KTOLayout(data.seq_len, kl)
             source = packed_train_source(
                 dataset_train,
-                kwargs,
                 data,
                 runtime,
                 featurizer,
                 lambda _: layout,
                 "examples",
                 pad_token_id=pad,
+                given_source=source,
+                given_collator=kwargs.get("data_collator"),
             )
         super().__init__(
             **start.trainer_kwargs(
