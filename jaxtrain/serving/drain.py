@@ -9,6 +9,10 @@ which `--request_timeout` bounds. A second signal ends the process at once (128 
 uvicorn's own handling does not fit: it stops accepting at once, and after its shutdown it
 raises the signal again with the default handler, so a drained server would still exit -15.
 Its `capture_signals` is the one method overridden here.
+
+An idle keep-alive connection stays open `KEEP_ALIVE_S`, longer than clients keep one in their
+pool (httpx's, which the `openai` client uses: 5 s). At uvicorn's own 5 s the two timers race: a
+client could send on a connection in the instant the server closes it, and get no response.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jaxtrain.serving.gate import GateState
 __all__ = ["serve_until_drained"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+KEEP_ALIVE_S = 75.0  # nginx's default; above every common client pool's idle expiry
 
 
 def serve_until_drained(app: Any, *, host: str, port: int, log_level: str = "warning") -> None:
@@ -65,4 +70,7 @@ def serve_until_drained(app: Any, *, host: str, port: int, log_level: str = "war
                 for number, handler in previous.items():
                     signal.signal(number, handler)
 
-    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S
+    )
+    DrainingServer(config).run()

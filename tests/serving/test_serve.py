@@ -5,6 +5,7 @@ slot (checked in-process, where the engine can be looked at)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -138,6 +139,22 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     error = answer.json()["error"]
     assert error["code"] == code and error["message"] and "type" in error
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+
+
+def test_the_server_keeps_an_idle_connection_longer_than_the_client_pools_it(server):
+    """CI once failed a request with "Server disconnected without sending a response": uvicorn
+    closed an idle keep-alive connection after its default 5 s, in the instant the openai
+    client (which pools one for 5 s too) sent on it."""
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    host, port = httpx.URL(server).host, httpx.URL(server).port
+    connection = http.client.HTTPConnection(host, port, timeout=10)
+    connection.request("GET", "/health")
+    assert connection.getresponse().read()
+    time.sleep(DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1)
+    connection.request("GET", "/health")  # on the same socket: the server has not closed it
+    assert connection.getresponse().status == 200
+    connection.close()
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(model_dir, free_port):
