@@ -112,6 +112,10 @@ class GGUFTensors:
                 values = _unpermute(values, heads)
         return values
 
+    def release(self, name: str) -> None:
+        """Nothing to drop: `get` returns a dequantised copy, and a GGUF file's quantized
+        bytes are a fraction of the float model's."""
+
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)

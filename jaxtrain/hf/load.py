@@ -167,6 +167,9 @@ class RenamedTensor:
     def get(self, name: str) -> Any:
         return self.file.get(self.name)
 
+    def release(self, name: str) -> None:
+        self.file.release(self.name)
+
 
 def from_pretrained(
     path: str | Path,

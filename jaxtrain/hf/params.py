@@ -40,7 +40,8 @@ def load_weights(
     quantization: Any = None,
 ) -> nnx.Module:
     """``family.model_class(config)`` filled from ``tensors`` (HF name -> an object with
-    ``shape(name)``, ``get(name)`` and ``path``, e.g. SafetensorsFile); every tensor is used
+    ``shape(name)``, ``get(name)``, ``release(name)`` and ``path``, e.g. SafetensorsFile;
+    a tensor is released once its parameter holds a copy); every tensor is used
     or ignorable, every parameter found with the shape the config implies.
 
     ``quantization`` (a BaseQuantization, "nf4" or "int8"): the projections' kernels (all but
@@ -89,6 +90,8 @@ def load_weights(
         else:
             var.set_value(value)
         del value  # a quantized kernel's float copy goes now, before the next tensor's
+        for name in spec.hf_names:
+            tensors[name].release(name)
     extra = sorted(n for n in tensors if n not in used and not family.ignorable(n, config))
     if extra:
         raise HFError(

@@ -3,12 +3,16 @@
 Format: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then
 the tensor bytes (offsets relative to the end of the header). Reading maps the file, so a
-tensor's bytes are touched only when it is used; nothing depends on torch.
+tensor's bytes are touched only when it is used; nothing depends on torch. A loader that has
+copied a tensor releases its pages (`release`): read pages of a mapped file count in the
+process's resident memory until it is unmapped, and a QLoRA load's peak would hold the whole
+float checkpoint besides the quantized model.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,8 @@ class SafetensorsFile:
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict[str, dict[str, Any]] = header
         self._start = 8 + length
-        self._map: np.memmap | None = None
+        self._file: mmap.mmap | None = None
+        self._map: np.ndarray | None = None  # the whole file as bytes, over `_file`
 
     @property
     def names(self) -> list[str]:
@@ -67,10 +72,21 @@ class SafetensorsFile:
                 f"cannot read; supported: {', '.join(DTYPES)}."
             )
         if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            with open(self.path, "rb") as f:
+                self._file = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = np.frombuffer(self._file, dtype=np.uint8)
         begin, end = entry["data_offsets"]
         raw = self._map[self._start + begin : self._start + end]
         return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+    def release(self, name: str) -> None:
+        """Drop the pages of `name`'s bytes from this process's memory (the page cache keeps
+        them): the caller has copied the tensor. A later `get` reads them again."""
+        if self._file is None:
+            return
+        begin, end = self._entries[name]["data_offsets"]
+        first = (self._start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        self._file.madvise(mmap.MADV_DONTNEED, first, self._start + end - first)
 
 
 def write_safetensors(

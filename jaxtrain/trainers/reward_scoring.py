@@ -38,6 +38,9 @@ class _NoTensor:
     def get(self, name: str) -> np.ndarray:
         return np.zeros(self._shape, np.float32)
 
+    def release(self, name: str) -> None:
+        """Nothing is mapped."""
+
 
 def load_reward_model(path: str | Path, *, dtype: Any = jnp.float32) -> RewardModel:
     """The RewardModel of a directory written by `RewardTrainer.save_pretrained`."""

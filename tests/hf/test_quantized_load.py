@@ -115,3 +115,51 @@ def test_the_cli_quantizes_a_pretrained_base_as_it_reads_it(base, tmp_path, caps
     assert code == 0, capsys.readouterr().err
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in logged if "loss" in r][-1] == 2
+
+
+def resident_file_kib() -> int:
+    """This process's resident pages of mapped files (RssFile), in KiB."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssFile:"))
+    return int(line.split()[1])
+
+
+def test_a_quantized_load_does_not_keep_the_read_checkpoint_in_memory(tmp_path):
+    """A read page of the mapped safetensors file counted in the process's memory until the
+    load ended, so a QLoRA load's peak held the whole float checkpoint beside the quantized
+    model (issue 49's memory bar missed by that). Each tensor's pages are released once it
+    is quantized or copied: the load's peak holds about one tensor of the file."""
+    import threading
+
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=4096, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    file_kib = (tmp_path / "model.safetensors").stat().st_size // 1024
+    AutoModelForCausalLM.from_pretrained(tmp_path, quantization="nf4")  # imports, compiles
+
+    peak, done = [resident_file_kib()], threading.Event()
+    start = peak[0]
+
+    def watch() -> None:
+        while not done.is_set():
+            peak.append(resident_file_kib())
+            done.wait(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization="nf4")
+    finally:
+        done.set()
+        watcher.join()
+    grown = max(peak) - start
+    # fp32 [4096, 256]: the embedding, the head and every MLP kernel are this large
+    largest_tensor_kib = 4096 * 256 * 4 // 1024
+    assert file_kib > 8 * largest_tensor_kib
+    assert grown < 3 * largest_tensor_kib, (grown, file_kib)
