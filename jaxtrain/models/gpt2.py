@@ -19,7 +19,7 @@ from jaxtrain.config.tables import SCAN_LAYERS_DEFAULT
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import GELU_ACTS, LayerNorm, gelu
 from jaxtrain.models.layer_scan import run_layers
-from jaxtrain.models.layers import Embedding, Projection
+from jaxtrain.models.layers import Embedding, Projection, output_head
 from jaxtrain.models.masking import apply_padding_mask
 from jaxtrain.models.sharding import constrain
 
@@ -243,8 +243,7 @@ class GPT2LMHeadModel(nnx.Module):
 
     def output_projection(self):
         """The tied output head as a pure function h [..., D] -> logits [..., vocab]."""
-        table = self.transformer.wte.embedding[...].astype(self.dtype)
-        return lambda h: jnp.einsum("...d,vd->...v", h, table)
+        return output_head(self.transformer.wte.embedding[...], self.dtype, tied=True)
 
     def __call__(
         self,

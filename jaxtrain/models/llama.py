@@ -26,6 +26,7 @@ from jaxtrain.models.layers import (
     Embedding,
     Projection,
     RMSNorm,
+    output_head,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -185,18 +186,16 @@ class LlamaForCausalLM(nnx.Module):
         h = self.hidden_states(
             input_ids, positions=positions, segment_ids=segment_ids, attention_mask=attention_mask
         )
-        if self.lm_head is None:
-            return constrain(self.model.embed_tokens.attend(h), ACT_BTV)
-        return constrain(self.lm_head(h), ACT_BTV)
+        if self.lm_head is not None and getattr(self.lm_head, "lora", None) is not None:
+            return constrain(self.lm_head(h), ACT_BTV)  # the head's own LoRA adapter adds in
+        return constrain(self.output_projection()(h), ACT_BTV)
 
     def output_projection(self) -> Callable[[Array], Array]:
         """The output head as a pure function ``h [..., D] -> logits [..., vocab]`` over the
         head's weights, for losses that compute logits a chunk at a time."""
         if self.lm_head is None:
-            table = self.model.embed_tokens.embedding[...].astype(self.dtype)
-            return lambda h: jnp.einsum("...d,vd->...v", h, table)
-        kernel = self.lm_head.kernel[...].astype(self.dtype)
-        return lambda h: jnp.einsum("...d,dv->...v", h, kernel)
+            return output_head(self.model.embed_tokens.embedding[...], self.dtype, tied=True)
+        return output_head(self.lm_head.kernel[...], self.dtype, tied=False)
 
     def hidden_states(
         self,

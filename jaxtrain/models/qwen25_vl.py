@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtrain.config.tables import REMAT_POLICIES, SCAN_LAYERS_DEFAULT
 from jaxtrain.models.config import DecoderFields, LlamaConfig, two_tower_config
 from jaxtrain.models.layer_scan import run_layers
-from jaxtrain.models.layers import Embedding, Projection, RMSNorm, rope_inv_freq
+from jaxtrain.models.layers import Embedding, Projection, RMSNorm, output_head, rope_inv_freq
 from jaxtrain.models.llama import ACT_BTD, ACT_BTV, DecoderLayer, layer_step
 from jaxtrain.models.masking import apply_padding_mask
 from jaxtrain.models.qwen25_vl_vision import (
@@ -331,10 +331,8 @@ class Qwen25VLForConditionalGeneration(nnx.Module):
     def output_projection(self) -> Callable[[Array], Array]:
         """The output head as a pure function ``h [..., D] -> logits [..., vocab]``."""
         if self.lm_head is None:
-            table = self.model.embed_tokens.embedding[...].astype(self.dtype)
-            return lambda h: jnp.einsum("...d,vd->...v", h, table)
-        kernel = self.lm_head.kernel[...].astype(self.dtype)
-        return lambda h: jnp.einsum("...d,dv->...v", h, kernel)
+            return output_head(self.model.embed_tokens.embedding[...], self.dtype, tied=True)
+        return output_head(self.lm_head.kernel[...], self.dtype, tied=False)
 
     def __call__(
         self,

@@ -1,5 +1,7 @@
 """`layers.dense`: token-wise projections as one 2-D matmul, equal to the einsum they replace,
-and with a weight gradient that XLA:CPU compiles without an activation-sized transpose."""
+and with a weight gradient that XLA:CPU compiles without an activation-sized transpose. The
+output head in a 16-bit dtype (`layers.output_head`): the reference's values and gradients,
+without a float32 copy of its weights."""
 
 import re
 
@@ -8,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.models.layers import dense, dense_in_ndim
+from jaxtrain.models.layers import dense, dense_in_ndim, output_head
 
 
 @pytest.mark.parametrize(
@@ -76,3 +78,43 @@ def test_swiglu_weight_gradient_compiles_without_activation_transposes():
 
     hlo = jax.jit(jax.grad(loss)).lower((gate, up, down), x).compile().as_text()
     assert _activation_transposes(hlo, b * t * f) == []
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_16_bit_head_equals_the_plain_matmul_forward_and_backward(tied):
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.bfloat16)
+    shape = (40, 16) if tied else (16, 40)
+    weights = jnp.asarray(rng.normal(size=shape), jnp.float32)  # float32 master weights
+    cotangent = jnp.asarray(rng.normal(size=(2, 5, 40)), jnp.bfloat16)
+
+    def reference(h, weights):
+        matrix = weights.astype(jnp.bfloat16)
+        return jnp.einsum("btd,dv->btv", h, matrix.T if tied else matrix)
+
+    def head(h, weights):
+        return output_head(weights, jnp.bfloat16, tied=tied)(h)
+
+    got, got_vjp = jax.vjp(head, h, weights)
+    want, want_vjp = jax.vjp(reference, h, weights)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for g, w in zip(got_vjp(cotangent), want_vjp(cotangent), strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2)
+
+
+def test_a_16_bit_head_s_backward_makes_no_float32_copy_of_its_weights():
+    """XLA:CPU has no bf16-output matmul: the head `h @ W.astype(bf16)` converted W to float32
+    first, in the forward and in autodiff's backward (a float32 cotangent times bf16 weights).
+    At hidden 1024 and vocab 32000 that copy (125 MiB) was a QLoRA step's largest temporary."""
+    h = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+    weights = jax.ShapeDtypeStruct((1024, 32000), jnp.bfloat16)
+
+    def loss(h, weights):
+        logits = output_head(weights, jnp.bfloat16, tied=False)(h).astype(jnp.float32)
+        return jax.nn.log_softmax(logits).sum()
+
+    compiled = jax.jit(jax.grad(loss)).lower(h, weights).compile()
+    float32_weights = 1024 * 32000 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < float32_weights / 2
