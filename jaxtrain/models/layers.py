@@ -80,19 +80,21 @@ def output_head(weights: Array, dtype: DType, *, tied: bool) -> Any:
     """The output head as a pure function ``h [..., D] -> logits [..., vocab]`` over its
     weights (`tied`: the embedding table [vocab, D], else the kernel [D, vocab]).
 
-    In a 16-bit compute dtype the matmuls run 16-bit x 16-bit into float32 and round once,
-    forward and backward (`_head_matmul`). Why: XLA:CPU has no 16-bit-output matmul, and for
-    one it converts both operands to float32 first; the head's float32 copy is the largest
-    temporary of a small model's step (hidden 1024, vocab 32000: 125 MiB of a QLoRA step's
-    ~1 GiB), and autodiff's backward matmul (a float32 cotangent times the 16-bit weights)
-    made the same copy. The values are those of float32 accumulation rounded to the dtype."""
+    On the CPU, in a 16-bit compute dtype, the matmuls run 16-bit x 16-bit into float32 and
+    round once, forward and backward (`_head_matmul`). Why: XLA:CPU has no 16-bit-output
+    matmul, and for one it converts both operands to float32 first; the head's float32 copy is
+    the largest temporary of a small model's step (hidden 1024, vocab 32000: 125 MiB of a
+    QLoRA step's ~1 GiB), and autodiff's backward matmul (a float32 cotangent times the 16-bit
+    weights) made the same copy. The values are those of float32 accumulation rounded to the
+    dtype. GPUs and TPUs multiply into 16 bits natively: there the matmul stays as written
+    (a float32 output would be twice the logits' memory)."""
     table = weights.astype(dtype)
     matrix = table.T if tied else table  # folded into the matmul's dimension numbers
-    if jnp.dtype(dtype).itemsize != 2:
-        return lambda h: dense(h, matrix)
+    if jnp.dtype(dtype).itemsize != 2 or jax.default_backend() != "cpu":
+        return lambda h: dense(h.astype(dtype), matrix)
 
     def project(h: Array) -> Array:  # flattened as `dense` does, for the same reason
-        lead = h.shape[:-1]
+        h, lead = h.astype(dtype), h.shape[:-1]
         if len(lead) > 1 and _length_is_sharded(lead[1]):
             return _head_matmul(h, matrix)
         return _head_matmul(h.reshape(-1, h.shape[-1]), matrix).reshape(*lead, -1)

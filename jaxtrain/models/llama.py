@@ -186,13 +186,11 @@ class LlamaForCausalLM(nnx.Module):
         h = self.hidden_states(
             input_ids, positions=positions, segment_ids=segment_ids, attention_mask=attention_mask
         )
-        if self.lm_head is not None and getattr(self.lm_head, "lora", None) is not None:
-            return constrain(self.lm_head(h), ACT_BTV)  # the head's own LoRA adapter adds in
         return constrain(self.output_projection()(h), ACT_BTV)
 
     def output_projection(self) -> Callable[[Array], Array]:
         """The output head as a pure function ``h [..., D] -> logits [..., vocab]`` over the
-        head's weights, for losses that compute logits a chunk at a time."""
+        head's weights: the model's logits, and losses that compute them a chunk at a time."""
         if self.lm_head is None:
             return output_head(self.model.embed_tokens.embedding[...], self.dtype, tied=True)
         return output_head(self.lm_head.kernel[...], self.dtype, tied=False)
