@@ -82,7 +82,7 @@ class SafetensorsFile:
     def release(self, name: str) -> None:
         """Drop the pages of `name`'s bytes from this process's memory (the page cache keeps
         them): the caller has copied the tensor. A later `get` reads them again."""
-        if self._file is None:
+        if self._file is None or not hasattr(mmap, "MADV_DONTNEED"):  # Windows has no madvise
             return
         begin, end = self._entries[name]["data_offsets"]
         first = (self._start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
