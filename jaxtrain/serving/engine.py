@@ -123,11 +123,11 @@ class Engine:
                                    kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,
                                    sharding=sharding, routing=record_routing)  # fmt: skip
         self.record_routing = record_routing
-        if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
-            attention = "gather"
-        pool = empty_pool(model, num_pages, page_size, routing=record_routing, kernel=attention)
+        pool = empty_pool(model, num_pages, page_size, routing=record_routing)
         self.pool = jax.device_put(pool, sharding)
         self.pages = PageAllocator(num_pages, page_size)
+        if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
+            attention = "gather"
         self.steps = Steps(self.graphdef, page_size, sharding, attention,
                            logprobs_mode == "processed", decode_steps)  # fmt: skip
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))

@@ -1,9 +1,8 @@
 """The paged KV cache: fixed-size pages in one pool per layer, a page table per sequence.
 
 Device side (`PagedSlots`, used inside the compiled steps): every layer's keys and values live
-in a pool of pages, kv heads first ([K, num_pages, page_size, H]; the gather path's keys
-[K, num_pages, H, page_size], `keys_by_position`); a sequence's token at logical position p
-sits in page `table[p // page_size]` at offset `p % page_size`. `PagedSlots` has the interface of
+in a pool [num_pages, page_size, K, H]; a sequence's token at logical position p sits in page
+`table[p // page_size]` at offset `p % page_size`. `PagedSlots` has the interface of
 models/kv_cache.py's `Slots` (positions, mask, write, read), so every family's cached decoder
 runs on pages unchanged: `write` scatters the new tokens into their pages, `read` gathers each
 row's pages into the [B, L, K, H] view attention reads. Page 0 is never handed out: writes of
@@ -33,7 +32,6 @@ __all__ = [
     "PagedSlots",
     "empty_pool",
     "is_sparse",
-    "keys_by_position",
     "page_bytes",
     "routing_of",
 ]
@@ -65,28 +63,16 @@ def _experts_per_token(model: Any) -> int:
     return int(getattr(model.config, "num_experts_per_tok", 0))
 
 
-def keys_by_position(kernel: str) -> bool:
-    """Whether a pool for `kernel` keeps its keys [K, pages, H, page_size] (positions last):
-    the gather path's, whose q.k matmul then reads the gathered keys as [H, L], the operand
-    layout XLA:CPU multiplies without transposing (a 32-row SmolLM2 decode step: 8% less time
-    at 256 keys; bench/RESULTS.md, session 33). The Pallas kernels read [K, pages, page_size, H]."""
-    return kernel == "gather"
-
-
-def empty_pool(
-    model: Any, num_pages: int, page_size: int, routing: bool = False, kernel: str = "gather"
-) -> list[tuple]:
-    """Every layer's (keys, values) pool in the model's dtype, kv heads first: values
-    [K, num_pages, page_size, H], keys the same or [K, num_pages, H, page_size] for `kernel`
-    (`keys_by_position`). With `routing`, a MoE's sparse layers hold a third pool
-    [1, num_pages, page_size, k]: the experts each written token went to (-1: none written),
-    read back by `routing_of`."""
+def empty_pool(model: Any, num_pages: int, page_size: int, routing: bool = False) -> list[tuple]:
+    """Every layer's (keys, values) pool [K, num_pages, page_size, H] in the model's dtype
+    (kv heads first: the layout the Pallas paged-attention kernels read in place). With
+    `routing`, a MoE's sparse layers hold a third pool [1, num_pages, page_size, k]: the
+    experts each written token went to (-1: none written), read back by `routing_of`."""
     c = model.config
     shape = (c.num_key_value_heads, num_pages, page_size, c.head_dim)
-    key_shape = shape[:2] + shape[:1:-1] if keys_by_position(kernel) else shape
     routes = (1, num_pages, page_size, _experts_per_token(model))
     return [
-        (jnp.zeros(key_shape, model.dtype), jnp.zeros(shape, model.dtype))
+        (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
         + ((jnp.full(routes, -1, jnp.int32),) if routing and is_sparse(model, i) else ())
         for i in range(c.num_hidden_layers)
     ]
@@ -165,14 +151,13 @@ class PagedSlots:
     def write(self, pool: tuple[Array, Array], k: Array, v: Array) -> tuple[Array, Array]:
         """The layer's pool with the new tokens' keys and values [B, T, K, H] scattered into
         their pages (padding and positions past a row's table into the garbage page)."""
-        keys, values = pool  # [K, pages, page_size, H] (keys: [K, pages, H, page_size])
+        keys, values = pool  # [K, pages, page_size, H]
         page, offset = self._places()
         heads_first = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, T, K, H] -> [K, B, T, H]
-        if keys_by_position(self.kernel):  # indices at axes 1 and 3 index [B, T, K, H]
-            keys = keys.at[:, page, :, offset].set(k.astype(keys.dtype))
-        else:
-            keys = keys.at[:, page, offset].set(heads_first(k).astype(keys.dtype))
-        return keys, values.at[:, page, offset].set(heads_first(v).astype(values.dtype))
+        return (
+            keys.at[:, page, offset].set(heads_first(k).astype(keys.dtype)),
+            values.at[:, page, offset].set(heads_first(v).astype(values.dtype)),
+        )
 
     def write_routing(self, routes: Array, experts: Array) -> Array:
         """A sparse layer's routing pool [1, pages, page_size, k] with the new tokens'
@@ -198,8 +183,6 @@ class PagedSlots:
             pages = jnp.moveaxis(pool[:, self.table], 0, 3)
             return pages.reshape(b, self.length, k, pool.shape[-1])
 
-        if keys_by_position(self.kernel):
-            keys = jnp.swapaxes(keys, 2, 3)
         return view(keys), view(values)
 
     def attention(
@@ -225,23 +208,18 @@ class PagedSlots:
         return out[:, None].astype(q.dtype)
 
     def _gathered_attention(self, q, keys, values, mask, scale, logit_cap) -> Array:
-        """Attention over each row's pages gathered kv-heads first (values [K, B, L, H], keys
-        [K, B, H, L]: reshapes of the gathers), as batched matmuls whose batch dims (K, B) lead,
-        the order XLA:CPU runs without transposing: a decode step of SmolLM2-135M (32 rows, 128
-        keys) took 2.0 ms of attention a layer through [B, L, K, H] and
-        jax.nn.dot_product_attention, 1.0 with keys [K, B, L, H]."""
+        """Attention over each row's pages gathered kv-heads first, [K, B, L, H] (a reshape of
+        the gather), as batched matmuls whose batch dims (K, B) lead, the order XLA:CPU runs
+        without transposing: a decode step of SmolLM2-135M (32 rows, 128 keys) took 2.0 ms of
+        attention a layer through [B, L, K, H] and jax.nn.dot_product_attention, 1.0 here."""
         b, t, n, h = q.shape
         k = keys.shape[0]
 
         def gather(pool: Array) -> Array:  # [K, B, W, S, H] -> [K, B, L, H]
             return pool[:, self.table].reshape(k, b, self.length, h)
 
-        if keys_by_position(self.kernel):  # [K, B, W, H, S] -> [K, B, H, L]
-            by_position = jnp.moveaxis(keys[:, self.table], 3, 2).reshape(k, b, h, self.length)
-        else:
-            by_position = jnp.swapaxes(gather(keys), 2, 3)
         q = jnp.moveaxis(q.reshape(b, t, k, n // k, h), 2, 0)  # [K, B, T, G, H]
-        scores = jnp.einsum("kbtgh,kbhl->kbtgl", q, by_position,
+        scores = jnp.einsum("kbtgh,kblh->kbtgl", q, gather(keys),
                             preferred_element_type=jnp.float32)  # fmt: skip
         visible = mask[:, 0][None, :, :, None, :]  # [B, 1, T, L] -> [1, B, T, 1, L]
         probs = attention_probs(scores, h, visible, scale=scale, logit_cap=logit_cap)

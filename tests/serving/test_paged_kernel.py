@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxtrain.serving import Engine, SamplingParams
-from jaxtrain.serving.paged import PagedSlots, keys_by_position
+from jaxtrain.serving.paged import PagedSlots
 
 
 @pytest.mark.parametrize("cap", [None, 2.0])
@@ -28,10 +28,7 @@ def test_the_kernel_reads_the_pages_as_the_gather_path_does(cap):
     out = {}
     for kernel in ("gather", "interpret"):
         slots = PagedSlots.of(start, 1, table, size, kernel=kernel)
-        # Each path's pool layout: the gather path keeps keys [K, pages, H, size].
-        pool_keys = jnp.swapaxes(keys, 2, 3) if keys_by_position(kernel) else keys
-        out[kernel] = slots.attention(q, pool_keys, values, slots.mask(), scale=0.3,
-                                      logit_cap=cap)  # fmt: skip
+        out[kernel] = slots.attention(q, keys, values, slots.mask(), scale=0.3, logit_cap=cap)
     np.testing.assert_allclose(out["interpret"], out["gather"], rtol=1e-5, atol=1e-5)
 
 
