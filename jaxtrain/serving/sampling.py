@@ -36,6 +36,7 @@ Array = jax.Array
 MAX_TOP_LOGPROBS = 20
 # Vocabulary entries per block of the two-level draw (`_inverse_cdf`).
 BLOCK = 256
+SIGN_BIT = 0x80000000  # of a float32's bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +146,10 @@ def _bisect(passes: Callable[[Array], Array], rows: int, smallest: bool = False)
     """[rows] float32 thresholds t where `passes(t)` [rows] bool turns from False to True as t
     grows (monotone): the largest t still False, or with `smallest` the smallest t True. Exact:
     float32 values are bisected as the unsigned integers that order them, 32 halvings."""
-    SIGN = jnp.uint32(0x80000000)
+    sign = jnp.uint32(SIGN_BIT)
 
     def value(order: Array) -> Array:  # the float whose order is `order`
-        bits = jnp.where(order >= SIGN, order ^ SIGN, ~order)
+        bits = jnp.where(order >= sign, order ^ sign, ~order)
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
     def halve(_: int, bounds: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -169,7 +170,7 @@ def _order(x: float) -> int:
     """The unsigned integer of float32 `x` in the order of float values (sign bit flipped for
     positives, every bit for negatives)."""
     bits = int(np.float32(x).view(np.uint32))
-    return bits ^ 0x80000000 if bits < 0x80000000 else ~bits & 0xFFFFFFFF
+    return bits ^ SIGN_BIT if bits < SIGN_BIT else ~bits & 0xFFFFFFFF
 
 
 def _inverse_cdf(scaled: Array, uniform: Array) -> Array:
@@ -245,6 +246,7 @@ def sample_rows(
     shifted = logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
     normaliser = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
     chosen = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - normaliser
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
 
     def ranked(_: None) -> tuple[Array, Array]:
         values, ids = jax.lax.top_k(shifted - normaliser[:, None], k)
@@ -253,6 +255,5 @@ def sample_rows(
     def unranked(_: None) -> tuple[Array, Array]:
         return jnp.zeros((logits.shape[0], k), jnp.int32), jnp.zeros((logits.shape[0], k))
 
-    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
     top_ids, top_values = jax.lax.cond(jnp.any(top_logprobs > 0), ranked, unranked, None)
     return Drawn(tokens, chosen, top_ids, top_values)
