@@ -213,10 +213,10 @@ def cmd_serve(tokens: list[str]) -> int:
             "jaxtrain serve needs the serve extra: pip install 'jaxtrain[serve]'."
         ) from None
     limits = serve_limits(options)  # before the model loads: a bad limit fails fast
-    from jaxtrain.cache import enable_compilation_cache
+    from jaxtrain.runtime import serving_environment
 
     # A restart loads the warm-up's programs instead of compiling them (minutes on a CPU).
-    enable_compilation_cache(options["compilation_cache_dir"])
+    serving_environment(options["compilation_cache_dir"])
     from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.serving.drain import serve_until_drained
     from jaxtrain.serving.server import create_app

@@ -10,7 +10,9 @@ needs the one before it:
 
 Everything that builds a run takes the runtime it is given: the Trainer
 (`Trainer(..., runtime=None)` builds one), a task trainer's reference or teacher, the CLI
-commands, the Ray job and the dry run. This module is the only caller of the four steps.
+commands, the Ray job and the dry run; `jaxtrain serve` takes step 2 alone
+(`serving_environment`: its engine runs where the served model's arrays are). This module is
+the only caller of the four steps.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from jaxtrain.parallel.distributed import ClusterSpec, initialize_distributed
 from jaxtrain.parallel.plan import ShardingPlan
 from jaxtrain.runtime.compiler import run_compiler_options
 
-__all__ = ["RUNTIME_FIELDS", "Runtime", "join_cluster", "runtime_for"]
+__all__ = ["RUNTIME_FIELDS", "Runtime", "join_cluster", "runtime_for", "serving_environment"]
 
 # The TrainingArguments fields a Runtime is built from (its RuntimeSettings); a run handed a
 # runtime must agree with it on each (the runtime's mesh, options and cluster are what the
@@ -95,6 +97,13 @@ class Runtime:
                 "runtime from the same arguments (Runtime.from_arguments(args)), or pass no "
                 "runtime and let the trainer build one."
             )
+
+
+def serving_environment(compilation_cache_dir: str | None) -> Path | None:
+    """What a served model needs of this module: JAX's persistent compilation cache ("auto",
+    a directory, or None: off), before its first compile, so a restarted server loads its
+    warm-up's programs. Returns the directory in use."""
+    return enable_compilation_cache(compilation_cache_dir)
 
 
 def runtime_for(
