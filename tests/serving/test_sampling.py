@@ -54,6 +54,8 @@ def test_each_draw_lands_where_its_uniform_falls_on_the_running_sum(draw):
     arrays = sampling_arrays(params, seeds, ROWS)
     probs = np.stack([softmax64(logits[r] / temperatures[r]) for r in range(ROWS)])
     running = np.cumsum(probs, axis=1)
+    # The log-prob is the model's own, before temperature (the default).
+    model_logprobs = np.log(np.stack([softmax64(row) for row in logits]))
     tokens_seen = set()
     for position in range(0, 400, 8):
         out = draw(logits, *arrays, np.full(ROWS, position, np.int32))
@@ -64,10 +66,8 @@ def test_each_draw_lands_where_its_uniform_falls_on_the_running_sum(draw):
             assert low - 1e-6 <= u <= running[r, token] + 1e-6, (r, position, token, u)
             assert probs[r, token] > 0
             tokens_seen.add(int(token))
-        # The log-prob is the model's own, before temperature (the default).
-        want = np.log(np.stack([softmax64(row) for row in logits]))
-        got = np.asarray(out.logprobs)
-        np.testing.assert_allclose(got, want[np.arange(ROWS), np.asarray(out.tokens)], atol=1e-5)
+        want = model_logprobs[np.arange(ROWS), np.asarray(out.tokens)]
+        np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=1e-5)
     assert len(tokens_seen) > 100  # the draws are spread, not stuck on a few tokens
 
 
@@ -109,7 +109,8 @@ def test_greedy_rows_beside_sampled_rows_take_the_argmax(draw):
     logits = rng.normal(size=(ROWS, VOCAB)).astype(np.float32)
     params = [SamplingParams(temperature=0.0 if r % 2 else 1.0, seed=r) for r in range(ROWS)]
     arrays = sampling_arrays(params, list(range(ROWS)), ROWS)
-    tokens = np.asarray(draw(logits, *arrays, np.zeros(ROWS, np.int32)).tokens)
+    drawn = draw(logits, *arrays, np.zeros(ROWS, np.int32)).tokens
+    assert drawn.dtype == jnp.int32
+    tokens = np.asarray(drawn)
     np.testing.assert_array_equal(tokens[1::2], logits[1::2].argmax(axis=1))
     assert (tokens[::2] != logits[::2].argmax(axis=1)).any()
-    assert jnp.asarray(tokens).dtype == jnp.int32
