@@ -4,6 +4,7 @@ the tool-calling GRPO tests."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import transformers
@@ -11,6 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# XLA options of a compile whose program runs many times (tool_caller's training step).
+EXECUTING = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
 
 
 def add(a: int, b: int) -> int:
@@ -75,6 +78,7 @@ def tiny_llama(tokenizer, path: Path, seed: int = 0) -> Path:
 def tool_caller(tokenizer, conversations: list[list[dict]], tools: list, answer: str, steps=300):
     """A tiny jaxtrain Llama trained (adam, `steps` full-batch steps) to answer each of
     `conversations` (shown `tools`) with `answer`: a model that calls a tool when asked."""
+    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -100,19 +104,24 @@ def tool_caller(tokenizer, conversations: list[list[dict]], tools: list, answer:
     width = max(map(len, ids))
     ids = jnp.asarray([x + [0] * (width - len(x)) for x in ids])
     labels = jnp.asarray([x + [IGNORE_INDEX] * (width - len(x)) for x in labels])
-    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    adam = optax.adam(3e-3)
 
-    @nnx.jit
-    def step(model, optimizer):
-        def loss(model):
-            logps, mask = model_token_logps(model, ids, labels)
-            return -(logps * mask).sum() / mask.sum()
+    def loss(params):
+        logps, mask = model_token_logps(nnx.merge(graphdef, params, rest), ids, labels)
+        return -(logps * mask).sum() / mask.sum()
 
-        value, grads = nnx.value_and_grad(loss)(model)
-        optimizer.update(model, grads)
-        return value
+    # 300 steps execute more than they compile: XLA's level 1, not the suite's level 0 (whose
+    # steps run ~4x slower, tests/conftest.py).
+    @functools.partial(jax.jit, compiler_options=EXECUTING)
+    def step(params, moments):
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, moments = adam.update(grads, moments, params)
+        return optax.apply_updates(params, updates), moments, value
 
+    moments = adam.init(params)
     for _ in range(steps):
-        value = step(model, optimizer)
+        params, moments, value = step(params, moments)
     assert float(value) < 0.05, f"the caller did not learn its answer (loss {float(value)})"
+    nnx.update(model, params)
     return model

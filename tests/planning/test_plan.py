@@ -4,6 +4,7 @@ the analytical volumes, and the HLO reader handles XLA's spellings."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def measured():
-    """tests/planning/plan_worker.py: plans and a real run on 8 CPU devices (one process)."""
-    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    """tests/planning/plan_worker.py: plans and a real run on 8 CPU devices (one process),
+    under the suite's XLA flags and compilation cache (tests/conftest.py): the plans and the
+    run compile with the same flags, which is all the comparisons need."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("plan_worker.py"))],
         capture_output=True,
