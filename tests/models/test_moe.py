@@ -40,9 +40,12 @@ def test_dropless_dispatch_equals_every_expert_on_every_token(routed, implementa
     x, experts, weights, gate_up, down, _ = routed
     assert int((experts == 5).sum()) == 0  # an expert without rows is handled
 
+    # Compiled, as in a model: run eagerly, every op of the dispatch is a program of its own.
+    @jax.jit
     def ours(x, weights, gate_up, down):
         return expert_mlp(x, experts, weights, gate_up, down, implementation=implementation)
 
+    @jax.jit
     def reference(x, weights, gate_up, down):
         return dense_reference(x, experts, weights, gate_up, down)
 
@@ -157,8 +160,8 @@ def test_default_loss_adds_the_router_losses_and_logs_them(model):
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, CONFIG.vocab_size)
     labels = ids.at[0, :4].set(-100)
     batch = {"input_ids": ids, "labels": labels}
-    sums = causal_lm_loss_sums(model, batch, jax.random.key(0))
-    logits, aux = model(ids, return_aux=True)
+    sums = nnx.jit(causal_lm_loss_sums)(model, batch, jax.random.key(0))
+    logits, aux = nnx.jit(lambda m, ids: m(ids, return_aux=True))(model, ids)
     plain = causal_lm_sums(logits, labels)
     tokens = float(plain["tokens"])
     assert float(sums["tokens"]) == tokens == 2 * 11 - 3
@@ -179,7 +182,7 @@ def test_default_loss_adds_the_router_losses_and_logs_them(model):
         _, aux = nnx.merge(graphdef, params, rest)(ids, return_aux=True)
         return aux["aux_loss"]
 
-    grads = jax.grad(aux_only)(params)
+    grads = jax.jit(jax.grad(aux_only))(params)
     router_grad = grads["model"]["layers"][0]["mlp"]["gate"]["kernel"].get_value()
     assert float(jnp.abs(router_grad).max()) > 0
 

@@ -105,7 +105,7 @@ def test_image_pairs_loss_gradient_and_rewards_equal_trl(checkpoints, tmp_path):
         sums = objective.loss_sums(nnx.merge(graphdef, params, rest), ours_batch, jax.random.key(0))
         return sums["loss_sum"] / sums["tokens"], sums
 
-    our_grads, sums = jax.grad(objective_loss, has_aux=True)(params)
+    our_grads, sums = jax.jit(jax.grad(objective_loss, has_aux=True))(params)
     logs = summarize_sums({k: float(v) for k, v in sums.items()}, perplexity=False,
                           differences=objective.differences)  # fmt: skip
     our_norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2)

@@ -128,7 +128,7 @@ def test_sft_loss_gradient_and_accuracy_equal_trl(checkpoint, processor, tmp_pat
         sums = ours.compute_loss_sums(nnx.merge(graphdef, params, rest), micro, jax.random.key(0))
         return sums["loss_sum"] / sums["tokens"], sums
 
-    our_grads, sums = jax.grad(objective, has_aux=True)(params)
+    our_grads, sums = jax.jit(jax.grad(objective, has_aux=True))(params)
     our_loss = float(sums["loss_sum"] / sums["tokens"])
     our_norm = float(
         np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(our_grads)))
