@@ -127,8 +127,8 @@ if "docs_result" in sys.argv[2:]:
 # XLA's flags of a block. Shortened to one update, a laptop page's runs are compiles: at LLVM
 # level 0 with XLA:CPU's legacy emitters (the suite's flags, tests/conftest.py) its blocks took
 # 0.5-0.7x level 1's time (tasks.md's CLI tasks 49 -> 35 s, the tool-calling GRPO block
-# 71 -> 37 s). A mesh page's runs execute: its 32k-token row on 8 simulated devices trained
-# for 8 minutes at level 0 against 2.4 at level 1 (a step runs ~4x slower at level 0), so the
+# 71 -> 37 s). A mesh page's runs execute: its 32k-token row on 8 simulated devices had not
+# finished after 8 minutes at level 0, against 2.4 at level 1 (steps run ~4x slower), so the
 # mesh pages and the unshortened ViT run keep level 1 (bench/compile_flags.py).
 LAPTOP_LEVEL, EXECUTING_LEVEL = 0, 1
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from jaxtrain.checkpointing.files import CheckpointError
 from jaxtrain.checkpointing.quiet import quiet_orbax
 from jaxtrain.config.sections import CheckpointSettings
 from jaxtrain.state import TrainState
+
+logger = logging.getLogger("jaxtrain")
 
 
 @dataclasses.dataclass
@@ -319,12 +323,26 @@ class _Saver:
                 "run the same command again to resume."
             ) from err
 
-    def _remove_uncommitted(self) -> None:
+    def _remove_uncommitted(self, patience_s: float = 0.0) -> None:
         """Every uncommitted directory, not only this step's: an async write's failure can
-        surface at the next save, after its own step's directory was made."""
-        if jax.process_index() == 0:
+        surface at the next save, after its own step's directory was made. A write of the
+        failed save still running can add files while a directory is removed: tried again
+        for up to `patience_s`, then the directories left are named."""
+        if jax.process_index() != 0:
+            return
+        deadline = time.monotonic() + patience_s
+        while True:
             for leftover in self.root.glob("*.orbax-checkpoint-tmp*"):
-                shutil.rmtree(leftover, ignore_errors=True)
+                shutil.rmtree(leftover, ignore_errors=True)  # what is left is checked below
+            left = sorted(str(p) for p in self.root.glob("*.orbax-checkpoint-tmp*"))
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if left:
+            logger.warning(
+                "jaxtrain: could not remove the partial checkpoint directories %s; they are "
+                "not checkpoints (a resume ignores them): delete them.", ", ".join(left),
+            )  # fmt: skip
 
     def wait(self) -> None:
         with self._failures():
@@ -340,8 +358,8 @@ class _Saver:
                 self._manager.close()
                 if self._failed:
                     # Writes of the failed save still in flight when it was cleaned up (a
-                    # loaded machine left a directory behind once) have ended now.
-                    self._remove_uncommitted()
+                    # loaded machine left a directory behind, twice) end now or soon.
+                    self._remove_uncommitted(patience_s=10.0)
 
 
 def _barrier(name: str) -> None:
