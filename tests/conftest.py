@@ -23,8 +23,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # Compiles are most of the suite's time, and on XLA:CPU every eager op of a new shape is a
 # program of its own. LLVM level 0 with XLA:CPU's legacy emitters compiles eager ops, a model
 # build and a train step in 0.4-0.5x level 1's time, for steps ~4x slower (bench/RESULTS.md,
-# "XLA:CPU flags against the suite's time"; the docs' test, whose runs execute more, sets its
-# own). A user's XLA_FLAGS level wins over jaxtrain's CPU default (runtime/compiler.py), so
+# "XLA:CPU flags against the suite's time"; the docs' test sets them per block, and a program
+# that runs many times may compile at level 1 through jax.jit's compiler_options, as
+# tool_chat_fixtures.tool_caller does). A user's XLA_FLAGS level wins over jaxtrain's CPU default (runtime/compiler.py), so
 # the Trainer's steps compile this way too. Worker processes add their device count to these.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
