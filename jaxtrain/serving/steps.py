@@ -90,17 +90,19 @@ def adapter_rows(adapters: list[int], rows: int) -> np.ndarray:
     return np.asarray(list(adapters) + [0] * (rows - len(adapters)), np.int32)
 
 
-class Steps:
-    """The jitted steps of one model graph on pages of `page_size` tokens."""
+class StepPrograms:
+    """The jitted steps of one model graph on pages of `page_size` tokens: functions of
+    their arguments and of these settings only, so engines of the same graph and settings
+    share them (`step_programs`) and a second engine compiles nothing the first did."""
 
     def __init__(
         self,
         graphdef: Any,
         page_size: int,
         pool_sharding: Any,
-        kernel: str = "gather",
-        processed_logprobs: bool = False,
-        decode_steps: int = 1,
+        kernel: str,
+        processed_logprobs: bool,
+        decode_steps: int,
     ):
         # Every step returns the pool with the sharding it came in with: a pool whose
         # placement changed would compile each step a second time.
@@ -108,19 +110,15 @@ class Steps:
         self.kernel = kernel  # how decode steps attend: PagedSlots.kernel
         self.processed = processed_logprobs  # log-probs after temperature (sampling.py)
         self.decode_steps = decode_steps  # tokens per sequence of a decode_many call
-        self.compiles: dict[str, set[tuple]] = {
-            "prefill": set(), "prefill_images": set(), "decode": set(), "decode_many": set(),
-            "verify": set(),
-        }  # fmt: skip
         # Each takes (structure, arrays, pool, ...): the structure static, the pool donated.
         jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-        self._prefill = jit(self._prefill_fn)
-        self._prefill_images = jit(self._prefill_images_fn)
-        self._decode = jit(self._decode_fn)
-        self._decode_many = jit(self._decode_many_fn)
-        self._verify = jit(self._verify_fn)
-        self._routing = jax.jit(routing_of)
-        self._copy = jax.jit(
+        self.prefill = jit(self._prefill_fn)
+        self.prefill_images = jit(self._prefill_images_fn)
+        self.decode = jit(self._decode_fn)
+        self.decode_many = jit(self._decode_many_fn)
+        self.verify = jit(self._verify_fn)
+        self.routing = jax.jit(routing_of)
+        self.copy = jax.jit(
             lambda pool, source, target: self._placed(_copy_page(pool, source, target)),
             donate_argnums=0,
         )
@@ -190,6 +188,45 @@ class Steps:
         kept = jnp.cumprod(same.astype(jnp.int32), axis=1).sum(axis=1)
         return drawn, kept, pool
 
+
+# A process may build engines of one model graph again: GRPO runs one after another in a
+# notebook, lm-eval after a run, a test suite's hundred small runs. The graph and these
+# settings (with the parameters' structure, a static argument) key every program, so
+# sharing them skips tracing, lowering and compiling every bucket again (tests/trainers/
+# test_grpo.py: 75 -> 42 s). Held for a few graphs; jax.clear_caches() empties the programs.
+@functools.lru_cache(maxsize=8)
+def step_programs(
+    graphdef: Any, page_size: int, pool_sharding: Any, kernel: str, processed: bool,
+    decode_steps: int,
+) -> StepPrograms:  # fmt: skip
+    return StepPrograms(graphdef, page_size, pool_sharding, kernel, processed, decode_steps)
+
+
+class Steps:
+    """One engine's steps: the shared `StepPrograms` of its graph, and the shapes this
+    engine has called them with (`compiles`)."""
+
+    def __init__(
+        self,
+        graphdef: Any,
+        page_size: int,
+        pool_sharding: Any,
+        kernel: str = "gather",
+        processed_logprobs: bool = False,
+        decode_steps: int = 1,
+    ):
+        self.programs = step_programs(
+            graphdef, page_size, pool_sharding, kernel, processed_logprobs, decode_steps
+        )
+        self.compiles: dict[str, set[tuple]] = {
+            "prefill": set(), "prefill_images": set(), "decode": set(), "decode_many": set(),
+            "verify": set(),
+        }  # fmt: skip
+
+    @property
+    def kernel(self) -> str:
+        return self.programs.kernel
+
     # ------------------------------------------------------------- calls
     def prefill(
         self, params: FlatParams, pool, ids, start, table, pad, adapters, rows, positions, *sampling
@@ -201,7 +238,7 @@ class Steps:
         `positions[s]`, with the samples' `sampling_arrays` (rows of unfinished prompts are
         drawn and ignored: S is fixed, so the draw adds no shape to compile)."""
         self.compiles["prefill"].add((ids.shape, table.shape))
-        return self._prefill(
+        return self.programs.prefill(
             *params, pool, ids, start, table, pad, adapters, rows, positions, *sampling
         )
 
@@ -213,7 +250,7 @@ class Steps:
         pixels [R, max_images, C, H, W] of those images, each row's in order
         (serving/images.py)."""
         self.compiles["prefill_images"].add((ids.shape, table.shape))
-        return self._prefill_images(
+        return self.programs.prefill_images(
             *params, pool, ids, start, table, pad, adapters, rows, positions, pixel_values,
             *sampling,
         )  # fmt: skip
@@ -225,7 +262,7 @@ class Steps:
         `start` [B], through its adapter `adapters` [B]; `sampling`: the rows'
         `sampling_arrays`."""
         self.compiles["decode"].add((ids.shape, table.shape))
-        return self._decode(*params, pool, ids, start, table, adapters, *sampling)
+        return self.programs.decode(*params, pool, ids, start, table, adapters, *sampling)
 
     def decode_many(
         self, params: FlatParams, pool, ids, start, table, adapters, limit, *sampling
@@ -236,33 +273,32 @@ class Steps:
         page (its later draws are read by no one). Each draw equals `decode`'s at its
         position: one call instead of decode_steps saves the host's work between steps."""
         self.compiles["decode_many"].add((ids.shape, table.shape))
-        return self._decode_many(*params, pool, ids, start, table, adapters, limit, *sampling)
+        return self.programs.decode_many(
+            *params, pool, ids, start, table, adapters, limit, *sampling
+        )
 
     def verify(self, params: FlatParams, pool, ids, start, table, adapters, drafted, *sampling):
         """Each row's newest token and its draft [B, 1 + k] (the first `drafted` [B] draft
         tokens real) at positions from `start` [B]: the draw after every position [B, 1 + k]
         and how many draft tokens each row keeps [B] (speculation.py)."""
         self.compiles["verify"].add((ids.shape, table.shape))
-        return self._verify(*params, pool, ids, start, table, adapters, drafted, *sampling)
+        return self.programs.verify(*params, pool, ids, start, table, adapters, drafted, *sampling)
 
     def lower(self, kind: str, state: Any, pool: Any, *args: Any) -> Any:
         """The `kind` step (a name of `compiles`) lowered for these arguments
         (arrays, or jax.ShapeDtypeStructs), not run: what `jaxtrain plan` compiles."""
-        steps = {"prefill": self._prefill, "prefill_images": self._prefill_images,
-                 "decode": self._decode, "decode_many": self._decode_many,
-                 "verify": self._verify}  # fmt: skip
-        return steps[kind].lower(*flat_params(state), pool, *args)
+        return getattr(self.programs, kind).lower(*flat_params(state), pool, *args)
 
     def routing(self, pool: Any, pages: list[int], max_pages: int) -> np.ndarray:
         """[S, max_pages * page_size, k]: the experts a pool that records routing holds for
         the tokens of a sequence's `pages` (paged.routing_of), on the host."""
         table = np.zeros(max_pages, np.int32)  # one width: one compile
         table[: len(pages)] = pages
-        return np.asarray(self._routing(pool, table))
+        return np.asarray(self.programs.routing(pool, table))
 
     def copy_page(self, pool: Any, source: int, target: int) -> Any:
         """`pool` with page `target` a copy of page `source` in every layer."""
-        return self._copy(pool, np.int32(source), np.int32(target))
+        return self.programs.copy(pool, np.int32(source), np.int32(target))
 
 
 def _copy_page(pool: Any, source: Array, target: Array) -> Any:

@@ -16,7 +16,9 @@ from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 VOCAB = 61
 
 
-def tiny_llama(max_positions: int = 64, initializer_range: float = 0.3) -> LlamaForCausalLM:
+def tiny_llama(
+    max_positions: int = 64, initializer_range: float = 0.3, seed: int = 0
+) -> LlamaForCausalLM:
     """2 layers, hidden 32, grouped-query attention. The default initializer gives peaked
     distributions (greedy tokens are not near-ties); 0.1 gives a model that falls into loops."""
     config = LlamaConfig(
@@ -24,7 +26,7 @@ def tiny_llama(max_positions: int = 64, initializer_range: float = 0.3) -> Llama
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         initializer_range=initializer_range,
     )  # fmt: skip
-    return LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
