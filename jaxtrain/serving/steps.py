@@ -190,7 +190,7 @@ class StepPrograms:
 
 
 # A process may build engines of one model graph again: GRPO runs one after another in a
-# notebook, lm-eval after a run, a test suite's hundred small runs. The graph and these
+# notebook, a test suite's hundred small runs. The graph and these
 # settings (with the parameters' structure, a static argument) key every program, so
 # sharing them skips tracing, lowering and compiling every bucket again (tests/trainers/
 # test_grpo.py: 75 -> 42 s). Held for a few graphs; jax.clear_caches() empties the programs.
