@@ -25,8 +25,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # build and a train step in 0.4-0.5x level 1's time, for steps ~4x slower (bench/RESULTS.md,
 # "XLA:CPU flags against the suite's time"; the docs' test sets them per block, and a program
 # that runs many times may compile at level 1 through jax.jit's compiler_options, as
-# tool_chat_fixtures.tool_caller does). A user's XLA_FLAGS level wins over jaxtrain's CPU default (runtime/compiler.py), so
-# the Trainer's steps compile this way too. Worker processes add their device count to these.
+# tool_chat_fixtures.tool_caller does). A user's XLA_FLAGS level wins over jaxtrain's CPU
+# default (runtime/compiler.py), so the Trainer's steps compile this way too. Worker
+# processes add their device count to these.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()

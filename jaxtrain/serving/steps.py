@@ -189,17 +189,28 @@ class StepPrograms:
         return drawn, kept, pool
 
 
-# A process may build engines of one model graph again: GRPO runs one after another in a
-# notebook, a test suite's hundred small runs. The graph and these
-# settings (with the parameters' structure, a static argument) key every program, so
-# sharing them skips tracing, lowering and compiling every bucket again (tests/trainers/
-# test_grpo.py: 75 -> 42 s). Held for a few graphs; jax.clear_caches() empties the programs.
-@functools.lru_cache(maxsize=8)
 def step_programs(
     graphdef: Any, page_size: int, pool_sharding: Any, kernel: str, processed: bool,
     decode_steps: int,
 ) -> StepPrograms:  # fmt: skip
-    return StepPrograms(graphdef, page_size, pool_sharding, kernel, processed, decode_steps)
+    """The programs of engines of this graph and settings: shared within the process, or the
+    engine's own when the graph cannot be a key (a model attribute holding a dict or list)."""
+    key = (graphdef, page_size, pool_sharding, kernel, processed, decode_steps)
+    try:
+        hash(key)
+    except TypeError:
+        return StepPrograms(*key)
+    return _shared_step_programs(*key)
+
+
+# A process may build engines of one model graph again: GRPO runs one after another in a
+# notebook, a test suite's hundred small runs. The graph and these settings (with the
+# parameters' structure, a static argument) key every program, so sharing them skips
+# tracing, lowering and compiling every bucket again (tests/trainers/test_grpo.py: 75 -> 42
+# s). Held for a few graphs; jax.clear_caches() empties the programs.
+@functools.lru_cache(maxsize=8)
+def _shared_step_programs(*key: Any) -> StepPrograms:
+    return StepPrograms(*key)
 
 
 class Steps:

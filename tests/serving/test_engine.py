@@ -170,6 +170,20 @@ def test_engines_of_one_graph_share_their_compiled_steps(model):
     assert log.compiled["_prefill_fn"] > 0 and log.compiled["_decode_fn"] > 0
 
 
+def test_a_model_with_an_unhashable_attribute_gets_programs_of_its_own():
+    """A graph that cannot key the shared programs (an attribute holding a dict) still
+    serves, on programs of its own, the tokens of the same weights without it."""
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prompts = [prompt(6, 3), prompt(9, 4)]
+    plain, noted = tiny_llama(seed=3), tiny_llama(seed=3)
+    noted.notes = {"origin": ["a", "list"]}
+    kw = dict(max_slots=2, page_size=4, max_length=32, eos_token_ids=[])
+    engine = Engine(noted, **kw)
+    got = [c[0].token_ids for c in engine.generate(prompts, params)]
+    assert got == [c[0].token_ids for c in Engine(plain, **kw).generate(prompts, params)]
+    assert engine.steps.programs is not Engine(noted, **kw).steps.programs
+
+
 def test_steps_read_only_the_pages_in_use_and_decode_like_generate(model):
     """A table as wide as the longest sequence needs (a bucket of 8 pages and up), not
     max_length's 16 pages: sequences that cross from 8 to 16 pages mid-decode, and one that
