@@ -11,8 +11,8 @@ fits, so a session lent a device for minutes gets the most important figures fir
   parameters, for attention "cudnn" (jax.nn.dot_product_attention's fused kernel, no remat),
   "blockwise" (models/blockwise.py), "xla" (dense einsums; its [B, N, T, T] probabilities need
   remat "dots_saveable" to fit at 4096), "auto" (no implementation set: the default a user
-  gets), "fp8", "bf16_moments" and "scan" ("auto" with fp8_matmuls, with mu_dtype bfloat16,
-  with scan_layers) and
+  gets), "fp8", "bf16_moments", "scan" and "fused" ("auto" with fp8_matmuls, with mu_dtype
+  bfloat16, with scan_layers, with elementwise_kernels "pallas") and
   "cudnn_cublas" (XLA's Triton GEMMs off). tokens/s and MFU are the Trainer's own logged
   values over steps W+1..N (its metrics.jsonl), the memory keys those of its monitor
   (track_memory), the compiled step's memory from its run_info.json.
@@ -73,11 +73,14 @@ TRAIN_VARIANTS: dict[str, tuple[str, str, dict[str, str], dict]] = {
     "blockwise": ("blockwise", "none", {}, {}),
     "xla": ("xla", "dots_saveable", {}, {}),
     "auto": ("auto", "none", {}, {}),
+    # The layers' elementwise work as fused Pallas (Triton) kernels (models/elementwise.py):
+    # issue 49's elementwise share of device time, against "auto".
+    "fused": ("auto", "none", {}, {"elementwise_kernels": "pallas"}),
     # Every matmul through cuBLAS instead of XLA's Triton GEMM emitter where it would pick one.
     "cudnn_cublas": ("cudnn", "none", {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, {}),
 }
-DEFAULT_VARIANTS = "cudnn,fp8,bf16_moments,scan"
-GPU_ONLY = ("cudnn", "cudnn_cublas")
+DEFAULT_VARIANTS = "cudnn,fp8,bf16_moments,scan,fused"
+GPU_ONLY = ("cudnn", "cudnn_cublas", "fused")  # kernels that exist on NVIDIA GPUs only
 STAGES = ("train", "profile", "engine", "generate", "plan", "batch", "moe", "gmm", "grpo")
 # The grpo stage: GRPO on the size's random model, synchronous and a round ahead.
 GRPO_VARIANTS = {"sync": 0, "async": 1}
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + opts.budget_s
     device = device_line()
-    if device.get("platform") == "cpu":  # the fused kernel exists on NVIDIA GPUs only
+    if device.get("platform") == "cpu":
         variants = [v for v in variants if v not in GPU_ONLY]
     report: dict = {"size": size, "model": MODELS[size], "run": RUNS[size], "device": device}
     report["train"] = {}

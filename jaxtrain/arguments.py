@@ -184,6 +184,10 @@ class TrainingArguments:
     # forward, e5m2 gradients, per-tensor current scaling) for the FP8 tensor cores of
     # Hopper-class GPUs; the embedding, norms and LM head stay in `dtype`.
     fp8_matmuls: bool = False
+    # The decoder layers' elementwise work (models/elementwise.py: the residual add with the
+    # MLP's RMSNorm, SwiGLU's gate, rotary embeddings): "xla" (XLA fuses it), "pallas" (one
+    # fused Triton kernel each, NVIDIA GPUs) or "interpret" (those kernels interpreted: tests).
+    elementwise_kernels: str = "xla"
 
     # LoRA: rank of the adapters (0 = off). Only the adapters are trained, held in the
     # optimizer state and checkpointed; the base weights stay frozen (jaxtrain.models.lora).

@@ -25,7 +25,7 @@ def campaign(tmp_path_factory) -> tuple[dict, Path]:
             "--out",
             str(out),
             "--variants",
-            "cudnn,blockwise,auto,bf16_moments,scan",
+            "cudnn,blockwise,auto,bf16_moments,scan,fused",
         ],  # fmt: skip
         capture_output=True,
         text=True,
@@ -39,7 +39,7 @@ def campaign(tmp_path_factory) -> tuple[dict, Path]:
 def test_train_variants_report_the_trainers_figures(campaign):
     report, _ = campaign
     assert report["device"]["platform"] == "cpu"
-    # cudnn has no CPU kernel: the campaign leaves it out there.
+    # cudnn and the fused Triton kernels have no CPU build: the campaign leaves them out there.
     assert set(report["train"]) == {"blockwise", "auto", "bf16_moments", "scan"}
     assert report["train"]["bf16_moments"]["overrides"] == {"mu_dtype": "bfloat16"}
     assert report["train"]["scan"]["overrides"] == {"scan_layers": True}

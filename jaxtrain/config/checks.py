@@ -18,6 +18,7 @@ from jaxtrain.config.mixture import parse_mixture_weights
 from jaxtrain.config.parallel_checks import check_parallel
 from jaxtrain.config.tables import (
     DTYPES,
+    ELEMENTWISE_KERNELS,
     EVALUATION_STRATEGIES,
     IMAGE_TRUNCATION,
     MIXTURE_EXHAUSTED,
@@ -258,6 +259,9 @@ def check_model(args: Any) -> None:
         if not isinstance(getattr(args, name), bool):
             raise ArgumentError(f"TrainingArguments.{name} must be true or false, got "
                                 f"{getattr(args, name)!r}.")  # fmt: skip
+    if args.elementwise_kernels not in ELEMENTWISE_KERNELS:
+        raise ArgumentError(f"TrainingArguments.elementwise_kernels={args.elementwise_kernels!r}: "
+                            f"choose one of {', '.join(ELEMENTWISE_KERNELS)}.")  # fmt: skip
     if args.scan_layers is not None and not isinstance(args.scan_layers, bool):
         raise ArgumentError("TrainingArguments.scan_layers must be true, false or null (on for "
                             f"a quantized base), got {args.scan_layers!r}.")  # fmt: skip

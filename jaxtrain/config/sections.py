@@ -99,6 +99,7 @@ class ModelSettings:
     quantization_double: bool
     freeze_vision_tower: bool = False  # a vision-language model's image encoder stays as is
     fp8_matmuls: bool = False  # the decoder layers' projections in float8 (models/fp8.py)
+    elementwise_kernels: str = "xla"  # the layers' elementwise work (models/elementwise.py)
 
     @classmethod
     def from_arguments(cls, args: Any) -> ModelSettings:
@@ -113,6 +114,7 @@ class ModelSettings:
             if args.scan_layers is None
             else args.scan_layers,
             fp8_matmuls=args.fp8_matmuls,
+            elementwise_kernels=args.elementwise_kernels,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,

@@ -39,6 +39,8 @@ SCHEDULERS = ("constant", "linear", "cosine", "warmup_cosine", "wsd")
 
 # models/layer_scan.py maps each to a jax.checkpoint policy of a decoder layer.
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "everything_saveable")
+# How a decoder layer's elementwise work runs (models/elementwise.py).
+ELEMENTWISE_KERNELS = ("xla", "pallas", "interpret")
 # Decoder layers under jax.lax.scan (models/layer_scan.py): the models' default, and
 # TrainingArguments.scan_layers' when unset except for a quantized base (there it is on: one
 # layer dequantized at a time). Off: on XLA:CPU the scanned step ran at 0.8x the loop's

@@ -25,14 +25,9 @@ from flax import nnx
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import gated, gelu_tanh
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.elementwise import apply_rope
 from jaxtrain.models.layer_scan import LayerStep, run_layers
-from jaxtrain.models.layers import (
-    Embedding,
-    Projection,
-    apply_rope,
-    rope_cos_sin,
-    rope_inv_freq,
-)
+from jaxtrain.models.layers import Embedding, Projection, rope_cos_sin, rope_inv_freq
 from jaxtrain.models.llama import ACT_BTD, ACT_BTV, LlamaForCausalLM
 from jaxtrain.models.sharding import constrain
 

@@ -21,8 +21,8 @@ from flax import nnx
 
 from jaxtrain.config.tables import cpu_defaults
 from jaxtrain.models.attention import causal_attention
-from jaxtrain.models.blocks import gated
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.elementwise import rms_norm, rotary, swiglu
 from jaxtrain.models.fp8 import fp8_matmul
 from jaxtrain.models.sharding import constrain, current_rules
 
@@ -236,11 +236,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=(axis,))
 
     def __call__(self, x: Array) -> Array:
-        x32 = x.astype(jnp.float32)
-        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
-        # Same order as HF: normalise in fp32, cast, then scale in the compute dtype.
-        return self.weight[...].astype(self.dtype) * y
+        return rms_norm(x, self.weight[...], self.eps, self.dtype)
 
 
 # ------------------------------------------------------------------------------- RoPE
@@ -299,16 +295,6 @@ def rope_cos_sin(positions: Array, inv_freq: np.ndarray, dtype: DType) -> tuple[
     )
 
 
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotate x [B, T, ..., H] by cos/sin [B, T, H] (any number of head dims between)."""
-    extra = x.ndim - cos.ndim
-    shape = cos.shape[:2] + (1,) * extra + cos.shape[2:]
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nnx.Module):
     """GQA self-attention with one fused q/k/v kernel (embed, kv_heads, q_per_kv + 2, head_dim).
 
@@ -344,6 +330,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, axis="head_dim", **norm_kw)
         else:
             self.q_norm = self.k_norm = None
+        self.elementwise_kernels = "xla"  # set by a run's elementwise_kernels (elementwise.py)
 
     def project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
         """q [B, T, N, H] and k, v [B, T, K, H], q and k rotated (also used by the KV cache)."""
@@ -374,7 +361,8 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, self.num_heads, self.head_dim)  # no-op unless LoRA's [B,T,K,G,H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        kernel = self.elementwise_kernels
+        return rotary(q, cos, sin, kernel=kernel), rotary(k, cos, sin, kernel=kernel), v
 
     def __call__(
         self,
@@ -416,6 +404,7 @@ class MLP(nnx.Module):
             bias_ndim=1 if c.mlp_bias else None,
             **kw,
         )
+        self.elementwise_kernels = "xla"  # set by a run's elementwise_kernels (elementwise.py)
 
     def __call__(self, x: Array) -> Array:
         # Like q/k/v: slice the fused (embed, 2, mlp) kernel, not the [B, T, 2, F] output.
@@ -431,4 +420,4 @@ class MLP(nnx.Module):
             if proj.bias is not None:
                 bias = proj.bias[...].astype(proj.dtype)  # [2, F]
                 gate, up = gate + bias[0], up + bias[1]
-        return self.down_proj(gated(jax.nn.silu, gate, up))
+        return self.down_proj(swiglu(gate, up, kernel=self.elementwise_kernels))

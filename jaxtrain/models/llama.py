@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxtrain.config.tables import REMAT_POLICIES, SCAN_LAYERS_DEFAULT
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.elementwise import add_rms_norm
 from jaxtrain.models.layer_scan import LayerStep, run_layers
 from jaxtrain.models.layers import (
     MLP,
@@ -49,6 +50,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm_kw)
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.elementwise_kernels = "xla"  # set by a run's elementwise_kernels (elementwise.py)
 
     def __call__(
         self,
@@ -58,8 +60,12 @@ class DecoderLayer(nnx.Module):
         segment_ids: Array | None = None,
         implementation: str | None = None,
     ) -> Array:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, implementation)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, implementation)
+        norm = self.post_attention_layernorm
+        # The residual add and the MLP's norm in one pass (a kernel of its own on a GPU).
+        x, normed = add_rms_norm(x, h, norm.weight[...], eps=norm.eps, dtype=norm.dtype,
+                                 kernel=self.elementwise_kernels)  # fmt: skip
+        return x + self.mlp(normed)
 
 
 def layer_step(implementation: str | None) -> LayerStep:

@@ -38,7 +38,8 @@ from flax import nnx
 
 from jaxtrain.models.attention import grouped_attention
 from jaxtrain.models.blocks import gated, gelu
-from jaxtrain.models.layers import Projection, RMSNorm, apply_rope
+from jaxtrain.models.elementwise import apply_rope
+from jaxtrain.models.layers import Projection, RMSNorm
 
 Array = jax.Array
 DType = Any

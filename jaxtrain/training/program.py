@@ -124,8 +124,23 @@ class ModelParts:
         )
 
 
+def _check_elementwise_kernels(model: nnx.Module, kernels: str) -> None:
+    """Fused kernels where they run and where the model has layers that take them."""
+    if kernels == "xla":
+        return
+    field = f"TrainingArguments.elementwise_kernels={kernels!r}"
+    if kernels == "pallas" and jax.default_backend() != "gpu":
+        raise ArgumentError(f"{field} runs Triton kernels on NVIDIA GPUs, and this run is on "
+                            f"{jax.default_backend()}: use 'xla' (the default).")  # fmt: skip
+    if not any(hasattr(m, "elementwise_kernels") for _, m in nnx.iter_modules(model)):
+        raise ArgumentError(f"{field}: {type(model).__name__} has no layers that take fused "
+                            "elementwise kernels (the Llama family's do); use 'xla'.")  # fmt: skip
+
+
 def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
-    """The run's remat policy, layer scan and compute dtype on `model`, in place."""
+    """The run's remat policy, layer scan, float8 matmuls, elementwise kernels and compute
+    dtype on `model`, in place."""
+    _check_elementwise_kernels(model, settings.elementwise_kernels)
     # Every module with the attribute: a task's frozen reference or teacher, a reward model's
     # backbone and a VLM's language model scan as the trained model does.
     for path, module in nnx.iter_modules(model):
@@ -134,6 +149,8 @@ def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
         # The output head stays in the compute dtype (models/fp8.py).
         if isinstance(module, Projection) and path and path[-1] not in KEPT_IN_FLOAT:
             module.fp8 = settings.fp8_matmuls
+        if hasattr(module, "elementwise_kernels"):
+            module.elementwise_kernels = settings.elementwise_kernels
     if hasattr(model, "remat_policy"):
         model.remat_policy = settings.remat_policy
     elif settings.remat_policy != "none":
