@@ -4,13 +4,15 @@ Llama model and a training run with them equal the same without them."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import Trainer, TrainerCallback, TrainingArguments
+from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.data import chunk_dataset, load_default_corpus
 from jaxtrain.models import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -127,15 +129,6 @@ def rows():
     return chunk_dataset(corpus.train, corpus.tokenizer, 32), len(corpus.tokenizer)
 
 
-class Losses(TrainerCallback):
-    def __init__(self):
-        self.losses: list[float] = []
-
-    def on_log(self, trainer, logs, step):
-        if "loss" in logs:
-            self.losses.append(float(logs["loss"]))
-
-
 def run(rows, tmp_path, kernels: str) -> tuple[list[float], nnx.Module]:
     data, vocab = rows
     model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, "vocab_size": vocab}), rngs=nnx.Rngs(0))
@@ -144,9 +137,10 @@ def run(rows, tmp_path, kernels: str) -> tuple[list[float], nnx.Module]:
         max_sequence_length=32, learning_rate=3e-3, warmup_steps=0, logging_steps=1,
         elementwise_kernels=kernels, report_to=[],
     )  # fmt: skip
-    losses = Losses()
-    Trainer(arguments=args, model=model, dataset_train=data, callbacks=[losses]).train()
-    return losses.losses, model
+    Trainer(arguments=args, model=model, dataset_train=data).train()
+    lines = (tmp_path / kernels / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    return [row["loss"] for row in logged if "loss" in row], model
 
 
 def test_a_run_with_the_kernels_trains_as_the_run_without(rows, tmp_path):
