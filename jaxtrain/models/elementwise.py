@@ -199,7 +199,8 @@ def _add_rms_norm_rows(x, delta, weight, *, eps, dtype, interpret):
 
     lead = x.shape[:-1]
     flat = lambda a: a.reshape(-1, width)  # noqa: E731
-    shapes = (jax.ShapeDtypeStruct((width,), x.dtype), jax.ShapeDtypeStruct((width,), dtype))
+    total_dtype = jnp.result_type(x, delta)  # as the reference's x + delta
+    shapes = (jax.ShapeDtypeStruct((width,), total_dtype), jax.ShapeDtypeStruct((width,), dtype))
     run = _pallas_rows(kernel, shapes, interpret, (0, 0, None))
     total, out = run(flat(x), flat(delta), weight)
     return total.reshape(*lead, width), out.reshape(*lead, width)
