@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config.tables import ELEMENTWISE_KERNELS as KERNELS
+from jaxtrain.errors import ArgumentError
 from jaxtrain.models.blocks import gated
 
 Array = jax.Array
@@ -66,14 +67,13 @@ def _add_rms_norm_reference(x, delta, weight, eps, dtype):
 
 
 # ------------------------------------------------------------------------ the choices
-def check_kernel(kernel: str) -> None:
+def check_kernel(kernel: str, name: str = "elementwise kernel") -> None:
+    """A clear error (`name`: what the user set) for a kernel that cannot run here."""
     if kernel not in KERNELS:
-        raise ValueError(f"elementwise kernel {kernel!r}: choose one of {', '.join(KERNELS)}.")
+        raise ArgumentError(f"{name}={kernel!r}: choose one of {', '.join(KERNELS)}.")
     if kernel == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(
-            "elementwise kernel 'pallas' runs on NVIDIA GPUs (Triton); on "
-            f"{jax.default_backend()} use 'xla' (the default) or 'interpret' (tests only: slow)."
-        )
+        raise ArgumentError(f"{name}='pallas' runs Triton kernels on NVIDIA GPUs, and this run "
+                            f"is on {jax.default_backend()}: use 'xla' (the default).")  # fmt: skip
 
 
 def add_rms_norm(

@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxtrain.config.sections import ModelSettings, RunSettings
 from jaxtrain.errors import ArgumentError
+from jaxtrain.models.elementwise import check_kernel
 from jaxtrain.models.frozen import freeze
 from jaxtrain.models.layers import Projection
 from jaxtrain.models.lora import apply_lora, set_lora_dropout_key
@@ -128,13 +129,12 @@ def _check_elementwise_kernels(model: nnx.Module, kernels: str) -> None:
     """Fused kernels where they run and where the model has layers that take them."""
     if kernels == "xla":
         return
-    field = f"TrainingArguments.elementwise_kernels={kernels!r}"
-    if kernels == "pallas" and jax.default_backend() != "gpu":
-        raise ArgumentError(f"{field} runs Triton kernels on NVIDIA GPUs, and this run is on "
-                            f"{jax.default_backend()}: use 'xla' (the default).")  # fmt: skip
+    field = "TrainingArguments.elementwise_kernels"
+    check_kernel(kernels, field)
     if not any(hasattr(m, "elementwise_kernels") for _, m in nnx.iter_modules(model)):
-        raise ArgumentError(f"{field}: {type(model).__name__} has no layers that take fused "
-                            "elementwise kernels (the Llama family's do); use 'xla'.")  # fmt: skip
+        raise ArgumentError(f"{field}={kernels!r}: {type(model).__name__} has no layers that "
+                            "take fused elementwise kernels (the Llama family's do); use "
+                            "'xla'.")  # fmt: skip
 
 
 def configure_model(model: nnx.Module, settings: ModelSettings) -> None:
