@@ -51,6 +51,14 @@ def resident_bytes() -> int | None:
         return None
 
 
+def pytest_collection_finish(session):
+    """What the test modules imported (jax, flax, transformers, torch: millions of objects)
+    lives all session: frozen, Python's garbage collector stops walking it at every full
+    collection (below)."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs_once_a_worker_is_large():
     """A worker runs a hundred modules: its memory grew to 6 GiB with every compiled program
@@ -64,8 +72,10 @@ def _drop_compiled_programs_once_a_worker_is_large():
     gc.collect()  # a module's models and arrays first
     resident = resident_bytes()
     if "jax" in sys.modules and (resident is None or resident > KEEP_PROGRAMS_BELOW_BYTES):
+        gc.unfreeze()  # what was kept may be garbage now
         sys.modules["jax"].clear_caches()
         gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

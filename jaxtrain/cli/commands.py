@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -89,6 +90,7 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     if dry_run:
         trainer.dry_run()
         return EXIT_OK
+    freeze_the_heap()
     try:
         output = trainer.train()
     except OutOfMemoryError as err:
@@ -118,6 +120,16 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
                     file=sys.stderr,
                 )
     return EXIT_OK
+
+
+def freeze_the_heap() -> None:
+    """Collect once, then move every live object out of the garbage collector's walk. The
+    process is the command's: its libraries, model and data live until it ends, and each
+    full collection walked them all again (0.3-0.4 s of a one-step `jaxtrain train`; on a
+    long run, a pause between steps that grows with the heap). Garbage made later is
+    collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def sample_top_k(model: Any, tokenizer: Any, top_k: int | None) -> tuple[int | None, str | None]:

@@ -217,6 +217,7 @@ def cmd_serve(tokens: list[str]) -> int:
 
     # A restart loads the warm-up's programs instead of compiling them (minutes on a CPU).
     serving_environment(options["compilation_cache_dir"])
+    from jaxtrain.cli.commands import freeze_the_heap
     from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.serving.drain import serve_until_drained
     from jaxtrain.serving.server import create_app
@@ -241,6 +242,7 @@ def cmd_serve(tokens: list[str]) -> int:
     )
     if adapters:
         print(f"jaxtrain serve: LoRA adapters {', '.join(adapters)} on {name}", flush=True)
+    freeze_the_heap()  # fewer and shorter collection pauses between decode steps
     serve_until_drained(app, host=host, port=port)
     return 0
 
