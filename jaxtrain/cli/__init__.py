@@ -80,14 +80,16 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
 
     commands = {
-        "train": cmd_train,
+        # The process's own command may freeze its heap (commands.freeze_the_heap); a caller's
+        # (a test, a Tune trial) must not: its later garbage would never be collected.
+        "train": lambda tokens: cmd_train(tokens, own_process=entry),
         "eval": cmd_eval,
         "evaluate": cmd_evaluate,
         "sample": cmd_sample,
         "export": cmd_export,
         "report": cmd_report,
         "plan": cmd_plan,
-        "serve": cmd_serve,
+        "serve": lambda tokens: cmd_serve(tokens, own_process=entry),
         "launch": lambda tokens: cmd_launch(tokens, entry=main),  # workers run this CLI
         "tune": cmd_tune,
     }

@@ -10,8 +10,11 @@ from jaxtrain.cli.usage import USAGE, split_positional
 from jaxtrain.errors import EXIT_OK, EXIT_TIME_LIMIT, ArgumentError, OutOfMemoryError
 
 
-def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
-    """`jaxtrain train`; `callbacks` join the Trainer's (jaxtrain tune reports through one)."""
+def cmd_train(
+    tokens: list[str], callbacks: list[Any] | None = None, own_process: bool = False
+) -> int:
+    """`jaxtrain train`; `callbacks` join the Trainer's (jaxtrain tune reports through one);
+    `own_process`: the process is the command's (its entry point: `freeze_the_heap`)."""
     from jaxtrain.cli.pretrained import pretrained_data_section, run_model_section
     from jaxtrain.cli.run_config import (
         describe_sources,
@@ -90,7 +93,8 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
     if dry_run:
         trainer.dry_run()
         return EXIT_OK
-    freeze_the_heap()
+    if own_process:
+        freeze_the_heap()
     try:
         output = trainer.train()
     except OutOfMemoryError as err:
@@ -123,11 +127,12 @@ def cmd_train(tokens: list[str], callbacks: list[Any] | None = None) -> int:
 
 
 def freeze_the_heap() -> None:
-    """Collect once, then move every live object out of the garbage collector's walk. The
-    process is the command's: its libraries, model and data live until it ends, and each
-    full collection walked them all again (0.3-0.4 s of a one-step `jaxtrain train`; on a
-    long run, a pause between steps that grows with the heap). Garbage made later is
-    collected as before."""
+    """Collect once, then move every live object out of the garbage collector's walk. Only in
+    a process that is the command's: its libraries, model and data live until it ends, and
+    each full collection walked them all again (0.3-0.4 s of a one-step `jaxtrain train`; on
+    a long run, a pause between steps that grows with the heap). Garbage made later is
+    collected as before, but a frozen object is never collected: in a caller's process (a
+    notebook, a Tune trial's actor) the objects of an earlier run would stay."""
     gc.collect()
     gc.freeze()
 

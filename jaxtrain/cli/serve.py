@@ -203,7 +203,8 @@ def serve_adapters(model: Any, name: str, directories: dict[str, str]) -> list[s
     return load_adapters(model, directories)
 
 
-def cmd_serve(tokens: list[str]) -> int:
+def cmd_serve(tokens: list[str], own_process: bool = False) -> int:
+    """`jaxtrain serve`; `own_process`: the process is the command's (its entry point)."""
     path, options = parse_serve_options(tokens)
     try:
         import fastapi  # noqa: F401
@@ -242,10 +243,11 @@ def cmd_serve(tokens: list[str]) -> int:
     )
     if adapters:
         print(f"jaxtrain serve: LoRA adapters {', '.join(adapters)} on {name}", flush=True)
-    freeze_the_heap()  # fewer and shorter collection pauses between decode steps
+    if own_process:
+        freeze_the_heap()  # fewer and shorter collection pauses between decode steps
     serve_until_drained(app, host=host, port=port)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cmd_serve(sys.argv[1:]))
+    sys.exit(cmd_serve(sys.argv[1:], own_process=True))
