@@ -5,6 +5,7 @@ layers on the gather path): the same outputs and the same greedy tokens."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,6 +31,34 @@ def test_the_kernel_reads_the_pages_as_the_gather_path_does(cap):
         slots = PagedSlots.of(start, 1, table, size, kernel=kernel)
         out[kernel] = slots.attention(q, keys, values, slots.mask(), scale=0.3, logit_cap=cap)
     np.testing.assert_allclose(out["interpret"], out["gather"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [24, 12, 9])
+def test_a_cpu_decode_step_attends_by_row_groups_as_each_row_alone_would(rows):
+    """Past CPU_DECODE_ROWS rows a CPU decode step gathers its pages a group of rows at a
+    time (in a loop: the pages stay in cache); each row's output is its own attention."""
+    rng = np.random.default_rng(1)
+    heads, kv_heads, dim, size, width = 6, 2, 8, 4, 5
+    pages = rows * width + 1
+    keys, values = (jnp.asarray(rng.normal(size=(kv_heads, pages, size, dim)), jnp.float32)
+                    for _ in range(2))  # fmt: skip
+    q = jnp.asarray(rng.normal(size=(rows, 1, heads, dim)), jnp.float32)
+    table = rng.permutation(np.arange(1, pages)).reshape(rows, width)
+    start = rng.integers(0, width * size, rows)
+    slots = PagedSlots.of(jnp.asarray(start), 1, jnp.asarray(table), size)
+    step = lambda q, k, v: slots.attention(q, k, v, slots.mask(), scale=0.3, logit_cap=2.0)  # noqa: E731
+    assert "scan" in str(jax.make_jaxpr(step)(q, keys, values))  # the groups' loop
+    out = np.asarray(step(q, keys, values))
+    group = heads // kv_heads
+    for r in range(rows):
+        seen = start[r] + 1
+        k_r, v_r = (np.asarray(x)[:, table[r]].reshape(kv_heads, -1, dim)[:, :seen]
+                    for x in (keys, values))  # fmt: skip
+        for n in range(heads):
+            logits = 2.0 * np.tanh(0.3 * k_r[n // group] @ np.asarray(q[r, 0, n]) / 2.0)
+            probs = np.exp(logits - logits.max())
+            want = (probs / probs.sum()) @ v_r[n // group]
+            np.testing.assert_allclose(out[r, 0, n], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
