@@ -52,5 +52,7 @@ if __name__ == "__main__":
     after, mib = int(sys.argv[1]), int(sys.argv[2])
     train = commands.cmd_train
     # The command line's own dispatch and error handling, with the limit added to the run.
-    commands.cmd_train = lambda tokens: train(tokens, callbacks=[LimitAfter(after, mib)])
+    commands.cmd_train = lambda tokens, **options: train(
+        tokens, callbacks=[LimitAfter(after, mib)], **options
+    )
     sys.exit(main(sys.argv[3:]))
