@@ -73,7 +73,9 @@ def main() -> int:
     for attention in (True, False):
 
         def forward(state, pool, ids, start, table, attention=attention):
-            slots = PagedSlots.of(start, 1, table, engine.page_size)
+            slots = PagedSlots.of(
+                start, 1, table, engine.page_size, row_group=engine.steps.programs.row_group
+            )
             if not attention:
                 object.__setattr__(slots, "attention", lambda q, *a, **k: q)
             return decode_with_slots(nnx.merge(engine.graphdef, state), ids, slots, pool)

@@ -30,6 +30,7 @@ __all__ = [
     "CacheFull",
     "PageAllocator",
     "PagedSlots",
+    "decode_row_group",
     "empty_pool",
     "is_sparse",
     "page_bytes",
@@ -96,12 +97,15 @@ class PagedSlots:
     (one new token per row) attends: "gather" (the pages gathered into a contiguous view, as
     every step of several tokens does), "pallas" (JAX's Pallas paged-attention kernel of the
     platform, GPU or TPU, reading the pages in place) or "interpret" (the GPU kernel in
-    Pallas' interpret mode: the kernel's own code on any platform, for tests)."""
+    Pallas' interpret mode: the kernel's own code on any platform, for tests); `row_group`:
+    a gathered decode step of more rows gathers that many rows' pages at a time, in a loop
+    (0: all at once; `decode_row_group` says which suits the pool's platform)."""
 
     logical: Array
     table: Array
     page_size: int = dataclasses.field(metadata=dict(static=True))
     kernel: str = dataclasses.field(default="gather", metadata=dict(static=True))
+    row_group: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @classmethod
     def of(
@@ -112,13 +116,14 @@ class PagedSlots:
         page_size: int,
         pad: Array | None = None,
         kernel: str = "gather",
+        row_group: int = 0,
     ) -> PagedSlots:
         """`tokens` new tokens per row: `pad` [B] padding tokens first (default none), then
         the real ones from logical position `start` [B] on."""
         pad = jnp.zeros_like(start) if pad is None else pad
         index = jnp.arange(tokens, dtype=jnp.int32)[None, :]
         logical = jnp.where(index < pad[:, None], -1, start[:, None] + index - pad[:, None])
-        return cls(logical, table, page_size, kernel)
+        return cls(logical, table, page_size, kernel, row_group)
 
     @property
     def positions(self) -> Array:
@@ -214,8 +219,8 @@ class PagedSlots:
         attention a layer through [B, L, K, H] and jax.nn.dot_product_attention, 1.0 here."""
         b, t, n, h = q.shape
         k = keys.shape[0]
-        if t == 1 and b > CPU_DECODE_ROWS and jax.default_backend() == "cpu":
-            rows = _divisor(b, CPU_DECODE_ROWS)
+        if t == 1 and 0 < self.row_group < b:
+            rows = _divisor(b, self.row_group)
             return self._attention_by_row_groups(rows, q, keys, values, mask, scale, logit_cap)
 
         def gather(pool: Array) -> Array:  # [K, B, W, S, H] -> [K, B, L, H]
@@ -237,7 +242,7 @@ class PagedSlots:
 
         def group(part: tuple[Array, Array, Array, Array]) -> Array:
             logical, table, q, mask = part
-            slots = dataclasses.replace(self, logical=logical, table=table)
+            slots = dataclasses.replace(self, logical=logical, table=table, row_group=0)
             return slots._gathered_attention(q, keys, values, mask, scale, logit_cap)
 
         split = lambda x: x.reshape(groups, rows, *x.shape[1:])  # noqa: E731
@@ -250,6 +255,14 @@ class PagedSlots:
 # 131-144 ms with a 16-page table gathered at once, 107-109 ms by 8 rows; 223-284 against
 # 150-183 ms with 32 pages. GPUs and TPUs gather at once (a loop would serialize them).
 CPU_DECODE_ROWS = 8
+
+
+def decode_row_group(pool_sharding: jax.sharding.Sharding) -> int:
+    """PagedSlots.row_group for a pool placed by `pool_sharding`: read from the devices the
+    steps compile for, not the process's backend, so that `jaxtrain plan` of a GPU or TPU
+    target on a laptop compiles the target's steps."""
+    platform = next(iter(pool_sharding.device_set)).platform
+    return CPU_DECODE_ROWS if platform == "cpu" else 0
 
 
 def paged_kernel(kernel: str):

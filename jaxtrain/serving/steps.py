@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxtrain.models.kv_cache import decode_with_slots
 from jaxtrain.serving.adapters import choose_adapters
-from jaxtrain.serving.paged import PagedSlots, routing_of
+from jaxtrain.serving.paged import PagedSlots, decode_row_group, routing_of
 from jaxtrain.serving.sampling import Drawn, sample_rows
 
 __all__ = ["FlatParams", "Steps", "bucket", "buckets", "chunk_tokens", "flat_params", "table_width"]
@@ -108,6 +108,7 @@ class StepPrograms:
         # placement changed would compile each step a second time.
         self.graphdef, self.page_size, self.pool_sharding = graphdef, page_size, pool_sharding
         self.kernel = kernel  # how decode steps attend: PagedSlots.kernel
+        self.row_group = decode_row_group(pool_sharding)  # and how many rows at once
         self.processed = processed_logprobs  # log-probs after temperature (sampling.py)
         self.decode_steps = decode_steps  # tokens per sequence of a decode_many call
         # Each takes (structure, arrays, pool, ...): the structure static, the pool donated.
@@ -129,7 +130,9 @@ class StepPrograms:
     ):  # fmt: skip
         model = nnx.merge(self.graphdef, jax.tree.unflatten(structure, leaves))
         choose_adapters(model, adapters)  # each row's LoRA adapter (serving/adapters.py)
-        slots = PagedSlots.of(start, ids.shape[1], table, self.page_size, pad, self.kernel)
+        slots = PagedSlots.of(
+            start, ids.shape[1], table, self.page_size, pad, self.kernel, self.row_group
+        )
         logits, pool = decode_with_slots(
             model, ids, slots, pool, every=every, pixel_values=pixel_values
         )

@@ -209,3 +209,28 @@ def test_the_tpu_peak_is_the_compiler_s_own():
     assert tpu["temporaries"] == 14316544 - (3506176 + 3505664 - 3502080)
     # Elsewhere the sum (XLA:CPU's peak_memory_in_bytes is smaller than its temporaries).
     assert memory_summary(Executable(), "cpu")["peak"] == 3506176 + 3505664 - 3502080
+
+
+@pytest.mark.skipif(not (LIBTPU / "libtpu").is_dir(), reason=f"no libtpu in {LIBTPU} (make test)")
+def test_the_engine_groups_decode_rows_by_the_target_s_platform_not_the_laptop_s():
+    """A CPU decode step gathers its pages 8 rows at a time (serving/paged.py); a TPU's
+    gathers them at once. A plan of a TPU target made on this CPU compiles the TPU's."""
+    code = (
+        "import jax\n"
+        "from jaxtrain.planning.targets import compile_target\n"
+        "from jaxtrain.serving.paged import CPU_DECODE_ROWS, decode_row_group\n"
+        "target, devices = compile_target({'accelerator': 'v5e', 'topology': '2x2', "
+        "'devices': 4})\n"
+        "assert target.platform == 'tpu', target\n"
+        "mesh = jax.sharding.Mesh(devices, ('fsdp',))\n"
+        "on = lambda d: jax.sharding.NamedSharding(d, jax.sharding.PartitionSpec())\n"
+        "cpu = jax.sharding.Mesh(jax.devices('cpu')[:1], ('fsdp',))\n"
+        "print(decode_row_group(on(mesh)), decode_row_group(on(cpu)), CPU_DECODE_ROWS)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(LIBTPU)])
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["0", "8", "8"], done.stdout

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM, generate
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxtrain.serving import Engine, SamplingParams
-from jaxtrain.serving.paged import PagedSlots
+from jaxtrain.serving.paged import PagedSlots, decode_row_group
 
 
 @pytest.mark.parametrize("cap", [None, 2.0])
@@ -35,8 +35,8 @@ def test_the_kernel_reads_the_pages_as_the_gather_path_does(cap):
 
 @pytest.mark.parametrize("rows", [24, 12, 9])
 def test_a_cpu_decode_step_attends_by_row_groups_as_each_row_alone_would(rows):
-    """Past CPU_DECODE_ROWS rows a CPU decode step gathers its pages a group of rows at a
-    time (in a loop: the pages stay in cache); each row's output is its own attention."""
+    """Past 8 rows a CPU decode step gathers its pages a group of rows at a time (in a loop:
+    the pages stay in cache); each row's output is its own attention."""
     rng = np.random.default_rng(1)
     heads, kv_heads, dim, size, width = 6, 2, 8, 4, 5
     pages = rows * width + 1
@@ -45,19 +45,20 @@ def test_a_cpu_decode_step_attends_by_row_groups_as_each_row_alone_would(rows):
     q = jnp.asarray(rng.normal(size=(rows, 1, heads, dim)), jnp.float32)
     table = rng.permutation(np.arange(1, pages)).reshape(rows, width)
     start = rng.integers(0, width * size, rows)
-    slots = PagedSlots.of(jnp.asarray(start), 1, jnp.asarray(table), size)
+    group = decode_row_group(jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]))
+    slots = PagedSlots.of(jnp.asarray(start), 1, jnp.asarray(table), size, row_group=group)
     step = lambda q, k, v: slots.attention(q, k, v, slots.mask(), scale=0.3, logit_cap=2.0)  # noqa: E731
     assert "scan" in str(jax.make_jaxpr(step)(q, keys, values))  # the groups' loop
     out = np.asarray(step(q, keys, values))
-    group = heads // kv_heads
+    per_kv = heads // kv_heads
     for r in range(rows):
         seen = start[r] + 1
         k_r, v_r = (np.asarray(x)[:, table[r]].reshape(kv_heads, -1, dim)[:, :seen]
                     for x in (keys, values))  # fmt: skip
         for n in range(heads):
-            logits = 2.0 * np.tanh(0.3 * k_r[n // group] @ np.asarray(q[r, 0, n]) / 2.0)
+            logits = 2.0 * np.tanh(0.3 * k_r[n // per_kv] @ np.asarray(q[r, 0, n]) / 2.0)
             probs = np.exp(logits - logits.max())
-            want = (probs / probs.sum()) @ v_r[n // group]
+            want = (probs / probs.sum()) @ v_r[n // per_kv]
             np.testing.assert_allclose(out[r, 0, n], want, rtol=1e-5, atol=1e-5)
 
 
