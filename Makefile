@@ -36,11 +36,9 @@ $(VENV)/tpu: $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps --target $@ "$$($(BIN)/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
 
 # Train the demo model on the embedded corpus (CPU, about 2 minutes on 2 cores); its
-# runs/demo/report.png is docs/report.png (Observability page). glibc's hugetlb tunable backs XLA:CPU's
-# per-step temporaries with huge pages: the demo trains 1.3x faster (docs/training.md "What the step
-# computes"); a GLIBC_TUNABLES of your own is kept.
+# runs/demo/report.png is docs/report.png (Observability page). The command sets glibc's huge-page
+# tunable itself (jaxtrain/cli/huge_pages.py: the demo trains 1.3x faster).
 demo: $(VENV)/.installed
-	GLIBC_TUNABLES=$${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1} \
 	$(BIN)/jaxtrain train --output_dir runs/demo --overwrite_output_dir true
 
 lint: $(VENV)/.installed-test

@@ -15,13 +15,15 @@ every answer has max_tokens tokens): output tokens/s over the wall time, the med
 first token, and the server's peak RSS (its process tree, sampled every 0.2 s). vLLM gets both
 cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0, its best setting here) and 2 GiB of KV cache; the
 other processes' CPU share is printed (a comparison is only worth something on a quiet
-machine).
+machine). jaxtrain's command runs with glibc's huge-page tunable, which it sets itself; vLLM
+runs twice per repeat, without it ("vllm") and with it ("vllm_hugepages").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import subprocess
@@ -54,7 +56,11 @@ def export_model() -> Path:
 
 
 def command(server: str, port: int, opts: argparse.Namespace) -> tuple[list[str], dict]:
-    env = dict(os.environ)
+    # jaxtrain's command sets glibc's huge-page tunable itself (jaxtrain/cli/huge_pages.py);
+    # vLLM runs without it and, as "vllm_hugepages", with it, so that neither lacks it.
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if server == "vllm_hugepages":
+        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
     if server == "jaxtrain":
         env["JAX_PLATFORMS"] = "cpu"
         return [sys.executable, "-m", "jaxtrain.cli", "serve", str(MODEL_DIR), "--port", str(port),
@@ -177,10 +183,10 @@ def main() -> int:
     opts.clients = [int(c) for c in opts.clients.split(",")]
     opts.slots = max(opts.clients)
     export_model()
-    servers = ("jaxtrain", "vllm")
+    servers = ("jaxtrain", "vllm", "vllm_hugepages")
     runs: dict[str, list[dict]] = {s: [] for s in servers}
     for repeat in range(opts.repeats):
-        for server in servers if repeat % 2 == 0 else servers[::-1]:
+        for server in servers[repeat % 3 :] + servers[: repeat % 3]:  # each first in turn
             runs[server].append(measure(server, opts))
             print(runs[server][-1], flush=True)
     med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -195,10 +201,10 @@ def main() -> int:
             print(f"{'':>11}{c} clients: {med(rates):,.1f} output tokens/s ({min(rates):,.1f}-"
                   f"{max(rates):,.1f}), first token {med(ttfts):.3f} s ({min(ttfts):.3f}-"
                   f"{max(ttfts):.3f})")  # fmt: skip
-    for c in opts.clients:
+    for c, vllm in itertools.product(opts.clients, servers[1:]):
         ratio = [j[f"c{c}"]["tokens_per_s"] / v[f"c{c}"]["tokens_per_s"]
-                 for j, v in zip(runs["jaxtrain"], runs["vllm"])]  # fmt: skip
-        print(f"jaxtrain / vLLM tokens/s at {c} clients: {', '.join(f'{x:.2f}' for x in ratio)}")
+                 for j, v in zip(runs["jaxtrain"], runs[vllm])]  # fmt: skip
+        print(f"jaxtrain / {vllm} tokens/s at {c} clients: {', '.join(f'{x:.2f}' for x in ratio)}")
     return 0
 
 

@@ -9,6 +9,7 @@ import time
 
 import yaml
 
+from jaxtrain.cli.huge_pages import environment_with_huge_pages
 from jaxtrain.observability.logs import read_jsonl
 
 TINY = [
@@ -31,7 +32,9 @@ TINY = [
 
 
 def jaxtrain(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # Without GLIBC_TUNABLES: the command adds glibc's huge-page tunable itself (restarting
+    # once, jaxtrain/cli/huge_pages.py) and names it in its start-up line.
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | {"JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "jaxtrain.cli", *args],
         capture_output=True,
@@ -50,6 +53,9 @@ def test_train_then_eval_and_sample_from_the_run_directory(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--- sample" in result.stdout and "done (completed):" in result.stdout
+    restarted = environment_with_huge_pages({})  # None where the machine cannot use it
+    tunable = restarted["GLIBC_TUNABLES"] if restarted else "(unset)"
+    assert f"GLIBC_TUNABLES {tunable}" in result.stdout
     # json progress lines are machine readable
     progress = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert any(p.get("step") == 8 and "loss" in p for p in progress)
