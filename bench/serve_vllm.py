@@ -15,8 +15,9 @@ every answer has max_tokens tokens): output tokens/s over the wall time, the med
 first token, and the server's peak RSS (its process tree, sampled every 0.2 s). vLLM gets both
 cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0, its best setting here) and 2 GiB of KV cache; the
 other processes' CPU share is printed (a comparison is only worth something on a quiet
-machine). jaxtrain's command runs with glibc's huge-page tunable, which it sets itself; vLLM
-runs twice per repeat, without it ("vllm") and with it ("vllm_hugepages").
+machine). vLLM runs twice per repeat: without glibc's huge-page tunable ("vllm") and with it
+("vllm_hugepages"); `--servers` may add "jaxtrain_hugepages", `jaxtrain serve` with it
+(`jaxtrain train` sets it itself, `serve` does not: jaxtrain/cli/huge_pages.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from measure import cpu_sample  # noqa: E402
 from serve import QUESTIONS, free_port  # noqa: E402
 
 MODEL_DIR = Path("/tmp/jaxtrain-bench/smollm2-hf")
+SERVERS = ("jaxtrain", "jaxtrain_hugepages", "vllm", "vllm_hugepages")
 NAME = "smollm2"
 
 
@@ -56,12 +58,11 @@ def export_model() -> Path:
 
 
 def command(server: str, port: int, opts: argparse.Namespace) -> tuple[list[str], dict]:
-    # jaxtrain's command sets glibc's huge-page tunable itself (jaxtrain/cli/huge_pages.py);
-    # vLLM runs without it and, as "vllm_hugepages", with it, so that neither lacks it.
+    # "_hugepages": the server started with glibc's huge-page tunable; the others without.
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    if server == "vllm_hugepages":
+    if server.endswith("_hugepages"):
         env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
-    if server == "jaxtrain":
+    if server.startswith("jaxtrain"):
         env["JAX_PLATFORMS"] = "cpu"
         return [sys.executable, "-m", "jaxtrain.cli", "serve", str(MODEL_DIR), "--port", str(port),
                 "--max_slots", str(opts.slots), "--model_name", NAME, "--max_length", "512",
@@ -179,14 +180,19 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--clients", default="8,32")
     parser.add_argument("--max_tokens", type=int, default=128)
+    parser.add_argument("--servers", default="jaxtrain,vllm,vllm_hugepages",
+                        help=f"of {', '.join(SERVERS)}; each against the first")  # fmt: skip
     opts = parser.parse_args()
     opts.clients = [int(c) for c in opts.clients.split(",")]
     opts.slots = max(opts.clients)
     export_model()
-    servers = ("jaxtrain", "vllm", "vllm_hugepages")
+    servers = tuple(opts.servers.split(","))
+    if not set(servers) <= set(SERVERS):
+        parser.error(f"--servers: {opts.servers!r} names none of {', '.join(SERVERS)}")
     runs: dict[str, list[dict]] = {s: [] for s in servers}
     for repeat in range(opts.repeats):
-        for server in servers[repeat % 3 :] + servers[: repeat % 3]:  # each first in turn
+        turn = repeat % len(servers)  # each server first in turn
+        for server in servers[turn:] + servers[:turn]:
             runs[server].append(measure(server, opts))
             print(runs[server][-1], flush=True)
     med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -201,10 +207,11 @@ def main() -> int:
             print(f"{'':>11}{c} clients: {med(rates):,.1f} output tokens/s ({min(rates):,.1f}-"
                   f"{max(rates):,.1f}), first token {med(ttfts):.3f} s ({min(ttfts):.3f}-"
                   f"{max(ttfts):.3f})")  # fmt: skip
-    for c, vllm in itertools.product(opts.clients, servers[1:]):
+    first = servers[0]
+    for c, other in itertools.product(opts.clients, servers[1:]):
         ratio = [j[f"c{c}"]["tokens_per_s"] / v[f"c{c}"]["tokens_per_s"]
-                 for j, v in zip(runs["jaxtrain"], runs[vllm])]  # fmt: skip
-        print(f"jaxtrain / {vllm} tokens/s at {c} clients: {', '.join(f'{x:.2f}' for x in ratio)}")
+                 for j, v in zip(runs[first], runs[other])]  # fmt: skip
+        print(f"{first} / {other} tokens/s at {c} clients: {', '.join(f'{x:.2f}' for x in ratio)}")
     return 0
 
 

@@ -5,7 +5,7 @@
   __init__.py    main(): dispatch, and the one place errors become exit codes
   usage.py       the usage text
   help.py        `jaxtrain COMMAND --help`: every option with its type, default and doc
-  huge_pages.py  a command restarts once with glibc's huge-page tunable (faster CPU steps)
+  huge_pages.py  train and eval restart once with glibc's huge-page tunable (faster CPU steps)
   run_config.py  config file + --flags -> one mapping (TrainingArguments + model/data/sample)
   run_dir.py     build_model, build_data, load_run, restore_run: a run directory's pieces
   pretrained.py  the `model.pretrained` section (fine-tuning a local Hugging Face model)
@@ -58,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtrain import interrupts
 
     if entry and command in COMMANDS:  # launch/tune: Ray's
-        from jaxtrain.cli.huge_pages import restart_with_huge_pages
+        from jaxtrain.cli.huge_pages import STEP_COMMANDS, restart_with_huge_pages
 
-        restart_with_huge_pages()  # once, before jax: glibc reads its tunables at start
+        if command in STEP_COMMANDS:
+            restart_with_huge_pages()  # once, before jax: glibc reads its tunables at start
         interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
     return _dispatch(command, rest, entry=entry)
 

@@ -1,13 +1,14 @@
-"""The command line's processes run with glibc's transparent-huge-page tunable.
+"""`jaxtrain train` and `jaxtrain eval` run with glibc's transparent-huge-page tunable.
 
 XLA:CPU takes each step's temporaries from the heap again at every step, 4 KiB page faults
-each time, and reads the weights and an engine's KV pages through 4 KiB pages too.
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc 2.35+) has malloc back its memory with 2 MiB
-transparent huge pages: CPU train steps 11-20% faster, the demo 1.3x (bench/allocator.py),
-and a decode step's attention faster (bench/RESULTS.md, session 39). glibc reads the tunable
-only when a process starts, so a command that lacks it restarts itself once, with it added,
-before anything heavy is imported (~0.15 s). A GLIBC_TUNABLES that names the tunable already
-is kept as it is: `glibc.malloc.hugetlb=0` turns it off.
+each time. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc 2.35+) has malloc back its memory
+with 2 MiB transparent huge pages: CPU train steps 11-20% faster, the demo 1.3x
+(bench/allocator.py). glibc reads the tunable only when a process starts, so these commands,
+when it is missing, restart themselves once with it added, before anything heavy is imported
+(~0.15 s). A GLIBC_TUNABLES that names the tunable already is kept as it is:
+`glibc.malloc.hugetlb=0` turns it off. `jaxtrain serve` does not set it: with it, the server's
+tokens/s was the same and its first token 15-25% later (bench/serve_vllm.py, bench/RESULTS.md
+session 39).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Mapping
 
 TUNABLE = "glibc.malloc.hugetlb"
+STEP_COMMANDS = ("train", "eval")  # the commands whose time is train and evaluation steps
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"  # "always [madvise] never"
 
 
