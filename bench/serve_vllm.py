@@ -188,7 +188,7 @@ def main() -> int:
     export_model()
     servers = tuple(opts.servers.split(","))
     if not set(servers) <= set(SERVERS):
-        parser.error(f"--servers: {opts.servers!r} names none of {', '.join(SERVERS)}")
+        parser.error(f"--servers: {opts.servers!r}: each must be one of {', '.join(SERVERS)}")
     runs: dict[str, list[dict]] = {s: [] for s in servers}
     for repeat in range(opts.repeats):
         turn = repeat % len(servers)  # each server first in turn
