@@ -185,10 +185,10 @@ def main() -> int:
     opts = parser.parse_args()
     opts.clients = [int(c) for c in opts.clients.split(",")]
     opts.slots = max(opts.clients)
-    export_model()
     servers = tuple(opts.servers.split(","))
     if not set(servers) <= set(SERVERS):
         parser.error(f"--servers: {opts.servers!r}: each must be one of {', '.join(SERVERS)}")
+    export_model()
     runs: dict[str, list[dict]] = {s: [] for s in servers}
     for repeat in range(opts.repeats):
         turn = repeat % len(servers)  # each server first in turn
