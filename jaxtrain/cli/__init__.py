@@ -58,10 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtrain import interrupts
 
     if entry and command in COMMANDS:  # launch/tune: Ray's
-        from jaxtrain.cli.huge_pages import STEP_COMMANDS, restart_with_huge_pages
+        from jaxtrain.cli.huge_pages import restart_with_huge_pages
 
-        if command in STEP_COMMANDS:
-            restart_with_huge_pages()  # once, before jax: glibc reads its tunables at start
+        restart_with_huge_pages(command)  # train, eval: before jax (glibc reads it at start)
         interrupts.install(f"jaxtrain {command}")  # Ctrl-C from here on: exit 130, no traceback
     return _dispatch(command, rest, entry=entry)
 

@@ -62,11 +62,14 @@ def _thp_mode() -> str:
         return ""
 
 
-def restart_with_huge_pages() -> None:
+def restart_with_huge_pages(command: str) -> None:
     """Replace this process by the same command line with the tunable set (same pid, same
-    arguments and interpreter options), when `environment_with_huge_pages` says it helps and
-    the program is the command itself (`jaxtrain ...` or `python -m jaxtrain.cli ...`), not a
-    script of the user's that calls `main()`: running that again would repeat its work."""
+    arguments and interpreter options), when `command` is one of STEP_COMMANDS,
+    `environment_with_huge_pages` says it helps and the program is the command itself
+    (`jaxtrain ...` or `python -m jaxtrain.cli ...`), not a script of the user's that calls
+    `main()`: running that again would repeat its work."""
+    if command not in STEP_COMMANDS:
+        return
     program = sys.argv[0] if sys.argv else ""
     ours = os.path.basename(program) == "jaxtrain" or program.endswith(
         os.path.join("jaxtrain", "cli", "__main__.py")
