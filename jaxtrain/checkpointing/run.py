@@ -323,26 +323,34 @@ class _Saver:
                 "run the same command again to resume."
             ) from err
 
-    def _remove_uncommitted(self, patience_s: float = 0.0) -> None:
+    def _remove_uncommitted(self, patience_s: float = 0.0, quiet_s: float = 1.0) -> None:
         """Every uncommitted directory, not only this step's: an async write's failure can
-        surface at the next save, after its own step's directory was made. A write of the
-        failed save still running can add files while a directory is removed: tried again
-        for up to `patience_s`, then the directories left are named."""
+        surface at the next save, after its own step's directory was made. With patience,
+        removed again until none has reappeared for `quiet_s`, for up to `patience_s`, then
+        the directories left are named: Orbax's commit thread ends at the first failed
+        write while the others still run, and a write still running recreates its
+        directory after a removal (a loaded machine left one behind, three times)."""
         if jax.process_index() != 0:
             return
         deadline = time.monotonic() + patience_s
+        quiet_since = time.monotonic()
         while True:
-            for leftover in self.root.glob("*.orbax-checkpoint-tmp*"):
+            left = sorted(self.root.glob("*.orbax-checkpoint-tmp*"))
+            for leftover in left:
                 shutil.rmtree(leftover, ignore_errors=True)  # what is left is checked below
-            left = sorted(str(p) for p in self.root.glob("*.orbax-checkpoint-tmp*"))
-            if not left or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if left:
+                quiet_since = now
+            if now >= deadline or (not left and now - quiet_since >= quiet_s):
                 break
             time.sleep(0.05)
+        left = sorted(self.root.glob("*.orbax-checkpoint-tmp*"))
         if left:
             logger.warning(
                 "jaxtrain: could not remove the partial checkpoint directories %s; they are "
-                "not checkpoints (a resume ignores them): delete them.", ", ".join(left),
-            )  # fmt: skip
+                "not checkpoints (a resume ignores them): delete them.",
+                ", ".join(map(str, left)),
+            )
 
     def wait(self) -> None:
         with self._failures():
