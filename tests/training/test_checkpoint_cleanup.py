@@ -36,4 +36,3 @@ def test_a_directory_recreated_by_a_late_write_is_removed_too(tmp_path):
     assert removed.is_set() and not writer.is_alive()  # the late write did happen
     assert not list(tmp_path.glob("*.orbax-checkpoint-tmp*"))
     saver._manager.close()
-
