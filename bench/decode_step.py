@@ -39,6 +39,7 @@ def main() -> int:
     from jaxtrain.hf import AutoModelForCausalLM
     from jaxtrain.models.kv_cache import decode_with_slots
     from jaxtrain.serving import Engine, SamplingParams
+    from jaxtrain.serving.decode_weights import kernel_views
     from jaxtrain.serving.paged import PagedSlots
     from jaxtrain.serving.sampling import sample_rows, sampling_arrays
     from jaxtrain.serving.steps import page_tables, table_width
@@ -70,20 +71,22 @@ def main() -> int:
     table = jax.device_put(page_tables([s.pages for s in seqs], rows, width))
     ids = jax.device_put(np.array([[s.generated[-1]] for s in seqs], np.int32))
     start = jax.device_put(np.array([s.position for s in seqs], np.int32))
+    (structure, views), leaves = engine.params  # the arrays the engine's steps read
     for attention in (True, False):
 
-        def forward(state, pool, ids, start, table, attention=attention):
+        def forward(leaves, pool, ids, start, table, attention=attention):
             slots = PagedSlots.of(
                 start, 1, table, engine.page_size, row_group=engine.steps.programs.row_group
             )
             if not attention:
                 object.__setattr__(slots, "attention", lambda q, *a, **k: q)
+            state = jax.tree.unflatten(structure, kernel_views(leaves, views))
             return decode_with_slots(nnx.merge(engine.graphdef, state), ids, slots, pool)
 
         step = jax.jit(forward, donate_argnums=1)
 
         def call(step=step):
-            logits, engine.pool = step(engine.state, engine.pool, ids, start, table)
+            logits, engine.pool = step(leaves, engine.pool, ids, start, table)
             return logits
 
         name = "forward" if attention else "forward, attention skipped"

@@ -34,6 +34,7 @@ from flax import nnx
 from jaxtrain.errors import ArgumentError
 from jaxtrain.serving import requests
 from jaxtrain.serving.adapters import adapter_count
+from jaxtrain.serving.decode_weights import decode_view
 from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
@@ -115,8 +116,9 @@ class Engine:
         self.decode_steps = decode_steps
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
-        self.graphdef, self.state = nnx.split(model)
-        self.params = flat_params(self.state)  # what the steps take (steps.py)
+        view, self.flipped = decode_view(model)  # CPU: kernels read as [out, in] copies
+        self.graphdef, self.state = nnx.split(view)
+        self.params = flat_params(self.state, self.flipped)  # what the steps take (steps.py)
         sharding = pool_sharding(self.state)
         if num_pages is None:
             num_pages = pool_pages(model, page_size, max_slots * self.max_pages + 1,
@@ -129,7 +131,7 @@ class Engine:
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
         self.steps = Steps(self.graphdef, page_size, sharding, attention,
-                           logprobs_mode == "processed", decode_steps)  # fmt: skip
+                           logprobs_mode == "processed", decode_steps, self.flipped)  # fmt: skip
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
         self.images = ImageInputs.of(config, max_images)  # None: the model takes no images
         self.adapters = adapter_count(model)  # LoRA adapters a request may choose (adapters.py)
@@ -145,7 +147,7 @@ class Engine:
     def update_state(self, state: Any) -> None:
         """Decode from these parameters from now on (the same structure: no recompile). The
         cached prompt prefixes go: their keys and values were computed by the old ones."""
-        self.state, self.params = state, flat_params(state)
+        self.state, self.params = state, flat_params(state, self.flipped)
         self.pages.forget_prefixes()
 
     def submit(

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxtrain.observability.compiles import memory_summary
+from jaxtrain.serving.decode_weights import decode_view
 from jaxtrain.serving.paged import empty_pool
 from jaxtrain.serving.pool import pool_sharding
 from jaxtrain.serving.steps import Steps
@@ -34,14 +35,15 @@ def plan_engine(
     `sharding`: where the pool lives (default: as an engine places it, replicated over the
     parameters' mesh; the first device for unplaced shapes); `record_routing`: the pool keeps
     a MoE's experts too (Engine's option of the same name)."""
-    graphdef, state = nnx.split(model)
+    view, flipped = decode_view(model)  # as an engine reads its weights
+    graphdef, state = nnx.split(view)
     if sharding is None:
         placed = any(getattr(x, "sharding", None) is not None for x in jax.tree.leaves(state))
         sharding = pool_sharding(state) if placed else SingleDeviceSharding(jax.devices()[0])
     pool = jax.eval_shape(lambda: empty_pool(model, shape.pages, shape.page_size, record_routing))
     pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), pool)
     steps = Steps(graphdef, shape.page_size, sharding, "gather", logprobs_mode == "processed",
-                  shape.decode_steps)  # fmt: skip
+                  shape.decode_steps, flipped)  # fmt: skip
     platform = next(iter(sharding.device_set)).platform
     start, peaks, temporaries, shapes = time.perf_counter(), [], [], {}
     for kind, args in step_calls(shape, max_prompt_tokens):

@@ -7,7 +7,8 @@ per bucketed shape: rows, prompt tokens and page-table width (`Steps.compiles` r
 
 The parameters travel flattened (`flat_params`: their tree's structure, a static argument,
 and the list of their arrays): an NNX State is flattened in Python at every call, 0.3-0.5 ms
-for a 22-layer model, where a list of arrays takes microseconds. The host arrays of a call go
+for a 22-layer model, where a list of arrays takes microseconds. On the CPU the list holds
+the projection kernels as [out, in] matrices (decode_weights.py). The host arrays of a call go
 in as numpy arrays: jit places them with the call (0.06 ms for nine), where a `device_put`
 of each took 0.6-0.8 ms on this CPU."""
 
@@ -23,13 +24,15 @@ from flax import nnx
 
 from jaxtrain.models.kv_cache import decode_with_slots
 from jaxtrain.serving.adapters import choose_adapters
+from jaxtrain.serving.decode_weights import Flipped, kernel_views, stored_arrays
 from jaxtrain.serving.paged import PagedSlots, decode_row_group, routing_of
 from jaxtrain.serving.sampling import Drawn, sample_rows
 
 __all__ = ["FlatParams", "Steps", "bucket", "buckets", "chunk_tokens", "flat_params", "table_width"]
 
 Array = jax.Array
-FlatParams = tuple[Any, list[Array]]  # (the tree's structure, its arrays): flat_params
+# ((the tree's structure, its flipped kernels' views), its arrays): flat_params
+FlatParams = tuple[Any, list[Array]]
 SMALLEST_PREFILL = 16
 # Pages: the narrowest page table a step reads. A step's table is as wide as the longest of
 # its sequences needs (a bucket of this), so attention reads the pages in use, not
@@ -79,10 +82,11 @@ def page_tables(tables: list[list[int]], rows: int, width: int) -> np.ndarray:
     return out
 
 
-def flat_params(state: Any) -> FlatParams:
-    """A model's state (an nnx.State) as a step's parameters: its structure and its arrays."""
-    leaves, structure = jax.tree.flatten(state)
-    return structure, leaves
+def flat_params(state: Any, flipped: Flipped = ()) -> FlatParams:
+    """A model's state (an nnx.State) as a step's parameters: its structure and its arrays,
+    the `flipped` kernels as [out, in] copies (decode_weights.py)."""
+    structure, leaves, views = stored_arrays(state, flipped)
+    return (structure, views), leaves
 
 
 def adapter_rows(adapters: list[int], rows: int) -> np.ndarray:
@@ -128,6 +132,8 @@ class StepPrograms:
         self, structure, leaves, pool, ids, start, table, adapters, pad=None, every=False,
         pixel_values=None,
     ):  # fmt: skip
+        structure, views = structure
+        leaves = kernel_views(leaves, views)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(structure, leaves))
         choose_adapters(model, adapters)  # each row's LoRA adapter (serving/adapters.py)
         slots = PagedSlots.of(
@@ -228,7 +234,9 @@ class Steps:
         kernel: str = "gather",
         processed_logprobs: bool = False,
         decode_steps: int = 1,
+        flipped: Flipped = (),
     ):
+        self.flipped = flipped  # kernels the parameters hold as [out, in] (flat_params)
         self.programs = step_programs(
             graphdef, page_size, pool_sharding, kernel, processed_logprobs, decode_steps
         )
@@ -301,7 +309,11 @@ class Steps:
     def lower(self, kind: str, state: Any, pool: Any, *args: Any) -> Any:
         """The `kind` step (a name of `compiles`) lowered for these arguments
         (arrays, or jax.ShapeDtypeStructs), not run: what `jaxtrain plan` compiles."""
-        return getattr(self.programs, kind).lower(*flat_params(state), pool, *args)
+        shapes = jax.tree.map(  # a trainer may have donated the arrays: their shapes remain
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            state,
+        )
+        return getattr(self.programs, kind).lower(*flat_params(shapes, self.flipped), pool, *args)
 
     def routing(self, pool: Any, pages: list[int], max_pages: int) -> np.ndarray:
         """[S, max_pages * page_size, k]: the experts a pool that records routing holds for
