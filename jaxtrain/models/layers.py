@@ -360,8 +360,9 @@ class Attention(nnx.Module):
         # outputs are used whole, so the backward pass adds weight-sized slices instead of
         # padding and concatenating activation-sized gradients. A LoRA adapter adds to the
         # fused output, and a decoding step (one token per row, no backward pass) is cheaper
-        # as one matmul than three.
-        if getattr(proj, "lora", None) is not None or t == 1:
+        # as one matmul than three; so is an engine's kernel stored [out, in], whose slices
+        # would be copies.
+        if getattr(proj, "lora", None) is not None or t == 1 or proj.stored_transposed:
             qkv = proj(x)  # [B, T, K, G + 2, H]
             q, k, v = qkv[..., :g, :], qkv[..., g, :], qkv[..., g + 1, :]
         else:
@@ -370,10 +371,9 @@ class Attention(nnx.Module):
             # Query heads as one [D, N, H] kernel: the output is [B, T, N, H] at once, where
             # a [B, T, K, G, H] output costs an activation-sized copy to reshape.
             q_kernel = kernel[:, :, :g].reshape(kernel.shape[0], self.num_heads, self.head_dim)
-            flipped = proj.stored_transposed
-            q = dense(x, q_kernel, stored_transposed=flipped)
-            k = dense(x, kernel[:, :, g], stored_transposed=flipped)
-            v = dense(x, kernel[:, :, g + 1], stored_transposed=flipped)
+            q = dense(x, q_kernel)
+            k = dense(x, kernel[:, :, g])
+            v = dense(x, kernel[:, :, g + 1])
             if proj.bias is not None:
                 bias = proj.bias[...].astype(proj.dtype)  # [K, G + 2, H]
                 q = q + bias[:, :g].reshape(self.num_heads, self.head_dim)
@@ -429,14 +429,14 @@ class MLP(nnx.Module):
     def __call__(self, x: Array) -> Array:
         # Like q/k/v: slice the fused (embed, 2, mlp) kernel, not the [B, T, 2, F] output.
         proj = self.gate_up_proj
-        if getattr(proj, "lora", None) is not None or x.shape[1] == 1:
+        if getattr(proj, "lora", None) is not None or x.shape[1] == 1 or proj.stored_transposed:
             gate_up = proj(x)  # [B, T, 2, F]
             gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
         else:
             kernel = proj.kernel[...].astype(proj.dtype)
             x = x.astype(proj.dtype)
-            gate = dense(x, kernel[:, 0], stored_transposed=proj.stored_transposed)
-            up = dense(x, kernel[:, 1], stored_transposed=proj.stored_transposed)
+            gate = dense(x, kernel[:, 0])
+            up = dense(x, kernel[:, 1])
             if proj.bias is not None:
                 bias = proj.bias[...].astype(proj.dtype)  # [2, F]
                 gate, up = gate + bias[0], up + bias[1]
