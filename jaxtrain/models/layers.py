@@ -84,7 +84,7 @@ def dense(
     elif stored_transposed and rows.shape[0] <= FEW_ROWS and jax.default_backend() == "cpu":
         # A few rows (a decode step) times an [out, in] matrix: XLA:CPU streams the weights
         # ~25% faster into an [out, rows] product than into [rows, out] (SmolLM2-135M, 8 rows:
-        # 38 -> 29 ms a step's matmuls; from 256 rows on it is slower). The barrier keeps the
+        # 40 -> 29 ms a step's matmuls; from 256 rows on it is slower). The barrier keeps the
         # small transpose after it out of the matmul's layout, which would undo the gain.
         y = jax.lax.optimization_barrier(jnp.einsum("io,bi->ob", matrix, rows)).T
     else:

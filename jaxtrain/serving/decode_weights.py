@@ -3,7 +3,7 @@
 A decode step multiplies a few rows by every weight matrix, so it is as fast as the weights
 stream from memory. XLA:CPU streams a matrix stored [out, in] into an [out, rows] product
 ~25% faster than the [in, out] kernel a model trains with (SmolLM2-135M's 30 layers and head
-at 8 rows: 38 -> 29 ms; at 32 rows: 74 -> 61 ms; bench/RESULTS.md, session 40), so the engine
+at 8 rows: 40 -> 29 ms; at 32 rows: 74 -> 61 ms; bench/RESULTS.md, session 40), so the engine
 keeps that copy of each kernel (`stored_arrays`) and its steps view it as the kernel again
 (`kernel_views`: a transpose XLA folds into the matmul). The model's own arrays stay as
 they are: a trainer sharing the model reads and updates those, and `Engine.update_state`
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -60,7 +61,7 @@ def _can_flip(module: Projection) -> bool:
         in_ndim is not None
         and not module.fp8
         and isinstance(kernel, (jax.Array, jax.ShapeDtypeStruct))
-        and jax.numpy.issubdtype(kernel.dtype, jax.numpy.floating)
+        and jnp.issubdtype(kernel.dtype, jnp.floating)
         and kernel.ndim == len(module.equation.split(",")[1].split("-")[0])  # not stacked
         and (sharding is None or len(sharding.device_set) == 1)
     )
