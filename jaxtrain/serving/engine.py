@@ -55,7 +55,6 @@ from jaxtrain.serving.steps import (
     adapter_rows,
     bucket,
     chunk_tokens,
-    flat_params,
     page_tables,
     table_width,
 )
@@ -116,9 +115,8 @@ class Engine:
         self.decode_steps = decode_steps
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
-        view, self.flipped = decode_view(model)  # CPU: kernels read as [out, in] copies
+        view, flipped = decode_view(model)  # CPU: kernels read as [out, in] copies
         self.graphdef, self.state = nnx.split(view)
-        self.params = flat_params(self.state, self.flipped)  # what the steps take (steps.py)
         sharding = pool_sharding(self.state)
         if num_pages is None:
             num_pages = pool_pages(model, page_size, max_slots * self.max_pages + 1,
@@ -131,7 +129,8 @@ class Engine:
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
         self.steps = Steps(self.graphdef, page_size, sharding, attention,
-                           logprobs_mode == "processed", decode_steps, self.flipped)  # fmt: skip
+                           logprobs_mode == "processed", decode_steps, flipped)  # fmt: skip
+        self.params = self.steps.params(self.state)  # what the steps take (steps.py)
         self.eos = set(eos_ids(eos_token_ids, tokenizer, config))
         self.images = ImageInputs.of(config, max_images)  # None: the model takes no images
         self.adapters = adapter_count(model)  # LoRA adapters a request may choose (adapters.py)
@@ -147,7 +146,7 @@ class Engine:
     def update_state(self, state: Any) -> None:
         """Decode from these parameters from now on (the same structure: no recompile). The
         cached prompt prefixes go: their keys and values were computed by the old ones."""
-        self.state, self.params = state, flat_params(state, self.flipped)
+        self.state, self.params = state, self.steps.params(state)
         self.pages.forget_prefixes()
 
     def submit(

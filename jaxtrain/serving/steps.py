@@ -249,6 +249,10 @@ class Steps:
     def kernel(self) -> str:
         return self.programs.kernel
 
+    def params(self, state: Any) -> FlatParams:
+        """`state` as these steps take it (`flat_params`, this engine's kernels flipped)."""
+        return flat_params(state, self.flipped)
+
     # ------------------------------------------------------------- calls
     def prefill(
         self, params: FlatParams, pool, ids, start, table, pad, adapters, rows, positions, *sampling
@@ -313,7 +317,7 @@ class Steps:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
             state,
         )
-        return getattr(self.programs, kind).lower(*flat_params(shapes, self.flipped), pool, *args)
+        return getattr(self.programs, kind).lower(*self.params(shapes), pool, *args)
 
     def routing(self, pool: Any, pages: list[int], max_pages: int) -> np.ndarray:
         """[S, max_pages * page_size, k]: the experts a pool that records routing holds for
