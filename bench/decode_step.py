@@ -67,7 +67,9 @@ def main() -> int:
     positions = jax.device_put(np.arange(rows, dtype=np.int32))
     print(f"sampling: {median_ms(lambda: draw(logits, *sampling, positions)):.1f} ms")
     seqs = engine.active
-    width = table_width(max(s.position for s in seqs) // engine.page_size + 1, engine.max_pages)
+    width = table_width(
+        max(s.position for s in seqs) // engine.page_size + 1, engine.max_pages, engine.page_size
+    )
     table = jax.device_put(page_tables([s.pages for s in seqs], rows, width))
     ids = jax.device_put(np.array([[s.generated[-1]] for s in seqs], np.int32))
     start = jax.device_put(np.array([s.position for s in seqs], np.int32))

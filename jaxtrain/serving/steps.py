@@ -28,16 +28,26 @@ from jaxtrain.serving.decode_weights import Flipped, kernel_views, stored_arrays
 from jaxtrain.serving.paged import PagedSlots, decode_row_group, routing_of
 from jaxtrain.serving.sampling import Drawn, sample_rows
 
-__all__ = ["FlatParams", "Steps", "bucket", "buckets", "chunk_tokens", "flat_params", "table_width"]
+__all__ = [
+    "FlatParams",
+    "Steps",
+    "bucket",
+    "buckets",
+    "chunk_tokens",
+    "flat_params",
+    "smallest_table",
+    "table_width",
+]
 
 Array = jax.Array
 # ((the tree's structure, its flipped kernels' views), its arrays): flat_params
 FlatParams = tuple[Any, list[Array]]
 SMALLEST_PREFILL = 16
-# Pages: the narrowest page table a step reads. A step's table is as wide as the longest of
-# its sequences needs (a bucket of this), so attention reads the pages in use, not
-# max_length's: a short chat on a model with an 8k context reads 8 pages, not 512.
-SMALLEST_TABLE = 8
+# The narrowest page table a step reads: 8 pages, or 128 tokens' worth of bigger pages (a
+# CPU's, paged.CPU_PAGE_SIZE). A step's table is as wide as the longest of its sequences needs
+# (a bucket of this), so attention reads the pages in use, not max_length's: a short chat on a
+# model with an 8k context reads 128 tokens, not 8k.
+SMALLEST_TABLE, SMALLEST_TABLE_TOKENS = 8, 128
 # A prefill's buckets of tokens and of pages are x4 apart (rows and decode steps' buckets x2):
 # every shape is compiled at start-up (warm_up.py), and a prefill's three sizes multiply (a 1k
 # context and 8 slots: 49 shapes, against 88 with every size x2 apart). Decode steps keep x2:
@@ -61,9 +71,14 @@ def buckets(smallest: int, largest: int, factor: int = 2) -> list[int]:
     return sorted({min(s, largest) for s in sizes})
 
 
-def table_width(pages: int, max_pages: int, growth: int = 2) -> int:
+def smallest_table(page_size: int) -> int:
+    """Columns of the narrowest page table of pages of `page_size` tokens."""
+    return max(1, min(SMALLEST_TABLE, SMALLEST_TABLE_TOKENS // page_size))
+
+
+def table_width(pages: int, max_pages: int, page_size: int, growth: int = 2) -> int:
     """Page-table columns of a step whose rows use up to `pages` pages."""
-    return bucket(pages, SMALLEST_TABLE, max_pages, growth)
+    return bucket(pages, smallest_table(page_size), max_pages, growth)
 
 
 def chunk_tokens(tokens: int, budget: int) -> int:

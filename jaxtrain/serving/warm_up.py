@@ -17,10 +17,10 @@ from jaxtrain.serving.sampling import sampling_arrays
 from jaxtrain.serving.steps import (
     PREFILL_GROWTH,
     SMALLEST_PREFILL,
-    SMALLEST_TABLE,
     bucket,
     buckets,
     chunk_tokens,
+    smallest_table,
     table_width,
 )
 
@@ -30,10 +30,11 @@ __all__ = ["EngineShape", "compile_every_bucket", "step_calls"]
 @dataclasses.dataclass(frozen=True)
 class EngineShape:
     """What an engine's compiled shapes depend on (serving.Engine's arguments of the same
-    names; `num_pages` None: a slot's worth of pages for every slot, and the garbage page)."""
+    names; `page_size` None: the pool's platform's default, set by Engine and plan_engine;
+    `num_pages` None: a slot's worth of pages for every slot, and the garbage page)."""
 
     max_slots: int
-    page_size: int
+    page_size: int | None
     max_length: int
     num_pages: int | None = None
     prefill_tokens: int = 512
@@ -67,8 +68,8 @@ def step_calls(
     rows = buckets(1, s.max_slots)
     prefill_rows = [r for r in rows if r < waiting] + [bucket(waiting, 1, s.max_slots)]
     tokens = buckets(SMALLEST_PREFILL, max(SMALLEST_PREFILL, s.prefill_tokens), growth)
-    widest = table_width(math.ceil(longest / s.page_size), s.max_pages, growth)
-    widths = [w for w in buckets(SMALLEST_TABLE, s.max_pages, growth) if w <= widest]
+    widest = table_width(math.ceil(longest / s.page_size), s.max_pages, s.page_size, growth)
+    widths = [w for w in buckets(smallest_table(s.page_size), s.max_pages, growth) if w <= widest]
     zeros = np.zeros(s.max_slots, np.int32)
     calls = []
     for r, t, width in itertools.product(prefill_rows, tokens, widths):
@@ -81,7 +82,7 @@ def step_calls(
         if s.images is not None:
             pixels = np.zeros((r, s.images[0], *s.images[1]), np.float32)
             calls.append(("prefill_images", (*args, pixels, *sampling)))
-    for r, width in itertools.product(rows, buckets(SMALLEST_TABLE, s.max_pages)):
+    for r, width in itertools.product(rows, buckets(smallest_table(s.page_size), s.max_pages)):
         idle = (np.zeros(r, np.int32), np.zeros((r, width), np.int32), np.zeros(r, np.int32))
         sampling = sampling_arrays([], [], r)
         calls.append(("decode", (np.zeros((r, 1), np.int32), *idle, *sampling)))

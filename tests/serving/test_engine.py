@@ -15,6 +15,7 @@ from jaxtrain.errors import ArgumentError
 from jaxtrain.models import generate
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 from jaxtrain.serving import Engine, SamplingParams
+from jaxtrain.serving.paged import prefix_keys
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +199,30 @@ def test_steps_read_only_the_pages_in_use_and_decode_like_generate(model):
     widths = {table[1] for _, table in engine.steps.compiles["decode"]}
     assert widths == {8, 16}, engine.steps.compiles["decode"]
     assert {table[1] for _, table in engine.steps.compiles["prefill"]} == {8}
+
+
+def test_a_cpu_engine_pages_by_128_tokens_and_decodes_like_generate():
+    """Unless told, an engine on a CPU takes pages of 128 tokens (serving/paged.py): sequences
+    of one page and of two (a 120-token prompt crossing into its second page mid-decode) give
+    generate's greedy tokens, as do two samples sharing a prompt's full page."""
+    model = tiny_llama(max_positions=256)
+    engine = Engine(model, max_slots=3, max_length=256, eos_token_ids=[])
+    assert engine.page_size == 128
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [prompt(120, 7), prompt(5, 8)]
+    got = engine.generate(prompts, params)
+    assert [c[0].token_ids for c in got] == [
+        generate(model, p, max_new_tokens=12).tolist() for p in prompts
+    ]
+    assert {table[1] for _, table in engine.steps.compiles["decode"]} == {1, 2}
+    (group,) = engine.generate([prompt(130, 9)], params, n=2)  # both read its first page
+    assert (
+        group[0].token_ids
+        == group[1].token_ids
+        == generate(model, prompt(130, 9), max_new_tokens=12).tolist()
+    )
+    (key,) = prefix_keys(np.asarray(prompt(130, 9)), 128)  # whole pages: 128 of 130 tokens
+    assert key in engine.pages.prefixes
 
 
 def test_a_mixture_of_experts_model_decodes_like_generate():

@@ -23,14 +23,17 @@ def test_the_engine_options_reach_the_engine(model):
     gib = 10 * page_bytes(model, 16) / 2**30  # of the 4 slots x 4 pages the context needs
     _, options = parse_serve_options(
         ["model_dir", "--kv_cache_gib", str(gib), "--prefill_tokens", "64",
-         "--speculative_tokens", "3", "--attention", "interpret", "--max_slots", "4"]
+         "--speculative_tokens", "3", "--attention", "interpret", "--max_slots", "4",
+         "--page_size", "16"]
     )  # fmt: skip
     engine = build_engine(model, None, options)
     assert engine.pages.num_pages == 10 + 1
     assert (engine.prefill_tokens, engine.speculative_tokens) == (64, 3)
     assert engine.steps.kernel == "interpret" and engine.max_slots == 4
+    assert engine.page_size == 16
     plain = build_engine(model, None, parse_serve_options(["model_dir"])[1])
     assert plain.steps.kernel == "gather" and plain.speculative_tokens == 0
+    assert plain.page_size == 128  # a CPU's default (serving/paged.py)
 
 
 def test_a_bad_engine_option_is_named(model):
