@@ -355,7 +355,7 @@ Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.
 
 
 SERVE_HELP = """usage: jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--api_key KEY]
-                      [--max_slots 8] [--page_size N] [--max_length N] [--num_pages N]
+                      [--max_slots 8] [--page_size 16] [--max_length N] [--num_pages N]
                       [--model_name NAME] [--max_queue 128] [--request_timeout 600]
                       [--warm_up true] ...
 
@@ -374,7 +374,7 @@ new requests get 503, the running ones finish, then the process exits 0.
       Bind a non-loopback host without a key.
   --max_slots INT  (default: 8)
       Sequences decoded at once; more requests wait in the queue.
-  --page_size INT  (default: 128 on a CPU, 16 on a GPU or TPU)
+  --page_size INT  (default: 16)
       Tokens per page of the KV cache.
   --max_length INT
       Prompt + new tokens of one sequence (default: the model's context).

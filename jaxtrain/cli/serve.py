@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 SERVE_USAGE = (
     "jaxtrain serve MODEL_OR_RUN_DIR [--host 127.0.0.1] [--port 8000] [--api_key KEY] "
-    "[--allow_unauthenticated false] [--max_slots 8] [--page_size N] [--max_length N] "
+    "[--allow_unauthenticated false] [--max_slots 8] [--page_size 16] [--max_length N] "
     "[--num_pages N] [--model_name NAME] [--max_body_bytes 4194304] [--max_prompt_tokens N] "
     "[--max_tokens N] [--max_n N] [--max_stop 4] [--max_stop_length 128] [--max_queue 128] "
     "[--request_timeout 600] [--warm_up true] [--kv_cache_gib G] [--memory_fraction F] "
@@ -132,7 +132,7 @@ def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
     if path is None:
         raise ArgumentError(f"jaxtrain serve needs MODEL_OR_RUN_DIR.\nusage: {SERVE_USAGE}")
     options: dict = {
-        "host": "127.0.0.1", "port": 8000, "max_slots": 8, "page_size": None, "warm_up": True,
+        "host": "127.0.0.1", "port": 8000, "max_slots": 8, "page_size": 16, "warm_up": True,
         "compilation_cache_dir": "auto",
     }  # fmt: skip
     for key, value in parse_overrides(rest).items():
@@ -143,7 +143,7 @@ def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
         except (TypeError, ValueError):
             raise ArgumentError(f"--{key} {value!r}: expected {OPTIONS[key].__name__}.") from None
     for key in ("port", "max_slots", "page_size", "max_length", "num_pages"):
-        if options.get(key) is not None and options[key] <= 0:
+        if key in options and options[key] <= 0:
             raise ArgumentError(f"--{key} must be positive, got {options[key]}.")
     options["api_key"] = options.get("api_key") or os.environ.get(API_KEY_VARIABLE) or None
     host = options["host"]

@@ -37,7 +37,7 @@ from jaxtrain.serving.adapters import adapter_count
 from jaxtrain.serving.decode_weights import decode_view
 from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
-from jaxtrain.serving.paged import PageAllocator, default_page_size, empty_pool, prefix_keys
+from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
 from jaxtrain.serving.pool import pool_pages, pool_sharding
 from jaxtrain.serving.requests import (
     Completion,
@@ -66,8 +66,7 @@ __all__ = ["Completion", "Engine"]
 class Engine:
     """See the module docstring. `model`: an NNX model of a family with a KV cache (the
     Llama family and its dropless MoE, Gemma 2 / 3, GPT-2); `max_slots`: sequences decoded
-    at once; `page_size`: tokens per page (default 128 on a CPU, 16 on a GPU or TPU:
-    paged.CPU_PAGE_SIZE); `max_length`: prompt + new tokens of one
+    at once; `page_size`: tokens per page; `max_length`: prompt + new tokens of one
     sequence (default the model's context); `num_pages`: the pool (default enough for every
     slot at max_length; or `kv_cache_gib` of memory; or `memory_fraction` of the device's free
     memory, on a GPU or TPU); `prefill_tokens`: the tokens (padding included) one prefill call
@@ -91,7 +90,7 @@ class Engine:
         *,
         tokenizer: Any = None,
         max_slots: int = 8,
-        page_size: int | None = None,
+        page_size: int = 16,
         max_length: int | None = None,
         num_pages: int | None = None,
         kv_cache_gib: float | None = None,
@@ -110,16 +109,15 @@ class Engine:
                              decode_steps=decode_steps, attention=attention, logprobs_mode=logprobs_mode,
                              record_routing=record_routing)  # fmt: skip
         config = model.config
-        view, flipped = decode_view(model)  # CPU: kernels read as [out, in] copies
-        self.graphdef, self.state = nnx.split(view)
-        sharding = pool_sharding(self.state)
-        page_size = default_page_size(sharding) if page_size is None else page_size
         self.tokenizer, self.max_slots, self.page_size = tokenizer, max_slots, page_size
         self.vocab_size = config.vocab_size
         self.prefill_tokens, self.speculative_tokens = prefill_tokens, speculative_tokens
         self.decode_steps = decode_steps
         self.max_length = max_length or int(config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
+        view, flipped = decode_view(model)  # CPU: kernels read as [out, in] copies
+        self.graphdef, self.state = nnx.split(view)
+        sharding = pool_sharding(self.state)
         if num_pages is None:
             num_pages = pool_pages(model, page_size, max_slots * self.max_pages + 1,
                                    kv_cache_gib=kv_cache_gib, memory_fraction=memory_fraction,

@@ -55,7 +55,7 @@ def check_engine_options(
             f"the engine decodes with a KV cache; {type(model).__name__} has none (the "
             "Llama family and its dropless MoE, Gemma 2 / 3 and GPT-2 have)."
         )
-    for name, value in (("max_slots", max_slots), ("page_size", 1 if page_size is None else page_size),
+    for name, value in (("max_slots", max_slots), ("page_size", page_size),
                         ("prefill_tokens", prefill_tokens)):  # fmt: skip
         if not isinstance(value, int) or value < 1:
             raise ArgumentError(f"{name} must be a positive integer, got {value!r}")

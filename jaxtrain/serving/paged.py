@@ -31,7 +31,6 @@ __all__ = [
     "PageAllocator",
     "PagedSlots",
     "decode_row_group",
-    "default_page_size",
     "empty_pool",
     "is_sparse",
     "page_bytes",
@@ -269,21 +268,6 @@ def _keys_times_queries(keys: Array, q: Array) -> Array:
 # 131-144 ms with a 16-page table gathered at once, 107-109 ms by 8 rows; 223-284 against
 # 150-183 ms with 32 pages. GPUs and TPUs gather at once (a loop would serialize them).
 CPU_DECODE_ROWS = 8
-
-
-# Tokens per page when an engine is not told. A CPU decode step gathers each row's pages into
-# a contiguous view, one slice per page, and bigger slices gather faster: SmolLM2-135M, 32
-# rows of 256 keys, 30 layers' decode attention alone (interleaved rounds in one process)
-# took 76, 63 and 52 ms with pages of 16, 64 and 128 tokens; the profiled step's gathers
-# 31-36 ms with 16, 25-30 ms with 64. vLLM's CPU backend pages by 128 too. GPU and TPU
-# kernels read pages of 16 in place.
-CPU_PAGE_SIZE, ACCELERATOR_PAGE_SIZE = 128, 16
-
-
-def default_page_size(pool_sharding: jax.sharding.Sharding) -> int:
-    """The page size of an engine whose pool `pool_sharding` places (above)."""
-    platform = next(iter(pool_sharding.device_set)).platform
-    return CPU_PAGE_SIZE if platform == "cpu" else ACCELERATOR_PAGE_SIZE
 
 
 def decode_row_group(pool_sharding: jax.sharding.Sharding) -> int:

@@ -3,7 +3,6 @@ on the parameters' shapes and the page pool's, with no array made (`jaxtrain pla
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -13,7 +12,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.serving.decode_weights import decode_view
-from jaxtrain.serving.paged import default_page_size, empty_pool
+from jaxtrain.serving.paged import empty_pool
 from jaxtrain.serving.pool import pool_sharding
 from jaxtrain.serving.steps import Steps
 from jaxtrain.serving.warm_up import EngineShape, step_calls
@@ -41,8 +40,6 @@ def plan_engine(
     if sharding is None:
         placed = any(getattr(x, "sharding", None) is not None for x in jax.tree.leaves(state))
         sharding = pool_sharding(state) if placed else SingleDeviceSharding(jax.devices()[0])
-    if shape.page_size is None:  # as an engine on these devices pages its cache
-        shape = dataclasses.replace(shape, page_size=default_page_size(sharding))
     pool = jax.eval_shape(lambda: empty_pool(model, shape.pages, shape.page_size, record_routing))
     pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), pool)
     steps = Steps(graphdef, shape.page_size, sharding, "gather", logprobs_mode == "processed",

@@ -30,11 +30,10 @@ __all__ = ["EngineShape", "compile_every_bucket", "step_calls"]
 @dataclasses.dataclass(frozen=True)
 class EngineShape:
     """What an engine's compiled shapes depend on (serving.Engine's arguments of the same
-    names; `page_size` None: the pool's platform's default, set by Engine and plan_engine;
-    `num_pages` None: a slot's worth of pages for every slot, and the garbage page)."""
+    names; `num_pages` None: a slot's worth of pages for every slot, and the garbage page)."""
 
     max_slots: int
-    page_size: int | None
+    page_size: int
     max_length: int
     num_pages: int | None = None
     prefill_tokens: int = 512

@@ -32,13 +32,12 @@ Ask = tuple[Any, int, int, int, Any]
 
 
 def rollout_engine_shape(settings: RunSettings) -> EngineShape:
-    """The engine GRPO samples on: a slot per completion of an update, pages of the
-    platform's default size, rows of a prompt and its completion (what `jaxtrain plan --task
-    grpo` compiles too)."""
+    """The engine GRPO samples on: a slot per completion of an update, pages of 16 tokens,
+    rows of a prompt and its completion (what `jaxtrain plan --task grpo` compiles too)."""
     task = settings.task
     return EngineShape(
         max_slots=settings.data.global_batch_size,
-        page_size=None,
+        page_size=16,
         max_length=task.max_prompt_length + task.max_completion_length,
         decode_steps=task.rollout_decode_steps,
     )

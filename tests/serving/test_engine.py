@@ -201,13 +201,13 @@ def test_steps_read_only_the_pages_in_use_and_decode_like_generate(model):
     assert {table[1] for _, table in engine.steps.compiles["prefill"]} == {8}
 
 
-def test_a_cpu_engine_pages_by_128_tokens_and_decodes_like_generate():
-    """Unless told, an engine on a CPU takes pages of 128 tokens (serving/paged.py): sequences
-    of one page and of two (a 120-token prompt crossing into its second page mid-decode) give
-    generate's greedy tokens, as do two samples sharing a prompt's full page."""
+def test_pages_of_128_tokens_read_tables_of_one_page_and_up_and_decode_like_generate():
+    """Pages of 128 tokens: the narrowest table is one page, not 8 (1,024 keys; steps.py's
+    SMALLEST_TABLE_TOKENS); sequences of one page and of two (a 120-token prompt crossing into
+    its second page mid-decode) give generate's greedy tokens, as do two samples sharing a
+    prompt's full page."""
     model = tiny_llama(max_positions=256)
-    engine = Engine(model, max_slots=3, max_length=256, eos_token_ids=[])
-    assert engine.page_size == 128
+    engine = Engine(model, max_slots=3, page_size=128, max_length=256, eos_token_ids=[])
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompts = [prompt(120, 7), prompt(5, 8)]
     got = engine.generate(prompts, params)

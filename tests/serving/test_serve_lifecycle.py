@@ -134,9 +134,7 @@ def test_preempted_requests_finish_whole_and_metrics_count_them(model_dir, free_
 
     model, tokenizer, _ = load_served_model(model_dir)
     # 7 pages of 16 tokens: one sequence of 83 tokens needs 6 of them, four need 24.
-    engine = Engine(
-        model, tokenizer=tokenizer, max_slots=4, page_size=16, num_pages=8, eos_token_ids=[]
-    )
+    engine = Engine(model, tokenizer=tokenizer, max_slots=4, num_pages=8, eos_token_ids=[])
     app = create_app(engine, model_name="tiny", tokenizer=tokenizer)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

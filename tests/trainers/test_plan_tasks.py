@@ -124,7 +124,6 @@ def test_a_grpo_plan_is_the_grpo_run_s_step_and_engine(tokenizer, tmp_path):
     pool = sum(x.nbytes for x in jax.tree.leaves(engine.pool))
     assert planned["memory"]["pool_bytes"] == pool > 0
     shape = rollout_engine_shape(RunSettings.from_arguments(args))
-    shape = dataclasses.replace(shape, page_size=engine.page_size)  # the platform's
     real = [
         engine.steps.lower(kind, engine.state, engine.pool, *call).compile().memory_analysis()
         for kind, call in step_calls(shape, args.max_prompt_length)
