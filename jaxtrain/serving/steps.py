@@ -43,8 +43,8 @@ Array = jax.Array
 # ((the tree's structure, its flipped kernels' views), its arrays): flat_params
 FlatParams = tuple[Any, list[Array]]
 SMALLEST_PREFILL = 16
-# The narrowest page table a step reads: 8 pages, or 128 tokens' worth of bigger pages (a
-# CPU's, paged.CPU_PAGE_SIZE). A step's table is as wide as the longest of its sequences needs
+# The narrowest page table a step reads: 8 pages, or 128 tokens' worth of bigger pages (pages
+# of 128: one, not 1,024 tokens). A step's table is as wide as the longest of its sequences needs
 # (a bucket of this), so attention reads the pages in use, not max_length's: a short chat on a
 # model with an 8k context reads 128 tokens, not 8k.
 SMALLEST_TABLE, SMALLEST_TABLE_TOKENS = 8, 128
