@@ -98,8 +98,9 @@ class PagedSlots:
     every step of several tokens does), "pallas" (JAX's Pallas paged-attention kernel of the
     platform, GPU or TPU, reading the pages in place) or "interpret" (the GPU kernel in
     Pallas' interpret mode: the kernel's own code on any platform, for tests); `row_group`:
-    a gathered decode step of more rows gathers that many rows' pages at a time, in a loop
-    (0: all at once; `decode_row_group` says which suits the pool's platform)."""
+    a gathered decode step of more rows gathers that many rows' pages at a time, in a loop,
+    and forms its scores keys-first (`_keys_times_queries`; 0: all at once, queries first, as
+    GPUs and TPUs do; `decode_row_group` says which suits the pool's platform)."""
 
     logical: Array
     table: Array
