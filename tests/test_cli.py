@@ -90,6 +90,32 @@ def test_train_then_eval_and_sample_from_the_run_directory(tmp_path):
     assert name == "run" and served.token_ids == generate(model, ids, max_new_tokens=5).tolist()
 
 
+def test_packing_trains_on_the_embedded_corpus_files_one_segment_each(tmp_path):
+    from jaxtrain.cli.run_dir import build_data
+    from jaxtrain.data import load_default_corpus
+
+    data = {"source": "default", "vocab_size": 384, "max_train_bytes": 200_000}
+    corpus = load_default_corpus(vocab_size=384, max_train_bytes=200_000)
+    # Packed, the corpus comes as its files, which the Trainer packs with a segment per file
+    # (it came as rows cut from the files joined, so --packing true had nothing to pack).
+    train, evaluation, tokenizer = build_data(data, 32, packing=True)
+    assert train["text"] == corpus.train["text"] and evaluation["text"] == corpus.eval["text"]
+    assert len(tokenizer) == len(corpus.tokenizer)
+    rows = build_data(data, 32)[0]
+    assert {len(ids) for ids in rows[:8]["input_ids"]} == {32}
+    # A packed run's eval loss is what `jaxtrain eval` of its run directory computes (the
+    # command packs its eval set the same way).
+    run = tmp_path / "run"
+    result = jaxtrain("train", "--packing", "true", "--output_dir", str(run), *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert yaml.safe_load((run / "config.yaml").read_text())["packing"] is True
+    final_eval = [r for r in read_jsonl(run / "metrics.jsonl") if "eval/loss" in r][-1]
+    result = jaxtrain("eval", str(run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert abs(float(printed["eval/loss"]) - final_eval["eval/loss"]) < 1e-4
+
+
 def test_bad_flags_exit_2_with_a_message_naming_the_field(tmp_path):
     result = jaxtrain("train", "--output_dir", str(tmp_path), "--learning_rate", "-1")
     assert result.returncode == 2

@@ -50,7 +50,7 @@ def cmd_train(
     if runtime.is_main_process:
         print(describe_sources(config, sources), flush=True)
     data = pretrained_data_section(model_section, data)
-    train, evaluation, tokenizer = build_data(data, args.max_sequence_length)
+    train, evaluation, tokenizer = build_data(data, args.max_sequence_length, args.packing)
     if "pretrained" in model_section:
         # Each tensor goes straight from the file to its shards on the mesh (a QLoRA base's
         # quantized on the way).
@@ -286,7 +286,10 @@ def cmd_sample(tokens: list[str]) -> int:
         # The end-of-run sample's prompt: the first row of the run's eval (else train) data.
         from jaxtrain.cli.run_dir import build_data
 
-        train, evaluation, _ = build_data(run.sections.data, run.sections.args.max_sequence_length)
+        run_args = run.sections.args
+        train, evaluation, _ = build_data(
+            run.sections.data, run_args.max_sequence_length, run_args.packing
+        )
         dataset = evaluation if evaluation is not None else train
     model = run.model()
     print_sample(model, tokenizer, sample, dataset, run.sections.args)

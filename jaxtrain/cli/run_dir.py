@@ -68,8 +68,10 @@ def _with_attention(model: Any, attention: str | None) -> Any:
     return model
 
 
-def build_data(data: dict[str, Any], seq_len: int):
-    """-> (train dataset, eval dataset, tokenizer) from the `data` section."""
+def build_data(data: dict[str, Any], seq_len: int, packing: bool = False):
+    """-> (train dataset, eval dataset, tokenizer) from the `data` section. With `packing`,
+    the embedded corpus comes as its files' text, which the Trainer packs into rows with a
+    segment per file; without it, as rows of `seq_len` tokens cut from the files joined."""
     source = data.get("source", "default")
     if "mixture" in data:  # the train data: a weighted mixture of files
         return _mixture_data(data)
@@ -78,6 +80,9 @@ def build_data(data: dict[str, Any], seq_len: int):
 
         kwargs = {k: data[k] for k in ("max_train_bytes", "vocab_size") if k in data}
         corpus = load_default_corpus(**kwargs)
+        if packing:
+            tokenizer = _load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
+            return corpus.train, corpus.eval, tokenizer or corpus.tokenizer
         if data.get("tokenizer"):  # e.g. a pretrained model's own tokenizer
             tokenizer = _load_tokenizer(data["tokenizer"])
             train = chunk_dataset(corpus.train, tokenizer, seq_len)
@@ -315,7 +320,8 @@ def _eval_trainer(sections: RunSections, runtime: Any) -> Any:
         raise ArgumentError(sections.task.no_eval_set)
     args, tokenizer = sections.args, sections.tokenizer
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for)
-    evaluation = build_data(sections.data, sections.settings.data.seq_len)[1]
+    data = sections.settings.data
+    evaluation = build_data(sections.data, data.seq_len, data.packing)[1]
     trainer_class, task_kwargs, _ = trainer_setup(
         sections.task.name,
         sections.config,

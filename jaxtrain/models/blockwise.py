@@ -32,13 +32,20 @@ Array = jax.Array
 # A finite "minus infinity": exp(NEG - m) underflows to 0 without inf - inf = nan.
 NEG = -1e30
 
-# Default block sizes (query, key). CPU (2 shared cores, 8 heads of 32, fwd + bwd at
-# T = 4096, two runs, 2026-11-25): 64 x 64 0.41 s, 128 x 128 0.53 s, 256 x 256 0.59 s,
-# 512 x 512 0.82 s, 1024 x 1024 1.96 s; dense 2.4-3.9 s. Small blocks skip more of the
-# causal triangle and stay in cache; 128 rather than 64 keeps the loop at a quarter of the
-# iterations at 32k tokens. GPU: not measured; larger blocks there amortise the kernel
-# launches of each loop iteration.
-CPU_BLOCKS = (128, 128)
+# Default block sizes (query, key). CPU (2 cores, fwd + bwd of one layer, jax 0.10.2,
+# 2026-12-01; bench/RESULTS.md session 42): 256 x 256 against 128 x 128 took 0.64-0.78x the
+# time with 4 query heads of 64 over 2 key heads (1k to 32k tokens; a 32k-token causal row 25.3
+# s against 39.7, a packed one 6.2 against 8.5) and 0.90-0.96x with 8 heads of 32, at XLA's
+# default level and at level 1. The blocks that the causal triangle and other documents let a
+# loop skip are fewer, but each iteration's fixed cost weighs more at 128 (in 2026-11-25's
+# measurement, 8 heads of 32 at 4k, 128 had won by 10%). 512 x 512 was slower again (7.7 s
+# packed). GPU: not measured; larger blocks there amortise the kernel launches of each loop
+# iteration.
+CPU_BLOCKS = (256, 256)
+# Ring attention's chunks on simulated CPU devices (sp = 8 threads sharing 2 cores): the
+# long-context page's 32k-token packed row trained its step in 61.6 s with 128 x 128 and 78.7 s
+# with 256 x 256 (one process each, the same hour).
+CPU_RING_BLOCKS = (128, 128)
 GPU_BLOCKS = (512, 512)
 
 
@@ -53,8 +60,10 @@ class AttentionSpec:
     window: int | None = None
 
 
-def default_blocks() -> tuple[int, int]:
-    return GPU_BLOCKS if jax.default_backend() == "gpu" else CPU_BLOCKS
+def default_blocks(ring: bool = False) -> tuple[int, int]:
+    if jax.default_backend() == "gpu":
+        return GPU_BLOCKS
+    return CPU_RING_BLOCKS if ring else CPU_BLOCKS
 
 
 def make_spec(

@@ -28,6 +28,7 @@ from jaxtrain.models.blockwise import (
     blocked_inputs,
     chunk_backward,
     chunk_forward,
+    default_blocks,
     make_spec,
     output_delta,
     to_block_layout,
@@ -78,14 +79,15 @@ def sequence_parallel_attention(
         q_spec = P(q_spec[0], q_spec[1], None, None)
         kv_spec = P(kv_spec[0], kv_spec[1], None, None)
     seg_spec = P(q_spec[0], q_spec[1])
+    default_q, default_k = default_blocks(ring=True)
     spec = make_spec(
         q,
         kv_length=t // n,
         sliding_window=sliding_window,
         scale=scale,
         logit_cap=logit_cap,
-        block_q=block_q,
-        block_k=block_k,
+        block_q=block_q or default_q,
+        block_k=block_k or default_k,
     )
     spec = dataclasses.replace(spec, block_q=min(spec.block_q, t // n))
     body = functools.partial(ring_attention, spec=spec, axis_name=SEQUENCE_AXIS, axis_size=n)
