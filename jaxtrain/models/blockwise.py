@@ -32,15 +32,12 @@ Array = jax.Array
 # A finite "minus infinity": exp(NEG - m) underflows to 0 without inf - inf = nan.
 NEG = -1e30
 
-# Default block sizes (query, key). CPU (2 cores, fwd + bwd of one layer, jax 0.10.2,
-# 2026-12-01; bench/RESULTS.md session 42): 256 x 256 against 128 x 128 took 0.64-0.78x the
-# time with 4 query heads of 64 over 2 key heads (1k to 32k tokens; a 32k-token causal row 25.3
-# s against 39.7, a packed one 6.2 against 8.5) and 0.90-0.96x with 8 heads of 32, at XLA's
-# default level and at level 1. The blocks that the causal triangle and other documents let a
-# loop skip are fewer, but each iteration's fixed cost weighs more at 128 (in 2026-11-25's
-# measurement, 8 heads of 32 at 4k, 128 had won by 10%). 512 x 512 was slower again (7.7 s
-# packed). GPU: not measured; larger blocks there amortise the kernel launches of each loop
-# iteration.
+# Default block sizes (query, key). CPU (2 cores, forward + backward of one layer's attention,
+# `bench/attention_blocks.py`, bench/RESULTS.md session 42): 256 x 256 took 0.67-0.74x the
+# time of 128 x 128 with 4 query heads of 64 over 2 key heads at 1k-8k tokens and 0.69x on a
+# packed 32k-token row; with 8 heads of 32, 0.92-0.97x at 4k-8k and 1.08x at 1k (within the
+# spread). Fewer blocks are skipped, but each loop iteration's fixed cost weighs less. GPU:
+# not measured; larger blocks there amortise the kernel launches of each loop iteration.
 CPU_BLOCKS = (256, 256)
 # Ring attention's chunks on simulated CPU devices (sp = 8 threads sharing 2 cores): the
 # long-context page's 32k-token packed row trained its step in 61.6 s with 128 x 128 and 78.7 s
