@@ -96,13 +96,17 @@ def test_packing_trains_on_the_embedded_corpus_files_one_segment_each(tmp_path):
 
     data = {"source": "default", "vocab_size": 384, "max_train_bytes": 200_000}
     corpus = load_default_corpus(vocab_size=384, max_train_bytes=200_000)
-    # Packed, the corpus comes as its files, which the Trainer packs with a segment per file
-    # (it came as rows cut from the files joined, so --packing true had nothing to pack).
+    # Packed, the train split comes as its files, which the Trainer packs with a segment per
+    # file (it came as rows cut from the files joined, so --packing true had nothing to
+    # pack); the eval rows are the unpacked run's, so the two runs' eval losses compare.
     train, evaluation, tokenizer = build_data(data, 32, packing=True)
-    assert train["text"] == corpus.train["text"] and evaluation["text"] == corpus.eval["text"]
-    assert len(tokenizer) == len(corpus.tokenizer)
-    rows = build_data(data, 32)[0]
+    assert train["text"] == corpus.train["text"] and len(tokenizer) == len(corpus.tokenizer)
+    rows, unpacked_evaluation, _ = build_data(data, 32)
     assert {len(ids) for ids in rows[:8]["input_ids"]} == {32}
+    assert evaluation["input_ids"] == unpacked_evaluation["input_ids"]
+    assert len(evaluation) * 32 > 0.9 * sum(
+        len(tokenizer(t)["input_ids"]) for t in corpus.eval["text"]
+    )
     # A packed run's eval loss is what `jaxtrain eval` of its run directory computes (the
     # command packs its eval set the same way).
     run = tmp_path / "run"

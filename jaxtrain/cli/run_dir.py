@@ -69,9 +69,10 @@ def _with_attention(model: Any, attention: str | None) -> Any:
 
 
 def build_data(data: dict[str, Any], seq_len: int, packing: bool = False):
-    """-> (train dataset, eval dataset, tokenizer) from the `data` section. With `packing`,
-    the embedded corpus comes as its files' text, which the Trainer packs into rows with a
-    segment per file; without it, as rows of `seq_len` tokens cut from the files joined."""
+    """-> (train dataset, eval dataset, tokenizer) from the `data` section. The embedded
+    corpus's eval split is rows of `seq_len` tokens cut from its files joined; so is its train
+    split, unless `packing`: then its files' text, which the Trainer packs with a segment per
+    file. Packed and unpacked runs evaluate the same rows."""
     source = data.get("source", "default")
     if "mixture" in data:  # the train data: a weighted mixture of files
         return _mixture_data(data)
@@ -80,15 +81,12 @@ def build_data(data: dict[str, Any], seq_len: int, packing: bool = False):
 
         kwargs = {k: data[k] for k in ("max_train_bytes", "vocab_size") if k in data}
         corpus = load_default_corpus(**kwargs)
-        if packing:
-            tokenizer = _load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
-            return corpus.train, corpus.eval, tokenizer or corpus.tokenizer
         if data.get("tokenizer"):  # e.g. a pretrained model's own tokenizer
             tokenizer = _load_tokenizer(data["tokenizer"])
-            train = chunk_dataset(corpus.train, tokenizer, seq_len)
+            train = corpus.train if packing else chunk_dataset(corpus.train, tokenizer, seq_len)
             return train, chunk_dataset(corpus.eval, tokenizer, seq_len), tokenizer
-        rows = [corpus.token_rows(split, seq_len) for split in ("train", "eval")]
-        return *rows, corpus.tokenizer
+        train = corpus.train if packing else corpus.token_rows("train", seq_len)
+        return train, corpus.token_rows("eval", seq_len), corpus.tokenizer
     if source == "files":
         from jaxtrain.data.files import load_files
 
