@@ -107,8 +107,7 @@ def test_packing_trains_on_the_embedded_corpus_files_one_segment_each(tmp_path):
     assert len(evaluation) * 32 > 0.9 * sum(
         len(tokenizer(t)["input_ids"]) for t in corpus.eval["text"]
     )
-    # A packed run's eval loss is what `jaxtrain eval` of its run directory computes (the
-    # command packs its eval set the same way).
+    # A packed run's eval loss is what `jaxtrain eval` of its run directory computes.
     run = tmp_path / "run"
     result = jaxtrain("train", "--packing", "true", "--output_dir", str(run), *TINY)
     assert result.returncode == 0, result.stderr[-3000:]

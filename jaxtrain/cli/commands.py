@@ -286,10 +286,7 @@ def cmd_sample(tokens: list[str]) -> int:
         # The end-of-run sample's prompt: the first row of the run's eval (else train) data.
         from jaxtrain.cli.run_dir import build_data
 
-        run_args = run.sections.args
-        train, evaluation, _ = build_data(
-            run.sections.data, run_args.max_sequence_length, run_args.packing
-        )
+        train, evaluation, _ = build_data(run.sections.data, run.sections.args.max_sequence_length)
         dataset = evaluation if evaluation is not None else train
     model = run.model()
     print_sample(model, tokenizer, sample, dataset, run.sections.args)

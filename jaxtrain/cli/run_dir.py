@@ -318,8 +318,7 @@ def _eval_trainer(sections: RunSections, runtime: Any) -> Any:
         raise ArgumentError(sections.task.no_eval_set)
     args, tokenizer = sections.args, sections.tokenizer
     model = rebuild_model(sections, sharding_for=runtime.plan.sharding_for)
-    data = sections.settings.data
-    evaluation = build_data(sections.data, data.seq_len, data.packing)[1]
+    evaluation = build_data(sections.data, sections.settings.data.seq_len)[1]
     trainer_class, task_kwargs, _ = trainer_setup(
         sections.task.name,
         sections.config,
