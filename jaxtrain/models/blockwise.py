@@ -58,6 +58,8 @@ class AttentionSpec:
 
 
 def default_blocks(ring: bool = False) -> tuple[int, int]:
+    """(block_q, block_k) when the caller sets none: the GPU's, else the CPU's (TPUs too:
+    not measured there); `ring`: ring attention's per-chunk blocks."""
     if jax.default_backend() == "gpu":
         return GPU_BLOCKS
     return CPU_RING_BLOCKS if ring else CPU_BLOCKS
