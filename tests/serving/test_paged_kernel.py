@@ -62,6 +62,32 @@ def test_a_cpu_decode_step_attends_by_row_groups_as_each_row_alone_would(rows):
             np.testing.assert_allclose(out[r, 0, n], want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cpu_decode_row_group_reads_only_the_pages_its_longest_row_reaches():
+    """Rows go in order of length and a group gathers the table's columns up to its longest
+    row's page (in quarters of the table): pages past that are never read. They hold NaN
+    here, which reading would spread even through a zero weight (0 * NaN)."""
+    rng = np.random.default_rng(2)
+    heads, kv_heads, dim, size, width, rows = 4, 2, 8, 4, 8, 16
+    keys, values = (rng.normal(size=(kv_heads, rows * width + 2, size, dim)).astype(np.float32)
+                    for _ in range(2))  # fmt: skip
+    table = 2 + np.arange(rows * width).reshape(rows, width)
+    start = rng.permutation(
+        np.r_[rng.integers(0, 2 * size, 8), rng.integers(2 * size, width * size, 8)]
+    )
+    short = start < 2 * size  # eight rows within the table's first quarter: one group
+    for pool in (keys, values):
+        pool[:, table[short, 2:]] = np.nan
+    group = decode_row_group(jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]))
+    slots = PagedSlots.of(jnp.asarray(start), 1, jnp.asarray(table), size, row_group=group)
+    q = jnp.asarray(rng.normal(size=(rows, 1, heads, dim)), jnp.float32)
+    out = np.asarray(slots.attention(q, jnp.asarray(keys), jnp.asarray(values), slots.mask()))
+    assert np.isfinite(out).all()
+    clean = [np.nan_to_num(x, nan=0.0) for x in (keys, values)]
+    want = PagedSlots.of(jnp.asarray(start), 1, jnp.asarray(table), size)  # all rows at once
+    np.testing.assert_allclose(out, want.attention(q, *map(jnp.asarray, clean), want.mask()),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_an_engine_on_the_kernel_decodes_like_generate(family):
     if family == "llama":
