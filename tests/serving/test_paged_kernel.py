@@ -88,6 +88,17 @@ def test_a_cpu_decode_row_group_reads_only_the_pages_its_longest_row_reaches():
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+def tiny_gemma2(sliding_window: int, seed: int) -> GemmaForCausalLM:
+    """A 3-layer Gemma 2: grouped-query, sliding layers, soft-capped logits."""
+    config = GemmaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=sliding_window,
+        query_pre_attn_scalar=16, initializer_range=0.3, tie_word_embeddings=False,
+        attn_logit_softcapping=2.0, max_position_embeddings=64,
+    )  # fmt: skip
+    return GemmaForCausalLM(config, rngs=nnx.Rngs(seed))
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_an_engine_on_the_kernel_decodes_like_generate(family):
     if family == "llama":
@@ -98,13 +109,7 @@ def test_an_engine_on_the_kernel_decodes_like_generate(family):
         )  # fmt: skip
         model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     else:
-        config = GemmaConfig(
-            vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
-            query_pre_attn_scalar=16, initializer_range=0.3, tie_word_embeddings=False,
-            attn_logit_softcapping=2.0, max_position_embeddings=64,
-        )  # fmt: skip
-        model = GemmaForCausalLM(config, rngs=nnx.Rngs(7))
+        model = tiny_gemma2(sliding_window=4, seed=7)
     prompts = [np.random.default_rng(n).integers(3, 61, n).tolist() for n in (3, 11, 6)]
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1)
     kwargs = dict(max_slots=4, page_size=4, max_length=32, eos_token_ids=[])
@@ -120,13 +125,7 @@ def test_sixteen_rows_of_staggered_lengths_decode_as_four_at_a_time():
     gathering the part of the table its longest row reaches (Gemma 2: sliding layers and
     soft-capped logits too); one of 4 slots gathers every row's whole table. Same greedy
     tokens, same log-probs."""
-    config = GemmaConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
-        query_pre_attn_scalar=16, initializer_range=0.3, tie_word_embeddings=False,
-        attn_logit_softcapping=2.0, max_position_embeddings=64,
-    )  # fmt: skip
-    model = GemmaForCausalLM(config, rngs=nnx.Rngs(3))
+    model = tiny_gemma2(sliding_window=6, seed=3)
     lengths = 1 + 3 * np.random.default_rng(0).permutation(16)  # rows out of length order
     prompts = [np.random.default_rng(n).integers(3, 61, n).tolist() for n in lengths]
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
