@@ -290,8 +290,9 @@ CPU_DECODE_ROWS = 8
 # of it. bench/decode_attention.py (bench/RESULTS.md, session 44), the attention of 30 layers of
 # SmolLM2-135M, 32 rows: 16-page tables with rows spread over 40-240 keys, 0.68x the time of
 # gathering the whole table (4 widths: 0.86x); rows of 170-180 keys, 0.79x (0.88x); a 32-page
-# table whose rows hold 100-120 keys, 0.21x. Each width is a branch to compile: +1.1 s a decode
-# program of 32 rows (4 widths: +0.5 s).
+# table whose rows hold 100-120 keys, 0.21x. Each width is a branch compiled once per layer (a
+# decode step unrolls them): SmolLM2's 32-row decode program took 18.2 s to compile against 7.7
+# with one width (4 widths: 15.1 s), on a busy VM.
 CPU_DECODE_WIDTHS = 8
 
 
