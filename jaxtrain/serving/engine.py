@@ -8,8 +8,9 @@ the whole of it.
 Each `step()` (1) admits waiting requests in order while slots and pages allow (a request's
 n samples together: the prompt's full pages shared, its last page each sample's own);
 (2) prefills one chunk of the admitted prompts, several rows in one call of at most
-`prefill_tokens` padded tokens, so decoding goes on between a long prompt's chunks; the
-samples of every prompt it finishes draw their first token in it; (3) decodes one token for
+`prefill_tokens` padded tokens, so decoding goes on between a long prompt's chunks (short
+prompts too are cut where whole ones would pad more: prefill_plan.py); the samples of every
+prompt it finishes draw their first token in it; (3) decodes one token for
 every active sequence (or `decode_steps` tokens in one call: `_many_steps`), in
 bucketed rows and page-table widths (x2 apart; a prefill's x4).
 Pages are taken as sequences grow; when none is free the youngest sequences are preempted
@@ -39,6 +40,7 @@ from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
 from jaxtrain.serving.pool import pool_pages, pool_sharding
+from jaxtrain.serving.prefill_plan import prefill_cap, prefill_costs, rows_that_fit
 from jaxtrain.serving.requests import (
     Completion,
     OnToken,
@@ -128,6 +130,8 @@ class Engine:
         self.pages = PageAllocator(num_pages, page_size)
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
+        self.prefill_costs = prefill_costs(next(iter(sharding.device_set)).platform)
+        self._prefill_cap: tuple[tuple, int] = ((), prefill_tokens)  # (its prompts, the cap)
         self.steps = Steps(self.graphdef, page_size, sharding, attention,
                            logprobs_mode == "processed", decode_steps, flipped)  # fmt: skip
         self.params = self.steps.params(self.state)  # what the steps take (steps.py)
@@ -246,29 +250,32 @@ class Engine:
 
     def _chunk(self) -> list[tuple[Prefill, int]]:
         """The prompts the next prefill call writes and how many tokens of each: in order,
-        while the call's padded size (row bucket x token bucket) stays within the budget."""
-        rows: list[tuple[Prefill, int]] = []
+        at most `prefill_plan.prefill_cap` of each, while the call's padded size (row bucket
+        x token bucket) stays within the budget."""
+        cap = self.prefill_tokens
+        if all(item.request.images is None for item in self.prefilling):
+            # Planned again only when the prompts change: the plan holds for the same ones.
+            key = tuple(item.request.request_id for item in self.prefilling)
+            if self._prefill_cap[0] != key:
+                remaining = [item.remaining for item in self.prefilling]
+                self._prefill_cap = (
+                    key,
+                    prefill_cap(remaining, cap, self.max_slots, self.prefill_costs),
+                )
+            cap = self._prefill_cap[1]
+        takes = []
         for item in self.prefilling:
-            take = min(item.remaining, self.prefill_tokens)
+            take = min(item.remaining, cap)
             if item.request.images is not None:  # an image's tokens go in one call
                 take = self.images.cut(item.request.prompt, item.done, take)
-            longest = max([t for _, t in rows] + [take])
-            padded = self._prefill_rows(len(rows) + 1) * self._prefill_width(longest)
-            if rows and padded > self.prefill_tokens:
-                break
-            rows.append((item, take))
-        return rows
-
-    def _prefill_rows(self, rows: int) -> int:
-        return bucket(rows, 1, self.max_slots)
-
-    def _prefill_width(self, tokens: int) -> int:
-        return chunk_tokens(tokens, self.prefill_tokens)
+            takes.append(take)
+        n = rows_that_fit(takes, self.prefill_tokens, self.max_slots)
+        return list(zip(self.prefilling[:n], takes[:n]))
 
     def _prefill(self) -> None:
         chunk = self._chunk()
-        r = self._prefill_rows(len(chunk))
-        t = self._prefill_width(max(take for _, take in chunk))
+        r = bucket(len(chunk), 1, self.max_slots)
+        t = chunk_tokens(max(take for _, take in chunk), self.prefill_tokens)
         ids = np.zeros((r, t), np.int32)
         start = np.zeros(r, np.int32)
         pad = np.full(r, t, np.int32)  # idle rows: all padding, written to the garbage page

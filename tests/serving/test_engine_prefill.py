@@ -12,6 +12,7 @@ from engine_models import CompileLog, prompt, tiny_llama
 
 from jaxtrain.models import generate
 from jaxtrain.serving import Engine, SamplingParams
+from jaxtrain.serving.prefill_plan import planned_cost, prefill_cap, prefill_costs, rows_that_fit
 from jaxtrain.training.logps import model_token_logps
 
 
@@ -45,6 +46,56 @@ def test_several_prompts_are_prefilled_in_one_call_with_generates_tokens(model):
         generate(model, p, max_new_tokens=6).tolist() for p in batch
     ]
     assert engine.pages.available == engine.pages.num_pages - 1
+
+
+def test_short_prompts_are_cut_where_whole_ones_would_pad_more(model):
+    """8 prompts of 20 tokens: whole, one call of 8 rows x 64 (the token bucket above 20),
+    three fifths padding; cut at 16 tokens, two calls of 8 x 16, a fifth padding. The plan's
+    cost is the one of the calls the engine makes, and the tokens are generate's."""
+    engine = Engine(model, max_slots=8, page_size=4, max_length=48, eos_token_ids=[])
+    shapes = []
+    original = engine.steps.prefill
+
+    def prefill(*args):
+        shapes.append(np.asarray(args[2]).shape)
+        return original(*args)
+
+    engine.steps.prefill = prefill
+    calls = recording(engine)  # wraps the shape recorder: both see every call
+    batch = [prompt(20, 60 + i) for i in range(8)]
+    assert prefill_cap([20] * 8, 512, 8, engine.prefill_costs) == 16
+    got = engine.generate(batch, SamplingParams(max_tokens=5, temperature=0.0))
+    assert calls == [(8, 8 * 16), (8, 8 * 4)] and shapes == [(8, 16), (8, 16)]
+    costs = engine.prefill_costs
+    spent = sum(costs.call + r * (t + costs.row) for r, t in shapes)
+    assert spent == planned_cost([20] * 8, 16, 512, 8, costs)
+    assert spent < 0.9 * planned_cost([20] * 8, 512, 512, 8, costs)  # whole prompts: 8 x 64
+    assert [c[0].token_ids for c in got] == [
+        generate(model, p, max_new_tokens=5).tolist() for p in batch
+    ]
+    assert engine.pages.available == engine.pages.num_pages - 1
+
+
+def test_the_cap_is_the_plan_that_pads_least_or_the_whole_prompt():
+    cpu, accelerator = prefill_costs("cpu"), prefill_costs("gpu")
+    # 32 chat prompts of 22 tokens past their cached prefix: 4 calls of 8 x 64 whole, 2 of
+    # 32 x 16 cut; on an accelerator too (half the calls).
+    assert (
+        prefill_cap([22] * 32, 512, 32, cpu) == prefill_cap([22] * 32, 512, 32, accelerator) == 16
+    )
+    # A lone prompt of 70: 64 + 6 tokens in two calls (1 x 64, 1 x 16) on a CPU, not 1 x 256;
+    # an accelerator's calls cost more than their padding: whole.
+    assert prefill_cap([70], 512, 32, cpu) == 64
+    assert prefill_cap([70], 512, 32, accelerator) == 512
+    # Within MARGIN of the whole prompts' cost, whole: 8 x 40 (1 x 8 x 64, or 3 x 8 x 16).
+    assert planned_cost([40] * 8, 16, 512, 32, cpu) < planned_cost([40] * 8, 512, 512, 32, cpu)
+    assert prefill_cap([40] * 8, 512, 32, cpu) == 512
+    # Long prompts stay whole (chunked by the budget as before); a budget of 16 has no choice.
+    assert prefill_cap([2000, 900], 512, 32, cpu) == 512
+    assert prefill_cap([22] * 32, 16, 32, cpu) == 16
+    # rows_that_fit is the engine's rule: rows x token bucket within the budget.
+    assert rows_that_fit([16] * 32, 512, 32) == 32 and rows_that_fit([20] * 9, 512, 32) == 8
+    assert rows_that_fit([600], 512, 32) == 1
 
 
 def test_a_long_prompt_is_written_in_chunks_while_another_request_decodes(model):
