@@ -21,14 +21,17 @@ def model():
     return tiny_llama(max_positions=96)
 
 
-def recording(engine: Engine) -> list[tuple[int, int]]:
-    """Each prefill call's (rows with real tokens, real tokens), as the engine makes it."""
+def recording(engine: Engine, shapes: list | None = None) -> list[tuple[int, int]]:
+    """Each prefill call's (rows with real tokens, real tokens), as the engine makes it; and
+    its padded [rows, tokens] in `shapes`."""
     calls: list[tuple[int, int]] = []
     original = engine.steps.prefill
 
     def prefill(*args):
         ids = np.asarray(args[2])
         calls.append((int((ids != 0).any(axis=1).sum()), int((ids != 0).sum())))
+        if shapes is not None:
+            shapes.append(ids.shape)
         return original(*args)
 
     engine.steps.prefill = prefill
@@ -53,15 +56,8 @@ def test_short_prompts_are_cut_where_whole_ones_would_pad_more(model):
     three fifths padding; cut at 16 tokens, two calls of 8 x 16, a fifth padding. The plan's
     cost is the one of the calls the engine makes, and the tokens are generate's."""
     engine = Engine(model, max_slots=8, page_size=4, max_length=48, eos_token_ids=[])
-    shapes = []
-    original = engine.steps.prefill
-
-    def prefill(*args):
-        shapes.append(np.asarray(args[2]).shape)
-        return original(*args)
-
-    engine.steps.prefill = prefill
-    calls = recording(engine)  # wraps the shape recorder: both see every call
+    shapes: list[tuple[int, int]] = []
+    calls = recording(engine, shapes)
     batch = [prompt(20, 60 + i) for i in range(8)]
     assert prefill_cap([20] * 8, 512, 8, engine.prefill_costs) == 16
     got = engine.generate(batch, SamplingParams(max_tokens=5, temperature=0.0))
