@@ -53,8 +53,8 @@ def test_several_prompts_are_prefilled_in_one_call_with_generates_tokens(model):
 
 def test_short_prompts_are_cut_where_whole_ones_would_pad_more(model):
     """8 prompts of 20 tokens: whole, one call of 8 rows x 64 (the token bucket above 20),
-    three fifths padding; cut at 16 tokens, two calls of 8 x 16, a fifth padding. The plan's
-    cost is the one of the calls the engine makes, and the tokens are generate's."""
+    69% padding; cut at 16 tokens, two calls of 8 x 16, 38% padding. The plan's cost is the
+    one of the calls the engine makes, and the tokens are generate's."""
     engine = Engine(model, max_slots=8, page_size=4, max_length=48, eos_token_ids=[])
     shapes: list[tuple[int, int]] = []
     calls = recording(engine, shapes)
