@@ -40,11 +40,10 @@ def worker(clients: int, variant: str, max_tokens: int) -> dict:
     from serve import QUESTIONS
 
     from jaxtrain.hf import AutoModelForCausalLM, load_tokenizer
-    from jaxtrain.serving import Engine, SamplingParams
-    from jaxtrain.serving import engine as engine_module
+    from jaxtrain.serving import Engine, SamplingParams, prefill_plan
 
     if variant == "whole":  # every prompt whole, up to the budget: the plan never cuts
-        engine_module.prefill_cap = lambda remaining, budget, *_: budget
+        prefill_plan.prefill_cap = lambda remaining, budget, *_: budget
     path = smollm2_gguf()
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), load_tokenizer(path)
     engine = Engine(model, tokenizer=tokenizer, max_slots=32, page_size=16, max_length=512)

@@ -40,7 +40,7 @@ from jaxtrain.serving.engine_options import check_engine_options, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
 from jaxtrain.serving.pool import pool_pages, pool_sharding
-from jaxtrain.serving.prefill_plan import prefill_cap, prefill_costs, rows_that_fit
+from jaxtrain.serving.prefill_plan import PrefillPlan, prefill_costs, rows_that_fit
 from jaxtrain.serving.requests import (
     Completion,
     OnToken,
@@ -130,8 +130,8 @@ class Engine:
         self.pages = PageAllocator(num_pages, page_size)
         if attention == "auto":  # the kernel has not run on a GPU or TPU yet: not a default
             attention = "gather"
-        self.prefill_costs = prefill_costs(next(iter(sharding.device_set)).platform)
-        self._prefill_cap: tuple[tuple, int] = ((), prefill_tokens)  # (its prompts, the cap)
+        platform = next(iter(sharding.device_set)).platform
+        self.prefill_plan = PrefillPlan(prefill_tokens, max_slots, prefill_costs(platform))
         self.steps = Steps(self.graphdef, page_size, sharding, attention,
                            logprobs_mode == "processed", decode_steps, flipped)  # fmt: skip
         self.params = self.steps.params(self.state)  # what the steps take (steps.py)
@@ -254,15 +254,7 @@ class Engine:
         x token bucket) stays within the budget."""
         cap = self.prefill_tokens
         if all(item.request.images is None for item in self.prefilling):
-            # Planned again only when the prompts change: the plan holds for the same ones.
-            key = tuple(item.request.request_id for item in self.prefilling)
-            if self._prefill_cap[0] != key:
-                remaining = [item.remaining for item in self.prefilling]
-                self._prefill_cap = (
-                    key,
-                    prefill_cap(remaining, cap, self.max_slots, self.prefill_costs),
-                )
-            cap = self._prefill_cap[1]
+            cap = self.prefill_plan.cap(self.prefilling)
         takes = []
         for item in self.prefilling:
             take = min(item.remaining, cap)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from jaxtrain.serving.steps import PREFILL_GROWTH, SMALLEST_PREFILL, bucket, buckets, chunk_tokens
 
-__all__ = ["PrefillCosts", "prefill_cap", "prefill_costs", "rows_that_fit"]
+__all__ = ["PrefillCosts", "PrefillPlan", "prefill_cap", "prefill_costs", "rows_that_fit"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,20 @@ def prefill_cap(remaining: list[int], budget: int, max_rows: int, costs: Prefill
         if cost < to_beat:
             best, to_beat = cap, cost
     return best
+
+
+class PrefillPlan:
+    """An engine's caps: planned again only when the prompts being prefilled change (the plan
+    holds for the same ones as they progress)."""
+
+    def __init__(self, budget: int, max_rows: int, costs: PrefillCosts):
+        self.budget, self.max_rows, self.costs = budget, max_rows, costs
+        self._planned: tuple[tuple, int] = ((), budget)  # (the prompts' request ids, the cap)
+
+    def cap(self, prefilling: list) -> int:
+        """The cap for the engine's `prefilling` items (requests.Prefill, in order)."""
+        key = tuple(item.request.request_id for item in prefilling)
+        if self._planned[0] != key:
+            remaining = [item.remaining for item in prefilling]
+            self._planned = key, prefill_cap(remaining, self.budget, self.max_rows, self.costs)
+        return self._planned[1]

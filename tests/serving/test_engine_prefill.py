@@ -59,10 +59,10 @@ def test_short_prompts_are_cut_where_whole_ones_would_pad_more(model):
     shapes: list[tuple[int, int]] = []
     calls = recording(engine, shapes)
     batch = [prompt(20, 60 + i) for i in range(8)]
-    assert prefill_cap([20] * 8, 512, 8, engine.prefill_costs) == 16
+    assert prefill_cap([20] * 8, 512, 8, engine.prefill_plan.costs) == 16
     got = engine.generate(batch, SamplingParams(max_tokens=5, temperature=0.0))
     assert calls == [(8, 8 * 16), (8, 8 * 4)] and shapes == [(8, 16), (8, 16)]
-    costs = engine.prefill_costs
+    costs = engine.prefill_plan.costs
     spent = sum(costs.call + r * (t + costs.row) for r, t in shapes)
     assert spent == planned_cost([20] * 8, 16, 512, 8, costs)
     assert spent < 0.9 * planned_cost([20] * 8, 512, 512, 8, costs)  # whole prompts: 8 x 64
