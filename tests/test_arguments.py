@@ -110,7 +110,7 @@ def test_a_list_field_with_a_bad_item_names_the_item():
 def test_building_arguments_imports_no_jax_and_is_fast():
     """The configuration layer checks everything without the implementation: building every
     task's arguments (each class of the task table; once three of the eight) imports no jax,
-    flax or optax, and takes well under a second."""
+    flax or optax, and takes a small part of what importing jax takes."""
     import subprocess
     import sys
 
@@ -133,7 +133,15 @@ print(seconds, len(built), heavy)
     seconds, built, heavy = out.stdout.split(" ", 2)
     assert heavy.strip() == "[]", heavy
     assert int(built) == 9  # TrainingArguments and the eight task classes
-    assert float(seconds) < 0.3, seconds
+    # "Fast" against importing jax in a process beside it (~0.1x on a quiet machine), not against
+    # a wall-clock figure: CI's two busy cores once took 0.301 s for what a quiet one does in 0.2.
+    jax_code = (
+        "import time; start = time.perf_counter(); import jax; print(time.perf_counter() - start)"
+    )
+    jax_seconds = subprocess.run(
+        [sys.executable, "-c", jax_code], capture_output=True, text=True, check=True
+    ).stdout
+    assert float(seconds) < 0.3 * float(jax_seconds), (seconds, jax_seconds)
 
 
 def test_sections_take_every_value_from_the_arguments():
