@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -28,10 +28,13 @@ __all__ = [
     "TaskTrainer",
     "concrete_model",
     "pair_normalizer",
+    "task_arguments",
     "task_pad_token_id",
     "task_settings",
 ]
 
+
+TaskArguments = TypeVar("TaskArguments", bound=TrainingArguments)
 
 # The keyword arguments a task trainer resolves itself before its base Trainer exists.
 RESOLVED = ("devices", "runtime", "settings")
@@ -70,6 +73,24 @@ class TaskStart:
         """The base Trainer's keyword arguments: the caller's, the task's `parts` over them,
         and the resolved sections and runtime."""
         return {**self.rest, **parts, "settings": self.settings, "runtime": self.runtime}
+
+
+def task_arguments(
+    arguments: TrainingArguments | None, wanted: type[TaskArguments], trainer: str
+) -> TaskArguments:
+    """A task trainer's arguments: `wanted()` when none are given; plain TrainingArguments
+    (or another task's) are an ArgumentError that names the class and the fields it adds."""
+    if arguments is None:
+        return wanted()
+    if not isinstance(arguments, wanted):
+        base = {field.name for field in dataclasses.fields(TrainingArguments)}
+        own = [field.name for field in dataclasses.fields(wanted) if field.name not in base]
+        raise ArgumentError(
+            f"{trainer} needs {wanted.__name__} (TrainingArguments plus "
+            f"{', '.join(own[:3])}{', ...' if len(own) > 3 else ''}), got "
+            f"{type(arguments).__name__}: build {wanted.__name__}(...) with the same fields."
+        )
+    return arguments
 
 
 def task_settings(args: TrainingArguments, kwargs: Mapping[str, Any]) -> RunSettings:

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import CPO_LOSS_TYPES, CPOArguments
 from jaxtrain.trainers.base import (
@@ -29,6 +28,7 @@ from jaxtrain.trainers.base import (
     TaskStart,
     concrete_model,
     pair_normalizer,
+    task_arguments,
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
@@ -142,12 +142,7 @@ class CPOTrainer(PairTrainer):
     """
 
     def __init__(self, arguments: CPOArguments | None = None, model: Any = None, **kwargs: Any):
-        args = arguments if arguments is not None else CPOArguments()
-        if not isinstance(args, CPOArguments):
-            raise ArgumentError(
-                "CPOTrainer needs CPOArguments (TrainingArguments plus beta, loss_type, "
-                "cpo_alpha, simpo_gamma, ...)."
-            )
+        args = task_arguments(arguments, CPOArguments, "CPOTrainer")
         start = TaskStart.resolve(args, kwargs)
         model = concrete_model(model, start.settings.model, start.runtime)
         objective = cpo_objective(start.settings)

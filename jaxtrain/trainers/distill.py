@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import DistillationArguments
-from jaxtrain.trainers.base import TaskStart, TaskTrainer, concrete_model
+from jaxtrain.trainers.base import TaskStart, TaskTrainer, concrete_model, task_arguments
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sft import SFTTrainer
 from jaxtrain.training.program import Objective
@@ -57,12 +57,7 @@ class DistillationTrainer(TaskTrainer):
         teacher_model: Any = None,
         **kwargs: Any,
     ):
-        args = arguments if arguments is not None else DistillationArguments()
-        if not isinstance(args, DistillationArguments):
-            raise ArgumentError(
-                "DistillationTrainer needs DistillationArguments (distill_alpha, "
-                "distill_temperature)."
-            )
+        args = task_arguments(arguments, DistillationArguments, "DistillationTrainer")
         if teacher_model is None:
             raise ArgumentError("DistillationTrainer needs teacher_model=<a causal LM>.")
         start = TaskStart.resolve(args, kwargs)

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.models.lora import adapters_off
@@ -34,6 +33,7 @@ from jaxtrain.trainers.base import (
     concrete_model,
     dataset_columns,
     pair_normalizer,
+    task_arguments,
 )
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
@@ -178,11 +178,7 @@ class DPOTrainer(PairTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ):
-        args = arguments if arguments is not None else DPOArguments()
-        if not isinstance(args, DPOArguments):
-            raise ArgumentError(
-                "DPOTrainer needs DPOArguments (TrainingArguments plus beta, loss_type, ...)."
-            )
+        args = task_arguments(arguments, DPOArguments, "DPOTrainer")
         start = TaskStart.resolve(args, kwargs)
         settings, task = start.settings, start.settings.task
         model = concrete_model(model, settings.model, start.runtime)

@@ -27,7 +27,13 @@ from jaxtrain.models.lora import adapters_off
 from jaxtrain.parallel.process_local import gather_shares
 from jaxtrain.rollout_arguments import GRPOArguments, RolloutArguments
 from jaxtrain.serving.tool_chat import check_tool_template
-from jaxtrain.trainers.base import TaskStart, concrete_model, task_pad_token_id, task_settings
+from jaxtrain.trainers.base import (
+    TaskStart,
+    concrete_model,
+    task_arguments,
+    task_pad_token_id,
+    task_settings,
+)
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
@@ -74,10 +80,8 @@ class GRPOTrainer(Trainer):
         dataset_eval: Any = None,
         **kwargs: Any,
     ):
-        name, wanted = type(self).__name__, self.arguments_class
-        args = arguments if arguments is not None else wanted()
-        if not isinstance(args, wanted):
-            raise ArgumentError(f"{name} needs {wanted.__name__} (num_generations, beta, ...).")
+        name = type(self).__name__
+        args = task_arguments(arguments, self.arguments_class, name)
         if processing_class is None:
             raise ArgumentError(
                 f"{name} needs processing_class=tokenizer (prompts are tokenized and "

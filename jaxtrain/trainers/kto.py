@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import KTO_LOSS_TYPES, KTOArguments
 from jaxtrain.trainers.base import (
@@ -36,6 +35,7 @@ from jaxtrain.trainers.base import (
     dataset_columns,
     packed_train_source,
     pair_normalizer,
+    task_arguments,
     task_pad_token_id,
 )
 from jaxtrain.trainers.frozen import TaskModel
@@ -156,12 +156,7 @@ class KTOTrainer(TaskTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ):
-        args = arguments if arguments is not None else KTOArguments()
-        if not isinstance(args, KTOArguments):
-            raise ArgumentError(
-                "KTOTrainer needs KTOArguments (TrainingArguments plus beta, loss_type, "
-                "desirable_weight, undesirable_weight)."
-            )
+        args = task_arguments(arguments, KTOArguments, "KTOTrainer")
         start = TaskStart.resolve(args, kwargs)
         settings, runtime, data = start.settings, start.runtime, start.settings.data
         model = concrete_model(model, settings.model, runtime)

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.task_arguments import ORPOArguments
 from jaxtrain.trainers.base import (
@@ -29,6 +28,7 @@ from jaxtrain.trainers.base import (
     TaskStart,
     concrete_model,
     pair_normalizer,
+    task_arguments,
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
@@ -118,9 +118,7 @@ class ORPOTrainer(PairTrainer):
     """
 
     def __init__(self, arguments: ORPOArguments | None = None, model: Any = None, **kwargs: Any):
-        args = arguments if arguments is not None else ORPOArguments()
-        if not isinstance(args, ORPOArguments):
-            raise ArgumentError("ORPOTrainer needs ORPOArguments (TrainingArguments plus beta).")
+        args = task_arguments(arguments, ORPOArguments, "ORPOTrainer")
         start = TaskStart.resolve(args, kwargs)
         model = concrete_model(model, start.settings.model, start.runtime)
         objective = orpo_objective(start.settings)
