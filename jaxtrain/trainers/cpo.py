@@ -32,6 +32,7 @@ from jaxtrain.trainers.base import (
 )
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
+    preference_sums,
     real_units,
     response_token_count,
     sequence_logps,
@@ -94,17 +95,9 @@ def cpo_loss_sums(policy: Any, batch: dict[str, jax.Array], task: Any) -> dict[s
     scale = batch[NLL_SCALE] if NLL_SCALE in batch else real.sum() / jnp.maximum(nll_tokens, 1.0)
     stop = jax.lax.stop_gradient
     reward_chosen, reward_rejected = task.beta * stop(chosen), task.beta * stop(rejected)
-    won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
     sums = {
         "loss_sum": (losses * real).sum() + task.cpo_alpha * nll_sum * scale,
-        "tokens": real.sum(),
-        "correct": won.sum(),
-        "rewards/chosen_sum": (reward_chosen * real).sum(),
-        "rewards/rejected_sum": (reward_rejected * real).sum(),
-        "rewards/margins_sum": ((reward_chosen - reward_rejected) * real).sum(),
-        "rewards/accuracies_sum": won.sum(),
-        "logps/chosen_sum": (stop(chosen) * real).sum(),
-        "logps/rejected_sum": (stop(rejected) * real).sum(),
+        **preference_sums(reward_chosen, reward_rejected, chosen, rejected, real),
     }
     if task.cpo_alpha:  # without the term TRL logs no NLL (a 0), nor does jaxtrain
         sums["nll_loss_sum"] = stop(nll_sum)

@@ -37,7 +37,13 @@ from jaxtrain.trainers.base import (
 )
 from jaxtrain.trainers.data import PairCollator, PairFeaturizer
 from jaxtrain.trainers.frozen import TaskModel
-from jaxtrain.trainers.sequences import PAIR_SIDES, real_units, sequence_logps, unit_count
+from jaxtrain.trainers.sequences import (
+    PAIR_SIDES,
+    preference_sums,
+    real_units,
+    sequence_logps,
+    unit_count,
+)
 from jaxtrain.training.program import Objective
 
 __all__ = [
@@ -124,17 +130,9 @@ def dpo_loss_sums(
     real = real_units(batch)
     reward_chosen = task.beta * jax.lax.stop_gradient(chosen - ref_chosen)
     reward_rejected = task.beta * jax.lax.stop_gradient(rejected - ref_rejected)
-    won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
     return {
         "loss_sum": (losses * real).sum(),
-        "tokens": real.sum(),
-        "correct": won.sum(),
-        "rewards/chosen_sum": (reward_chosen * real).sum(),
-        "rewards/rejected_sum": (reward_rejected * real).sum(),
-        "rewards/margins_sum": ((reward_chosen - reward_rejected) * real).sum(),
-        "rewards/accuracies_sum": won.sum(),
-        "logps/chosen_sum": (jax.lax.stop_gradient(chosen) * real).sum(),
-        "logps/rejected_sum": (jax.lax.stop_gradient(rejected) * real).sum(),
+        **preference_sums(reward_chosen, reward_rejected, chosen, rejected, real),
     }
 
 

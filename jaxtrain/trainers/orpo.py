@@ -33,6 +33,7 @@ from jaxtrain.trainers.base import (
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sequences import (
     full_target_count,
+    preference_sums,
     real_units,
     sequence_logps,
     unit_count,
@@ -72,20 +73,11 @@ def orpo_loss_sums(policy: Any, batch: dict[str, jax.Array], beta: float) -> dic
     nll_sum = -(s.side("full_logps", 0, n) * real).sum()
     nll_tokens = (s.side("full_tokens", 0, n) * real).sum()
     scale = batch[NLL_SCALE] if NLL_SCALE in batch else real.sum() / jnp.maximum(nll_tokens, 1.0)
-    reward_chosen = beta * jax.lax.stop_gradient(chosen)
-    reward_rejected = beta * jax.lax.stop_gradient(rejected)
-    won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
     stop = jax.lax.stop_gradient
+    reward_chosen, reward_rejected = beta * stop(chosen), beta * stop(rejected)
     return {
         "loss_sum": nll_sum * scale - beta * (ratio * real).sum(),
-        "tokens": real.sum(),
-        "correct": won.sum(),
-        "rewards/chosen_sum": (reward_chosen * real).sum(),
-        "rewards/rejected_sum": (reward_rejected * real).sum(),
-        "rewards/margins_sum": ((reward_chosen - reward_rejected) * real).sum(),
-        "rewards/accuracies_sum": won.sum(),
-        "logps/chosen_sum": (stop(chosen) * real).sum(),
-        "logps/rejected_sum": (stop(rejected) * real).sum(),
+        **preference_sums(reward_chosen, reward_rejected, chosen, rejected, real),
         "nll_loss_sum": stop(nll_sum),
         "nll_loss_count": nll_tokens,
         "log_odds_ratio_sum": (stop(ratio) * real).sum(),

@@ -44,6 +44,7 @@ __all__ = [
     "SequenceLogps",
     "full_target_count",
     "is_packed",
+    "preference_sums",
     "real_units",
     "response_token_count",
     "sequence_logps",
@@ -83,6 +84,30 @@ def real_units(batch: dict[str, jax.Array]) -> jax.Array:
     if is_packed(batch):
         return batch["pair_mask"].astype(jnp.float32)
     return pair_mask(batch["labels"]).astype(jnp.float32)
+
+
+def preference_sums(
+    reward_chosen: jax.Array,
+    reward_rejected: jax.Array,
+    chosen: jax.Array,
+    rejected: jax.Array,
+    real: jax.Array,
+) -> dict[str, jax.Array]:
+    """What every pair objective logs, as TRL does, summed over the real pairs: the implicit
+    rewards (given without gradient), the pairs whose chosen reward wins, the policy's
+    log-probs of each side. `real` [N] is 1 for a real pair, 0 for padding."""
+    won = (reward_chosen > reward_rejected).astype(jnp.float32) * real
+    stop = jax.lax.stop_gradient
+    return {
+        "tokens": real.sum(),
+        "correct": won.sum(),
+        "rewards/chosen_sum": (reward_chosen * real).sum(),
+        "rewards/rejected_sum": (reward_rejected * real).sum(),
+        "rewards/margins_sum": ((reward_chosen - reward_rejected) * real).sum(),
+        "rewards/accuracies_sum": won.sum(),
+        "logps/chosen_sum": (stop(chosen) * real).sum(),
+        "logps/rejected_sum": (stop(rejected) * real).sum(),
+    }
 
 
 def _same_sequence_targets(real: jax.Array) -> jax.Array:
