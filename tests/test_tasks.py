@@ -113,8 +113,8 @@ ADDS_FIELDS = sorted(
 
 @pytest.mark.parametrize("name", ADDS_FIELDS)
 def test_a_task_trainer_given_plain_arguments_names_the_class_it_needs(name):
-    """Once six messages written by hand, one missing the fields; the check comes before any
-    model or data is looked at (model=None here)."""
+    """Once six messages written by hand, which had drifted apart; the check comes before
+    any model or data is looked at (model=None here)."""
     import dataclasses
 
     task = get_task(name)
