@@ -375,3 +375,10 @@ class TrainingArguments:
         values = read_config_file(path)
         values.update(overrides)
         return cls.from_dict(values, source=str(path))
+
+
+def task_fields(arguments_class: type[TrainingArguments]) -> list[str]:
+    """The fields an arguments class adds to TrainingArguments (DPOArguments' beta,
+    loss_type...), in the order it declares them; none for TrainingArguments itself."""
+    base = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return [field.name for field in dataclasses.fields(arguments_class) if field.name not in base]

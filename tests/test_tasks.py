@@ -123,6 +123,7 @@ def test_a_task_trainer_given_plain_arguments_names_the_class_it_needs(name):
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     first_own = next(f.name for f in dataclasses.fields(task.arguments) if f.name not in base)
     message = str(refused.value)
+    assert message.startswith(f"{task.trainer_class().__name__} needs"), message
     assert f"needs {task.arguments.__name__} (TrainingArguments plus {first_own}" in message
     assert f"got TrainingArguments: build {task.arguments.__name__}(...)" in message
 

@@ -158,14 +158,13 @@ def inherited_docs(cls: type) -> dict[str, str]:
 
 def task_fields_help(task: str | None) -> str:
     """The fields a task adds to TrainingArguments: of `task`, or of every task."""
-    from jaxtrain.arguments import TrainingArguments
+    from jaxtrain.arguments import task_fields
     from jaxtrain.tasks import TASKS
 
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
     blocks = []
     for name, definition in TASKS.items():
         cls = definition.arguments
-        extra = {f.name for f in dataclasses.fields(cls)} - base
+        extra = set(task_fields(cls))
         if extra and task in (None, name):
             blocks.append(
                 f"--task {name} ({cls.__name__}: top level of CONFIG or --field value):\n"

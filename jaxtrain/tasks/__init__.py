@@ -8,13 +8,12 @@ Importing this package imports no JAX.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-from jaxtrain.arguments import TrainingArguments
+from jaxtrain.arguments import task_fields
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 from jaxtrain.tasks.task import Task
@@ -60,26 +59,17 @@ def get_task(name: str) -> Task:
 
 def task_of_field(name: str) -> list[str]:
     """The tasks whose arguments class has field `name` and TrainingArguments has not."""
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    if name in base:
-        return []
-    return [
-        task.name
-        for task in TASKS.values()
-        if name in {f.name for f in dataclasses.fields(task.arguments)}
-    ]
+    return [task.name for task in TASKS.values() if name in task_fields(task.arguments)]
 
 
 def check_task_fields(fields: list[str], task: str, source: str) -> None:
     """ArgumentError when `fields` hold another task's fields (a DPO config's beta given to
     --task reward): it names each field's task and this task's own fields."""
-    own = {f.name for f in dataclasses.fields(get_task(task).arguments)}
-    foreign = {name: task_of_field(name) for name in fields if name not in own}
+    extra = sorted(task_fields(get_task(task).arguments))
+    foreign = {name: task_of_field(name) for name in fields if name not in extra}
     foreign = {name: tasks for name, tasks in foreign.items() if tasks}
     if not foreign:
         return
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    extra = sorted(own - base)
     listed = "; ".join(
         f"{name} is a field of --task {' / '.join(t)}" for name, t in foreign.items()
     )

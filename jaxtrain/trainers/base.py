@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtrain.arguments import ArgumentError, TrainingArguments
+from jaxtrain.arguments import ArgumentError, TrainingArguments, task_fields
 from jaxtrain.config.sections import DataSettings, ModelSettings, RunSettings
 from jaxtrain.data.padding import resolve_pad_token_id
 from jaxtrain.data.vision import is_processor
@@ -83,8 +83,7 @@ def task_arguments(
     if arguments is None:
         return wanted()
     if not isinstance(arguments, wanted):
-        base = {field.name for field in dataclasses.fields(TrainingArguments)}
-        own = [field.name for field in dataclasses.fields(wanted) if field.name not in base]
+        own = task_fields(wanted)
         raise ArgumentError(
             f"{trainer} needs {wanted.__name__} (TrainingArguments plus "
             f"{', '.join(own[:3])}{', ...' if len(own) > 3 else ''}), got "

@@ -135,7 +135,7 @@ class CPOTrainer(PairTrainer):
     """
 
     def __init__(self, arguments: CPOArguments | None = None, model: Any = None, **kwargs: Any):
-        args = task_arguments(arguments, CPOArguments, "CPOTrainer")
+        args = task_arguments(arguments, CPOArguments, type(self).__name__)
         start = TaskStart.resolve(args, kwargs)
         model = concrete_model(model, start.settings.model, start.runtime)
         objective = cpo_objective(start.settings)

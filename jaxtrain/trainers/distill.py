@@ -57,7 +57,7 @@ class DistillationTrainer(TaskTrainer):
         teacher_model: Any = None,
         **kwargs: Any,
     ):
-        args = task_arguments(arguments, DistillationArguments, "DistillationTrainer")
+        args = task_arguments(arguments, DistillationArguments, type(self).__name__)
         if teacher_model is None:
             raise ArgumentError("DistillationTrainer needs teacher_model=<a causal LM>.")
         start = TaskStart.resolve(args, kwargs)

@@ -176,7 +176,7 @@ class DPOTrainer(PairTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ):
-        args = task_arguments(arguments, DPOArguments, "DPOTrainer")
+        args = task_arguments(arguments, DPOArguments, type(self).__name__)
         start = TaskStart.resolve(args, kwargs)
         settings, task = start.settings, start.settings.task
         model = concrete_model(model, settings.model, start.runtime)

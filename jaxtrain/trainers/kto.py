@@ -156,7 +156,7 @@ class KTOTrainer(TaskTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ):
-        args = task_arguments(arguments, KTOArguments, "KTOTrainer")
+        args = task_arguments(arguments, KTOArguments, type(self).__name__)
         start = TaskStart.resolve(args, kwargs)
         settings, runtime, data = start.settings, start.runtime, start.settings.data
         model = concrete_model(model, settings.model, runtime)

@@ -110,7 +110,7 @@ class ORPOTrainer(PairTrainer):
     """
 
     def __init__(self, arguments: ORPOArguments | None = None, model: Any = None, **kwargs: Any):
-        args = task_arguments(arguments, ORPOArguments, "ORPOTrainer")
+        args = task_arguments(arguments, ORPOArguments, type(self).__name__)
         start = TaskStart.resolve(args, kwargs)
         model = concrete_model(model, start.settings.model, start.runtime)
         objective = orpo_objective(start.settings)
