@@ -84,3 +84,13 @@ def test_the_usage_names_every_task(capsys):
     usage = capsys.readouterr()
     listed = re.search(r"--task ([a-z|]+)\]", usage.out + usage.err).group(1).split("|")
     assert listed == list(TASKS)
+
+
+def test_serve_help_and_usage_name_every_serve_option(capsys):
+    """`serve --help` once lacked --lora, --decode_steps and --max_images, which it accepts."""
+    from jaxtrain.cli.serve import OPTIONS, SERVE_USAGE
+
+    text = help_of(capsys, "serve", "--help")
+    missing = [name for name in OPTIONS if f"--{name} " not in text]
+    assert not missing, missing
+    assert [name for name in OPTIONS if f"--{name} " not in SERVE_USAGE + " "] == []

@@ -389,8 +389,16 @@ new requests get 503, the running ones finish, then the process exits 0.
   --speculative_tokens INT  (default: 0)
       Draft up to this many tokens by n-gram prompt lookup and verify them in one step
       (outputs unchanged).
+  --decode_steps INT  (default: 1)
+      Decode up to this many tokens per compiled call (host work paid once per call;
+      tokens unchanged).
   --attention auto|gather|pallas|interpret  (default: auto, the gather path)
       How decode steps read the KV pages: pallas reads them in place (GPU, TPU).
+  --max_images INT  (default: 1)
+      Images one request may carry (a vision-language model).
+  --lora NAME=ADAPTER_DIR[,NAME=ADAPTER_DIR...]
+      PEFT LoRA adapters served on the model, each under its name: a request's "model"
+      picks the base or an adapter.
   --model_name NAME
       The model's id in requests (default: the directory's name).
   --max_body_bytes INT  (default: 4194304)

@@ -5,7 +5,9 @@ A plain ASGI middleware rather than FastAPI dependencies: it sees every path (an
 route too, so a client without the key cannot even probe which routes exist), it answers
 before the body is read, and it wraps a streaming response whole, so `in_flight` counts a
 stream until its last byte is sent (the drain waits for exactly that). GET /health passes
-without a key: load balancers and orchestrators probe it without credentials.
+without a key: load balancers and orchestrators probe it without credentials. A request the
+server fails on (a bug) is logged with its traceback and answered 500 in OpenAI's error shape,
+counted like any other answer, instead of Starlette's plain-text page.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +23,8 @@ from jaxtrain.serving.metrics import Metrics
 from jaxtrain.serving.openai_api import RequestError, error_body
 
 __all__ = ["Gate", "GateState", "send_error"]
+
+logger = logging.getLogger("jaxtrain.serving")
 
 OPEN_PATHS = ("/health",)  # no key, not counted, answered while draining (with 503)
 UNCOUNTED_PATHS = ("/health", "/metrics")  # a scrape is not traffic
@@ -72,9 +77,14 @@ class Gate:
             await self.app(scope, receive, send)
             return
 
+        started = False
+
         async def counted(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start" and path not in UNCOUNTED_PATHS:
-                self.metrics.count_response(message["status"])
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if path not in UNCOUNTED_PATHS:
+                    self.metrics.count_response(message["status"])
             await send(message)
 
         headers = dict(scope["headers"])
@@ -96,6 +106,15 @@ class Gate:
         self.state.in_flight += 1
         try:
             await self.app(scope, receive, counted)
+        except Exception:
+            logger.exception("%s %s failed", scope.get("method", ""), path)
+            if started:  # its status went out: the connection's end is all that is left
+                raise
+            err = RequestError(
+                500, "the server failed on this request (its log has the traceback); please "
+                "report it", code="internal_error",
+            )  # fmt: skip
+            await send_error(counted, err)
         finally:
             self.state.in_flight -= 1
 

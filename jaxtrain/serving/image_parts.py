@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxtrain.data.vision import processed_prompt
 
-__all__ = ["has_images", "image_prompt"]
+__all__ = ["image_prompt"]
 
 
 def _parts(messages: list[Any]) -> list[tuple[int, dict[str, Any]]]:
@@ -29,11 +29,6 @@ def _parts(messages: list[Any]) -> list[tuple[int, dict[str, Any]]]:
         for part in message["content"]
         if isinstance(part, dict) and part.get("type") == "image_url"
     ]
-
-
-def has_images(messages: list[Any]) -> bool:
-    """Whether any message has an image_url part."""
-    return bool(_parts(messages))
 
 
 def _image(part: dict[str, Any], where: str, error: type) -> Any:

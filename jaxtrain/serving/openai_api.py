@@ -8,13 +8,18 @@ served raises `RequestError` with the status code and OpenAI's error shape.
 from __future__ import annotations
 
 import dataclasses
+import math
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxtrain.data.vision import is_processor, text_tokenizer
-from jaxtrain.serving.image_parts import has_images, image_prompt
+from jaxtrain.serving.chat_messages import checked_messages
+from jaxtrain.serving.image_parts import image_prompt
 from jaxtrain.serving.limits import ServeLimits
 from jaxtrain.serving.logprobs_api import chat_logprobs, completion_logprobs, requested
 from jaxtrain.serving.sampling import SamplingParams
@@ -69,8 +74,8 @@ def _number(body: dict, name: str, default: Any, kind: type, low: float | None =
     value = body.get(name, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(400, f"'{name}' must be a number, got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(400, f"'{name}' must be a finite number, got {value!r}", name)
     if kind is int and int(value) != value:
         raise RequestError(400, f"'{name}' must be an integer, got {value!r}", name)
     if low is not None and value < low:
@@ -80,6 +85,39 @@ def _number(body: dict, name: str, default: Any, kind: type, low: float | None =
 
 def _token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# OpenAI's fields this server does not implement, with the values that ask for nothing: a
+# request that sets one otherwise is refused (400), not answered as if it had not asked (a
+# client reading `echo`'s prompt log-probs, or parsing a `response_format` JSON, would get
+# wrong data without a word).
+UNSUPPORTED = {
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, defaults in UNSUPPORTED.items():
+        if name in body and body[name] not in defaults:
+            raise RequestError(
+                400, f"'{name}' is not supported by this server (got {body[name]!r}); leave it "
+                "out", name,
+            )  # fmt: skip
+
+
+def _seed(body: dict) -> int:
+    """The request's seed; without one a fresh draw each time, as OpenAI's API and vLLM give
+    (a fixed default would answer every unseeded request alike: retries and RL rollouts over
+    HTTP would get copies)."""
+    if body.get("seed") is None:
+        return secrets.randbits(32)
+    return _number(body, "seed", 0, int)
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -108,6 +146,7 @@ def parse_request(
     limits = limits or ServeLimits().for_engine(max_length, max_length)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    _refuse_unsupported(body)
     model, served = body.get("model"), [model_name, *adapters]
     if model not in served:
         raise RequestError(
@@ -119,15 +158,15 @@ def parse_request(
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list of messages", "messages")
         tools = read_tools(body, tokenizer, RequestError)
+        vision = is_processor(tokenizer)  # a vision-language model: messages may hold images
+        messages = checked_messages(messages, text_only=not vision, error=RequestError)
         messages = template_messages(messages, RequestError)
         images = None
-        if is_processor(tokenizer):  # a vision-language model: its messages may hold images
+        if vision:
             ids, images = image_prompt(
                 tokenizer, messages, tools.tools if tools else None, RequestError
             )
         else:
-            if has_images(messages):
-                raise RequestError(400, "this model takes no images (image_url parts)", "messages")
             try:
                 ids = tokenizer.apply_chat_template(
                     messages,
@@ -143,8 +182,8 @@ def parse_request(
     else:
         tools = images = None
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt (a list of one id is a prompt itself)
         if isinstance(prompt, str):
             ids = list(text_tokenizer(tokenizer)(prompt, add_special_tokens=True)["input_ids"])
         elif isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
@@ -208,21 +247,26 @@ def parse_request(
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, float, 0.0),
-        top_p=_number(body, "top_p", 1.0, float, 0.0) or 1.0,
+        # OpenAI's top_p 0 keeps the most likely token alone, as the smallest positive one does.
+        top_p=_number(body, "top_p", 1.0, float, 0.0) or float(np.finfo(np.float32).tiny),
         top_k=_number(body, "top_k", 0, int, 0),
-        seed=_number(body, "seed", 0, int),
+        seed=_seed(body),
         stop=tuple(stop),
         ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension: exactly max_tokens tokens
         logprobs=logprobs or 0,
     )
     stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise RequestError(
+            400, f"'stream_options' must be an object, got {stream_options!r}", "stream_options"
+        )
     return ParsedRequest(
         chat=chat,
         prompt_ids=ids,
         params=params,
         n=n,
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
+        stream=_flag(body, "stream"),
+        include_usage=_flag(stream_options, "include_usage"),
         return_token_ids=_flag(body, "return_token_ids"),
         logprobs=logprobs,
         tools=tools,

@@ -61,6 +61,7 @@ def create_app(
     that off loopback). `limits`: see limits.py (default: its defaults)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     limits = (limits or ServeLimits()).for_engine(engine.max_length, engine.max_slots)
     runner = EngineRunner(engine, max_queue=limits.max_queue)
@@ -82,6 +83,14 @@ def create_app(
 
     def refuse(err: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def unknown_route(request: Request, exc: HTTPException) -> Any:
+        """An unknown path or method answers in OpenAI's error shape too."""
+        where = f"{request.method} {request.url.path}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "")
+        return refuse(RequestError(exc.status_code, f"{where}: {exc.detail}", code=code),
+                      exc.headers)  # fmt: skip
 
     @app.get("/health")
     async def health() -> Any:
@@ -237,16 +246,34 @@ async def _until(
         await stream.aclose()  # its `finally` frees the request's slots and pages
 
 
+def _sendable(text: str, stop: Sequence[str]) -> int:
+    """How much of a sample's decoded `text` a stream may send now: it ends before the first
+    stop string in it, before an end of it that could still grow into one, and before half
+    of a multi-byte character (U+FFFD until its next token)."""
+    end = len(text) - text.endswith("\ufffd")
+    for s in stop:
+        found = text.find(s)
+        if found >= 0:
+            end = min(end, found)
+            continue
+        for k in range(min(len(s) - 1, len(text)), 0, -1):  # the longest end that starts `s`
+            if s.startswith(text[-k:]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
 async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> AsyncIterator[str]:
-    """Server-sent events: each sample's new text as it decodes, its end, usage, [DONE]. Text
-    that could still become the start of a stop string is held back until it cannot."""
+    """Server-sent events: each sample's new text as it decodes, its end, usage, [DONE]. No
+    stop string is sent, nor what follows it (`_sendable`): the events join to the text a
+    request without `stream` gets."""
     stream_id = new_id(parsed.chat)
-    hold = max((len(s) for s in parsed.params.stop), default=1) - 1
     ids: dict[int, list[int]] = {i: [] for i in range(parsed.n)}
     lps: dict[int, list[float]] = {i: [] for i in range(parsed.n)}  # each token's log-prob
     tops: dict[int, list[dict]] = {i: [] for i in range(parsed.n)}  # and its alternatives
     sent = dict.fromkeys(range(parsed.n), 0)  # characters of each sample's text sent
     sent_ids = dict.fromkeys(range(parsed.n), 0)  # and token ids (return_token_ids)
+    offsets = dict.fromkeys(range(parsed.n), 0)  # text_offset of each sample's next token
     finished: dict[int, int] = {}
 
     def event(index: int, text: str | None, reason: str | None, first: bool = False,
@@ -254,11 +281,13 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
         new = slice(sent_ids[index], len(ids[index]))  # the tokens this event carries
         sent_ids[index] = len(ids[index])
         logprobs = None
-        if not first:  # log-probs of the event's tokens, offset by the text sent before
+        if not first:  # log-probs of the event's tokens, offset by the tokens' before them
             top = tops[index][new] if parsed.params.logprobs else None
             logprobs = logprobs_field(
-                parsed, tokenizer, ids[index][new], lps[index][new], top, sent[index]
+                parsed, tokenizer, ids[index][new], lps[index][new], top, offsets[index]
             )
+            if logprobs is not None and not parsed.chat:  # offsets count each token's text
+                offsets[index] += sum(len(token) for token in logprobs["tokens"])
         body = chunk(
             parsed, model_name, stream_id, index, text, reason, first=first,
             token_ids=ids[index][new], logprobs=logprobs, tool_calls=tool_calls,
@@ -283,9 +312,7 @@ async def _stream(parsed, model_name, tokenizer, events, runner, request_id) -> 
                 if parsed.tools is not None:  # a call is read whole: the text waits for the end
                     continue
                 text = tokenizer.decode(ids[i], skip_special_tokens=True)
-                safe = len(text) - hold if parsed.params.stop else len(text)
-                if text.endswith("\ufffd"):  # half of a multi-byte character
-                    safe = min(safe, len(text) - 1)
+                safe = _sendable(text, parsed.params.stop)
                 if safe > sent[i]:
                     yield event(i, text[sent[i] : safe], None)
                     sent[i] = safe
