@@ -43,6 +43,7 @@ __all__ = [
     "ObjectiveError",
     "OutOfMemoryError",
     "ReportError",
+    "RewardError",
     "RolloutProcessError",
     "ShardingRuleError",
     "TaskError",
@@ -92,6 +93,13 @@ class HFError(JaxtrainError, ValueError):
 
     The message names the file, the field or tensor, and how to fix it.
     """
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class RewardError(JaxtrainError, ValueError):
+    """A reward function (GRPO, RLOO) raised or returned something unusable; the message names
+    the function and what it got (a column it needs that the data lacks, a wrong length)."""
 
     exit_code = EXIT_BAD_INPUT
 

@@ -71,6 +71,12 @@ def test_a_flag_without_a_value_suggests_a_value_of_its_type(capsys):
     assert "--max_steps needs a value, e.g. --max_steps 100." in capsys.readouterr().err
     assert main(["train", "--learning_rate"]) == 2
     assert "e.g. --learning_rate 1e-3" in capsys.readouterr().err
+    # Not last on the line: the next flag once became its value ("Config file 0 does not
+    # exist", "one positional argument expected").
+    assert main(["train", "--max_steps", "--warmup_steps", "0"]) == 2
+    assert "--max_steps needs a value, e.g. --max_steps 100." in capsys.readouterr().err
+    assert main(["train", "pairs.yaml", "--beta", "--output_dir", "runs/x"]) == 2
+    assert "--beta needs a value" in capsys.readouterr().err
 
 
 def test_a_misspelled_command_suggests_the_command(capsys):

@@ -100,8 +100,8 @@ def parse_overrides(tokens: list[str]) -> dict[str, str]:
         key = token[2:]
         if "=" in key:
             key, value = key.split("=", 1)
-        else:
-            if index + 1 >= len(tokens):
+        else:  # a value never starts with "--" (`--key=--text` sends one that does)
+            if index + 1 >= len(tokens) or tokens[index + 1].startswith("--"):
                 raise ArgumentError(f"--{key} needs a value, e.g. --{key} {example_value(key)}.")
             index += 1
             value = tokens[index]

@@ -33,13 +33,19 @@ With no config, `jaxtrain train` trains a small Llama on the embedded corpus (th
 def split_positional(tokens: list[str]) -> tuple[str | None, list[str]]:
     """(the positional argument or None, the `--key value` rest). The positional may stand
     anywhere on the line (`train --task reward dpo.yaml`): a token is a value when it
-    follows a `--key` without `=`, else it is the positional; a second one is an error."""
+    follows a `--key` without `=` (unless it is a `--key` itself: the first one has no value,
+    which parse_overrides says), else it is the positional; a second one is an error."""
     positional: list[str] = []
     rest: list[str] = []
     index = 0
     while index < len(tokens):
         token = tokens[index]
-        if token.startswith("--") and "=" not in token and index + 1 < len(tokens):
+        if (
+            token.startswith("--")
+            and "=" not in token
+            and index + 1 < len(tokens)
+            and not tokens[index + 1].startswith("--")
+        ):
             rest += tokens[index : index + 2]
             index += 2
             continue

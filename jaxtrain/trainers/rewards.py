@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.errors import ArgumentError
+from jaxtrain.errors import ArgumentError, RewardError
 
 __all__ = [
     "RewardError",
@@ -39,10 +39,6 @@ def reward_model(model: Any, tokenizer: Any = None, **kwargs: Any) -> RewardFunc
     from jaxtrain.trainers.reward_scoring import reward_model as build
 
     return build(model, tokenizer, **kwargs)
-
-
-class RewardError(ValueError):
-    """A reward function raised or returned something unusable; names the function."""
 
 
 def reward_name(fn: Any) -> str:
