@@ -55,10 +55,28 @@ def check_compatible(
     optimizer: str,
     reset_optimizer: bool,
     loading: bool = False,
+    trainer_name: str | None = None,
 ) -> None:
-    """Raise CheckpointError when the checkpoint at `path` was written for another model or
-    optimizer than this run's; the message lists what differs and the ways forward (those
-    of a resume, or with `loading` those of `Trainer.load_checkpoint`: eval, sample, export)."""
+    """Raise CheckpointError when the checkpoint at `path` was written by another task's
+    trainer (`trainer_name`: its class, a task's own; None, or a checkpoint that predates the
+    record: not checked), or for another model or optimizer than this run's; the message says
+    what differs and the ways forward (those of a resume, or with `loading` those of
+    `Trainer.load_checkpoint`: eval, sample, export)."""
+    saved_trainer = metadata.get("trainer")
+    if trainer_name is not None and saved_trainer not in (None, trainer_name):
+        written = f"it was written by {saved_trainer}, and this run's trainer is {trainer_name}"
+        if loading:
+            raise CheckpointError(
+                f"Cannot load {path}: {written}. Load it with {saved_trainer} "
+                "(`jaxtrain eval|sample|export RUN_DIR` rebuild the run's own from its "
+                "config.yaml)."
+            )
+        raise CheckpointError(
+            f"Cannot resume from {path}: {written} (another --task; a run goes on under the "
+            "objective it began with). To train this task from that model, export it "
+            "(`jaxtrain export RUN_DIR OUT`) and start a run with --model.pretrained OUT in a "
+            "new output_dir."
+        )
     problems = []
     if metadata.get("model_class") not in (None, model_class):
         problems.append(f"model class: checkpoint {metadata['model_class']}, now {model_class}")

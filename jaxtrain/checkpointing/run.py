@@ -85,11 +85,13 @@ class RunCheckpoints:
         model_class: str,
         model_config: dict[str, Any] | None,
         check_data_state: Callable[[dict[str, Any]], int] | None = None,
+        trainer_name: str | None = None,
     ) -> StartPlan:
         """Where the run starts (see the module docstring for the order), without its state.
 
         A fresh start clears output_dir's leftovers; a resume checks the checkpoint's files,
-        that it was written for this model (`model_class`, `model_config`) and optimizer, and
+        that it was written by this trainer (`trainer_name`), for this model (`model_class`,
+        `model_config`) and optimizer, and
         that its data position (`check_data_state` returns the step a saved position belongs
         to) matches its step. Everything that can refuse a resume is checked here, before
         anything is compiled or restored.
@@ -120,6 +122,7 @@ class RunCheckpoints:
             model_config=model_config,
             optimizer=settings.optimizer,
             reset_optimizer=settings.reset_optimizer,
+            trainer_name=trainer_name,
         )
         step = int(metadata["step"])
         if "data_state" in metadata and check_data_state is not None:
@@ -195,6 +198,7 @@ def load_checked(
     model_class: str,
     model_config: dict[str, Any] | None,
     optimizer: str,
+    trainer_name: str | None = None,
 ) -> TrainState:
     """The TrainState at `path` (a step, checkpoints or run directory) restored onto
     `abstract`, after checking it was written for this model and optimizer."""
@@ -208,6 +212,7 @@ def load_checked(
         optimizer=optimizer,
         reset_optimizer=False,
         loading=True,
+        trainer_name=trainer_name,
     )
     return ckpt.restore_state(step_dir, abstract)
 

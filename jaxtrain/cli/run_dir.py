@@ -305,7 +305,12 @@ def restore_run(
     parts = ModelParts.adopt(model, settings.model)
     # The schedule's length does not change the optimizer state's structure.
     program = Program(parts, runtime, settings, schedule_length=max(settings.loop.max_steps, 1))
-    state = load_program_state(program, checkpoint, optimizer=settings.optimizer.optimizer)
+    state = load_program_state(
+        program,
+        checkpoint,
+        optimizer=settings.optimizer.optimizer,
+        trainer_name=sections.task.trainer.rpartition(":")[2],  # "module:Class" of the task's
+    )
     return RestoredRun(program, state, checkpoint, sections)
 
 

@@ -160,6 +160,7 @@ class Trainer:
             on_save=lambda path, step: self.hooks.call("on_save", self, path, step),
             tokenizer=processing_class,
             initial_state=initial_state,
+            trainer_class=type(self),
         )
         self._evaluator = None  # created at the first evaluation
         self._task_model = None  # eval_tasks' JaxLM, created at the first evaluation

@@ -3,8 +3,8 @@
 `RunCheckpointer` joins the checkpoint files (`jaxtrain.checkpointing`, which knows nothing of
 a run) with what a run saves: the Program's state, the batch source's position (and any
 arrays the source keeps between steps: GRPO's generated batch inside a round, through the
-source's `checkpoint_extra` / `resume_extra`), the arguments, the model's description and
-the trackers' state.
+source's `checkpoint_extra` / `resume_extra`), the arguments, the model's description, the trainer (so that a run
+never resumes under another task's objective) and the trackers' state.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.state import TrainState
 from jaxtrain.training.state import ReadyBuild, StagedBuild
 
-__all__ = ["RunCheckpointer", "load_program_state"]
+__all__ = ["RunCheckpointer", "library_class", "load_program_state"]
 
 
 class RunCheckpointer:
@@ -44,6 +44,7 @@ class RunCheckpointer:
         on_save: Callable[[str, int], None] = lambda path, step: None,
         tokenizer: Any = None,
         initial_state: TrainState | None = None,
+        trainer_class: type | None = None,
     ):
         self.arguments, self.program, self.source, self.monitor = (
             arguments,
@@ -53,6 +54,7 @@ class RunCheckpointer:
         )
         self.on_save, self.tokenizer = on_save, tokenizer
         self.initial_state = initial_state
+        self.trainer = None if trainer_class is None else library_class(trainer_class)
         # `arguments`, the run's record, is written as such (arguments.json, each checkpoint).
         self.files = RunCheckpoints(settings)
 
@@ -91,6 +93,7 @@ class RunCheckpointer:
             "arguments": self.arguments.to_dict(),
             "model_config": self._model_config(),
             "model_class": type(self.program.model).__name__,
+            "trainer": self.trainer,
             "trackers": self.monitor.tracker_state(),
         }
         if self.source is not None:
@@ -104,7 +107,9 @@ class RunCheckpointer:
     def load(self, path: str | Path) -> TrainState:
         """Restore a TrainState written by this kind of run (same model and optimizer);
         `path` is a step directory or a run directory (its newest committed checkpoint)."""
-        return load_program_state(self.program, path, optimizer=self.files.settings.optimizer)
+        return load_program_state(
+            self.program, path, optimizer=self.files.settings.optimizer, trainer_name=self.trainer
+        )
 
     def plan_start(self) -> StartPlan:
         """Where `train()` starts: step 0 (or the given initial state's step), or the
@@ -116,6 +121,7 @@ class RunCheckpointer:
             model_class=type(self.program.model).__name__,
             model_config=self._model_config(),
             check_data_state=source.check_data_state if source is not None else None,
+            trainer_name=self.trainer,
         )
         if plan.resumed_from is None and self.initial_state is not None:
             plan.step = int(jax.device_get(self.initial_state.step))  # it goes on from there
@@ -157,13 +163,23 @@ def model_config_dict(model: Any) -> dict[str, Any] | None:
     return config.to_dict() if hasattr(config, "to_dict") else None
 
 
-def load_program_state(program: Any, path: str | Path, *, optimizer: str) -> TrainState:
+def library_class(trainer_class: type) -> str:
+    """The name of the nearest jaxtrain class in `trainer_class`'s MRO, the trainer a
+    checkpoint records: a user's subclass of DPOTrainer runs DPOTrainer's task."""
+    return next(c.__name__ for c in trainer_class.__mro__ if c.__module__.startswith("jaxtrain."))
+
+
+def load_program_state(
+    program: Any, path: str | Path, *, optimizer: str, trainer_name: str | None = None
+) -> TrainState:
     """The TrainState at `path` restored onto `program`'s shardings, once the checkpoint is
-    checked to be of this model and `optimizer` (no run needed: export, sampling)."""
+    checked to be of this model, `optimizer` and `trainer_name` (a class name, None: not
+    checked; no run needed: export, sampling)."""
     return load_checked(
         path,
         program.abstract_state(),
         model_class=type(program.model).__name__,
         model_config=model_config_dict(program.model),
         optimizer=optimizer,
+        trainer_name=trainer_name,
     )

@@ -218,3 +218,31 @@ def test_a_resumed_run_is_bit_exact(tokenizer, tmp_path, cls, args_cls):
     assert int(resumed.step) == 4
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_run_resumes_under_its_own_task_only(tokenizer, tmp_path):
+    """An ORPO run once resumed a CPO run's checkpoint in silence (the same model class and
+    config, and the checkpoint did not say which task wrote it): its log mixed the two losses.
+    A subclass of the task's trainer is the same task; another task is refused, and so is
+    loading the checkpoint into the other task's trainer."""
+    from jaxtrain.checkpointing import CheckpointError
+
+    class MyCPOTrainer(CPOTrainer):
+        pass
+
+    def trainer(cls, args_cls, steps):
+        args = tiny_arguments(
+            args_cls, None, output_dir=str(tmp_path), max_steps=steps, save_final=True
+        )
+        return cls(arguments=args, model=tiny_model(), dataset_train=addition_pairs(16),
+                   processing_class=tokenizer)  # fmt: skip
+
+    trainer(CPOTrainer, CPOArguments, 2).train()
+    orpo = trainer(ORPOTrainer, ORPOArguments, 4)
+    with pytest.raises(
+        CheckpointError, match="written by CPOTrainer, and this run.s trainer is ORPOTrainer"
+    ):
+        orpo.train()
+    with pytest.raises(CheckpointError, match="Load it with CPOTrainer"):
+        orpo.load_checkpoint(tmp_path)
+    assert int(trainer(MyCPOTrainer, CPOArguments, 3).train().state.step) == 3
