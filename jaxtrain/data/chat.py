@@ -9,6 +9,7 @@ the fast tokenizer's offsets.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
 
-__all__ = ["render_chat"]
+__all__ = ["render_chat", "with_chat_template"]
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -32,6 +33,18 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
                 f"message {i} must be a dict with 'role' and 'content', got {str(m)[:60]!r}"
             )
     return [dict(m) for m in messages]
+
+
+def with_chat_template(processing_class: Any, chat_template: str | None) -> Any:
+    """`processing_class` itself, or a shallow copy whose template is `chat_template`
+    (TrainingArguments.chat_template), the caller's tokenizer or processor left as it was:
+    for code that reads the template from the tokenizer in many places (GRPO's prompts, tool
+    calls and turns) rather than taking it per call as `render_chat` does."""
+    if chat_template is None or processing_class is None:
+        return processing_class
+    templated = copy.copy(processing_class)
+    templated.chat_template = chat_template
+    return templated
 
 
 def render_chat(

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
+from jaxtrain.data.chat import with_chat_template
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.vision import text_tokenizer
 from jaxtrain.models.kv_cache import supports_kv_cache
@@ -88,6 +89,9 @@ class GRPOTrainer(Trainer):
                 "completions decoded for the reward functions)."
             )
         settings = task_settings(args, kwargs)
+        # The run's chat template renders its prompts, tool calls and turns, and is saved with
+        # the run's tokenizer.
+        processing_class = with_chat_template(processing_class, settings.data.chat_template)
         tool_calls = self._tool_calls(tools, environment_factory, settings, processing_class)
         extra = tool_calls.rewards if tool_calls is not None else []  # environments' get_reward
         reward_funcs = self._reward_funcs(reward_funcs, settings, extra)

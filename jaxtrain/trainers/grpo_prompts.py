@@ -101,6 +101,12 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: Any = None) ->
             f"messages) without tools; this dataset's prompts are {kind}"
             + (" with tools" if tools else "")
         )
+    if kind == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(
+            f"dataset_train's `{used[0]}` holds chat messages but the tokenizer has no "
+            "chat_template; set TrainingArguments.chat_template (--chat_template) to a Jinja "
+            "template, or use a tokenizer that has one"
+        )
     if tools and kind != "chat":
         raise DatasetError(
             f"GRPO with tools needs chat prompts (a `prompt` or `messages` list of messages): "

@@ -367,3 +367,26 @@ def test_several_decode_steps_a_call_sample_the_same_rounds(tokenizer, tmp_path)
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ArgumentError, match="rollout_decode_steps=0 must be an integer >= 1"):
         grpo_args(tmp_path, rollout_decode_steps=0)
+
+
+def test_chat_prompts_are_rendered_with_the_run_s_chat_template(tokenizer, tmp_path):
+    """GRPO once ignored TrainingArguments.chat_template (a tokenizer without a template
+    crashed in transformers with a traceback); the other tasks had used it. The run renders
+    its prompts with it, saves it with its tokenizer, and leaves the caller's tokenizer alone."""
+    import copy
+
+    from jaxtrain.data.errors import DatasetError
+
+    bare = copy.copy(tokenizer)
+    bare.chat_template = None
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in prompts(4)]
+    with pytest.raises(DatasetError, match="no chat_template; set TrainingArguments.chat_"):
+        GRPOTrainer(arguments=grpo_args(tmp_path), model=tiny_model(), dataset_train=rows,
+                    reward_funcs=[big_first_number], processing_class=bare)  # fmt: skip
+    template = "{% for m in messages %}{{ m['content'] }} = {% endfor %}"
+    trainer = GRPOTrainer(arguments=grpo_args(tmp_path, chat_template=template),
+                          model=tiny_model(), dataset_train=rows, reward_funcs=[big_first_number],
+                          processing_class=bare)  # fmt: skip
+    expected = bare(f"{prompts(4)[1]['prompt']} = ", add_special_tokens=False)["input_ids"]
+    assert trainer.train_source.prompts.ids[1].tolist() == expected[-8:]
+    assert bare.chat_template is None and trainer.processing_class.chat_template == template
