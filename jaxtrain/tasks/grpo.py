@@ -20,7 +20,8 @@ from jaxtrain.tasks.task import Task, imported
 
 
 def check_prompt_files(task: str, config: dict[str, Any]) -> None:
-    """What an online RL task needs of the config: prompt files, no eval files, rewards."""
+    """What an online RL task needs of the config: prompt files and rewards (eval files are
+    prompts too, scored every eval_steps)."""
     data = config.get("data") or {}
     if data.get("source", "default") != "files":
         raise ArgumentError(
@@ -28,10 +29,6 @@ def check_prompt_files(task: str, config: dict[str, Any]) -> None:
             "set --data.source files --data.train_files PROMPTS.jsonl (rows with a `prompt`, "
             "plus the columns your rewards read, e.g. `answer`) and --reward "
             "last_number_matches (or module:function)."
-        )
-    if data.get("eval_files"):
-        raise ArgumentError(
-            f"--task {task} does not evaluate during training yet: drop --data.eval_files."
         )
     if not config.get("reward"):
         raise ArgumentError(
@@ -54,9 +51,10 @@ def reference_when_beta(settings: RunSettings) -> dict[str, bool]:
 def no_eval_set(name: str, title: str) -> str:
     """What `jaxtrain eval` says of an online RL run (`title` the task, as a sentence begins)."""
     return (
-        f"{title} run has no eval set to evaluate: --task {name} trains without "
-        "data.eval_files (its reward functions score sampled completions). Score it with "
-        "`jaxtrain evaluate RUN_DIR --tasks ...`, or read `jaxtrain sample RUN_DIR`."
+        f"{title} run has no eval set to evaluate afterwards: --task {name}'s eval prompts "
+        "(data.eval_files) are scored during training, every eval_steps (eval/reward in "
+        "metrics.jsonl). Score it with `jaxtrain evaluate RUN_DIR --tasks ...`, or read "
+        "`jaxtrain sample RUN_DIR`."
     )
 
 

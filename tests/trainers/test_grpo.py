@@ -312,10 +312,20 @@ def test_cli_task_grpo_with_a_reward_path_and_builtins(tokenizer, tmp_path, monk
         "--reward",
         "my_rewards:starts_big,last_number_matches,format_regex",
     ]
-    assert main([*args, "--format_pattern", r"\d+.*"]) == 0
+    # Eval prompts from the shell too (once refused: "does not evaluate during training yet").
+    evaluated = [
+        "--data.eval_files",
+        str(rows),
+        "--evaluation_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+    ]
+    assert main([*args, "--format_pattern", r"\d+.*", *evaluated]) == 0
     logs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     steps = [entry for entry in logs if "reward" in entry]
     assert len(steps) == 2
+    assert [entry["step"] for entry in logs if "eval/reward" in entry] == [2]
     for name in ("starts_big", "last_number_matches", "format_regex('\\\\d+.*')"):
         assert f"rewards/{name}" in steps[-1], sorted(steps[-1])
     capsys.readouterr()
