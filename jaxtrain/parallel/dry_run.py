@@ -74,12 +74,14 @@ def activation_bytes_estimate(
 def memory_estimate(program: Any, data: DataSettings) -> dict[str, int | None]:
     """Bytes per device of a Program's run (`data`: its batch and sequence; the Program's
     model settings: its dtype and remat),
-    from shapes alone: parameters, gradients, optimizer state, activations (a rough estimate,
-    None when the model's config lacks the sizes) and their total (None with it), plus the
-    parameters' bytes over all devices."""
+    from shapes alone: parameters, gradients, optimizer state, frozen weights (a reference, a
+    teacher, a LoRA base, quantized or not: counted as `jaxtrain plan` counts them),
+    activations (a rough estimate, None when the model's config lacks the sizes) and their
+    total (None with it), plus the parameters' bytes over all devices."""
     abstract, shardings = program.abstract_state(), program.state_shardings
     param_b = tree_bytes_per_device(abstract.params, shardings.params)
     opt_b = tree_bytes_per_device(abstract.opt_state, shardings.opt_state)
+    frozen_b = tree_bytes_per_device(program.rest, program.plan.param_shardings(program.rest))
     model = program.settings
     dtype_bytes = np.dtype(model.dtype or getattr(program.model, "dtype", np.float32)).itemsize
     act_b = activation_bytes_estimate(
@@ -94,8 +96,9 @@ def memory_estimate(program: Any, data: DataSettings) -> dict[str, int | None]:
         "parameters": param_b,
         "gradients": param_b,
         "optimizer_state": opt_b,
+        "frozen": frozen_b,
         "activations": act_b,
-        "total": None if act_b is None else 2 * param_b + opt_b + act_b,
+        "total": None if act_b is None else 2 * param_b + opt_b + frozen_b + act_b,
         "all_parameters": sum(
             math.prod(x.shape) * np.dtype(x.dtype).itemsize
             for x in jax.tree.leaves(abstract.params)
@@ -121,6 +124,10 @@ def dry_run_report(program: Any, data: DataSettings) -> str:
         f"  gradients        {human_bytes(memory['gradients']):>12}",
         f"  optimizer state  {human_bytes(memory['optimizer_state']):>12}",
     ]
+    if memory["frozen"]:
+        lines.append(
+            f"  frozen weights   {human_bytes(memory['frozen']):>12}  (reference, teacher, base)"
+        )
     if memory["activations"] is not None:
         lines.append(
             f"  activations      {human_bytes(memory['activations']):>12}  (rough estimate, "

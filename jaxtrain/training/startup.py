@@ -105,10 +105,11 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         for key, label in (
             ("parameters", "params"),
             ("optimizer_state", "optimizer"),
+            ("frozen", "frozen"),
             ("activations", "activations ~"),
             ("total", "total ~"),
         )
-        if m[key] is not None
+        if m.get(key) is not None and (m[key] or key != "frozen")  # no frozen weights: left out
     ).replace("~ ", "~")
     rules = summary["partition_rules"]
     return [

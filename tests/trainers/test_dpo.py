@@ -97,6 +97,20 @@ def test_step_zero_is_ln2_with_zero_rewards(trained):
     assert first["logps/chosen_sum"] < 0 and first["logps/rejected_sum"] < 0
 
 
+def test_the_start_up_memory_counts_the_reference(trained):
+    """The start-up line and run_info.json once left frozen weights out (a reference, a QLoRA
+    base), which `jaxtrain plan` counts: here the reference is a copy of the policy."""
+    import json
+
+    trainer, _, _ = trained
+    info = json.loads((Path(trainer.arguments.output_dir) / "run_info.json").read_text())
+    memory = info["startup"]["memory_per_device_bytes"]
+    assert memory["frozen"] == memory["parameters"] > 0
+    assert (
+        memory["total"] >= 2 * memory["parameters"] + memory["optimizer_state"] + memory["frozen"]
+    )
+
+
 def test_a_bfloat16_policy_starts_equal_to_its_reference(tokenizer, tmp_path):
     """param_dtype applies to the frozen reference too: were it kept in float32 beside a
     bfloat16 policy, step 0's rewards would be the rounding of the policy, not 0."""

@@ -41,6 +41,7 @@ def test_every_start_prints_the_summary_and_run_info_holds_all_of_it(tmp_path, c
     assert memory["all_parameters"] == 4 * trainer.num_parameters  # float32
     assert memory["parameters"] * trainer.mesh.size >= memory["all_parameters"]
     assert memory["optimizer_state"] > 0 and memory["total"] > memory["parameters"]
+    assert memory["frozen"] == 0 and "frozen" not in lines[2]  # nothing frozen: not printed
 
     # Not only the first start: a rerun of the finished run prints it again.
     tiny_trainer(str(out), max_steps=2, sharding_regex_rules=RULES).train()
