@@ -50,7 +50,7 @@ def cmd_export(tokens: list[str]) -> int:
     run_dir, checkpoint = locate_run(positional[0])
     _check_writable(Path(positional[1]))  # before the checkpoint is read
     options = parse_overrides(tokens)
-    unknown = sorted(set(options) - {"max_shard_size", "dtype"})
+    unknown = sorted(set(options) - {"max_shard_size", "dtype", "lora_format"})
     if unknown:
         raise ArgumentError(f"jaxtrain export: unknown option(s) {unknown}.\nusage: {EXPORT_USAGE}")
     run = restore_run(run_dir, checkpoint)

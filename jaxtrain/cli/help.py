@@ -334,6 +334,7 @@ Generate text from a run's checkpoint (default: its newest) with the run's token
 {sample}
 """,
         "export": """usage: jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
+                       [--lora_format merged|peft]
 
 Write a run's checkpoint as a Hugging Face directory (safetensors, config, tokenizer, card).
 
@@ -341,6 +342,9 @@ Write a run's checkpoint as a Hugging Face directory (safetensors, config, token
       Largest safetensors shard.
   --dtype STR
       Cast the weights to float32, bfloat16 or float16 (default: as trained).
+  --lora_format merged|peft  (default: merged)
+      A LoRA run's adapters merged into the base weights, or (peft) a PEFT adapter
+      directory on the run's base (what peft's PeftModel and `jaxtrain serve --lora` load).
 """,
         "report": """usage: jaxtrain report RUN_DIR
 

@@ -3,7 +3,10 @@
 from jaxtrain.errors import ArgumentError
 from jaxtrain.tasks import TASKS
 
-EXPORT_USAGE = "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]"
+EXPORT_USAGE = (
+    "jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16] "
+    "[--lora_format merged|peft]"
+)
 
 USAGE = f"""usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]

@@ -145,7 +145,12 @@ def save_program_state(
     `lora_format="peft"`). kwargs go to `save_pretrained` (tokenizer, chat_template,
     training_summary, ...)."""
     model = program.model_from_state(state)
-    if has_lora(model) and lora_format == "peft":
+    if lora_format == "peft" and not has_lora(model):
+        raise ArgumentError(
+            "lora_format='peft' writes a LoRA adapter directory, and this model has no LoRA "
+            "adapters (lora_rank=0); export it whole (lora_format='merged')."
+        )
+    if lora_format == "peft":
         return save_peft_adapter(
             model,
             save_directory,

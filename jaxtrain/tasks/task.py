@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxtrain.arguments import TrainingArguments
 from jaxtrain.config.sections import RunSettings
+from jaxtrain.errors import ArgumentError
 
 __all__ = ["Task", "imported"]
 
@@ -99,6 +100,12 @@ class Task:
 
         if self.reward_head:
             from jaxtrain.trainers.reward import save_reward_model
+
+            if kwargs.pop("lora_format", "merged") != "merged":
+                raise ArgumentError(
+                    "a reward model is exported as a sequence-classification directory with its "
+                    "adapters merged; drop lora_format."
+                )
 
             return save_reward_model(program.model_from_state(state), directory, **kwargs)
         kwargs.pop("pad_token_id", None)  # the LM's config already holds it

@@ -152,3 +152,23 @@ def test_eval_takes_max_eval_batches_from_the_command_line(run_dirs, capsys):
     assert main(["eval", str(run_dir), "--max_eval_batches", "1"]) == 0
     one = printed_metrics(capsys.readouterr().out)
     assert float(one["eval/batches"]) == 1 < float(whole["eval/batches"])
+
+
+def test_export_writes_a_lora_run_as_a_peft_adapter(run_dirs, files, capsys):  # noqa: F811
+    """`--lora_format peft` from the shell (once Python-only): the adapter directory the
+    Trainer's own export writes, and a run without adapters refused in one line."""
+    from safetensors.numpy import load_file
+
+    lm = run_dirs("lm")
+    capsys.readouterr()
+    assert main(["export", str(lm), str(lm.parent / "no_adapters"), "--lora_format", "peft"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no LoRA adapters" in err and len(err.splitlines()) == 1
+    out = files["root"] / "run_dir_lora"
+    path = config(files, "sft", "sft", lora_rank=4, save_final=True, output_dir=str(out))
+    assert main(["train", path]) == 0
+    assert main(["export", str(out), str(out.parent / "peft"), "--lora_format", "peft"]) == 0
+    adapter = json.loads((out.parent / "peft" / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and adapter["r"] == 4
+    tensors = load_file(str(out.parent / "peft" / "adapter_model.safetensors"))
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
