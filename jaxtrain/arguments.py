@@ -28,6 +28,11 @@ from jaxtrain.errors import ArgumentError
 from jaxtrain.seed_names import seed_name_hint
 
 
+class UnknownFieldError(ArgumentError):
+    """Field names an arguments class lacks: the user's own words (the CLI adds no note on
+    where the other values came from)."""
+
+
 def unknown_fields_error(unknown: list[str], known: list[str], source: str) -> ArgumentError:
     """The error for field names TrainingArguments lacks: an EasyDeL name is answered with
     its jaxtrain spelling (jaxtrain.seed_names), any other with the closest field."""
@@ -42,7 +47,7 @@ def unknown_fields_error(unknown: list[str], known: list[str], source: str) -> A
         "Remove them or fix the spelling."
     ] if hints else []  # fmt: skip
     lines += [f"{hint}; rename or remove it in {source}." for hint in seeds]
-    return ArgumentError(" ".join(lines))
+    return UnknownFieldError(" ".join(lines))
 
 
 # A smoke test of a whole script: JAXTRAIN_MAX_STEPS=N caps every run of the process at N
@@ -360,8 +365,10 @@ class TrainingArguments:
         value came from: `sources[field]` (a config file, the command line) else `source`."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = [k for k in values if k not in known]
-        if unknown:
-            raise unknown_fields_error(unknown, list(known), source)
+        if unknown:  # named where they were written (the command line, a file) when known
+            where = sorted({(sources or {}).get(k, source) for k in unknown})
+            where = ["the command line" if w == "command line" else w for w in where]
+            raise unknown_fields_error(unknown, list(known), " and ".join(where))
         hints_by_name = typing.get_type_hints(cls)
         coerced = {
             k: coerce_value(hints_by_name[k], v, field=k, source=(sources or {}).get(k, source))

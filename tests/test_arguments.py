@@ -34,6 +34,7 @@ def test_defaults_are_valid_and_derived_values():
         ({"save_steps": 0}, ["save_steps"]),
         ({"adam_beta2": 1.5}, ["adam_beta2"]),
         ({"eval_steps": None}, ["eval_steps", "must be a number", "None"]),
+        ({"eval_steps": 0}, ["eval_steps", "--evaluation_strategy no"]),  # how to say "never"
         ({"logging_steps": "10"}, ["logging_steps", "must be a number"]),
     ],
 )

@@ -265,6 +265,13 @@ def jaxtrain(*argv: str) -> subprocess.CompletedProcess:
         (["--model.hiden_size", "32"], "model.hiden_size (did you mean model.hidden_size?)"),
         (["--data.vocab_sise", "32"], "data.vocab_sise (did you mean data.vocab_size?)"),
         (["--sample.max_new_token", "3"], "(did you mean sample.max_new_tokens?)"),
+        # A flag's typo is said to be the command line's (once "in config", with a note that
+        # the suggested field's value came from the demo's settings).
+        (
+            ["--learning_rat", "1e-3"],
+            "field(s) in the command line: 'learning_rat' (did you "
+            "mean 'learning_rate'?). Remove them or fix the spelling.",
+        ),
         # issue 17.2: an inconsistent architecture is one line, before any data is read
         (
             ["--model.hidden_size", "30", "--model.num_attention_heads", "4"],

@@ -210,7 +210,12 @@ def describe_sources(config: dict[str, Any], sources: dict[str, str]) -> str:
 
 def explain_source(err: ArgumentError, sources: dict[str, str]) -> ArgumentError:
     """The same error, saying which of the values it names came from the demo's settings
-    (the one origin a user did not write down)."""
+    (the one origin a user did not write down). Not for names a user wrote that do not
+    exist: a suggested spelling would read as one of them."""
+    from jaxtrain.arguments import UnknownFieldError
+
+    if isinstance(err, UnknownFieldError):
+        return err
     message = str(err)
     demo = [
         key for key, source in sources.items()

@@ -146,6 +146,11 @@ def check_general(args: Any) -> None:
         )
     for name in ("total_batch_size", "gradient_accumulation_steps", "max_sequence_length"):
         check_positive(args, name)
+    if args.eval_steps == 0:  # a way to say "never", which has its own setting
+        raise ArgumentError(
+            "TrainingArguments.eval_steps must be > 0, got 0; evaluation_strategy='no' "
+            "(--evaluation_strategy no) turns evaluation off."
+        )
     for name in ("logging_steps", "eval_steps", "num_train_epochs"):
         check_positive(args, name)
     for name in ("warmup_steps", "weight_decay", "adam_epsilon"):
