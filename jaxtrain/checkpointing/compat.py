@@ -115,6 +115,29 @@ def check_compatible(
         )
 
 
+# The arguments that shape the learning-rate schedule (training/optim.py build_schedule).
+SCHEDULE_FIELDS = ("scheduler", "learning_rate", "warmup_steps", "max_steps", "num_train_epochs",
+                   "min_lr_ratio", "wsd_decay_fraction")  # fmt: skip
+
+
+def schedule_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> str | None:
+    """What a resumed run changed of the learning-rate schedule since its checkpoint ("max_steps
+    5 -> 10"), or None: the schedule is rebuilt from the current arguments, so a longer run
+    stretches it (the step's learning rate is not the checkpointed run's), which is what a
+    user extending a run usually wants, but it must be said."""
+    if not saved:
+        return None
+    fields = SCHEDULE_FIELDS
+    if saved.get("scheduler") == current.get("scheduler") == "constant":  # no length to it
+        fields = ("learning_rate", "warmup_steps")
+    changed = [
+        f"{name} {saved[name]} -> {current[name]}"
+        for name in fields
+        if name in saved and name in current and saved[name] != current[name]
+    ]
+    return ", ".join(changed) or None
+
+
 def trim_metric_log(path: Path, last_step: int) -> None:
     """Drop records of steps after `last_step` (logged by the interrupted run after its last
     checkpoint): the resumed run logs those steps again, and curves must not double back."""

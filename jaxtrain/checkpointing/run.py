@@ -56,6 +56,10 @@ class StartPlan:
     # The JSON details of the arrays a task trainer saved beside the state (its `extra`
     # item, e.g. GRPO's generated batch inside a round), or None when it saved none.
     extra: dict[str, Any] | None = None
+    # The arguments the checkpoint was written under (its metadata's), None on a fresh start.
+    saved_arguments: dict[str, Any] | None = None
+    # What the run says after where it resumed from (a schedule the arguments changed).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -143,6 +147,7 @@ class RunCheckpoints:
             tracker_state=metadata.get("trackers") or {},
             evaluated=bool(metadata.get("evaluated", False)),
             extra=metadata.get("extra"),
+            saved_arguments=metadata.get("arguments"),
         )
 
     def load(

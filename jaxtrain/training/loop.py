@@ -196,6 +196,8 @@ class TrainingLoop:
         )
         if start.resumed_from is not None:
             self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
+            for note in start.notes:
+                self.progress.write(note)
         summary = startup_summary(program, self.trainer.settings)  # all in run_info.json
         trainer.monitor.add_run_info("startup", summary)
         if trainer.runtime.is_main_process:

@@ -22,6 +22,7 @@ from jaxtrain.checkpointing import (
     load_checked,
     restore_extra,
 )
+from jaxtrain.checkpointing.compat import schedule_changes
 from jaxtrain.config.sections import CheckpointSettings
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.state import TrainState
@@ -123,6 +124,12 @@ class RunCheckpointer:
             check_data_state=source.check_data_state if source is not None else None,
             trainer_name=self.trainer,
         )
+        changed = schedule_changes(plan.saved_arguments, self.arguments.to_dict())
+        if changed:
+            plan.notes.append(
+                f"the learning-rate schedule follows this run's arguments ({changed}), not the "
+                f"checkpoint's: from step {plan.step + 1} on its rates are the new schedule's"
+            )
         if plan.resumed_from is None and self.initial_state is not None:
             plan.step = int(jax.device_get(self.initial_state.step))  # it goes on from there
         return plan

@@ -74,14 +74,18 @@ def test_bfloat16_moments_are_saved_as_such_and_resume_bit_exactly(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_resume_trims_log_records_past_the_checkpoint(tmp_path):
+def test_resume_trims_log_records_past_the_checkpoint(tmp_path, capsys):
     run = tmp_path / "run"
     tiny_trainer(str(run), max_steps=4).train()
     log = run / "metrics.jsonl"
     log.write_text(log.read_text() + '{"step": 6, "loss": 1.0}\n{"step": 8, "lo')  # a kill -9
+    capsys.readouterr()
     tiny_trainer(str(run), max_steps=6).train()
     steps = [r["step"] for r in read_jsonl(log) if "loss" in r]
     assert steps == [2, 4, 6]
+    # The longer run stretches the cosine schedule, and says so (it once did in silence).
+    printed = capsys.readouterr()
+    assert "schedule follows this run's arguments (max_steps 4 -> 6)" in printed.out + printed.err
 
 
 def test_a_different_model_is_refused_with_what_differs(tmp_path):
