@@ -232,11 +232,14 @@ def cmd_plan(tokens: list[str]) -> int:
             "--choices compares settings on the run's own mesh: drop --sweep (or plan the "
             "meshes first, then --choices with the chosen --sharding_axis_dims)."
         )
+    # An online RL run with rollout_devices r trains on the others (the engine has r).
+    rollout = getattr(args, "rollout_devices", 0) or 0
+    training = devices - rollout
     if options["sweep"]:
-        meshes = sweep_meshes(devices, per_node, args.micro_batch_size, model_config)
+        meshes = sweep_meshes(training, per_node, args.micro_batch_size, model_config)
         if not meshes:
             raise ArgumentError(
-                f"No mesh over {devices} devices splits the micro-batch of "
+                f"No mesh over {training} devices splits the micro-batch of "
                 f"{args.micro_batch_size} rows: raise total_batch_size."
             )
     else:
@@ -262,7 +265,9 @@ def cmd_plan(tokens: list[str]) -> int:
     print(
         f"jaxtrain plan: {model_config.model_type} "
         f"({model_config.num_hidden_layers} layers) on {where}{devices} x {accel.name} "
-        f"({processes} node(s) of {per_node}); {len(meshes)} mesh(es) to compile",
+        f"({processes} node(s) of {per_node})"
+        + (f", {rollout} of them the engine's (rollout_devices)" if rollout else "")
+        + f"; {len(meshes)} mesh(es) to compile",
         flush=True,
     )
     entries = run_worker(spec)
@@ -271,9 +276,9 @@ def cmd_plan(tokens: list[str]) -> int:
         print(compiler_line(compiler, accel.name, attention), flush=True)
     for entry in entries:
         if "figures" in entry:
-            entry["figures"]["devices"] = devices
+            entry["figures"]["devices"] = training
             entry["estimate"] = estimate(
-                entry["figures"], accel, devices=devices, per_node=per_node, dtype=args.dtype
+                entry["figures"], accel, devices=training, per_node=per_node, dtype=args.dtype
             )
     if options["choices"]:
         print("\n".join(choices_table(entries)))

@@ -251,6 +251,10 @@ def plan_program(
     from jaxtrain.parallel.dry_run import tree_bytes_per_device
 
     settings = RunSettings.from_arguments(args)
+    engine_task = get_task(task).samples_on_engine
+    # With rollout_devices r the engine has the last r devices and the others train
+    # (trainers/grpo.py split_rollout_devices): the step is planned on those.
+    devices, rollout = split_devices(devices, settings) if engine_task else (devices, [])
     full = plan_step_program(config, args, devices, attention, task, settings)
     abstract, shardings = full.abstract_state(), full.state_shardings
     # Frozen weights (a reference, a teacher, a LoRA base, quantized or not): state too.
@@ -258,7 +262,7 @@ def plan_program(
     full_shapes = (dict(full.mesh.shape), abstract.params)
     fp8_flops = fp8_model_flops(full, settings.data) if settings.model.fp8_matmuls else 0.0
     # Its rollouts run on the engine between updates: the engine's steps on the full model.
-    sampler = sampler_figures(full, settings) if get_task(task).samples_on_engine else None
+    sampler = sampler_figures(full, settings, rollout) if engine_task else None
     total_layers = int(config.num_hidden_layers)
     period = layer_period(config)
     whole = layers == "all" or (layers == "auto" and total_layers <= WHOLE_MODEL_LAYERS)
@@ -309,25 +313,58 @@ def plan_program(
     return figures
 
 
-def sampler_figures(program: Any, settings: Any) -> dict[str, Any]:
-    """Memory and compile time of the engine GRPO samples on (trainers/grpo_source.py): every
-    prefill and decode bucket it compiles, on the policy's parameters and its page pool."""
-    from flax import nnx
+def split_devices(devices: list[Any], settings: Any) -> tuple[list[Any], list[Any]]:
+    """(the training devices, the engine's own) of an online RL run: rollout_devices r takes
+    the last r, as its trainer does; none without."""
+    from jaxtrain.errors import ArgumentError
 
+    r = getattr(settings.task, "rollout_devices", 0)
+    if not r:
+        return devices, []
+    if r >= len(devices):
+        raise ArgumentError(
+            f"rollout_devices={r} leaves no device to train on ({len(devices)} in all); keep "
+            "at least one for training."
+        )
+    return devices[:-r], devices[-r:]
+
+
+def sampler_figures(program: Any, settings: Any, rollout: list[Any] = ()) -> dict[str, Any]:
+    """Memory and compile time of the engine GRPO samples on (trainers/grpo_source.py): every
+    prefill and decode bucket it compiles, on the policy's parameters and its page pool; on
+    the training devices, or replicated on `rollout` (the rollout_devices). With
+    max_staleness k, the rounds in flight each sample from a copy of the parameters that
+    launched them: k copies beside the engine (`async_copies_bytes`, per device)."""
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxtrain.parallel.dry_run import tree_bytes_per_device
     from jaxtrain.serving.plan import plan_engine
     from jaxtrain.trainers.grpo_sampler import rollout_engine_shape
 
     abstract = program.abstract_state()
-    policy = nnx.merge(program.graphdef, abstract.params, program.rest).model
+    params, rest, sharding = abstract.params, program.rest, None
+    copy_bytes = tree_bytes_per_device(params, program.state_shardings.params)
+    if rollout:  # the policy replicated on the engine's devices, its frozen part too
+        sharding = NamedSharding(Mesh(np.array(rollout), ("rollout",)), PartitionSpec())
+        params, rest = (
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
+            for t in (params, rest)
+        )
+        copy_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    policy = nnx.merge(program.graphdef, params, rest).model
     figures = plan_engine(
         policy,
         rollout_engine_shape(settings),
         max_prompt_tokens=settings.task.max_prompt_length,
+        sharding=sharding,
         logprobs_mode="processed",
         record_routing=hasattr(policy.config, "routing_shape"),  # as the sampler's (a MoE's)
     )
     return {"memory": {k: figures[k] for k in ("peak", "temporaries", "pool_bytes")},
-            "shapes": figures["shapes"], "compile_seconds": figures["compile_seconds"]}  # fmt: skip
+            "shapes": figures["shapes"], "compile_seconds": figures["compile_seconds"],
+            "devices": len(rollout) or None,  # None: the training devices
+            "async_copies_bytes": float(settings.task.max_staleness * copy_bytes)}  # fmt: skip
 
 
 def fp8_model_flops(program: Any, data: Any) -> float:

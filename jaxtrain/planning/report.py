@@ -64,6 +64,24 @@ def table(entries: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def engine_lines(sampler: dict[str, Any]) -> list[str]:
+    """The engine an online RL run samples on: its pool, its largest step, where it runs, and
+    the parameter copies of asynchronous rounds."""
+    memory, own = sampler["memory"], sampler.get("devices")
+    where = f"on {own} rollout device(s) of its own" if own else "on these devices"
+    lines = [
+        f"    GRPO engine       {human_bytes(memory['pool_bytes']):>12}  page pool {where}, held "
+        f"through the run; its largest step peaks at {human_bytes(memory['peak'])} per device "
+        f"({sum(sampler['shapes'].values())} shapes)"
+    ]
+    if sampler.get("async_copies_bytes"):
+        lines.append(
+            f"    async copies      {human_bytes(sampler['async_copies_bytes']):>12}  "
+            f"parameters of the rounds in flight (max_staleness), {where}"
+        )
+    return lines
+
+
 def details(entry: dict[str, Any], accel_name: str) -> list[str]:
     fig, est = entry["figures"], entry["estimate"]
     mem, state = fig["memory"], fig["state"]
@@ -90,16 +108,7 @@ def details(entry: dict[str, Any], accel_name: str) -> list[str]:
         "  (state donated: outputs written over inputs)",
         f"    peak              {human_bytes(fig['peak_bytes']):>12}  "
         f"({figure_of([entry])}'s buffer assignment)",
-        *(
-            [
-                f"    GRPO engine       {human_bytes(fig['sampler']['memory']['pool_bytes']):>12}  "
-                f"page pool, held through the run; its largest step peaks at "
-                f"{human_bytes(fig['sampler']['memory']['peak'])} "
-                f"({sum(fig['sampler']['shapes'].values())} shapes)"
-            ]
-            if "sampler" in fig
-            else []
-        ),
+        *(engine_lines(fig["sampler"]) if "sampler" in fig else []),
         f"    by shapes         {human_bytes(fig['shape_estimate_bytes']):>12}  (state, gradients, "
         f"activations, two layers gathered: {'fits' if est['fits_by_shapes'] else 'does not fit'})",
         f"  FLOPs per step: model {fig['model_flops']:.3e} (causal, as the Trainer logs them); "

@@ -193,3 +193,34 @@ def test_a_qlora_plan_counts_the_quantized_base_as_the_run_does(tmp_path):
     stored, bf16 = quantized_bytes(quantize(add_lora(tiny_model(), settings), settings))
     float_kernels = bf16 // 2 * 4  # the tiny model's parameters are float32
     assert frozen(quantization=None) - frozen() == float_kernels - stored
+
+
+def test_a_grpo_plan_with_rollout_devices_trains_on_the_others(tmp_path, capsys):
+    """`rollout_devices` r once changed nothing in the plan (the step planned on every device,
+    the engine on them too) and `max_staleness`' parameter copies were not counted. On 2 devices
+    with r = 1: the step is the one-device plan's, the engine sits replicated on the other."""
+    from jaxtrain.cli import main
+    from jaxtrain.planning.program import build_config
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, vocab_size=64)  # fmt: skip
+    run = dict(num_generations=2, total_batch_size=4, max_prompt_length=8,
+               max_completion_length=4, max_staleness=1, max_steps=1, warmup_steps=0)  # fmt: skip
+    flags = [f"--{k}={v}" for k, v in run.items()] + [f"--model.{k}={v}" for k, v in sizes.items()]
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--task", "grpo", "--devices", "2", "--rollout_devices", "1", *flags]
+    assert main([*argv, "--compiler", "cpu", "--output", str(out)]) == 0
+    assert "1 of them the engine's (rollout_devices)" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    (entry,) = plan["meshes"]
+    figures = entry["figures"]
+    alone = {**plan["arguments"], "rollout_devices": 0, "output_dir": str(tmp_path / "x")}
+    args = GRPOArguments.from_dict(alone)  # the CLI's run (the demo's settings), all on 1
+    one = plan_program(build_config(plan["model"]), args, jax.devices()[:1], task="grpo")
+    assert figures["devices"] == 1 and figures["peak_bytes"] == one["peak_bytes"]
+    sampler = figures["sampler"]
+    assert sampler["devices"] == 1 and one["sampler"]["devices"] is None
+    # One round in flight: a copy of the whole policy on the engine's device.
+    params = 4 * one["num_parameters"]  # float32
+    assert sampler["async_copies_bytes"] == one["sampler"]["async_copies_bytes"] == params
+    assert sampler["memory"]["pool_bytes"] == one["sampler"]["memory"]["pool_bytes"]
