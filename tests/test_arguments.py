@@ -33,9 +33,15 @@ def test_defaults_are_valid_and_derived_values():
         ({"scheduler": "warmup_cosine"}, ["warmup_steps"]),
         ({"save_steps": 0}, ["save_steps"]),
         ({"adam_beta2": 1.5}, ["adam_beta2"]),
-        ({"eval_steps": None}, ["eval_steps", "must be a number", "None"]),
+        ({"eval_steps": None}, ["eval_steps", "must be an integer", "None"]),
         ({"eval_steps": 0}, ["eval_steps", "--evaluation_strategy no"]),  # how to say "never"
-        ({"logging_steps": "10"}, ["logging_steps", "must be a number"]),
+        ({"logging_steps": "10"}, ["logging_steps", "must be an integer"]),
+        # From Python a float where an int is declared once built, then failed inside the run
+        # ("total_steps must be an int > 0 ... got 5.0", "seed must be integer").
+        ({"max_steps": 3.5}, ["TrainingArguments.max_steps must be an integer, got 3.5"]),
+        ({"total_batch_size": 4.0}, ["total_batch_size must be an integer"]),
+        ({"learning_rate": "1e-3"}, ["learning_rate must be a number, got '1e-3' (str)"]),
+        ({"packing": 1}, ["packing must be true or false"]),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, words):

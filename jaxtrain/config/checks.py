@@ -8,8 +8,13 @@ imports nothing of the implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
+import numbers
 import re
+import types
+import typing
 from typing import Any
 
 import yaml
@@ -36,14 +41,6 @@ from jaxtrain.config.tables import (
     resolve_lora_targets,
 )
 from jaxtrain.errors import ArgumentError
-
-DATA_BOOLEAN_FIELDS = (
-    "packing",
-    "split_long_documents",
-    "drop_last",
-    "completion_only_loss",
-    "streaming",
-)
 
 
 def check_choice(args: Any, name: str, options: tuple[str, ...]) -> None:
@@ -113,7 +110,9 @@ def normalized_fields(args: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ checks
 def validate_arguments(args: Any) -> None:
-    """The whole configuration: general fields, then each subsystem's."""
+    """The whole configuration: each field's declared type, general fields, then each
+    subsystem's."""
+    check_field_types(args)
     check_general(args)
     check_optimizer(args)
     check_model(args)
@@ -123,6 +122,47 @@ def validate_arguments(args: Any) -> None:
     check_time_limit(args)
     check_parallel(args)
     check_pruning(args)
+
+
+def check_field_types(args: Any) -> None:
+    """Each field declared int, float, bool or str (or one of them or None) holds one (an int
+    where a float is declared too): the command line parses its values by these types, and from
+    Python a float where an int is declared (max_steps=3.5) once failed inside the run."""
+    for name, kinds in _simple_types(type(args)).items():
+        value = getattr(args, name)
+        if not any(_is(value, kind) for kind in kinds):
+            said = " or ".join(_KIND_NAMES[kind] for kind in kinds)
+            said = said.replace("true or false or", "true, false or")
+            raise ArgumentError(
+                f"{type(args).__name__}.{name} must be {said}, got {value!r} "
+                f"({type(value).__name__})."
+            )
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               type(None): "None"}  # fmt: skip
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+@functools.cache
+def _simple_types(cls: type) -> dict[str, tuple[type, ...]]:
+    """The fields of `cls` whose declared type is int, float, bool, str or a union of them
+    (with None), and those types."""
+    hints = typing.get_type_hints(cls)
+    simple = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if all(kind in _KIND_NAMES for kind in kinds):
+            simple[field.name] = kinds
+    return simple
 
 
 def check_general(args: Any) -> None:
@@ -260,19 +300,10 @@ def check_model(args: Any) -> None:
             f"TrainingArguments.gradient_checkpointing={policy!r} is not supported.{hint} "
             f"Choose one of: {', '.join(REMAT_POLICIES)}."
         )
-    for name in ("freeze_vision_tower", "fp8_matmuls"):
-        if not isinstance(getattr(args, name), bool):
-            raise ArgumentError(f"TrainingArguments.{name} must be true or false, got "
-                                f"{getattr(args, name)!r}.")  # fmt: skip
     if args.elementwise_kernels not in ELEMENTWISE_KERNELS:
         raise ArgumentError(f"TrainingArguments.elementwise_kernels={args.elementwise_kernels!r}: "
                             f"choose one of {', '.join(ELEMENTWISE_KERNELS)}.")  # fmt: skip
-    if args.scan_layers is not None and not isinstance(args.scan_layers, bool):
-        raise ArgumentError("TrainingArguments.scan_layers must be true, false or null (on for "
-                            f"a quantized base), got {args.scan_layers!r}.")  # fmt: skip
-    rank, alpha = args.lora_rank, args.lora_alpha
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ArgumentError(f"TrainingArguments.lora_rank must be an int, got {rank!r}.")
+    rank, alpha = args.lora_rank, args.lora_alpha  # their types: check_field_types
     if rank < 0:
         raise ArgumentError(f"TrainingArguments.lora_rank must be >= 0, got {rank}.")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
@@ -315,9 +346,6 @@ def check_data(args: Any) -> None:
     """The data pipeline's fields."""
     check_choice(args, "truncation_mode", TRUNCATION_MODES)
     check_choice(args, "image_truncation", IMAGE_TRUNCATION)
-    for name in DATA_BOOLEAN_FIELDS:
-        if not isinstance(getattr(args, name), bool):
-            raise ArgumentError(f"TrainingArguments.{name} must be true or false.")
     pop = args.ids_to_pop_from_dataset
     if pop is not None and not all(isinstance(c, str) and c for c in pop):
         raise ArgumentError(
@@ -330,9 +358,6 @@ def check_data(args: Any) -> None:
     if args.chat_template is not None and not str(args.chat_template).strip():
         raise ArgumentError("TrainingArguments.chat_template must be a Jinja template or None.")
     for name in ("stream_window", "packing_window", "images_per_row"):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ArgumentError(f"TrainingArguments.{name} must be an int, got {value!r}.")
         check_positive(args, name)
     if (args.packing or args.streaming) and args.max_steps <= 0:
         which = "packing" if args.packing else "streaming"

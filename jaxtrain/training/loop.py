@@ -20,6 +20,7 @@ import jax
 
 from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps, hold_output_dir
 from jaxtrain.data.batch_source import DataExhausted
+from jaxtrain.errors import ArgumentError
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.profiling import StepProfiler, profile_line
 from jaxtrain.observability.progress import make_progress
@@ -92,6 +93,12 @@ class TrainingLoop:
         # Named in the line of a lost peer process (multi-host).
         note_checkpoints(checkpoints.root, committed_steps)
         plan = checkpoints.plan_start()  # a resume that cannot happen fails here, before any work
+        if plan.step > self.total_steps:  # a finished run's rerun (==) trains nothing, rightly
+            raise ArgumentError(
+                f"{plan.resumed_from} is at step {plan.step}, past this run's {self.total_steps} "
+                "steps (max_steps, or num_train_epochs): raise max_steps to train on from it, or "
+                "resume from an earlier checkpoint."
+            )
         self.profiler = StepProfiler(
             settings.profile_steps,
             settings.output_dir,
@@ -196,7 +203,7 @@ class TrainingLoop:
         )
         if start.resumed_from is not None:
             self.progress.write(f"resumed from {start.resumed_from} at step {start.step}")
-            for note in start.notes:
+            for note in start.notes if start.step < self.total_steps else []:
                 self.progress.write(note)
         summary = startup_summary(program, self.trainer.settings)  # all in run_info.json
         trainer.monitor.add_run_info("startup", summary)

@@ -366,6 +366,7 @@ class Trainer:
         if self.train_source is None:
             raise ArgumentError("Trainer.train() needs dataset_train.")
         self._check_arguments_unchanged()
+        self.should_stop = False  # a hook's stop ended the last call, not this one
         return TrainingLoop(self).run()
 
     def _check_arguments_unchanged(self) -> None:

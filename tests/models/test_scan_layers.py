@@ -320,7 +320,7 @@ def test_qlora_trains_the_same_with_and_without_scan(tmp_path):
 
 
 def test_scan_layers_is_validated_and_unset_on_for_a_quantized_base_only():
-    with pytest.raises(ArgumentError, match="scan_layers must be true, false or null"):
+    with pytest.raises(ArgumentError, match="scan_layers must be true, false or None"):
         TrainingArguments(scan_layers="yes")
     scans = {
         (given, quantization): ModelSettings.from_arguments(

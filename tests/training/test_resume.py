@@ -203,3 +203,27 @@ def test_arguments_changed_after_the_trainer_was_built_are_named_not_ignored(tmp
     with pytest.raises(ArgumentError, match=r"max_steps=2 -> 5.*Build a new Trainer"):
         trainer.train()
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing ran
+
+
+def test_a_second_train_call_goes_on_after_a_hook_stopped_the_first(tmp_path):
+    """`should_stop` once stayed set: the second `train()` resumed at the stop and stopped
+    again at once, returning the same step."""
+    stopper = LossRecorder(stop_at=2)
+    trainer = tiny_trainer(str(tmp_path / "run"), max_steps=4)
+    trainer.callbacks.append(stopper)
+    assert int(trainer.train().state.step) == 2
+    stopper.stop_at = None
+    assert int(trainer.train().state.step) == 4
+
+
+def test_a_checkpoint_past_max_steps_is_refused_not_called_completed(tmp_path):
+    """Resuming a step-4 checkpoint into a 2-step run once returned "completed" at step 4,
+    with no metrics, and a schedule note about a step 5 that never ran."""
+    tiny_trainer(str(tmp_path / "run"), max_steps=4).train()
+    resumed = tiny_trainer(
+        str(tmp_path / "short"),
+        max_steps=2,
+        resume_from=str(tmp_path / "run" / "checkpoints" / "4"),
+    )
+    with pytest.raises(ArgumentError, match=r"is at step 4, past this run's 2 steps"):
+        resumed.train()
