@@ -22,6 +22,14 @@ def test_sample_without_prompt_repeats_the_end_of_run_sample(tmp_path):
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     end_of_run = sample_block(trained.stdout)
     assert end_of_run.strip() and sample_block(sampled.stdout) == end_of_run
+    # Bad sampling options: one line, exit 2, before the model loads (they once reached the
+    # generator: a traceback, exit 1; NaN sampled garbage).
+    for option, said in (("--top_p=1.5", "top_p=1.5 must be in (0, 1], e.g. --top_p 0.9."),
+                         ("--temperature=nan", "temperature=nan must be >= 0"),
+                         ("--max_new_tokens=0", "--max_new_tokens must be >= 1")):  # fmt: skip
+        refused = jaxtrain("sample", str(run), option)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr[-2000:]
+        assert len(refused.stderr.strip().splitlines()) == 1
 
 
 def test_a_preference_row_is_sampled_from_its_prompt():

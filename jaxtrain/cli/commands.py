@@ -232,8 +232,10 @@ def print_sample(
     print("-" * 61)
 
 
-def _restore(tokens: list[str], *, with_eval_data: bool):
-    """`RUN_DIR [--checkpoint PATH] [--options]` -> (restored run, leftover options)."""
+def _restore(tokens: list[str], *, with_eval_data: bool, check: Any = None):
+    """`RUN_DIR [--checkpoint PATH] [--options]` -> (restored run, leftover options);
+    `check(options)`, when given, reads the options (their values checked) before anything is
+    restored."""
     from jaxtrain.cli.run_config import parse_overrides
     from jaxtrain.cli.run_dir import restore_run
 
@@ -242,6 +244,8 @@ def _restore(tokens: list[str], *, with_eval_data: bool):
         raise ArgumentError(f"missing RUN_DIR.\n\n{USAGE}")
     overrides = parse_overrides(rest)
     checkpoint = overrides.pop("checkpoint", None)
+    if check is not None:
+        overrides = check(overrides)
     return restore_run(run_dir, checkpoint, with_eval_data=with_eval_data), overrides
 
 
@@ -268,16 +272,27 @@ def cmd_eval(tokens: list[str]) -> int:
 
 
 def cmd_sample(tokens: list[str]) -> int:
-    from jaxtrain.cli.run_config import SAMPLE_KEYS, typed_section
+    from jaxtrain.cli.run_config import SAMPLE_KEYS, check_sample_section, typed_section
 
-    run, overrides = _restore(tokens, with_eval_data=False)
+    def checked(options: dict[str, str]) -> dict[str, Any]:
+        """The options typed and checked (they once reached the generator unchecked: a
+        traceback after the model loaded)."""
+        given = typed_section(options, SAMPLE_KEYS, "sample")
+        check_sample_section(given, flag="--")
+        if given.get("max_new_tokens") == 0:
+            raise ArgumentError(
+                "--max_new_tokens must be >= 1 to sample, e.g. --max_new_tokens 64."
+            )
+        return given
+
+    run, given = _restore(tokens, with_eval_data=False, check=checked)
     if not run.sections.task.generates:
         raise ArgumentError(
             "jaxtrain sample: this run trained a reward model, which scores text and does not "
             "generate it. Use `jaxtrain eval RUN_DIR` for its pair accuracy, or `jaxtrain "
             "export` for a sequence-classification model."
         )
-    sample = {**run.sections.sample, **typed_section(overrides, SAMPLE_KEYS, "sample")}
+    sample = {**run.sections.sample, **given}
     tokenizer = run.sections.tokenizer
     if tokenizer is None:
         raise ArgumentError("the run directory has no tokenizer/ to encode the prompt.")

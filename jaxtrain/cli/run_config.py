@@ -342,8 +342,9 @@ def check_data_section(data: dict[str, Any]) -> None:
         )
 
 
-def check_sample_section(sample: dict[str, Any]) -> None:
-    """The end-of-run sample's values, checked before training rather than after it."""
+def check_sample_section(sample: dict[str, Any], flag: str = "--sample.") -> None:
+    """The end-of-run sample's values, checked before training rather than after it (and
+    `jaxtrain sample`'s before the model loads: `flag` "--", its options' spelling)."""
     checks = [
         ("max_new_tokens", lambda v: v >= 0, ">= 0 (0 = no sample)", "64"),
         ("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)", "0.7"),
@@ -354,7 +355,7 @@ def check_sample_section(sample: dict[str, Any]) -> None:
         value = sample.get(key)
         if value is not None and not ok(value):
             raise ArgumentError(
-                f"sample.{key}={value} must be {rule}, e.g. --sample.{key} {example}."
+                f"{flag.lstrip('-')}{key}={value} must be {rule}, e.g. {flag}{key} {example}."
             )
 
 
