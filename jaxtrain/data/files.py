@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.data.arrow_rows import read_small_files
+from jaxtrain.data.encoding import check_utf8
 from jaxtrain.data.errors import DatasetError
 
 __all__ = ["FILE_FORMATS", "load_files", "resolve_files"]
 
 # file suffix -> `datasets` builder
+# The formats read as UTF-8 text.
+TEXT_BUILDERS = ("json", "csv", "text")
 FILE_FORMATS = {
     ".jsonl": "json",
     ".json": "json",
@@ -100,6 +103,8 @@ def load_files(
     for small .jsonl/.txt files an ``ArrowRows`` of the same rows."""
     paths = resolve_files(pattern, name=name)
     builder = FILE_FORMATS[Path(paths[0]).suffix.lower()]
+    if builder in TEXT_BUILDERS:  # a byte that is not UTF-8, named by file and line
+        check_utf8(paths, name)
     if not streaming:
         rows = read_small_files(builder, paths)
         if rows is not None:
@@ -123,6 +128,8 @@ def _first_row(builder: str, path: str, name: str, full: bool = False) -> None:
         if not full:
             next(iter(ds), None)
     except Exception as exc:
+        if builder in TEXT_BUILDERS:  # a large file's encoding, checked now that it failed
+            check_utf8([path], name, limit=None)
         raise DatasetError(
             f"{name}: cannot read file {path} as {builder}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}. Fix or remove that file."

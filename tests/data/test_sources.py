@@ -132,6 +132,25 @@ def test_unreadable_and_unknown_files_are_named(tmp_path):
         load_files(str(tmp_path / "d.xml"), name="dataset_train")
 
 
+@pytest.mark.parametrize(
+    "suffix, row",
+    [(".jsonl", b'{"text": "caf\xe9"}\n'), (".txt", b"caf\xe9\n"), (".csv", b"caf\xe9\n")],
+)
+def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_column(tmp_path, suffix, row):
+    """A Latin-1 byte in a .jsonl once died in pyarrow with a traceback naming nothing (a .txt
+    or .csv said only "An error occurred while generating the dataset")."""
+    head = (
+        b'{"text": "fine"}\n' if suffix == ".jsonl" else b"text\n" if suffix == ".csv" else b"ok\n"
+    )
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(head * 3 + row)
+    column = row.index(b"\xe9") + 1
+    for streaming in (False, True):
+        with pytest.raises(DatasetError, match=rf"latin1{suffix} line 4, column {column}: byte "
+                           r"0xe9 is not UTF-8 text; re-encode"):  # fmt: skip
+            load_files(str(path), name="dataset_train", streaming=streaming)
+
+
 def test_tfds_missing_gives_install_hint():
     pytest.importorskip("jaxtrain")
     try:
