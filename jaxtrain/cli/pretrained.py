@@ -16,8 +16,10 @@ def pretrained_data_section(model_section: dict[str, Any], data: dict[str, Any])
     check_pretrained_section(model_section)  # before any data is read or model loaded
     if data.get("tokenizer"):
         return data
-    from jaxtrain.hf.load import TOKENIZER_FILES, resolve_model_dir
+    from jaxtrain.hf.load import TOKENIZER_FILES, gguf_path, resolve_model_dir
 
+    if gguf_path(path) is not None:  # a llama.cpp file carries its tokenizer
+        return {**data, "tokenizer": str(path)}
     model_dir = resolve_model_dir(path)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         return data

@@ -123,9 +123,11 @@ def _mixture_data(data: dict[str, Any]):
 
 
 def _load_tokenizer(path: str):
-    from jaxtrain.hf.load import looks_local
+    from jaxtrain.hf.load import gguf_path, load_tokenizer, looks_local
     from jaxtrain.hf.tokenizer_files import load_processing_class
 
+    if gguf_path(path) is not None:  # `model.pretrained` a .gguf: its own tokenizer
+        return load_tokenizer(path)
     if (
         looks_local(path) and not Path(path).expanduser().is_dir()
     ):  # a hub id may still sit in the local HF cache

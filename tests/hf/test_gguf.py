@@ -122,3 +122,19 @@ def test_real_q4_1_model_matches_transformers_gguf_loader():
     expected = hf_logits(reference, ids)
     assert relative_error(ours, expected) < 1e-4
     assert ours[0, -1].argmax() == expected[0, -1].argmax()
+
+
+@pytest.mark.gguf_model
+def test_the_command_line_takes_a_gguf_file_and_its_tokenizer():
+    """`--model.pretrained FILE.gguf` once stopped at "is a file; pass the model directory"
+    (the tokenizer was looked for in an HF directory) though `from_pretrained` reads it: the
+    file's own tokenizer is the run's, as an HF directory's is."""
+    from jaxtrain.cli.pretrained import pretrained_data_section
+    from jaxtrain.cli.run_dir import build_data
+
+    path = _smollm2_gguf()
+    data = pretrained_data_section({"pretrained": path}, {"source": "default"})
+    assert data["tokenizer"] == path
+    tokenizer = build_data(data, 32)[2]
+    ids = tokenizer("hello world")["input_ids"]
+    assert len(tokenizer) == 49152 and tokenizer.decode(ids) == "hello world"
