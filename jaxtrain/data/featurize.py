@@ -172,6 +172,11 @@ class Featurizer:
         text = row.get(self.text_column)
         if isinstance(text, bytes):  # TFDS text features
             text = text.decode("utf-8")
+        if text is None:  # a key the row lacks reads as null in a file's table
+            raise DatasetError(
+                f"{self.name} row {where}: column {self.text_column!r} is missing (or null); "
+                "give every row its text, or drop that row"
+            )
         if not isinstance(text, str):
             raise DatasetError(
                 f"{self.name} row {where}: column {self.text_column!r} is "
