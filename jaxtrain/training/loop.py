@@ -256,6 +256,10 @@ class TrainingLoop:
             window.exclude(self.profiler.before(step + 1, state))
             # Hooks may hand back a state, a batch, metrics (hooks.py); None changes nothing.
             state = self.hooks.step_start(trainer, state, step)
+            if trainer.should_stop:  # set by on_step_start: this step does not run
+                self.stop_reason = "callback"
+                self._close_window(step, window)
+                break
             try:
                 taken = self._next_batch(step, state)
             except DataExhausted:
@@ -348,6 +352,10 @@ class TrainingLoop:
                 f"jaxtrain: the train data ran out after step {step} (a mixture source with "
                 "mixture_exhausted='stop'); finishing the run there."
             )
+        self._close_window(step, window)
+
+    def _close_window(self, step: int, window) -> None:
+        """The run ends after `step`: its last steps' window is logged."""
         if window.steps:
             self.pending = window.close(step, epoch=self.source.epoch(step))
 

@@ -193,13 +193,25 @@ def test_remat_needs_model_support(tmp_path):
         )
 
 
-def test_a_hook_can_stop_training_and_the_stop_step_is_evaluated_and_saved(corpus, tmp_path):
-    train, evaluation, tokenizer = corpus
+class StopAtSeven(TrainerCallback):
+    def on_step_end(self, trainer, state, metrics, step):
+        if step == 7:
+            trainer.should_stop = True
 
-    class StopAtSeven(TrainerCallback):
-        def on_step_end(self, trainer, state, metrics, step):
-            if step == 7:
-                trainer.should_stop = True
+
+class StopBeforeEight(TrainerCallback):
+    """Stops from on_step_start: step 8 must not run (it once did)."""
+
+    def on_step_start(self, trainer, state, step):
+        if step == 7:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("stopper", [StopAtSeven, StopBeforeEight])
+def test_a_hook_can_stop_training_and_the_stop_step_is_evaluated_and_saved(
+    corpus, tmp_path, stopper
+):
+    train, evaluation, tokenizer = corpus
 
     recorder = Recorder()
     trainer = Trainer(
@@ -207,7 +219,7 @@ def test_a_hook_can_stop_training_and_the_stop_step_is_evaluated_and_saved(corpu
         model=tiny_model(tokenizer),
         dataset_train=train,
         dataset_eval=evaluation,
-        callbacks=[StopAtSeven(), recorder],
+        callbacks=[stopper(), recorder],
     )
     output = trainer.train()
     assert int(output.state.step) == 7 and output.checkpoint_path.endswith("/7")
