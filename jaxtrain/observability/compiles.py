@@ -74,8 +74,9 @@ def shape_changes(old: tuple[Any, Any], new: tuple[Any, Any], args: tuple[Any, .
 
 class TrackedJit:
     """`jax.jit(fn, **jit_kwargs)` compiled ahead of time per signature, with every compile
-    reported to `on_event(CompileEvent)` (and the `jaxtrain.compile` logger). Each compile
-    gets `compiler_options` (XLA's DebugOptions names)."""
+    reported to `on_event(CompileEvent)` and the `jaxtrain.compile` logger (at debug level
+    when `on_event` shows it to the user already: one line per event). Each compile gets
+    `compiler_options` (XLA's DebugOptions names)."""
 
     def __init__(
         self,
@@ -83,9 +84,11 @@ class TrackedJit:
         name: str,
         on_event: Callable[[CompileEvent], None] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        on_event_shows: bool = False,
         **jit_kwargs: Any,
     ):
         self.name = name
+        self._on_event_shows = on_event_shows
         self._compiler_options = compiler_options or None  # XLA options of each compile
         self._jitted = jax.jit(fn, **jit_kwargs)
         self._on_event = on_event
@@ -150,7 +153,8 @@ class TrackedJit:
         self._compiled[sig] = compiled
         event = CompileEvent(self.name, seconds, len(self.events) + 1, changes)
         self.events.append(event)
-        (logger.warning if event.is_recompile else logger.info)(event.message())
+        level = logging.WARNING if event.is_recompile else logging.INFO
+        logger.log(logging.DEBUG if self._on_event_shows else level, event.message())
         if self._on_event is not None:
             self._on_event(event)
 

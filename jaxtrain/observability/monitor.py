@@ -279,7 +279,14 @@ class RunMonitor:
             if self._window is not None:
                 self._window.exclude(event.seconds)  # compile time is not step time
 
-        return TrackedJit(fn, name, report, compiler_options=self.compiler_options, **jit_kwargs)
+        return TrackedJit(
+            fn,
+            name,
+            report,
+            compiler_options=self.compiler_options,
+            on_event_shows=progress is not None,  # the progress prints it: not the logger too
+            **jit_kwargs,
+        )
 
     def step_logs(self, logs: dict[str, float]) -> dict[str, float]:
         """A closed window's logs plus memory (track_memory); an MFU above 100% first

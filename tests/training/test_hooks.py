@@ -217,3 +217,25 @@ def test_the_batch_hook_follows_its_cadence():
     for step in range(5):
         assert hooks.batch(None, {"x": step}, step) == ({"x": step}, {})
     assert hook.steps == [0, 2, 4]
+
+
+def test_a_batch_of_another_shape_recompiles_with_one_warning(tmp_path, caplog, capsys):
+    """The recompile's warning was printed twice: by the progress and by the logger."""
+
+    class HalfRows(TrainerCallback):
+        def on_batch(self, trainer, batch, step):
+            if step == 2:  # the third batch, its rows cut to half their length
+                return {k: v[..., : v.shape[-1] // 2] for k, v in batch.items()}
+
+    trainer = Trainer(
+        arguments=tiny_arguments(str(tmp_path), max_steps=3),
+        model=tiny_model(),
+        dataset_train=token_dataset(),
+        callbacks=[HalfRows()],
+    )
+    with caplog.at_level("DEBUG", logger="jaxtrain.compile"):
+        trainer.train()
+    shown = capsys.readouterr()
+    assert (shown.out + shown.err).count("recompiled train_step") == 1
+    logged = [r for r in caplog.records if "recompiled train_step" in r.getMessage()]
+    assert [r.levelname for r in logged] == ["DEBUG"]  # kept for whoever logs debug
