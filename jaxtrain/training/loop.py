@@ -328,9 +328,10 @@ class TrainingLoop:
                 f"step {step}; saved {self.checkpoint_path}. Run the same command again to "
                 "continue."
             )
-        truncation = self.source.meter.truncation_summary()
-        if truncation and trainer.runtime.is_main_process:
-            logger.warning("jaxtrain: at the end of the run, %s.", truncation)
+        meter = self.source.meter
+        for summary in (meter.truncation_summary(), meter.empty_rows_summary()):
+            if summary and trainer.runtime.is_main_process:
+                logger.warning("jaxtrain: at the end of the run, %s.", summary)
         output = TrainerOutput(
             state=state,
             metrics={**self.last_logs, **self.eval_metrics},

@@ -97,3 +97,30 @@ def test_truncation_is_warned_at_start_and_in_the_run_summary(tmp_path, caplog):
     # 3 steps x 2 rows of 20 tokens read, 8 kept of each.
     end = [m for m in messages if "at the end of the run" in m]
     assert len(end) == 1 and "dropped 60.0% of the tokens read (72 of 120)" in end[0], messages
+
+
+def test_rows_with_nothing_to_learn_are_warned_and_counted(tmp_path, caplog):
+    """Empty (or one-token) rows trained as all padding without a word. Two steps of two
+    rows: each row once."""
+    rows = datasets.Dataset.from_dict({"input_ids": [[3] * 8, [4], [5] * 6, [6]]})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, total_batch_size=2, max_sequence_length=8,
+        progress_bar="none", evaluation_strategy="no", save_final=False,
+    )  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        Trainer(arguments=args, model=model, dataset_train=rows).train()
+    messages = [r.getMessage() for r in caplog.records]
+    first = [m for m in messages if "rows of a training batch have no token to learn" in m]
+    assert len(first) == 1 and "empty text" in first[0], messages
+    end = [m for m in messages if "at the end of the run" in m]
+    assert end == [
+        "jaxtrain: at the end of the run, 2 of the 4 rows trained on had no token to learn "
+        "from (empty text, a one-token row, or completion_only_loss with the completion "
+        "truncated away; they train as padding. Drop such rows, or raise "
+        "max_sequence_length)."
+    ], messages
