@@ -3,7 +3,8 @@
 Where a run starts is decided once, in this order (the first that applies wins):
 
 1. `resume_from` names a checkpoint: resume from it (it must exist; an output_dir that
-   already holds checkpoints of its own is refused, so two runs never mix).
+   already holds checkpoints of its own is refused, so two runs never mix, unless
+   `overwrite_output_dir` deletes them first: the checkpoint is then another run's).
 2. `overwrite_output_dir`: start fresh, deleting output_dir's old checkpoints.
 3. `resume_if_possible` and output_dir holds a committed checkpoint: resume from the newest.
 4. Otherwise start fresh; an output_dir with committed checkpoints is refused.
@@ -103,21 +104,17 @@ class RunCheckpoints:
         settings = self.settings
         path = compat.resume_checkpoint(settings)
         if path is None:
-            refused = bool(ckpt.committed_steps(self.root)) and not settings.overwrite_output_dir
-            # One process clears leftovers while the others wait; a refusal raises everywhere.
-            if jax.process_index() == 0 or refused:
-                ckpt.prepare_output_dir(
-                    settings.output_dir, overwrite=settings.overwrite_output_dir
-                )
-                (Path(settings.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
-            _barrier("jaxtrain_prepare_output_dir")
+            self._clear_output_dir()
             return StartPlan(step=0)
         if path.parent != self.root and ckpt.committed_steps(self.root):
-            raise CheckpointError(
-                f"resume_from={settings.resume_from} is another run's checkpoint, but output_dir "
-                f"{settings.output_dir} already holds checkpoints of its own. Choose a new "
-                "output_dir for the resumed run."
-            )
+            if not settings.overwrite_output_dir:
+                raise CheckpointError(
+                    f"resume_from={settings.resume_from} is another run's checkpoint, but "
+                    f"output_dir {settings.output_dir} already holds checkpoints of its own. "
+                    "Choose a new output_dir for the resumed run, or pass "
+                    "--overwrite_output_dir true to delete them first."
+                )
+            self._clear_output_dir()  # the checkpoint is elsewhere (config/checks.py)
         metadata = read_verified(path)
         compat.check_compatible(
             metadata,
@@ -149,6 +146,17 @@ class RunCheckpoints:
             extra=metadata.get("extra"),
             saved_arguments=metadata.get("arguments"),
         )
+
+    def _clear_output_dir(self) -> None:
+        """A fresh output_dir: leftovers cleared; old checkpoints deleted with
+        overwrite_output_dir, else refused. One process clears while the others wait; a
+        refusal raises everywhere."""
+        settings = self.settings
+        refused = bool(ckpt.committed_steps(self.root)) and not settings.overwrite_output_dir
+        if jax.process_index() == 0 or refused:
+            ckpt.prepare_output_dir(settings.output_dir, overwrite=settings.overwrite_output_dir)
+            (Path(settings.output_dir) / "metrics.jsonl").unlink(missing_ok=True)
+        _barrier("jaxtrain_prepare_output_dir")
 
     def load(
         self,

@@ -15,6 +15,7 @@ import numbers
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -245,10 +246,14 @@ def check_general(args: Any) -> None:
             f"got {args.save_interval_minutes}."
         )
     if args.resume_from is not None and args.overwrite_output_dir:
-        raise ArgumentError(
-            "TrainingArguments.resume_from and overwrite_output_dir=True contradict each other "
-            "(overwriting deletes the run's checkpoints). Drop one of them."
-        )
+        output_dir = Path(args.output_dir).absolute()
+        resume_from = Path(args.resume_from).absolute()
+        if resume_from == output_dir or output_dir in resume_from.parents:
+            raise ArgumentError(
+                f"TrainingArguments.resume_from={args.resume_from} is inside output_dir and "
+                "overwrite_output_dir=True would delete it. Drop one of them (or resume from "
+                "a checkpoint of another run)."
+            )
 
 
 def check_optimizer(args: Any) -> None:

@@ -146,6 +146,18 @@ def test_resume_from_an_explicit_checkpoint(tmp_path):
     assert committed_steps(tmp_path / "b" / "checkpoints") == [4]
     with pytest.raises(CheckpointError, match="No committed checkpoint"):
         tiny_trainer(str(tmp_path / "c"), resume_from=str(tmp_path / "missing")).train()
+    # b holds checkpoints of its own: refused, unless overwrite_output_dir deletes them
+    # (the checkpoint resumed is a's, which it leaves alone; it was refused too).
+    again = dict(max_steps=4, resume_from=str(tmp_path / "a" / "checkpoints" / "2"))
+    with pytest.raises(CheckpointError, match="holds checkpoints of its own"):
+        tiny_trainer(str(tmp_path / "b"), **again).train()
+    steps = LossRecorder()
+    trainer = tiny_trainer(str(tmp_path / "b"), **again, overwrite_output_dir=True, save_steps=3)
+    trainer.callbacks.append(steps)
+    trainer.train()
+    assert list(steps.losses) == [3, 4]
+    assert committed_steps(tmp_path / "b" / "checkpoints") == [3, 4]
+    assert committed_steps(tmp_path / "a" / "checkpoints") == [2, 4]
 
 
 def test_keep_limit_never_deletes_the_newest_checkpoints(tmp_path):

@@ -48,8 +48,9 @@ def test_bad_time_limit_and_on_nan_are_argument_errors(tmp_path):
         TrainingArguments(output_dir=str(tmp_path), training_time_limit="90")
     with pytest.raises(ArgumentError, match="on_nan"):
         TrainingArguments(output_dir=str(tmp_path), on_nan="ignore")
-    with pytest.raises(ArgumentError, match="resume_from"):
-        TrainingArguments(output_dir=str(tmp_path), resume_from="x", overwrite_output_dir=True)
+    inside = str(tmp_path / "checkpoints" / "3")  # what overwriting would delete
+    with pytest.raises(ArgumentError, match="resume_from=.* is inside output_dir"):
+        TrainingArguments(output_dir=str(tmp_path), resume_from=inside, overwrite_output_dir=True)
 
 
 def test_first_signal_requests_a_stop_and_a_second_aborts():
