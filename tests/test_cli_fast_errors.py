@@ -102,3 +102,15 @@ def test_a_missing_local_path_is_not_called_a_hub_id(tmp_path, monkeypatch, caps
     assert main([*argv, "--data.tokenizer", "data/tok", "--warmup_steps", "0"]) == 2
     err = capsys.readouterr().err
     assert "data.tokenizer='data/tok': no such directory" in err and "Hub" not in err
+
+
+@pytest.mark.parametrize("command", ["eval", "sample", "export"])
+def test_a_python_run_directory_says_how_to_use_it(tmp_path, capsys, command):
+    """A Trainer run from Python (arguments.json, no config.yaml) was only 'not a run
+    directory written by jaxtrain train', with no way forward."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "arguments.json").write_text("{}")
+    argv = [command, str(tmp_path / "run")] + ([str(tmp_path / "out")] * (command == "export"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is a run started from Python" in err and "trainer.save_pretrained(state, DIR)" in err

@@ -15,6 +15,11 @@ def locate_run(source: str) -> tuple[Path, Path | None]:
         return path, None
     if (path / "state").is_dir() and (path.parent.parent / "config.yaml").is_file():
         return path.parent.parent, path
+    from jaxtrain.cli.run_dir import python_run_error
+
+    for run_dir in (path, path.parent.parent):
+        if error := python_run_error(run_dir):
+            raise error
     raise ArgumentError(
         f"{source} is neither a run directory (with config.yaml) nor a checkpoint step "
         "directory (<run>/checkpoints/<step>) of one."

@@ -162,6 +162,21 @@ class RunSections:
         return get_task(str(self.config.get("task") or DEFAULT_TASK))
 
 
+def python_run_error(run_dir: str | Path) -> ArgumentError | None:
+    """The error for a Trainer run started from Python (arguments.json, no config.yaml),
+    which the command line cannot rebuild; None for any other directory."""
+    run_dir = Path(run_dir)
+    if (run_dir / "config.yaml").is_file() or not (run_dir / "arguments.json").is_file():
+        return None
+    return ArgumentError(
+        f"{run_dir} is a run started from Python: its model and data were Python objects, "
+        "which the command line cannot rebuild (it has no config.yaml). In Python, `state = "
+        "trainer.load_checkpoint(path)` then `trainer.evaluate(state)` or "
+        "`trainer.save_pretrained(state, DIR)`; an exported DIR works with `jaxtrain serve "
+        "DIR`, `jaxtrain evaluate DIR` and `--model.pretrained DIR`."
+    )
+
+
 def load_run(run_dir: str | Path) -> RunSections:
     """Arguments, model, data and sample sections and the tokenizer of a run directory."""
     from jaxtrain.arguments import read_config_file
@@ -170,7 +185,7 @@ def load_run(run_dir: str | Path) -> RunSections:
 
     config_path = Path(run_dir) / "config.yaml"
     if not config_path.is_file():
-        raise ArgumentError(
+        raise python_run_error(run_dir) or ArgumentError(
             f"{run_dir} has no config.yaml: not a run directory written by `jaxtrain train`."
         )
     config = read_config_file(config_path)
@@ -291,8 +306,8 @@ def restore_run(
     from jaxtrain.checkpointing import find_checkpoint
     from jaxtrain.runtime import Runtime
 
+    sections = load_run(run_dir)  # first: a directory that is no run is said so
     checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
-    sections = load_run(run_dir)
     runtime = Runtime.from_arguments(sections.args)  # before the model touches a device
     if with_eval_data:
         trainer = _eval_trainer(sections, runtime)
