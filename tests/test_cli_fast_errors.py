@@ -114,3 +114,11 @@ def test_a_python_run_directory_says_how_to_use_it(tmp_path, capsys, command):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "is a run started from Python" in err and "trainer.save_pretrained(state, DIR)" in err
+
+
+def test_a_plan_with_every_device_for_rollouts_is_refused_before_compiling(tmp_path, capsys):
+    """It compiled, then showed "cannot run" in the table and exited 0."""
+    argv = ["plan", "--task", "grpo", "--devices", "2", "--rollout_devices", "2"]
+    assert main([*argv, "--output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rollout_devices=2 leaves no device to train on" in err

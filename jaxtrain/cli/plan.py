@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.config.parallel_checks import rollout_split
 from jaxtrain.errors import ArgumentError
 from jaxtrain.planning.targets import CPU_BOUND_NOTE, STAND_INS
 
@@ -234,7 +235,7 @@ def cmd_plan(tokens: list[str]) -> int:
         )
     # An online RL run with rollout_devices r trains on the others (the engine has r).
     rollout = getattr(args, "rollout_devices", 0) or 0
-    training = devices - rollout
+    training = len(rollout_split(range(devices), rollout)[0])
     if options["sweep"]:
         meshes = sweep_meshes(training, per_node, args.micro_batch_size, model_config)
         if not meshes:

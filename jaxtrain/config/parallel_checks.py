@@ -3,10 +3,28 @@ the cluster's processes (config/checks.py runs them with every other check)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from jaxtrain.config.tables import DISTRIBUTED_MODES, MESH_AXES, check_divisible, parse_axis_dims
 from jaxtrain.errors import ArgumentError
+
+Device = TypeVar("Device")
+
+
+def rollout_split(devices: Sequence[Device], r: int) -> tuple[list[Device], list[Device]]:
+    """(the devices that train, the engine's) of an online RL run with rollout_devices `r`:
+    the engine takes the last r (none when r is 0). The trainer, `jaxtrain plan` and its
+    worker all split this way."""
+    devices = list(devices)
+    if not r:
+        return devices, []
+    if r >= len(devices):
+        raise ArgumentError(
+            f"rollout_devices={r} leaves no device to train on ({len(devices)} in all); keep "
+            "at least one for training."
+        )
+    return devices[:-r], devices[-r:]
 
 
 def _check_axes(rule: Any, where: str) -> None:

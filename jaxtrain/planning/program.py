@@ -247,14 +247,16 @@ def plan_program(
     sharding_axis_dims) over `devices`. `layers`: "all" compiles the whole model, "unit" the
     repeating unit twice and three times (scaled), "auto" the whole model up to
     WHOLE_MODEL_LAYERS layers."""
+    from jaxtrain.config.parallel_checks import rollout_split
     from jaxtrain.config.sections import RunSettings
     from jaxtrain.parallel.dry_run import tree_bytes_per_device
 
     settings = RunSettings.from_arguments(args)
     engine_task = get_task(task).samples_on_engine
-    # With rollout_devices r the engine has the last r devices and the others train
-    # (trainers/grpo.py split_rollout_devices): the step is planned on those.
-    devices, rollout = split_devices(devices, settings) if engine_task else (devices, [])
+    # With rollout_devices r the engine has the last r devices and the others train: the
+    # step is planned on those.
+    r = settings.task.rollout_devices if engine_task else 0
+    devices, rollout = rollout_split(devices, r)
     full = plan_step_program(config, args, devices, attention, task, settings)
     abstract, shardings = full.abstract_state(), full.state_shardings
     # Frozen weights (a reference, a teacher, a LoRA base, quantized or not): state too.
@@ -311,22 +313,6 @@ def plan_program(
     if sampler is not None:
         figures["sampler"] = sampler
     return figures
-
-
-def split_devices(devices: list[Any], settings: Any) -> tuple[list[Any], list[Any]]:
-    """(the training devices, the engine's own) of an online RL run: rollout_devices r takes
-    the last r, as its trainer does; none without."""
-    from jaxtrain.errors import ArgumentError
-
-    r = getattr(settings.task, "rollout_devices", 0)
-    if not r:
-        return devices, []
-    if r >= len(devices):
-        raise ArgumentError(
-            f"rollout_devices={r} leaves no device to train on ({len(devices)} in all); keep "
-            "at least one for training."
-        )
-    return devices[:-r], devices[-r:]
 
 
 def sampler_figures(program: Any, settings: Any, rollout: list[Any] = ()) -> dict[str, Any]:

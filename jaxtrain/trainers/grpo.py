@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.config.parallel_checks import rollout_split
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.chat import with_chat_template
 from jaxtrain.data.collate import IGNORE_INDEX
@@ -283,13 +284,8 @@ def split_rollout_devices(
             f"rollout_devices={r}: a generation sub-mesh runs in one process for now; set "
             "rollout_devices=0 on several processes."
         )
-    devices = list(kwargs.get("devices") or jax.devices())
-    if r >= len(devices):
-        raise ArgumentError(
-            f"rollout_devices={r} leaves no device to train on ({len(devices)} in all); keep "
-            "at least one for training."
-        )
-    return Mesh(np.array(devices[-r:]), ("rollout",)), devices[:-r]
+    training, rollout = rollout_split(list(kwargs.get("devices") or jax.devices()), r)
+    return Mesh(np.array(rollout), ("rollout",)), training
 
 
 def check_process_groups(settings: RunSettings, processes: int) -> None:
