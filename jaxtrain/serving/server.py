@@ -14,9 +14,11 @@ the timeout, has its request cancelled, which frees its slots and pages.
 # at run time, and Request is imported inside create_app (fastapi is an extra).
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxtrain.data.vision import text_tokenizer
@@ -69,10 +71,15 @@ def create_app(
     processor, tokenizer = tokenizer, text_tokenizer(tokenizer)
     vocab_size = _vocab_size(engine, tokenizer)
     metrics, gate = Metrics(), GateState()
+    # Requests are read and tokenized on a thread of their own: a prompt of megabytes takes
+    # seconds to tokenize, which on the event loop would stall every stream and /health.
+    # One thread, so two requests never use the tokenizer at once (as on the loop).
+    parsing = ThreadPoolExecutor(1, thread_name_prefix="jaxtrain-parse")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         yield
+        parsing.shutdown(wait=False, cancel_futures=True)
         runner.close()  # the engine's thread ends with the server
 
     app = FastAPI(title="jaxtrain serve", lifespan=lifespan)
@@ -120,22 +127,24 @@ def create_app(
             return refuse(err)
         except (ValueError, UnicodeDecodeError) as err:
             return refuse(RequestError(400, f"the request body is not valid JSON: {err}"))
+        loop = asyncio.get_running_loop()
+        parse = functools.partial(
+            parse_request,
+            body,
+            chat=chat,
+            model_name=model_name,
+            tokenizer=processor,
+            max_length=engine.max_length,
+            limits=limits,
+            vocab_size=vocab_size,
+            adapters=adapters,
+        )
         try:
-            parsed = parse_request(
-                body,
-                chat=chat,
-                model_name=model_name,
-                tokenizer=processor,
-                max_length=engine.max_length,
-                limits=limits,
-                vocab_size=vocab_size,
-                adapters=adapters,
-            )
+            parsed = await loop.run_in_executor(parsing, parse)
         except RequestError as err:
             return refuse(err)
         except ValueError as err:  # SamplingParams' own checks
             return refuse(RequestError(400, str(err)))
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         clock = RequestClock(metrics, arrival)
 

@@ -180,6 +180,28 @@ def test_unknown_routes_and_methods_answer_in_openai_s_shape(server):
         assert answer.json()["error"]["message"].endswith(("Not Found", "Method Not Allowed"))
 
 
+def test_a_long_prompt_is_tokenized_without_stalling_the_server(server):
+    """Tokenizing a prompt of a megabyte took seconds on the event loop: /health and every
+    stream waited. The prompt is refused (too long for the model) once tokenized; /health,
+    asked meanwhile, answers first."""
+    root, done = server.removesuffix("/v1"), {}
+    body = {"model": "tiny", "prompt": "the quick brown fox jumps over " * 30_000}
+
+    def post():
+        done["answer"] = httpx.post(f"{server}/completions", json=body, timeout=120)
+        done["at"] = time.monotonic()
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    time.sleep(0.5)  # the body is in; its tokenization takes seconds
+    health = httpx.get(f"{root}/health", timeout=120)
+    health_at = time.monotonic()
+    thread.join()
+    assert health.status_code == 200 and done["answer"].status_code == 400
+    assert "prompt" in done["answer"].json()["error"]["message"]
+    assert health_at < done["at"]
+
+
 def test_a_stream_sends_no_stop_string_nor_what_follows_it(client):
     """A stream once sent the first character of a stop string it had just completed (all of
     a one-character one) and the rest of that token, and counted `text_offset` from the text
