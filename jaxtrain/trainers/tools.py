@@ -57,9 +57,17 @@ class Toolbox:
             if not isinstance(arguments, dict):
                 raise TypeError(f"{name}() arguments must be an object, got {arguments!r}")
             result = _run(tool, arguments, timeout)
-        except Exception as exc:  # the model's mistake or the tool's: answered, counted
-            return name, str({"error": str(exc)}), True
-        return name, result if isinstance(result, str) else str(result), False
+            answer = result if isinstance(result, str) else str(result)
+        except (Exception, SystemExit) as exc:  # the model's mistake or the tool's: answered
+            return name, str({"error": _describe(exc)}), True
+        return name, answer, False
+
+
+def _describe(exc: BaseException) -> str:
+    """What the model reads of a tool's failure; exit() inside a tool is one too."""
+    if isinstance(exc, SystemExit | KeyboardInterrupt):
+        return f"the tool raised {type(exc).__name__}({exc})"
+    return str(exc)
 
 
 def _run(tool: Callable, arguments: dict[str, Any], timeout: float | None) -> Any:
@@ -70,6 +78,8 @@ def _run(tool: Callable, arguments: dict[str, Any], timeout: float | None) -> An
         return pool.submit(tool, **arguments).result(timeout=timeout)
     except concurrent.futures.TimeoutError:
         raise TimeoutError(f"{tool.__name__} did not answer within {timeout:g} s") from None
+    except KeyboardInterrupt as exc:  # raised in the tool's own thread: the tool's, not a ^C
+        raise RuntimeError(_describe(exc)) from None
     finally:
         pool.shutdown(wait=False)
 

@@ -5,6 +5,7 @@ rollout, failures answered (never raised), and an exact resume inside a round.""
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -279,20 +280,44 @@ def test_every_failing_call_is_answered_and_counted(tok):
         time.sleep(seconds)
         return "done"
 
-    box = Toolbox([add, broken, slow])
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("cannot print me")
+
+    def leaves(how: str):
+        """Ends the process, as code a tool runs may (exit(), argparse); or cannot be read.
+
+        Args:
+            how: exit, exit3, interrupt or unprintable.
+        """
+        if how == "unprintable":
+            return Unprintable()
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        sys.exit(3 if how == "exit3" else 0)
+
+    box = Toolbox([add, broken, slow, leaves])
     call = lambda name, **arguments: {"type": "function",  # noqa: E731
                                       "function": {"name": name, "arguments": arguments}}  # fmt: skip
     assert box.call(call("add", a=1, b=2), 5.0) == ("add", "3", False)
+    # A tool that exits, interrupts or returns what cannot be printed once ended the run
+    # (exit code 0 or 3 and no checkpoint, a traceback): answered like any failure now.
     for made, said in [
         (call("nope"), "{'error': 'Tool nope not found.'}"),
         (call("add", a=1, c=2), "unexpected keyword argument 'c'"),
         (call("broken", text="x"), "{'error': 'the broken tool broke'}"),
         (call("slow", seconds=5), "slow did not answer within 0.2 s"),
+        (call("leaves", how="exit"), "the tool raised SystemExit(0)"),
+        (call("leaves", how="exit3"), "the tool raised SystemExit(3)"),
+        (call("leaves", how="interrupt"), "the tool raised KeyboardInterrupt()"),
+        (call("leaves", how="unprintable"), "cannot print me"),
     ]:
         start = time.perf_counter()
         name, answer, failed = box.call(made, 0.2)
         assert failed and said in answer, answer
         assert time.perf_counter() - start < 2
+    for how in ("exit", "unprintable"):  # in the caller's thread (no timeout) too
+        assert box.call(call("leaves", how=how), None)[2]
 
 
 def test_a_malformed_call_is_answered_and_the_rollout_goes_on(tok):
