@@ -79,9 +79,24 @@ def _positive_int(options: dict[str, Any], key: str) -> int | None:
     return number
 
 
-def model_spec(options: dict[str, Any], model_section: dict[str, Any]) -> dict[str, Any]:
+def data_vocab_size(data: dict[str, Any]) -> int | None:
+    """The vocabulary `jaxtrain train` gives a model section without its own: the data's
+    tokenizer's (`data.tokenizer`, else the embedded corpus's BPE of `data.vocab_size`
+    tokens, not trained here); None for token ids without a tokenizer."""
+    if data.get("tokenizer"):
+        from jaxtrain.cli.run_dir import data_tokenizer
+
+        return len(data_tokenizer(data["tokenizer"]))
+    if data.get("source", "default") == "default" and "mixture" not in data:
+        return int(data.get("vocab_size", 4096))
+    return None
+
+
+def model_spec(
+    options: dict[str, Any], model_section: dict[str, Any], data: dict[str, Any]
+) -> dict[str, Any]:
     """{"hf_config": ...} from --hf_config or model.pretrained's config.json, else the
-    jaxtrain model section (vocab_size and special ids as the data's tokenizer would set)."""
+    jaxtrain model section (its vocab_size, unless set, the data's tokenizer's)."""
     path = options["hf_config"]
     if path is None and "pretrained" in model_section:
         path = str(Path(model_section["pretrained"]) / "config.json")
@@ -95,6 +110,8 @@ def model_spec(options: dict[str, Any], model_section: dict[str, Any]) -> dict[s
         return {"hf_config": hf, "source": path}
     spec = dict(model_section)
     spec.pop("base_model", None)
+    if "vocab_size" not in spec and (vocab := data_vocab_size(data)) is not None:
+        spec["vocab_size"] = vocab
     return spec
 
 
@@ -216,12 +233,12 @@ def cmd_plan(tokens: list[str]) -> int:
     path, rest = split_positional(rest)
     config, sources = resolve_config_with_sources(path, parse_overrides(rest))
     try:
-        args, model_section, _, _ = split_config(config, path or "the command line", sources)
+        args, model_section, data, _ = split_config(config, path or "the command line", sources)
     except ArgumentError as err:
         raise explain_source(err, sources) from None
     if options["layers"] not in ("auto", "all", "unit"):
         raise ArgumentError(f"--layers must be auto, all or unit, got {options['layers']!r}.")
-    model = model_spec(options, model_section)
+    model = model_spec(options, model_section, data)
     model_config = build_config(model)
     devices = _positive_int(options, "devices") or accel.node
     processes = _positive_int(options, "processes") or max(1, math.ceil(devices / accel.node))

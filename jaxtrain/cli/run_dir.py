@@ -82,7 +82,7 @@ def build_data(data: dict[str, Any], seq_len: int, packing: bool = False):
         kwargs = {k: data[k] for k in ("max_train_bytes", "vocab_size") if k in data}
         corpus = load_default_corpus(**kwargs)
         if data.get("tokenizer"):  # e.g. a pretrained model's own tokenizer
-            tokenizer = _load_tokenizer(data["tokenizer"])
+            tokenizer = data_tokenizer(data["tokenizer"])
             train = corpus.train if packing else chunk_dataset(corpus.train, tokenizer, seq_len)
             return train, chunk_dataset(corpus.eval, tokenizer, seq_len), tokenizer
         train = corpus.train if packing else corpus.token_rows("train", seq_len)
@@ -92,7 +92,7 @@ def build_data(data: dict[str, Any], seq_len: int, packing: bool = False):
 
         if "train_files" not in data:
             raise ArgumentError("data.source='files' needs data.train_files (a path or glob).")
-        tokenizer = _load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
+        tokenizer = data_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
         train = load_files(data["train_files"], name="data.train_files")
         evaluation = (
             load_files(data["eval_files"], name="data.eval_files")
@@ -108,7 +108,7 @@ def _mixture_data(data: dict[str, Any]):
     from jaxtrain.data import Source
     from jaxtrain.data.files import load_files
 
-    tokenizer = _load_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
+    tokenizer = data_tokenizer(data["tokenizer"]) if data.get("tokenizer") else None
     train = {}
     for entry in data["mixture"]:
         name = entry["name"]
@@ -122,7 +122,8 @@ def _mixture_data(data: dict[str, Any]):
     return train, evaluation, tokenizer
 
 
-def _load_tokenizer(path: str):
+def data_tokenizer(path: str) -> Any:
+    """The tokenizer of `data.tokenizer` (a directory, or a .gguf file's own)."""
     from jaxtrain.hf.load import gguf_path, load_tokenizer, looks_local
     from jaxtrain.hf.tokenizer_files import load_processing_class
 

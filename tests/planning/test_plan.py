@@ -187,6 +187,29 @@ def test_jaxtrain_plan_sweeps_meshes_and_writes_plan_json(tmp_path, capsys):
     assert "FLOPs per step" in printed and "collectives per step" in printed
 
 
+def test_a_plan_s_vocabulary_is_the_data_tokenizer_s_as_in_a_run(tmp_path):
+    """The plan's model had the config's default vocabulary whatever the data's tokenizer:
+    a Llama 3 tokenizer (128k tokens) planned as 4096."""
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+
+    from jaxtrain.cli.plan import model_spec
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the quick brown fox"] * 10, vocab_size=300, min_frequency=1)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe)
+    tokenizer.save_pretrained(tmp_path / "tok")
+    options = {"hf_config": None}
+    section = {"hidden_size": 64}
+    assert model_spec(options, section, {"source": "default", "vocab_size": 384}) == {
+        "hidden_size": 64, "vocab_size": 384,
+    }  # fmt: skip
+    files = {"source": "files", "tokenizer": str(tmp_path / "tok")}
+    assert model_spec(options, section, files)["vocab_size"] == len(tokenizer)
+    assert model_spec(options, {**section, "vocab_size": 999}, files)["vocab_size"] == 999
+    assert "vocab_size" not in model_spec(options, section, {"source": "files"})
+
+
 def test_plan_refuses_an_unknown_accelerator_and_a_bad_device_count(capsys):
     assert main(["plan", "--accelerator", "tpu-v9"]) == 2
     assert "--accelerator 'tpu-v9': choose one of h100" in capsys.readouterr().err
