@@ -4,7 +4,7 @@ With ``completion_only_loss`` only the assistant turns are learned: every other 
 label -100. The assistant spans are found as character ranges of the rendered text (the
 conversation up to each reply, rendered with ``add_generation_prompt=True``, must be a
 prefix of the whole rendering, true of the usual templates) and mapped to tokens through
-the fast tokenizer's offsets.
+the fast tokenizer's offsets: every token that overlaps a reply is learned.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise DatasetError(
                 f"message {i} must be a dict with 'role' and 'content', got {str(m)[:60]!r}"
+            )
+        if not isinstance(m["role"], str) or not m["role"]:
+            # A file's rows share one schema: a key misspelled in one row ("rol") is a
+            # column of its own there, and that row's 'role' reads as null.
+            keys = sorted(k for k, v in m.items() if v is not None)
+            raise DatasetError(
+                f"message {i} has no 'role' (got {m['role']!r}; its keys with values: "
+                f"{keys}); give every message a role such as 'user' or 'assistant'"
             )
     return [dict(m) for m in messages]
 
@@ -87,9 +95,12 @@ def render_chat(
                 "chat_template or completion_only_loss=False"
             )
         spans.append((len(prompt), len(upto)))
-    starts = np.asarray([start for start, _ in encoding["offset_mapping"]], np.int64)
+    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
     learn = np.zeros(len(ids), bool)
     for lo, hi in spans:
-        learn |= (starts >= lo) & (starts < hi)
+        # A token overlapping the reply is the reply's, as transformers' assistant masks
+        # have it: "assistant: " then "2" tokenizes as " 2", which begins in the prompt.
+        learn |= (starts < hi) & (ends > lo)
     labels = np.where(learn, ids, IGNORE_INDEX)
     return {"input_ids": ids, "labels": labels}

@@ -66,6 +66,38 @@ def test_chat_completion_only_loss_masks_the_prompt(chat_tokenizer):
     assert (b["labels"][0, 0, n:] == -100).all()
 
 
+# Transformers marks the tokens of `{% generation %}` blocks: the reply and its end of turn.
+MARKED_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}\n{% endgeneration %}{% else %}{{ m['content'] }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.mark.parametrize("reply", ["2", "The answer is 13"])
+def test_completion_only_labels_are_transformers_assistant_masks(reply):
+    """The prompt ends in a space that the byte-level BPE joins to the reply's first token
+    (" 2"): that token was left out (a one-token reply learned nothing)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    text = ["user: what is 1+1\nassistant: 2\n", "The answer is 13 and 2 or 1"] * 20
+    bpe.train_from_iterator(text, vocab_size=300, min_frequency=1)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    tokenizer.chat_template = MARKED_TEMPLATE
+    messages = [{"role": "user", "content": "what is 1+1"}, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "and 2"}, {"role": "assistant", "content": reply}]  # fmt: skip
+    ours = render_chat(tokenizer, messages, completion_only_loss=True)
+    theirs = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert ours["input_ids"].tolist() == list(theirs["input_ids"])
+    assert (ours["labels"] != -100).astype(int).tolist() == list(theirs["assistant_masks"])
+    learned = tokenizer.decode(ours["input_ids"][ours["labels"] != -100])
+    assert learned.split() == reply.split() * 2  # the whole replies, no word lost
+
+
 def test_chat_template_argument_overrides_the_tokenizer(chat_tokenizer):
     rows = [{"messages": [{"role": "user", "content": "a"}]}] * 2
     b, _ = batch(
@@ -121,6 +153,20 @@ def test_bad_rows_name_row_and_column(chat_tokenizer):
     bad_chat = [{"messages": [{"role": "user", "content": "a"}]}, {"messages": "hi"}]
     with pytest.raises(DatasetError, match="row 1, column 'messages'.*list of"):
         batch(bad_chat, chat_tokenizer)
+
+
+def test_a_misspelled_role_in_a_file_names_its_row(chat_tokenizer, tmp_path):
+    """A file's rows share one schema: row 1's "rol" became a key of every message, and
+    row 1's role null, which rendered as ': a' and trained."""
+    from jaxtrain.data.files import load_files
+
+    lines = ['{"messages": [{"role": "user", "content": "a"}]}',
+             '{"messages": [{"rol": "user", "content": "a"}]}']  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    rows = load_files(str(tmp_path / "chat.jsonl"), name="data.train_files")
+    assert rows[1]["messages"][0]["role"] is None  # what Arrow made of it
+    with pytest.raises(DatasetError, match=r"row 1, column 'messages'.*message 0 has no 'role'"):
+        batch(rows, chat_tokenizer, max_sequence_length=8)
 
     def failing_tokenizer(texts):
         if "boom" in texts:
