@@ -122,3 +122,16 @@ def test_a_plan_with_every_device_for_rollouts_is_refused_before_compiling(tmp_p
     assert main([*argv, "--output_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rollout_devices=2 leaves no device to train on" in err
+
+
+@pytest.mark.parametrize("where", ["nodir", "empty", "rows.jsonl"])
+def test_a_data_tokenizer_that_is_no_tokenizer_is_one_line(tmp_path, capsys, monkeypatch, where):
+    """A missing, empty or non-tokenizer path was a transformers traceback and exit 1."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    argv = ["train", "--data.source", "files", "--data.train_files", "rows.jsonl",
+            "--data.tokenizer", where, "--max_steps", "1", "--warmup_steps", "0"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"data.tokenizer={where!r}" in err and "Traceback" not in err

@@ -136,7 +136,15 @@ def data_tokenizer(path: str) -> Any:
             f"data.tokenizer={path!r}: no such directory. Pass the local directory of a Hugging "
             "Face tokenizer (tokenizer.json or tokenizer_config.json)."
         )
-    return load_processing_class(Path(path).expanduser())
+    try:
+        return load_processing_class(Path(path).expanduser())
+    except Exception as err:  # transformers' many ways to say it found no tokenizer there
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ArgumentError(
+            f"data.tokenizer={path!r}: no tokenizer loads from it ({reason}). Pass the local "
+            "directory of a Hugging Face tokenizer (tokenizer.json or tokenizer_config.json), "
+            "or a .gguf file."
+        ) from err
 
 
 @dataclass
