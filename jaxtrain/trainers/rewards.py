@@ -103,6 +103,9 @@ def load_reward(spec: str, *, format_pattern: str | None = None) -> RewardFunc:
     return load_callable(spec, "reward", f"nor a built-in ({', '.join(BUILTINS)})")
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def load_callable(spec: str, what: str, alternatives: str = "") -> Callable:
     """A function or class from `module:name` (or `module.name`): a reward, a tool or an
     environment named on the command line."""
@@ -117,6 +120,15 @@ def load_callable(spec: str, what: str, alternatives: str = "") -> Callable:
         found = getattr(import_from_here(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ArgumentError(f"{what} {spec!r} cannot be loaded: {exc}") from exc
+    except SyntaxError as exc:
+        raise ArgumentError(
+            f"{what} {spec!r} cannot be loaded: {exc.filename} line {exc.lineno}: {exc.msg}"
+        ) from exc
+    except Exception as exc:  # the module's own code failed as it was imported
+        raise ArgumentError(
+            f"{what} {spec!r} cannot be loaded: importing {module_name} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     if not callable(found):
         raise ArgumentError(f"{what} {spec!r} is not callable.")
     return found
@@ -172,6 +184,8 @@ def score_completions(
             if v is None:
                 continue
             try:
+                if isinstance(v, str | bytes):  # float("1.0") would read it: a bug upstream
+                    raise TypeError
                 x = float(v)
             except (TypeError, ValueError):
                 raise RewardError(
@@ -182,6 +196,11 @@ def score_completions(
                 raise RewardError(
                     f"reward function {name} returned NaN for prompt {prompts[i]!r}; return "
                     "None for a completion it does not score"
+                )
+            if not abs(x) <= FLOAT32_MAX:  # the loss computes in float32: inf there
+                raise RewardError(
+                    f"reward function {name} returned {x!r} for prompt {prompts[i]!r}; "
+                    "rewards must be finite numbers within float32's range"
                 )
             out[i, j] = x
     if np.isnan(out).all():

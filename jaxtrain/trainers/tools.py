@@ -70,6 +70,24 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
+def _check_no_arguments(factory: Any) -> None:
+    """ArgumentError unless `factory` (an environment's class) can be called with none: one
+    environment is made per rollout, from nothing."""
+    if not callable(factory):
+        raise ArgumentError(f"environment_factory {factory!r} is not a class or function")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as err:
+        name = getattr(factory, "__name__", repr(factory))
+        raise ArgumentError(
+            f"environment_factory {name} cannot be called without arguments ({err}): pass a "
+            "class (or function) that makes an environment from nothing; its reset(**row) "
+            "receives each rollout's row."
+        ) from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        return
+
+
 def _run(tool: Callable, arguments: dict[str, Any], timeout: float | None) -> Any:
     if timeout is None:
         return tool(**arguments)
@@ -105,6 +123,7 @@ class ToolCalls:
         self._pools: dict[Any, list[Any]] = {}  # instances reused round after round
         self._shown: dict[Any, list[Callable]] = {None: self.tools}
         for name, factory in self.factories.items():
+            _check_no_arguments(factory)
             probe = factory()
             if not callable(getattr(probe, "reset", None)):
                 raise ArgumentError(

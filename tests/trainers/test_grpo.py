@@ -13,7 +13,12 @@ from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer
 from jaxtrain.trainers.grpo import check_process_groups
-from jaxtrain.trainers.rewards import RewardError, format_regex, last_number_matches
+from jaxtrain.trainers.rewards import (
+    RewardError,
+    format_regex,
+    last_number_matches,
+    score_completions,
+)
 
 BIG = {str(i) for i in range(10, 20)}
 
@@ -114,6 +119,24 @@ def test_reward_errors_name_the_function_before_any_update(tokenizer, tmp_path, 
     assert not (tmp_path / "run" / "checkpoints").exists() or not any(
         (tmp_path / "run" / "checkpoints").iterdir()
     )
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ([float("inf"), 0.0], "returned inf for prompt 'p0'"),
+        ([0.0, -1e300], "returned -1e.300 for prompt 'p1'.*float32's range"),
+        (["1.0", 0.0], "returned '1.0' for prompt 'p0'; rewards are floats"),
+    ],
+)
+def test_infinite_or_textual_rewards_are_refused(values, match):
+    """An infinite reward zeroed its group's advantages and logged reward=inf; a string was
+    read with float() although a non-number is documented as an error."""
+    with pytest.raises(RewardError, match=match):
+        score_completions([lambda prompts, completions, **_: values], ["p0", "p1"], ["a", "b"], {})
+    assert score_completions([lambda **_: [True, 2]], ["p0", "p1"], ["a", "b"], {}).tolist() == [
+        [1.0], [2.0]
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,9 @@ from jaxtrain.serving.tool_chat import TOOL_CHAT_TEMPLATE, parse_turn, response_
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer
 from jaxtrain.trainers.grpo_loss import grpo_loss
 from jaxtrain.trainers.grpo_prompts import chat_ids
+from jaxtrain.trainers.rewards import load_callable
 from jaxtrain.trainers.tool_rollouts import Episode, play_tool_turns
-from jaxtrain.trainers.tools import Toolbox
+from jaxtrain.trainers.tools import Toolbox, ToolCalls
 
 # jaxtrain's ChatML template with tools (<tool_call> JSON): the tokenizer has no
 # response_template, so jaxtrain reads the calls with its own for that format.
@@ -265,6 +266,30 @@ def test_the_command_line_names_tools_and_the_environment(tok, caller, tmp_path)
         GRPOTrainer(arguments=arguments(tmp_path, tools=["tool_chat_fixtures:nope"]),
                     model=fresh_caller(tok, caller), dataset_train=rows(), processing_class=tok,
                     reward_funcs=[says_seven])  # fmt: skip
+
+
+def test_a_broken_module_or_an_environment_needing_arguments_is_one_error(tmp_path, monkeypatch):
+    """A syntax error in a --reward/--tools module, a module failing as it imports, and an
+    environment class whose __init__ needs arguments were tracebacks (exit 1)."""
+    (tmp_path / "typo_rewards.py").write_text("def bad(:\n    return 1\n")
+    (tmp_path / "failing_rewards.py").write_text("import os\nvalue = undefined_name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ArgumentError, match=r"reward 'typo_rewards:bad' cannot be loaded: "
+                       r".*typo_rewards\.py line 1: invalid syntax"):  # fmt: skip
+        load_callable("typo_rewards:bad", "reward")
+    with pytest.raises(ArgumentError, match="importing failing_rewards raised NameError"):
+        load_callable("failing_rewards:value", "tool")
+
+    class NeedsArguments:
+        def __init__(self, size):
+            self.size = size
+
+        def reset(self, **row):
+            return None
+
+    for factory in (NeedsArguments, add):
+        with pytest.raises(ArgumentError, match="cannot be called without arguments"):
+            ToolCalls([], factory)
 
 
 # ---------------------------------------------------------------- failures are answers
