@@ -252,13 +252,26 @@ def _restore(tokens: list[str], *, with_eval_data: bool, check: Any = None):
 def cmd_eval(tokens: list[str]) -> int:
     from jaxtrain.config_values import coerce_value
 
-    run, overrides = _restore(tokens, with_eval_data=True)
-    trainer, limit = run.trainer, None
-    if "max_eval_batches" in overrides:
-        raw = overrides.pop("max_eval_batches")
-        limit = coerce_value(int | None, raw, field="max_eval_batches", source="command line")
-    if overrides:
-        raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
+    limit = None
+
+    def checked(overrides: dict) -> dict:
+        """The options, before anything loads."""
+        nonlocal limit
+        overrides = dict(overrides)
+        if "max_eval_batches" in overrides:
+            raw = overrides.pop("max_eval_batches")
+            limit = coerce_value(int | None, raw, field="max_eval_batches", source="command line")
+            if limit is not None and limit <= 0:  # it evaluated nothing and exited 0
+                raise ArgumentError(
+                    f"--max_eval_batches must be a positive number of batches, got {limit}; "
+                    "leave it out for the run's own."
+                )
+        if overrides:
+            raise ArgumentError(f"jaxtrain eval: unknown option(s) {sorted(overrides)}.")
+        return overrides
+
+    run, _ = _restore(tokens, with_eval_data=True, check=checked)
+    trainer = run.trainer
     if not trainer.evaluates:
         raise ArgumentError(
             "this run has no eval set: its data section has no eval_files (and the run no "
@@ -289,8 +302,8 @@ def cmd_sample(tokens: list[str]) -> int:
     if not run.sections.task.generates:
         raise ArgumentError(
             "jaxtrain sample: this run trained a reward model, which scores text and does not "
-            "generate it. Use `jaxtrain eval RUN_DIR` for its pair accuracy, or `jaxtrain "
-            "export` for a sequence-classification model."
+            "generate it. Use `jaxtrain eval RUN_DIR` for its pair accuracy (on the run's "
+            "data.eval_files), or `jaxtrain export` for a sequence-classification model."
         )
     sample = {**run.sections.sample, **given}
     tokenizer = run.sections.tokenizer

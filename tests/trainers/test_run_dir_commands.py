@@ -152,6 +152,9 @@ def test_eval_takes_max_eval_batches_from_the_command_line(run_dirs, capsys):
     assert main(["eval", str(run_dir), "--max_eval_batches", "1"]) == 0
     one = printed_metrics(capsys.readouterr().out)
     assert float(one["eval/batches"]) == 1 < float(whole["eval/batches"])
+    for bad in ("0", "-2"):  # it evaluated nothing and exited 0
+        assert main(["eval", str(run_dir), "--max_eval_batches", bad]) == 2
+        assert "--max_eval_batches must be a positive number" in capsys.readouterr().err
 
 
 def test_export_writes_a_lora_run_as_a_peft_adapter(run_dirs, files, capsys):  # noqa: F811
