@@ -103,12 +103,24 @@ def scan_tokens(
     else:
         targets = int(np.maximum(lengths - 1, 0).sum())  # each token predicts the next
     if targets == 0:
-        raise DatasetError(
-            f"{name} has no target tokens in any of its {len(table)} rows (every row is empty, "
-            "one token long, or fully masked with labels -100): training on it would log a "
-            "loss of 0 and learn nothing. Check the tokenization or the column you pass."
-        )
+        raise _no_targets(name, len(table))
     return TokenScan.of(lengths, seq_len)
+
+
+def _no_targets(name: str, rows: int) -> DatasetError:
+    return DatasetError(
+        f"{name} has no target tokens in any of its {rows} rows (every row is empty, one "
+        "token long, or fully masked with labels -100): training on it would log a loss of 0 "
+        "and learn nothing. Check the tokenization or the column you pass."
+    )
+
+
+def _targets(example: dict[str, Any]) -> int:
+    """Tokens a row predicts (each token predicts the next; labels -100 are not targets)."""
+    labels = np.asarray(example.get("labels", example["input_ids"]))
+    if "labels" not in example:
+        return max(len(labels) - 1, 0)
+    return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
 
 
 # Rows of text (or chat) data tokenized at the start to estimate what truncation drops: the
@@ -128,6 +140,14 @@ def sample_scan(
     indices = np.unique(np.linspace(0, n - 1, min(n, rows)).astype(int)).tolist()
     examples = featurize(source.read(indices), indices)
     lengths = np.asarray([len(e["input_ids"]) for e in examples])
+    if not any(_targets(e) for e in examples):
+        if len(examples) == n:
+            raise _no_targets(source.name, n)
+        logger.warning(
+            "%s: none of the %d rows sampled from its %d has a token to learn from (empty "
+            "text, one token, or no completion); check the data and its text_column.",
+            source.name, len(examples), n,
+        )  # fmt: skip
     return TokenScan.of(lengths, seq_len, sampled_from=n if len(lengths) < n else None)
 
 

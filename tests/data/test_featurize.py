@@ -126,7 +126,7 @@ def test_user_data_collator_and_popped_columns():
         ([{"body": "x"}] * 2, {}, r"neither an 'input_ids'.*\['body'\].*text_column="),
         ([{"input_ids": "1 2"}] * 2, {}, "'input_ids' must hold sequences of ints.*str"),
         ([], {}, "dataset_train is empty"),
-        ([{"input_ids": [1]}], {}, "has 1 rows but one global batch needs 2"),
+        ([{"input_ids": [1, 2]}], {}, "has 1 rows but one global batch needs 2"),
         (
             [{"messages": [{"role": "user", "content": "a"}]}] * 2,
             {"tok": None},

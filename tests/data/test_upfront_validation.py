@@ -93,3 +93,19 @@ def test_text_rows_from_files_warn_about_truncation_at_the_start(tmp_path, caplo
     sampled = np.unique(np.linspace(0, 299, 256).astype(int))
     long_rows = int(np.count_nonzero(sampled % 4 == 0))
     assert f"in {long_rows} of 256 rows sampled from its 300)" in warnings[0], warnings[0]
+
+
+def test_text_rows_without_a_token_to_learn_are_refused_or_warned(caplog, chat_tokenizer):
+    """Rows of empty text trained (loss 0) and the run said "done (completed)"."""
+    empty = datasets.Dataset.from_dict({"text": [""] * 8})
+    with pytest.raises(DatasetError, match="dataset_train has no target tokens in any of its 8"):
+        build_train_loader(args(), empty, tokenizer=chat_tokenizer, vocab_size=VOCAB)
+    # A sample of a larger dataset cannot speak for every row: a warning.
+    sampled = set(np.unique(np.linspace(0, 299, 256).astype(int)).tolist())
+    unsampled = min(set(range(300)) - sampled)
+    mostly = datasets.Dataset.from_dict(
+        {"text": ["a b" if i == unsampled else "" for i in range(300)]}
+    )
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        build_train_loader(args(), mostly, tokenizer=chat_tokenizer, vocab_size=VOCAB)
+    assert "none of the 256 rows sampled from its 300 has a token to learn" in caplog.text
