@@ -10,6 +10,7 @@ writes and the Hub serves); jaxtrain stacks them into (expert, ...) kernels.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,8 @@ from jaxtrain.hf.weights import ignorable as llama_ignorable
 from jaxtrain.hf.weights import param_maps as llama_param_maps
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.moe import MoeConfig
+
+logger = logging.getLogger("jaxtrain.hf")
 
 ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
@@ -101,14 +104,33 @@ def _dense_twin_config(config: MoeConfig) -> LlamaConfig:
     names = {f.name for f in dataclasses.fields(LlamaConfig)}
     values = {k: v for k, v in config.to_dict().items() if k in names}
     values["model_type"] = _DENSE_TWIN[config.model_type]
-    if config.model_type == "qwen2_moe":
-        values["attention_bias"] = True  # the twin's rule; qkv_bias carries the truth
+    if config.model_type == "qwen2_moe" and not config.attention_bias:
+        # Qwen2 always biases q, k and v; Qwen2-MoE may not (qkv_bias): Llama's layers then.
+        if config.sliding_window is not None:
+            raise HFError(
+                "cannot export model_type='qwen2_moe' with a sliding_window and no q/k/v bias "
+                "(attention_bias=False): no transformers class has both."
+            )
+        values["model_type"] = "llama"
+    if config.model_type == "qwen3_moe" and not config.qk_norm:
+        raise HFError(
+            "cannot export model_type='qwen3_moe' without qk_norm: Qwen3-MoE normalises each "
+            "head's q and k, and this model does not. Build Qwen3-MoE models with "
+            "qk_norm=True, as transformers' are."
+        )
     return LlamaConfig(**values)
 
 
 def to_hf_moe_config(config: MoeConfig, dtype: str = "float32") -> dict[str, Any]:
     """The ``config.json`` dict transformers reads back as the same network."""
     mt = config.model_type
+    if config.capacity_factor is not None:
+        logger.warning(
+            "jaxtrain: exporting a model trained with capacity_factor=%s: transformers' %s "
+            "routes every token to its experts (no capacity), so the export's outputs differ "
+            "from this model's wherever an expert overflowed its capacity.",
+            config.capacity_factor, ARCHITECTURES[mt],
+        )  # fmt: skip
     out = llama_to_hf(_dense_twin_config(config), dtype=dtype)
     out["model_type"] = mt
     out["architectures"] = [ARCHITECTURES[mt]]
@@ -134,6 +156,11 @@ def to_hf_moe_config(config: MoeConfig, dtype: str = "float32") -> dict[str, Any
         return out
     if mt == "qwen3_moe" and config.shared_expert_intermediate_size:
         raise HFError("cannot export model_type='qwen3_moe' with a shared expert; use qwen2_moe.")
+    if mt == "qwen2_moe" and not config.shared_expert_intermediate_size:  # as from_hf reads
+        raise HFError(
+            "cannot export model_type='qwen2_moe' without a shared expert: transformers' "
+            "Qwen2-MoE always has one. Use qwen3_moe for a model without."
+        )
     out["num_experts"] = config.num_experts
     out["moe_intermediate_size"] = config.moe_intermediate_size
     out["norm_topk_prob"] = config.norm_topk_prob

@@ -102,3 +102,41 @@ def test_cached_greedy_generation_equals_transformers(name, tmp_path):
     prompts = random_ids((2, 9), seed=4)
     want = hf_greedy(reference_model, prompts)
     np.testing.assert_array_equal(generate(model, prompts, max_new_tokens=NEW), want)
+
+
+def test_a_qwen2_moe_without_qkv_bias_round_trips(tmp_path):
+    """transformers' Qwen2-MoE may leave q/k/v unbiased (qkv_bias=False): such a model
+    loaded, trained, then failed to export ("no parameter .../qkv_proj/bias")."""
+    reference_model = hf_model(transformers.Qwen2MoeConfig(
+        **BASE, **MOE, num_experts=4, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, qkv_bias=False,
+    ))  # fmt: skip
+    reference_model.save_pretrained(tmp_path / "hf")
+    ids = random_ids((2, 16), seed=3)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert not model.config.attention_bias
+    save_pretrained(model, tmp_path / "export")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "export", attn_implementation="eager"
+    ).eval()
+    assert not exported.config.qkv_bias
+    reference = hf_logits(reference_model, ids)
+    assert relative_error(hf_logits(exported, ids), reference) < 2e-5
+
+
+def test_what_transformers_cannot_hold_is_refused_or_said(tmp_path, caplog):
+    """A qwen3_moe without q/k norms failed as "cannot export model_type='qwen3'"; a
+    qwen2_moe without a shared expert exported what the loader refuses; a capacity_factor
+    was dropped in silence (transformers' MoE models are dropless)."""
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=4, num_experts=4)  # fmt: skip
+    for config, match in [
+        (MoeConfig(model_type="qwen3_moe", **small), "qwen3_moe' without qk_norm"),
+        (MoeConfig(model_type="qwen2_moe", attention_bias=True, **small), "without a shared"),
+    ]:
+        with pytest.raises(HFError, match=match):
+            save_pretrained(MoeForCausalLM(config, rngs=nnx.Rngs(0)), tmp_path / "out")
+    capped = MoeConfig(model_type="mixtral", capacity_factor=0.5, **small)
+    with caplog.at_level("WARNING", logger="jaxtrain.hf"):
+        save_pretrained(MoeForCausalLM(capped, rngs=nnx.Rngs(0)), tmp_path / "capped")
+    assert "capacity_factor=0.5" in caplog.text and "routes every token" in caplog.text
