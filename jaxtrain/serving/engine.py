@@ -36,7 +36,7 @@ from jaxtrain.errors import ArgumentError
 from jaxtrain.serving import requests
 from jaxtrain.serving.adapters import adapter_count
 from jaxtrain.serving.decode_weights import decode_view
-from jaxtrain.serving.engine_options import check_engine_options, check_request
+from jaxtrain.serving.engine_options import check_engine_options, check_max_length, check_request
 from jaxtrain.serving.images import ImageInputs
 from jaxtrain.serving.paged import PageAllocator, empty_pool, prefix_keys
 from jaxtrain.serving.pool import pool_pages, pool_sharding
@@ -115,7 +115,7 @@ class Engine:
         self.vocab_size = config.vocab_size
         self.prefill_tokens, self.speculative_tokens = prefill_tokens, speculative_tokens
         self.decode_steps = decode_steps
-        self.max_length = max_length or int(config.max_position_embeddings)
+        self.max_length = check_max_length(model, max_length or config.max_position_embeddings)
         self.max_pages = math.ceil(self.max_length / page_size)
         view, flipped = decode_view(model)  # CPU: kernels read as [out, in] copies
         self.graphdef, self.state = nnx.split(view)
@@ -169,10 +169,9 @@ class Engine:
         of image tokens (a vision-language model's; serving/images.py). `adapter`: the LoRA
         adapter it runs through (serving/adapters.py: i for the i-th loaded; 0 the base)."""
         params = params or SamplingParams()
-        prompt = np.asarray(list(prompt_ids), np.int32)
-        check_request(prompt, params, n, vocab_size=int(self.vocab_size),
-                      max_length=self.max_length, max_slots=self.max_slots,
-                      page_size=self.page_size, pages=self.pages.num_pages - 1)  # fmt: skip
+        prompt = check_request(prompt_ids, params, n, vocab_size=int(self.vocab_size),
+                               max_length=self.max_length, max_slots=self.max_slots,
+                               page_size=self.page_size, pages=self.pages.num_pages - 1)  # fmt: skip
         if self.images is not None:
             images = self.images.check(prompt, images, self.prefill_tokens)
         elif images is not None:

@@ -125,8 +125,12 @@ class Sequence:
 
 
 def sample_seed(seed: int, index: int) -> int:
-    """The draw seed of sample `index` of a request seeded `seed` (distinct per sample)."""
-    return (int(seed) * 1_000_003 + index) % (2**32)
+    """The draw seed of sample `index` of a request seeded `seed` (distinct per sample).
+    Any integer is a seed (OpenAI's are 64-bit, negative too): its high bits are mixed into
+    the low 32, which seeds below 2**32 keep as they are (2**40 was seed 0)."""
+    wide = int(seed) % 2**64
+    low = (wide ^ (wide >> 32) * 0x9E3779B1) % 2**32
+    return (low * 1_000_003 + index) % 2**32
 
 
 def eos_ids(given: Iterable[int] | None, tokenizer: Any, config: Any) -> list[int]:

@@ -12,7 +12,7 @@ from engine_models import VOCAB, CompileLog, prompt, tiny_llama
 from flax import nnx
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.models import generate
+from jaxtrain.models import GPT2Config, GPT2LMHeadModel, generate
 from jaxtrain.models.moe import MoeConfig, MoeForCausalLM
 from jaxtrain.serving import Engine, SamplingParams
 from jaxtrain.serving.paged import prefix_keys
@@ -252,12 +252,43 @@ def test_bad_requests_are_refused_with_the_reason(model):
         engine.submit(prompt(3), SamplingParams(max_tokens=4), n=3)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         SamplingParams(temperature=-1.0)
+    # Were truncated to ids, failed inside numpy, stopped at once, or never matched.
+    with pytest.raises(ArgumentError, match="prompt token ids must be integers, got 1.5"):
+        engine.submit([1.5, 2.7], SamplingParams(max_tokens=2))
+    with pytest.raises(ArgumentError, match="not text: tokenize it first"):
+        engine.submit("def f", SamplingParams(max_tokens=2))
+    with pytest.raises(ArgumentError, match=r"stop_token_ids \[99999\] are outside"):
+        engine.submit([3, 4], SamplingParams(max_tokens=2, stop_token_ids=[99999]))
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        SamplingParams(stop=[""])
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        SamplingParams(seed=1.5)
     small = Engine(model, max_slots=2, page_size=4, max_length=16, num_pages=3)
     with pytest.raises(ArgumentError, match="needs 4 pages of 4 tokens; the KV cache has 2"):
         small.submit(prompt(8), SamplingParams(max_tokens=8))
     small.submit(prompt(7), SamplingParams(max_tokens=1), n=2)  # 2 pages each, 1 shared: 3
     with pytest.raises(ArgumentError, match="does not fit the KV cache even alone"):
         small.step()
+
+
+def test_seeds_past_32_bits_draw_their_own_tokens(model):
+    """A seed was folded to 32 bits by a multiplication: 2**40 drew seed 0's tokens."""
+    engine = Engine(model, max_slots=2, page_size=4)
+    draws = {}
+    for seed in (0, 2**40, -1):
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=seed)
+        draws[seed] = engine.generate([prompt(5)], params)[0][0].token_ids
+    assert draws[0] != draws[2**40] and draws[-1] not in (draws[0], draws[2**40])
+
+
+def test_a_gpt2_engine_stays_inside_its_learned_positions():
+    """It decoded past GPT-2's position table, whose lookups clamp: garbage, in silence."""
+    config = GPT2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, max_position_embeddings=32)  # fmt: skip
+    gpt2 = GPT2LMHeadModel(config, rngs=nnx.Rngs(0))
+    with pytest.raises(ArgumentError, match="past this GPT-2's 32 learned positions"):
+        Engine(gpt2, max_slots=1, page_size=4, max_length=128)
+    assert Engine(gpt2, max_slots=1, page_size=4).max_length == 32
 
 
 def test_new_parameters_drop_the_cached_prefixes_of_the_old_ones(model):
