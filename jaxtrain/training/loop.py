@@ -77,6 +77,7 @@ class TrainingLoop:
         self.stop_reason = "completed"
         self.guard = NonFiniteGuard(self.settings.on_nan, self.settings.max_nan_skips)
         self.pending = None  # a closed logging window whose device metrics are read one step late
+        self.pending_data: dict[str, float] = {}  # and the data meter's counts at its close
         self.hooks = trainer.hooks  # who hears about the run, fixed for its duration
         self.train_step = None  # compiled while the state is built; this run owns it
         self.stop = StopState()  # why the loop leaves after this step, if it does
@@ -292,7 +293,7 @@ class TrainingLoop:
                 self.stop_reason = self.stop.reason
             last = step == total_steps or self.stop.reason is not None or trainer.should_stop
             if step % settings.logging_steps == 0 or last:
-                self.pending = window.close(step, epoch=self.source.epoch(step))
+                self._close_window(step, window)
             # The trace stops once this step is done and its window closed: the window is
             # read (one step late) with the step's time in it, the writing of the trace not.
             window.exclude(self.profiler.after(step, state))
@@ -356,9 +357,12 @@ class TrainingLoop:
         self._close_window(step, window)
 
     def _close_window(self, step: int, window) -> None:
-        """The run ends after `step`: its last steps' window is logged."""
+        """Close the logging window of the steps up to `step` (none: nothing to log), with
+        the data meter's counts now: the batches of its steps, the next one not yet read
+        (read when the window is written, they had one batch too many)."""
         if window.steps:
             self.pending = window.close(step, epoch=self.source.epoch(step))
+            self.pending_data = self.source.meter.fields()
 
     def _poll_stops(self, step: int, signals: StopSignals, last_save_time: float) -> None:
         """Sets `self.stop`: the reason to stop after this step (or None) and whether
@@ -384,7 +388,7 @@ class TrainingLoop:
         if self.pending is None:
             return
         trainer, monitor = self.trainer, self.trainer.monitor
-        logs = monitor.step_logs({**self.pending.read(), **self.source.meter.fields()})
+        logs = monitor.step_logs({**self.pending.read(), **self.pending_data})
         self.pending = None
         self.read_step = int(logs["step"])
         if self.guard.skipped_total:

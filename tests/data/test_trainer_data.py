@@ -124,3 +124,21 @@ def test_rows_with_nothing_to_learn_are_warned_and_counted(tmp_path, caplog):
         "truncated away; they train as padding. Drop such rows, or raise "
         "max_sequence_length)."
     ], messages
+
+
+def test_each_logged_window_counts_its_own_batches_padding(tmp_path):
+    """The counts were read when the window was written, one batch later: the first window
+    had two batches' padding, the last none."""
+    rows = datasets.Dataset.from_dict({"input_ids": [[3] * 5] * 8})  # 3 padding tokens each
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, total_batch_size=2, max_sequence_length=8,
+        logging_steps=1, progress_bar="none", evaluation_strategy="no", save_final=False,
+    )  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    Trainer(arguments=args, model=model, dataset_train=rows).train()
+    logs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["data/padding_tokens"] for r in logs] == [6.0, 6.0, 6.0]
