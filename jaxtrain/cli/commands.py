@@ -233,7 +233,8 @@ def print_sample(
 
 
 def _restore(tokens: list[str], *, with_eval_data: bool, check: Any = None):
-    """`RUN_DIR [--checkpoint PATH] [--options]` -> (restored run, leftover options);
+    """`RUN_DIR [--checkpoint PATH] [--sharding_axis_dims DIMS] [--options]` -> (restored run,
+    leftover options);
     `check(options)`, when given, reads the options (their values checked) before anything is
     restored."""
     from jaxtrain.cli.run_config import parse_overrides
@@ -244,9 +245,11 @@ def _restore(tokens: list[str], *, with_eval_data: bool, check: Any = None):
         raise ArgumentError(f"missing RUN_DIR.\n\n{USAGE}")
     overrides = parse_overrides(rest)
     checkpoint = overrides.pop("checkpoint", None)
+    dims = overrides.pop("sharding_axis_dims", None)  # default: the run's, where it fits
     if check is not None:
         overrides = check(overrides)
-    return restore_run(run_dir, checkpoint, with_eval_data=with_eval_data), overrides
+    run = restore_run(run_dir, checkpoint, with_eval_data=with_eval_data, sharding_axis_dims=dims)
+    return run, overrides
 
 
 def cmd_eval(tokens: list[str]) -> int:

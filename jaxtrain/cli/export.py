@@ -55,10 +55,11 @@ def cmd_export(tokens: list[str]) -> int:
     run_dir, checkpoint = locate_run(positional[0])
     _check_writable(Path(positional[1]))  # before the checkpoint is read
     options = parse_overrides(tokens)
+    dims = options.pop("sharding_axis_dims", None)  # default: the run's mesh, where it fits
     unknown = sorted(set(options) - {"max_shard_size", "dtype", "lora_format"})
     if unknown:
         raise ArgumentError(f"jaxtrain export: unknown option(s) {unknown}.\nusage: {EXPORT_USAGE}")
-    run = restore_run(run_dir, checkpoint)
+    run = restore_run(run_dir, checkpoint, sharding_axis_dims=dims)
     data = read_config_file(run_dir / "config.yaml").get("data") or {}
     steps = int(run.state.step)
     summary = {

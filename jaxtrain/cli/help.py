@@ -315,8 +315,13 @@ def command_help(command: str, tokens: list[str] | None = None) -> str:
     from jaxtrain.cli.evaluate import EVALUATE_HELP
 
     sample = schema_help(run_config.SAMPLE_KEYS, schema_docs(run_config, "SAMPLE_KEYS"), "", {})
+    # eval, sample and export restore onto the devices present (cli/run_dir.py restore_runtime).
+    mesh = """  --sharding_axis_dims DP,FSDP,EP,TP,SP
+      The mesh to restore onto (default: the run's where it fits the devices here, else all
+      of them on fsdp, e.g. 1,-1,1,1,1, or one device; a line says so).
+"""
     texts = {
-        "eval": """usage: jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
+        "eval": f"""usage: jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
 
 Evaluate a run's checkpoint (default: its newest) on the run's eval data.
 
@@ -324,16 +329,16 @@ Evaluate a run's checkpoint (default: its newest) on the run's eval data.
       A step directory <run>/checkpoints/<step> (default: the newest committed one).
   --max_eval_batches INT
       Cap on eval batches (default: the run's max_eval_batches).
-""",
+{mesh}""",
         "sample": f"""usage: jaxtrain sample RUN_DIR [--checkpoint PATH] [--field value ...]
 
 Generate text from a run's checkpoint (default: its newest) with the run's tokenizer.
 
   --checkpoint PATH
       A step directory <run>/checkpoints/<step> (default: the newest committed one).
-{sample}
+{mesh}{sample}
 """,
-        "export": """usage: jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
+        "export": f"""usage: jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]
                        [--lora_format merged|peft]
 
 Write a run's checkpoint as a Hugging Face directory (safetensors, config, tokenizer, card).
@@ -345,7 +350,7 @@ Write a run's checkpoint as a Hugging Face directory (safetensors, config, token
   --lora_format merged|peft  (default: merged)
       A LoRA run's adapters merged into the base weights, or (peft) a PEFT adapter
       directory on the run's base (what peft's PeftModel and `jaxtrain serve --lora` load).
-""",
+{mesh}""",
         "report": """usage: jaxtrain report RUN_DIR
 
 Write RUN_DIR/report.png and report.html from the run's metrics.jsonl.

@@ -7,7 +7,10 @@ These are public so scripts can do the same as the CLI.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,7 +304,11 @@ class RestoredRun:
 
 
 def restore_run(
-    run_dir: str | Path, checkpoint: str | Path | None = None, *, with_eval_data: bool = False
+    run_dir: str | Path,
+    checkpoint: str | Path | None = None,
+    *,
+    with_eval_data: bool = False,
+    sharding_axis_dims: Any = None,
 ) -> RestoredRun:
     """Rebuild a finished (or interrupted) run's model and restore a checkpoint into it.
 
@@ -310,14 +317,17 @@ def restore_run(
     the task's training data nor its frozen models (a reference, a teacher) are read.
     `with_eval_data` also rebuilds the run's task Trainer with the eval set (for `jaxtrain
     eval`: the task's data format, loss and frozen parts). `checkpoint` defaults to the
-    run's newest committed checkpoint.
+    run's newest committed checkpoint. The mesh is `sharding_axis_dims` when given, else
+    the run's own where it fits the devices here, else one over them (restore_runtime).
     """
     from jaxtrain.checkpointing import find_checkpoint
-    from jaxtrain.runtime import Runtime
 
     sections = load_run(run_dir)  # first: a directory that is no run is said so
     checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
-    runtime = Runtime.from_arguments(sections.args)  # before the model touches a device
+    # Before the model touches a device; Orbax reads the arrays onto this mesh's shardings.
+    runtime, sections = restore_runtime(
+        sections, run_dir, sharding_axis_dims, for_eval=with_eval_data
+    )
     if with_eval_data:
         trainer = _eval_trainer(sections, runtime)
         state = trainer.load_checkpoint(checkpoint)
@@ -338,6 +348,68 @@ def restore_run(
         trainer_name=sections.task.trainer.rpartition(":")[2],  # "module:Class" of the task's
     )
     return RestoredRun(program, state, checkpoint, sections)
+
+
+def restore_runtime(
+    sections: RunSections,
+    run_dir: str | Path,
+    sharding_axis_dims: Any = None,
+    *,
+    for_eval: bool = False,
+) -> tuple[Any, RunSections]:
+    """(the Runtime a run's checkpoint is restored in, the run's sections on its mesh).
+
+    `sharding_axis_dims` when given (its errors stand, as a run's would). Else the run's own
+    mesh where it fits the devices here, else all of them on fsdp, else one device
+    (parallel/mesh.py restore_axis_dims), said in one line: a run trained on 4 devices is
+    exported, sampled or evaluated on a machine with 1. `for_eval`: the mesh must split
+    the run's eval batches too.
+    """
+    import jax
+
+    from jaxtrain.config.tables import parse_axis_dims
+    from jaxtrain.parallel.mesh import describe_restore, restore_axis_dims
+    from jaxtrain.runtime import Runtime
+
+    args = sections.args
+    if sharding_axis_dims is not None:
+        dims = parse_axis_dims(sharding_axis_dims)
+        args = dataclasses.replace(args, sharding_axis_dims=dims)
+        return Runtime.from_arguments(args), dataclasses.replace(sections, args=args)
+    data, trained = sections.settings.data, _trained_devices(run_dir)
+    notes: list[str] = []
+
+    def choose(settings: Any, devices: list) -> tuple[Any, list]:
+        run_dims = settings.sharding_axis_dims
+        dims, count = restore_axis_dims(
+            run_dims,
+            len(devices),
+            trained_devices=trained,
+            rows=data.eval_batch_size if for_eval else None,
+            seq_len=data.seq_len if for_eval else None,
+            processes=jax.process_count(),
+        )
+        if (dims, count) != (run_dims, len(devices)):
+            notes.append(describe_restore(run_dims, trained, dims, count, len(devices)))
+        return dataclasses.replace(settings, sharding_axis_dims=dims), devices[:count]
+
+    runtime = Runtime.from_arguments(args, choose_mesh=choose)
+    if not notes:
+        return runtime, sections
+    if runtime.is_main_process:
+        print(f"jaxtrain: {notes[0]}", file=sys.stderr, flush=True)
+    # The arguments agree with the runtime (a Trainer checks that they do).
+    args = dataclasses.replace(args, sharding_axis_dims=runtime.settings.sharding_axis_dims)
+    return runtime, dataclasses.replace(sections, args=args)
+
+
+def _trained_devices(run_dir: str | Path) -> int | None:
+    """The devices the run's mesh spanned, from its run_info.json (None: not recorded)."""
+    try:
+        info = json.loads((Path(run_dir) / "run_info.json").read_text())
+        return int(info["num_devices"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _eval_trainer(sections: RunSections, runtime: Any) -> Any:

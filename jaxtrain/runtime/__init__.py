@@ -18,7 +18,7 @@ the only caller of the four steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -54,12 +54,22 @@ class Runtime:
     settings: RuntimeSettings | None = None
 
     @classmethod
-    def from_arguments(cls, args: Any, devices: Sequence[jax.Device] | None = None) -> Runtime:
+    def from_arguments(
+        cls,
+        args: Any,
+        devices: Sequence[jax.Device] | None = None,
+        *,
+        choose_mesh: Callable[[RuntimeSettings, list[jax.Device]], Any] | None = None,
+    ) -> Runtime:
         """The four steps of the module docstring, in order, from `args`' RuntimeSettings (or
-        a RuntimeSettings); `devices` default to all."""
+        a RuntimeSettings); `devices` default to all. `choose_mesh(settings, devices)` ->
+        (settings, devices), when given, picks the mesh once the cluster's devices are known
+        (a run restored on other devices than it trained on: cli/run_dir.py)."""
         settings = RuntimeSettings.from_arguments(args)
         cluster = _form_cluster(settings)
         cache = enable_compilation_cache(settings.compilation_cache_dir)
+        if choose_mesh is not None:
+            settings, devices = choose_mesh(settings, list(devices or jax.devices()))
         plan = ShardingPlan.from_settings(settings, devices)
         options = run_compiler_options(settings.xla_compiler_options, plan.mesh.devices.flat[0])
         return cls(plan, options, cluster, cache, settings)
