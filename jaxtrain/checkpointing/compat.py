@@ -138,6 +138,29 @@ def schedule_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> s
     return ", ".join(changed) or None
 
 
+# The arguments of every task that shape its updates (beyond the schedule): a resumed run that
+# changes one trains on with it, which must be said. A task's own fields (beta, distill_alpha,
+# ...) are added by the caller.
+UPDATE_FIELDS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum",
+                 "clip_grad", "mu_dtype", "max_sequence_length", "truncation_mode",
+                 "completion_only_loss", "chat_template", "lora_dropout")  # fmt: skip
+
+
+def setting_changes(
+    saved: dict[str, Any] | None, current: dict[str, Any], task_fields: tuple[str, ...] = ()
+) -> str | None:
+    """What a resumed run changed of the settings that shape its updates ("beta 0.1 -> 0.5"),
+    or None. Said, not refused: going on with another beta or weight decay is a choice."""
+    if not saved:
+        return None
+    changed = [
+        f"{name} {saved[name]!r} -> {current[name]!r}"
+        for name in (*task_fields, *UPDATE_FIELDS)
+        if name in saved and name in current and saved[name] != current[name]
+    ]
+    return ", ".join(changed) or None
+
+
 def trim_metric_log(path: Path, last_step: int) -> None:
     """Drop records of steps after `last_step` (logged by the interrupted run after its last
     checkpoint): the resumed run logs those steps again, and curves must not double back."""

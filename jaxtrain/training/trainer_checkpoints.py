@@ -9,6 +9,7 @@ never resumes under another task's objective) and the trackers' state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from jaxtrain.checkpointing import (
     load_checked,
     restore_extra,
 )
-from jaxtrain.checkpointing.compat import schedule_changes
+from jaxtrain.checkpointing.compat import schedule_changes, setting_changes
 from jaxtrain.config.sections import CheckpointSettings
 from jaxtrain.parallel.distributed import gather_json
 from jaxtrain.state import TrainState
@@ -124,11 +125,18 @@ class RunCheckpointer:
             check_data_state=source.check_data_state if source is not None else None,
             trainer_name=self.trainer,
         )
-        changed = schedule_changes(plan.saved_arguments, self.arguments.to_dict())
+        current = self.arguments.to_dict()
+        changed = schedule_changes(plan.saved_arguments, current)
         if changed:
             plan.notes.append(
                 f"the learning-rate schedule follows this run's arguments ({changed}), not the "
                 f"checkpoint's: from step {plan.step + 1} on its rates are the new schedule's"
+            )
+        changed = setting_changes(plan.saved_arguments, current, task_fields(self.arguments))
+        if changed:
+            plan.notes.append(
+                f"this run's settings differ from the checkpoint's ({changed}): its updates "
+                f"from step {plan.step + 1} on follow this run's"
             )
         if plan.resumed_from is None and self.initial_state is not None:
             plan.step = int(jax.device_get(self.initial_state.step))  # it goes on from there
@@ -190,3 +198,11 @@ def load_program_state(
         optimizer=optimizer,
         trainer_name=trainer_name,
     )
+
+
+def task_fields(arguments: Any) -> tuple[str, ...]:
+    """The fields a task's arguments class adds to TrainingArguments (DPO's beta, ...)."""
+    from jaxtrain.arguments import TrainingArguments
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return tuple(f.name for f in dataclasses.fields(arguments) if f.name not in base)

@@ -5,7 +5,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from tiny_run import tiny_model, tiny_trainer, token_dataset
+from tiny_run import tiny_arguments, tiny_model, tiny_trainer, token_dataset
 
 from jaxtrain.checkpointing import CheckpointError, committed_steps, read_metadata
 from jaxtrain.data import DatasetError
@@ -86,6 +86,25 @@ def test_resume_trims_log_records_past_the_checkpoint(tmp_path, capsys):
     # The longer run stretches the cosine schedule, and says so (it once did in silence).
     printed = capsys.readouterr()
     assert "schedule follows this run's arguments (max_steps 4 -> 6)" in printed.out + printed.err
+    # So does a setting that shapes the updates (a task's beta or alpha too): resumed in silence.
+    decay = tiny_arguments(str(run)).weight_decay
+    tiny_trainer(str(run), max_steps=8, weight_decay=decay + 0.5).train()
+    printed = capsys.readouterr()
+    said = f"settings differ from the checkpoint's (weight_decay {decay!r} -> {decay + 0.5!r})"
+    assert said in printed.out + printed.err
+
+
+def test_a_task_s_own_settings_are_compared_on_resume():
+    from jaxtrain.checkpointing.compat import setting_changes
+    from jaxtrain.trainers import DPOArguments
+    from jaxtrain.training.trainer_checkpoints import task_fields
+
+    args = DPOArguments(output_dir="unused", beta=0.1)
+    fields = task_fields(args)
+    assert "beta" in fields and "learning_rate" not in fields
+    saved, now = args.to_dict(), {**args.to_dict(), "beta": 0.5}
+    assert setting_changes(saved, now, fields) == "beta 0.1 -> 0.5"
+    assert setting_changes(saved, saved, fields) is None
 
 
 def test_a_different_model_is_refused_with_what_differs(tmp_path):
