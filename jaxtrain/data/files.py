@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,7 +132,27 @@ def _first_row(builder: str, path: str, name: str, full: bool = False) -> None:
     except Exception as exc:
         if builder in TEXT_BUILDERS:  # a large file's encoding, checked now that it failed
             check_utf8([path], name, limit=None)
+        if os.path.getsize(path) == 0:
+            raise DatasetError(f"{name}: {path} is empty; give it rows or remove it.") from exc
+        if path.lower().endswith(".jsonl") and (bad := _bad_json_line(path)):
+            raise DatasetError(f"{name}: {path} {bad}. Fix or remove that line.") from exc
         raise DatasetError(
             f"{name}: cannot read file {path} as {builder}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}. Fix or remove that file."
         ) from exc
+
+
+def _bad_json_line(path: str) -> str | None:
+    """ "line N is not a JSON object (...)" for the first such line of a .jsonl file: what the
+    reader's own error leaves out (it logs the row and raises a generic error)."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.strip())
+            except json.JSONDecodeError as err:
+                return f"line {number} is not valid JSON ({err.msg}, column {err.colno})"
+            if not isinstance(row, dict):
+                return f"line {number} is a JSON {type(row).__name__}, not an object of columns"
+    return None

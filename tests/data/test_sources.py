@@ -115,10 +115,15 @@ def test_unreadable_and_unknown_files_are_named(tmp_path):
     good.write_text('{"text": "a"}\n')
     bad = tmp_path / "b.jsonl"
     bad.write_text('{"text": "a"}\nthis is not json\n')
-    with pytest.raises(DatasetError, match="b.jsonl"):
+    # The reader's own error was "An error occurred while generating the dataset".
+    said = r"b.jsonl line 2 is not valid JSON \(Expecting value, column 1\)"
+    with pytest.raises(DatasetError, match=said):
         load_files(str(tmp_path / "*.jsonl"), name="dataset_train")
-    with pytest.raises(DatasetError, match="b.jsonl"):
+    with pytest.raises(DatasetError, match=said):
         load_files(str(tmp_path / "*.jsonl"), name="dataset_train", streaming=True)
+    bad.write_text("")  # was "StopIteration: ."
+    with pytest.raises(DatasetError, match="b.jsonl is empty; give it rows or remove it"):
+        load_files(str(bad), name="dataset_train")
     locked = tmp_path / "c.parquet"
     locked.write_bytes(b"x")
     if os.geteuid() != 0:
