@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 
-from jaxtrain.errors import DistributedError
+from jaxtrain.errors import ArgumentError, DistributedError
 
 # JAX's own default of jax.distributed.initialize(shutdown_timeout_seconds=...).
 JAX_SHUTDOWN_TIMEOUT_S = 300
@@ -287,3 +287,29 @@ def gather_json(value: Any) -> list[Any]:
     padded[: data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, lengths.reshape(-1))]
+
+
+# Arguments that may differ between the processes of one run: which one it is, how it shows.
+PER_PROCESS_FIELDS = ("process_id", "progress_bar")
+
+
+def check_same_arguments(arguments: dict[str, Any]) -> None:
+    """ArgumentError on every process when the processes of one run were given different
+    arguments (a collective: all must call it). Each would train with its own, a learning
+    rate per process updating its own shards, and the run would end "completed"."""
+    if jax.process_count() == 1:
+        return
+    mine = {k: v for k, v in arguments.items() if k not in PER_PROCESS_FIELDS}
+    every = gather_json(mine)  # JSON round trips: tuples and lists compare alike
+    differ = sorted({k for other in every[1:] for k in {*every[0], *other}
+                     if other.get(k) != every[0].get(k)})  # fmt: skip
+    if differ:
+        detail = "; ".join(
+            f"{k}: " + ", ".join(f"process {i} {a.get(k)!r}" for i, a in enumerate(every))
+            for k in differ[:4]
+        )
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise ArgumentError(
+            f"the {len(every)} processes of this run were given different arguments "
+            f"({detail}{more}); give every process the same configuration and flags."
+        )

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from jaxtrain.cache import enable_compilation_cache
 from jaxtrain.config.sections import RuntimeSettings
 from jaxtrain.errors import ArgumentError
-from jaxtrain.parallel.distributed import ClusterSpec, initialize_distributed
+from jaxtrain.parallel.distributed import ClusterSpec, check_same_arguments, initialize_distributed
 from jaxtrain.parallel.plan import ShardingPlan
 from jaxtrain.runtime.compiler import run_compiler_options
 
@@ -67,6 +67,8 @@ class Runtime:
         (a run restored on other devices than it trained on: cli/run_dir.py)."""
         settings = RuntimeSettings.from_arguments(args)
         cluster = _form_cluster(settings)
+        if hasattr(args, "to_dict"):  # a run's arguments: every process must have the same
+            check_same_arguments(args.to_dict())
         cache = enable_compilation_cache(settings.compilation_cache_dir)
         if choose_mesh is not None:
             settings, devices = choose_mesh(settings, list(devices or jax.devices()))

@@ -228,6 +228,32 @@ def test_only_process_0_speaks_in_a_two_process_command_line_run(tmp_path):
     assert not [line for line in spoken if line in err1], err1
 
 
+def test_processes_given_different_arguments_are_refused_on_every_process(tmp_path):
+    """Process 1 with another learning rate trained its shards with it, and both said
+    "done (completed)"."""
+    command = [sys.executable, "-m", "jaxtrain.cli", "train", "--output_dir", str(tmp_path)]
+    command += [*TINY_CLI, "--num_processes", "2"]
+    command += ["--coordinator_address", f"127.0.0.1:{_free_port()}"]
+    env = {
+        **worker_env(),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1",
+    }
+    own = [[], ["--learning_rate", "0.05"]]
+    procs = [
+        subprocess.Popen([*command, "--process_id", str(i), *own[i]], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+        for i in range(2)
+    ]  # fmt: skip
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    # The same error on every process is said once in full (parallel/peers.py): the process
+    # that ends second may name the first instead (exit 5).
+    codes = sorted(p.returncode for p in procs)
+    assert codes in ([2, 2], [2, 5]), errors
+    said = "the 2 processes of this run were given different arguments (learning_rate: process"
+    assert any(said in err and "process 1 0.05" in err for err in errors), errors
+    assert not any("Traceback" in err for err in errors), errors
+
+
 def test_missing_peer_fails_with_a_clear_error_and_exit_code_2():
     command = [sys.executable, "-m", "jaxtrain.cli", "train", "--coordinator_address"]
     command += [f"127.0.0.1:{_free_port()}", "--num_processes", "2", "--process_id", "1"]
