@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.data.errors import DatasetError
+
 __all__ = ["SMALL_FILES_BYTES", "ArrowRows", "read_small_files"]
 
 SMALL_FILES_BYTES = 256 * 2**20
+# pyarrow's word for a .jsonl column whose rows disagree on their type.
+MIXED_TYPES = re.compile(r"Column\(/([^)]*)\) changed from (\w+) to (\w+) in row (\d+)")
 
 
 class ArrowRows(Sequence):
@@ -67,10 +72,19 @@ def read_small_files(builder: str, paths: list[str]) -> ArrowRows | None:
     import pyarrow as pa
 
     read = _read_jsonl if builder == "json" else _read_text
-    try:
-        tables = [read(path) for path in paths]
-    except (pa.ArrowException, UnicodeDecodeError, ValueError):
-        return None  # datasets reads it, or names the file and the problem
+    tables = []
+    for path in paths:
+        try:
+            tables.append(read(path))
+        except (pa.ArrowException, UnicodeDecodeError, ValueError) as err:
+            mixed = MIXED_TYPES.search(str(err))
+            if mixed:  # datasets would read it through pandas, which turns " 3" into 3
+                column, was, now, row = mixed.groups()
+                raise DatasetError(
+                    f"{path}: column {column!r} holds {was}s, then a {now} in row {row}: a "
+                    f"column holds one type; fix that row (quote a number meant as text)"
+                ) from None
+            return None  # datasets reads it, or names the file and the problem
     if any(t.schema != tables[0].schema for t in tables[1:]) or not tables[0].num_columns:
         return None  # datasets decides how the files' columns combine
     return ArrowRows(pa.concat_tables(tables) if len(tables) > 1 else tables[0])

@@ -167,3 +167,16 @@ def test_tfds_missing_gives_install_hint():
             tfds_source("mnist")
     else:
         pytest.skip("tensorflow-datasets is installed")
+
+
+def test_a_jsonl_column_of_mixed_types_names_its_row(tmp_path):
+    """One number among strings sent the file through pandas, which read the strings " 3"
+    as numbers: the error then named row 2 with a value the file does not hold."""
+    rows = [{"prompt": "p", "chosen": f" {i}", "rejected": "r"} for i in range(12)]
+    rows[10]["chosen"] = 5
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        DatasetError, match=r"column 'chosen' holds strings, then a number in row 10"
+    ):
+        load_files(str(path), name="dataset_train")
