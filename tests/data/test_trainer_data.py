@@ -79,19 +79,24 @@ def test_packed_stream_resumes_exactly_through_a_checkpoint(tmp_path):
     assert {"data_wait_s", "data/padding_tokens", "data/truncated_tokens"} <= set(logs[0])
 
 
-def test_truncation_is_warned_at_start_and_in_the_run_summary(tmp_path, caplog):
-    long_rows = datasets.Dataset.from_dict({"input_ids": [[3] * 20] * 4})
+def rows_trainer(out, rows, **overrides) -> Trainer:
+    """A one-layer Llama on `rows` of token ids, two rows of 8 tokens a step."""
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, total_batch_size=2, max_sequence_length=8,
-        progress_bar="none", evaluation_strategy="no", save_final=False,
+        output_dir=str(out), total_batch_size=2, max_sequence_length=8, progress_bar="none",
+        evaluation_strategy="no", save_final=False, **overrides,
     )  # fmt: skip
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    return Trainer(arguments=args, model=model, dataset_train=rows)
+
+
+def test_truncation_is_warned_at_start_and_in_the_run_summary(tmp_path, caplog):
+    long_rows = datasets.Dataset.from_dict({"input_ids": [[3] * 20] * 4})
     with caplog.at_level(logging.WARNING, logger="jaxtrain"):
-        Trainer(arguments=args, model=model, dataset_train=long_rows).train()
+        rows_trainer(tmp_path, long_rows, max_steps=3).train()
     messages = [r.getMessage() for r in caplog.records]
     assert any("60.0% of its tokens (48 of 80, in 4 of 4 rows)" in m for m in messages)
     # 3 steps x 2 rows of 20 tokens read, 8 kept of each.
@@ -103,17 +108,8 @@ def test_rows_with_nothing_to_learn_are_warned_and_counted(tmp_path, caplog):
     """Empty (or one-token) rows trained as all padding without a word. Two steps of two
     rows: each row once."""
     rows = datasets.Dataset.from_dict({"input_ids": [[3] * 8, [4], [5] * 6, [6]]})
-    args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, total_batch_size=2, max_sequence_length=8,
-        progress_bar="none", evaluation_strategy="no", save_final=False,
-    )  # fmt: skip
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     with caplog.at_level(logging.WARNING, logger="jaxtrain"):
-        Trainer(arguments=args, model=model, dataset_train=rows).train()
+        rows_trainer(tmp_path, rows, max_steps=2).train()
     messages = [r.getMessage() for r in caplog.records]
     first = [m for m in messages if "rows of a training batch have no token to learn" in m]
     assert len(first) == 1 and "empty text" in first[0], messages
@@ -130,15 +126,6 @@ def test_each_logged_window_counts_its_own_batches_padding(tmp_path):
     """The counts were read when the window was written, one batch later: the first window
     had two batches' padding, the last none."""
     rows = datasets.Dataset.from_dict({"input_ids": [[3] * 5] * 8})  # 3 padding tokens each
-    args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, total_batch_size=2, max_sequence_length=8,
-        logging_steps=1, progress_bar="none", evaluation_strategy="no", save_final=False,
-    )  # fmt: skip
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-    Trainer(arguments=args, model=model, dataset_train=rows).train()
+    rows_trainer(tmp_path, rows, max_steps=3, logging_steps=1).train()
     logs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     assert [r["data/padding_tokens"] for r in logs] == [6.0, 6.0, 6.0]
