@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxtrain.data.chat import render_chat
 from jaxtrain.data.errors import DatasetError
+from jaxtrain.data.row_checks import ColumnRule
 
 __all__ = ["Featurizer", "is_int_sequence"]
 
@@ -107,6 +108,20 @@ class Featurizer:
                 "tokenize the data into 'input_ids'"
             )
         return self.mode
+
+    # ------------------------------------------------------------- row checks
+    def row_rules(self) -> tuple[ColumnRule, ...]:
+        """After `detect`: what surely passes `check_row`, column by column, for the
+        up-front check of every row (data/row_checks.py); () when it has no such check."""
+        if self.mode == "text":
+            return (ColumnRule(self.text_column, ("str",), empty_ok=True),)
+        return ()
+
+    def check_row(self, row: Row, where: Any) -> None:
+        """DatasetError naming `where` unless the row passes the checks that need no
+        tokenizer; run on every row of a map-style dataset before anything compiles."""
+        if self.mode == "text":
+            self._text_of(row, where)
 
     def drop(self, row: Row) -> Row:
         for key in self.drop_columns:

@@ -29,6 +29,7 @@ from jaxtrain.data.assemble import Batch, Collation, Collator
 from jaxtrain.data.collate import CollateStats
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
+from jaxtrain.data.row_checks import check_all_rows
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source
 from jaxtrain.data.units import epoch_order
 
@@ -40,7 +41,8 @@ _FILL = -1  # index marking a fill row (fully masked) in a batch's index vector
 def prepare_source(
     source: RandomAccessSource | IterableSource, featurizer: Featurizer, *, min_rows: int = 1
 ) -> str:
-    """Check a source before anything is compiled; returns the row kind (see Featurizer)."""
+    """Check a source before anything is compiled (every row of a map-style one:
+    data/row_checks.py); returns the row kind (see Featurizer)."""
     name = source.name
     if isinstance(source, RandomAccessSource):
         n = len(source)
@@ -52,6 +54,7 @@ def prepare_source(
                 f"{name} has {n} rows but one global batch needs {min_rows} rows "
                 f"(total_batch_size={min_rows}); lower total_batch_size to at most {n} or add data"
             )
+        check_all_rows(source, featurizer)
         return mode
     first = source.first_row()
     if first is None:

@@ -155,6 +155,9 @@ class VisionFeaturizer(Featurizer):
             )
         return self.mode
 
+    def row_rules(self) -> tuple:
+        return ()  # its rows (text beside images) are checked as read, by its own rules
+
     def _has_template(self) -> bool:
         return bool(getattr(self.processor, "chat_template", None))
 

@@ -23,6 +23,7 @@ import numpy as np
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
+from jaxtrain.data.row_checks import ColumnRule
 
 __all__ = [
     "PAIR_FLOAT_COLUMNS",
@@ -135,6 +136,35 @@ def check_value(name: str, where: Any, column: str, value: Any, conversational: 
         )
 
 
+def check_prompt(
+    name: str, where: Any, value: Any, *, strings: bool = True, messages: bool = False
+) -> None:
+    """A prompt may be missing or empty (the response stands alone); else a string (when
+    `strings`) or a list of messages (when `messages`), as the encoder reads it."""
+    if value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0):
+        return
+    if (strings and isinstance(value, str)) or (messages and is_messages(value)):
+        return
+    kinds = [k for k, on in (("a string", strings), ("a list of messages", messages)) if on]
+    raise DatasetError(
+        f"{name} row {where}: column 'prompt' must be {' or '.join(kinds)} like row 0, got "
+        f"{type(value).__name__}: {str(value)[:60]!r}"
+    )
+
+
+def response_rules(
+    columns: Sequence[str], conversational: bool, *, prompt: bool
+) -> tuple[ColumnRule, ...]:
+    """What surely passes `check_value` in these response columns and, with `prompt`,
+    `check_prompt` (a chat row's prompt may be a string, as the pair trainers wrap it)."""
+    kind = ("messages",) if conversational else ("str",)
+    rules = tuple(ColumnRule(c, kind) for c in columns)
+    if prompt:
+        kinds = ("str", "messages") if conversational else ("str",)
+        rules += (ColumnRule("prompt", kinds, empty_ok=True, null_ok=True),)
+    return rules
+
+
 def shared_prefix(a: list[Any], b: list[Any]) -> int:
     n = 0
     while n < min(len(a), len(b)) - 1 and a[n] == b[n]:
@@ -188,14 +218,29 @@ class PairFeaturizer(Featurizer):
             self.detect(rows[0])
         return [self._pair(row, w) for row, w in zip(rows, where)]
 
-    def _pair(self, row: Mapping[str, Any], where: Any) -> dict[str, Any]:
+    def row_rules(self) -> tuple[ColumnRule, ...]:
+        rules = response_rules(("chosen", "rejected"), self.conversational, prompt=self.has_prompt)
+        return rules + tuple(ColumnRule(c, ("number",)) for c in self.float_columns)
+
+    def check_row(self, row: Mapping[str, Any], where: Any) -> None:
         for column in ("chosen", "rejected"):
             if column not in row:
                 raise DatasetError(f"{self.name} row {where} has no column {column!r}")
             check_value(self.name, where, column, row[column], self.conversational)
+        if self.has_prompt:
+            check_prompt(self.name, where, row.get("prompt"), messages=self.conversational)
+        for column in self.float_columns:
+            value = row.get(column)
+            if not isinstance(value, (int, float, np.floating, np.integer)):
+                raise DatasetError(
+                    f"{self.name} row {where}: column {column!r} must be a number, got {value!r}"
+                )
+
+    def _pair(self, row: Mapping[str, Any], where: Any) -> dict[str, Any]:
+        self.check_row(row, where)
         chosen, rejected = row["chosen"], row["rejected"]
         if self.has_prompt:
-            prompt = row["prompt"]
+            prompt = row.get("prompt")
             if self.conversational and isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
         else:  # implicit prompt: the messages both conversations start with
@@ -214,12 +259,7 @@ class PairFeaturizer(Featurizer):
                 example["labels"],
             )
         for column in self.float_columns:
-            value = row.get(column)
-            if not isinstance(value, (int, float, np.floating, np.integer)):
-                raise DatasetError(
-                    f"{self.name} row {where}: column {column!r} must be a number, got {value!r}"
-                )
-            out[column] = float(value)
+            out[column] = float(row[column])
         return out
 
 
@@ -256,6 +296,7 @@ class SFTFeaturizer(Featurizer):
     def __init__(self, *, max_length: int, **kwargs: Any):
         super().__init__(**kwargs)
         self.max_length = max_length
+        self.conversational = False
 
     def detect(self, first: Any, columns: list[str] | None = None) -> str:
         base_columns = ("input_ids", self.messages_column, self.text_column)
@@ -266,9 +307,30 @@ class SFTFeaturizer(Featurizer):
             and not any(c in first for c in base_columns)
         ):
             self.encoder = Encoder(self.tokenizer, self.chat_template, self.name)
+            self.conversational = is_messages(first["completion"])
             self.mode = "prompt_completion"
             return self.mode
         return super().detect(first, columns)
+
+    def row_rules(self) -> tuple[ColumnRule, ...]:
+        if self.mode != "prompt_completion":
+            return super().row_rules()
+        # Row by row a string or a chat row passes; Arrow vouches for rows of row 0's kind.
+        kind = ("messages",) if self.conversational else ("str",)
+        return (
+            ColumnRule("completion", kind),
+            ColumnRule("prompt", kind, empty_ok=True, null_ok=True),
+        )
+
+    def check_row(self, row: Mapping[str, Any], where: Any) -> None:
+        if self.mode != "prompt_completion":
+            return super().check_row(row, where)
+        completion = row.get("completion")
+        chat = is_messages(completion)
+        check_value(self.name, where, "completion", completion, chat)
+        # The encoder tokenizes a string prompt before a string completion, renders a
+        # message prompt before chat messages.
+        check_prompt(self.name, where, row.get("prompt"), strings=not chat, messages=chat)
 
     def __call__(self, rows: list[dict[str, Any]], where: Sequence[Any]) -> list[dict[str, Any]]:
         if self.mode is None and rows:
@@ -277,8 +339,8 @@ class SFTFeaturizer(Featurizer):
             return super().__call__(rows, where)
         out = []
         for row, w in zip(rows, where):
+            self.check_row(row, w)
             completion = row.get("completion")
-            check_value(self.name, w, "completion", completion, is_messages(completion))
             try:
                 example = encode_prompt_completion(
                     self.encoder, row.get("prompt"), completion, self.max_length

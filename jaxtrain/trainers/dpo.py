@@ -192,8 +192,11 @@ class DPOTrainer(PairTrainer):
                 reference = nnx.clone(model)
             if task.precompute_reference_logps:  # before LoRA: `model` is the base itself
                 dataset_train, dataset_eval = (
-                    with_reference_logps(reference or model, d, processing_class, settings)
-                    for d in (dataset_train, dataset_eval)
+                    with_reference_logps(reference or model, d, processing_class, settings, name)
+                    for d, name in (
+                        (dataset_train, "dataset_train"),
+                        (dataset_eval, "dataset_eval"),
+                    )
                 )
             # With the log-probs stored in every dataset the reference is not needed.
             stored = [
@@ -221,7 +224,7 @@ class DPOTrainer(PairTrainer):
 
 
 def with_reference_logps(
-    reference: nnx.Module, dataset: Any, tokenizer: Any, settings: RunSettings
+    reference: nnx.Module, dataset: Any, tokenizer: Any, settings: RunSettings, name: str
 ) -> Any:
     """`dataset` with its rows' reference log-probs as columns (unchanged when it has them)."""
     if dataset is None or all(c in dataset_columns(dataset) for c in REFERENCE_COLUMNS):
@@ -234,6 +237,7 @@ def with_reference_logps(
         batch_size=settings.data.eval_batch_size,
         chat_template=settings.data.chat_template,
         pad_token_id=_pad_id(tokenizer, reference),
+        name=name,
     )
     return add_columns(dataset, columns)
 
@@ -255,16 +259,20 @@ def reference_logps(
     batch_size: int = 8,
     chat_template: str | None = None,
     pad_token_id: int = 0,
+    name: str = "dataset",
 ) -> dict[str, np.ndarray]:
     """`reference_chosen_logps` and `reference_rejected_logps` of every row of `dataset`
-    (the columns DPOTrainer reads instead of running a reference model)."""
+    (the columns DPOTrainer reads instead of running a reference model); `name`: the
+    dataset's in errors."""
+    from jaxtrain.data.row_checks import check_all_rows
     from jaxtrain.data.sources import as_source
 
-    source = as_source(dataset, name="dataset")
+    source = as_source(dataset, name=name)
     featurizer = PairFeaturizer(
-        name="dataset", tokenizer=tokenizer, max_length=max_length, chat_template=chat_template
+        name=name, tokenizer=tokenizer, max_length=max_length, chat_template=chat_template
     )
     featurizer.detect(source.read([0])[0], source.columns)
+    check_all_rows(source, featurizer)  # every row, before the reference's pass compiles
     collate = PairCollator(max_length, pad_token_id)
     graphdef, state = nnx.split(reference)
 

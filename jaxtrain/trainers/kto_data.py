@@ -22,10 +22,13 @@ import numpy as np
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
+from jaxtrain.data.row_checks import ColumnRule
 from jaxtrain.trainers.data import (
     Encoder,
+    check_prompt,
     check_value,
     is_messages,
+    response_rules,
     shared_prefix,
     truncate_keep_response,
 )
@@ -103,7 +106,11 @@ class KTOFeaturizer(Featurizer):
             self.detect(rows[0])
         return [self._example(row, w) for row, w in zip(rows, where)]
 
-    def _example(self, row: Mapping[str, Any], where: Any) -> dict[str, Any]:
+    def row_rules(self) -> tuple[ColumnRule, ...]:
+        rules = response_rules(("completion",), self.conversational, prompt=True)
+        return rules + (ColumnRule("label", ("bool",)),)
+
+    def check_row(self, row: Mapping[str, Any], where: Any) -> None:
         for column in ("prompt", "completion", "label"):
             if column not in row:
                 raise DatasetError(f"{self.name} row {where} has no column {column!r}")
@@ -114,6 +121,11 @@ class KTOFeaturizer(Featurizer):
                 f"{self.name} row {where}: column 'label' must be True/False (desirable or "
                 f"not), got {label!r}"
             )
+        check_prompt(self.name, where, row["prompt"], messages=self.conversational)
+
+    def _example(self, row: Mapping[str, Any], where: Any) -> dict[str, Any]:
+        self.check_row(row, where)
+        label = row["label"]
         prompt = row["prompt"]
         if self.conversational and isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]

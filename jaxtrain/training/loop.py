@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 
 from jaxtrain.checkpointing import RunStart, StartPlan, committed_steps, hold_output_dir
 from jaxtrain.data.batch_source import DataExhausted
-from jaxtrain.errors import ArgumentError
+from jaxtrain.errors import ArgumentError, DatasetError
 from jaxtrain.observability.compiles import memory_summary
 from jaxtrain.observability.profiling import StepProfiler, profile_line
 from jaxtrain.observability.progress import make_progress
@@ -44,6 +46,29 @@ logger = logging.getLogger(__name__)
 
 # Multi-host runs agree on signals, the time limit and interval saves this often (steps).
 MULTI_HOST_POLL_STEPS = 10
+
+
+def counts_rows(state: Any) -> bool:
+    """Whether a train source's data state holds its row count (map-style data), which a
+    resume compares: a stream's position holds none, and a row dropped there resumes."""
+    if isinstance(state, dict):
+        return state.get("num_rows") is not None or any(counts_rows(v) for v in state.values())
+    return isinstance(state, list) and any(counts_rows(v) for v in state)
+
+
+def add_resume_note(err: DatasetError, saved: list[int], data_state: Callable[[], Any]) -> None:
+    """Tell `err`, whose advice to drop a train row would lose the run's checkpoints (a
+    dataset with a row fewer does not fit their data position: the resume is refused), so."""
+    text = str(err)
+    if "drop that row" not in text or "dataset_eval" in text or not saved:
+        return
+    if counts_rows(data_state()):
+        err.args = (
+            f"{text}. This run has checkpoints (the latest at step {saved[-1]}), which resume "
+            "only on the same rows: fix that row in place rather than dropping it, then run "
+            "the same command again to resume.",
+            *err.args[1:],
+        )
 
 
 @dataclasses.dataclass
@@ -87,7 +112,13 @@ class TrainingLoop:
     def run(self) -> TrainerOutput:
         # Held from the plan to the last commit: a second run into this directory is refused.
         with hold_output_dir(self.settings.output_dir, take=self.trainer.runtime.is_main_process):
-            return self._run()
+            try:
+                return self._run()
+            except DatasetError as err:  # a bad row read mid-run (a stream's, a tokenizer's)
+                saved = committed_steps(self.trainer.checkpoints.root)
+                step = getattr(self, "step", 0)  # set once the start is planned
+                add_resume_note(err, saved, lambda: self.source.data_state(step))
+                raise
 
     def _run(self) -> TrainerOutput:
         trainer, settings, checkpoints = self.trainer, self.settings, self.trainer.checkpoints

@@ -143,15 +143,13 @@ def test_text_rows_are_tokenized_per_batch(word_tokenizer):
 
 def test_bad_text_rows_name_the_row(word_tokenizer):
     rows = [{"text": "a b"}, {"text": "c"}, {"text": None}, {"text": "d"}]
-    loader = BatchLoader(
-        rows, global_batch_size=2, accumulation_steps=1, seq_len=4, pad_token_id=0,
-        shuffle=False, tokenizer=word_tokenizer,
-    )  # fmt: skip
-    batches = loader.batches()
-    next(batches)
     # A row without the column reads as null from a file: "NoneType" once named no fix.
+    # Every row is checked as the loader is built, not when its batch is read.
     with pytest.raises(DatasetError, match="dataset_train row 2: column 'text' is missing"):
-        next(batches)
+        BatchLoader(
+            rows, global_batch_size=2, accumulation_steps=1, seq_len=4, pad_token_id=0,
+            shuffle=False, tokenizer=word_tokenizer,
+        )  # fmt: skip
 
     def picky_tokenizer(texts):  # a stand-in tokenizer that rejects one input
         if "boom" in texts:

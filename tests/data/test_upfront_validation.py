@@ -12,6 +12,10 @@ import pytest
 
 from jaxtrain import TrainingArguments
 from jaxtrain.data import DatasetError, build_eval_loader, build_train_loader
+from jaxtrain.data.loader import prepare_source
+from jaxtrain.data.sources import as_source
+from jaxtrain.trainers.data import PairFeaturizer
+from jaxtrain.trainers.kto_data import KTOFeaturizer
 
 VOCAB = 50
 
@@ -109,3 +113,31 @@ def test_text_rows_without_a_token_to_learn_are_refused_or_warned(caplog, chat_t
     with caplog.at_level(logging.WARNING, logger="jaxtrain"):
         build_train_loader(args(), mostly, tokenizer=chat_tokenizer, vocab_size=VOCAB)
     assert "none of the 256 rows sampled from its 300 has a token to learn" in caplog.text
+
+
+def test_task_rows_are_named_in_the_order_of_a_shuffled_dataset(chat_tokenizer):
+    # Arrow decides in storage order; the error names the row as the dataset orders it.
+    rows = [{"prompt": "a", "completion": "b", "label": i % 2 == 0} for i in range(1000)]
+    for bad in (10, 900):
+        rows[bad]["label"] = None
+    dataset = datasets.Dataset.from_list(rows).shuffle(seed=0)
+    first = [label is None for label in dataset["label"]].index(True)
+    featurizer = KTOFeaturizer(name="dataset_train", tokenizer=chat_tokenizer, max_length=8)
+    with pytest.raises(DatasetError, match=rf"dataset_train row {first}: column 'label'"):
+        prepare_source(as_source(dataset, name="dataset_train"), featurizer)
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda row: row.pop("rejected"), "row 24999 has no column 'rejected'"),
+        # Values Arrow cannot hold in one column: every row is looped over instead.
+        (lambda row: row.update(chosen=["x"]), "row 24999: column 'chosen' must be a string"),
+    ],
+)
+def test_a_long_list_of_rows_is_checked_to_its_last_row(chat_tokenizer, spoil, message):
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"} for _ in range(25_000)]
+    spoil(rows[-1])
+    featurizer = PairFeaturizer(name="dataset_train", tokenizer=chat_tokenizer, max_length=8)
+    with pytest.raises(DatasetError, match=message):
+        prepare_source(as_source(rows, name="dataset_train"), featurizer)
