@@ -23,6 +23,7 @@ TRL's importance-sampling correction reads).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 
 import jax
@@ -78,8 +79,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # numpy's integers too (GRPO's)
 
 
 @jax.tree_util.register_dataclass

@@ -263,6 +263,7 @@ def test_bad_requests_are_refused_with_the_reason(model):
         SamplingParams(stop=[""])
     with pytest.raises(ValueError, match="seed must be an integer"):
         SamplingParams(seed=1.5)
+    assert SamplingParams(seed=np.int64(7)).seed == 7  # GRPO's seeds are numpy's
     small = Engine(model, max_slots=2, page_size=4, max_length=16, num_pages=3)
     with pytest.raises(ArgumentError, match="needs 4 pages of 4 tokens; the KV cache has 2"):
         small.submit(prompt(8), SamplingParams(max_tokens=8))
