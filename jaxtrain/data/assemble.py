@@ -11,7 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data.collate import IGNORE_INDEX, TRUNCATION_MODES, CollateStats, collate_examples
+from jaxtrain.data.collate import (
+    IGNORE_INDEX,
+    TRUNCATED_TOKENS,
+    TRUNCATION_MODES,
+    CollateStats,
+    collate_examples,
+    tokens_cut,
+)
 from jaxtrain.data.errors import DatasetError
 
 __all__ = ["Batch", "Collation", "Collator"]
@@ -52,18 +59,27 @@ class Collation:
     ) -> tuple[Batch, CollateStats | None]:
         """Batch of ``len(fill)`` rows: ``examples`` in the non-filler slots, in order.
 
-        ``where`` names every slot's row in errors (None for fillers). Stats are None with a user collator.
+        ``where`` names every slot's row in errors (None for fillers). Stats are None with a
+        user collator, unless it counts its padding (a ``padding_tokens(batch)`` method, as the
+        task collators have); the tokens examples say truncation cuts (``TRUNCATED_TOKENS``) too.
         """
         if self.collator is None:
             it = iter(examples)
             # An empty example collates to an all-pad, all-masked row: exactly a filler row.
             full = [{"input_ids": []} if f else next(it) for f in fill]
             return self._collate(full, list(where))
+        cut = tokens_cut(examples)
+        if any(TRUNCATED_TOKENS in e for e in examples):  # not the collator's input
+            examples = [{k: v for k, v in e.items() if k != TRUNCATED_TOKENS} for e in examples]
         if fill.any():  # user collators get real rows; fillers are masked copies of one
             template = examples[0]
             it = iter(examples)
             examples = [dict(template) if f else next(it) for f in fill]
-        return self._user_collate(examples, fill), None
+        batch = self._user_collate(examples, fill)
+        padding_tokens = getattr(self.collator, "padding_tokens", None)
+        if padding_tokens is None:
+            return batch, None
+        return batch, CollateStats(cut, int(padding_tokens(batch)))
 
     def _collate(self, examples: list[dict[str, Any]], where: list[Any]):
         try:

@@ -14,16 +14,29 @@ import numpy as np
 
 from jaxtrain.config.tables import TRUNCATION_MODES
 
-__all__ = ["IGNORE_INDEX", "TRUNCATION_MODES", "CollateStats", "collate_examples"]
+__all__ = [
+    "IGNORE_INDEX",
+    "TRUNCATED_TOKENS",
+    "TRUNCATION_MODES",
+    "CollateStats",
+    "collate_examples",
+    "masked_positions",
+    "tokens_cut",
+]
 
 IGNORE_INDEX = -100
+
+# An example's key for its tokens that truncation cuts outside `collate_examples` (a featurizer
+# that encodes a prompt + response to fit, a task collator that cuts): counted as truncated.
+TRUNCATED_TOKENS = "num_truncated_tokens"
 
 
 @dataclass(frozen=True)
 class CollateStats:
     """Counts that describe a batch but must not be fed to the model.
 
-    num_truncated_tokens: tokens cut off because an example was longer than ``seq_len``.
+    num_truncated_tokens: tokens cut off because an example was longer than ``seq_len``, or
+      elsewhere (an example's ``TRUNCATED_TOKENS``).
     num_padding_tokens: positions filled with ``pad_token_id`` by the collator (right padding);
       positions an example itself masked with ``attention_mask == 0`` are not counted.
     """
@@ -36,6 +49,18 @@ class CollateStats:
             self.num_truncated_tokens + other.num_truncated_tokens,
             self.num_padding_tokens + other.num_padding_tokens,
         )
+
+
+def tokens_cut(examples: Sequence[Mapping[str, Any]]) -> int:
+    """Tokens of these examples that truncation cuts outside `collate_examples`."""
+    return sum(int(e.get(TRUNCATED_TOKENS, 0)) for e in examples)
+
+
+def masked_positions(batch: Mapping[str, np.ndarray]) -> int:
+    """Positions of every ``*attention_mask`` array of a batch that hold no token: the padding
+    of a task collator's right-padded sides."""
+    masks = [np.asarray(v) for k, v in batch.items() if k.endswith("attention_mask")]
+    return sum(int(m.size - np.count_nonzero(m)) for m in masks)
 
 
 def _as_1d_ints(value: Any, *, field: str, index: int) -> np.ndarray:
@@ -101,7 +126,7 @@ def collate_examples(
     input_ids = np.full((n, seq_len), pad_token_id, dtype=np.int32)
     attention_mask = np.zeros((n, seq_len), dtype=np.int32)
     labels = np.full((n, seq_len), IGNORE_INDEX, dtype=np.int32)
-    truncated = padded = 0
+    truncated, padded = tokens_cut(examples), 0
 
     for i, example in enumerate(examples):
         if "input_ids" not in example:

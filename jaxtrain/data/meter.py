@@ -79,8 +79,8 @@ class DataMeter:
         read = self._run_kept + self._run_truncated
         return (
             f"truncation dropped {100 * self._run_truncated / read:.1f}% of the tokens read "
-            f"({self._run_truncated} of {read}); raise max_sequence_length, or use packing=True "
-            "to split long documents instead"
+            f"({self._run_truncated} of {read}); raise max_sequence_length (or, for documents, "
+            "packing=True splits them instead)"
         )
 
     def empty_rows_summary(self) -> str | None:
@@ -113,7 +113,9 @@ def _rows_without_targets(batch: Any) -> tuple[int, int]:
 
 
 def _slots(batch: Any) -> int:
-    """Token positions of a host batch (or of a (host batch, placed batch) pair)."""
+    """Token positions of a host batch (or of a (host batch, placed batch) pair): of all its
+    ``*input_ids`` arrays (a pair task's ``rejected_input_ids`` too, as its padding counts)."""
     host = _host(batch)
-    ids = host.get("input_ids") if isinstance(host, dict) else None
-    return int(getattr(ids, "size", 0))
+    if not isinstance(host, dict):
+        return 0
+    return sum(int(getattr(v, "size", 0)) for k, v in host.items() if k.endswith("input_ids"))

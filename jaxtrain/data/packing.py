@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data.collate import IGNORE_INDEX, CollateStats
+from jaxtrain.data.collate import IGNORE_INDEX, CollateStats, tokens_cut
 
 __all__ = [
     "PACKED_FIELDS",
@@ -233,17 +233,18 @@ class Packer:
             if ahead is None or ahead[0][0] != epoch:
                 break
             _, example = self._take()
+            cut_before = tokens_cut([example])  # by its featurizer
             if self.split_long and "pixel_values" not in example:
                 pieces = split_document(*_ids_labels(example), self.seq_len)
                 docs += pieces
-                cuts += [0] * len(pieces)
+                cuts += [cut_before] + [0] * (len(pieces) - 1)
                 images += [None] * len(pieces)
             else:
                 ids, labels, cut = doc_tokens(
                     example, seq_len=self.seq_len, truncation_mode=self.truncation_mode
                 )
                 docs.append((ids, labels))
-                cuts.append(cut)
+                cuts.append(cut_before + cut)
                 images.append(example.get("pixel_values"))
         keep = [i for i, (ids, _) in enumerate(docs) if len(ids)]
         counts = None

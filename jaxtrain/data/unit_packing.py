@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxtrain.data.collate import IGNORE_INDEX, CollateStats
+from jaxtrain.data.collate import IGNORE_INDEX, CollateStats, tokens_cut
 from jaxtrain.data.errors import DatasetError
 
 __all__ = ["MIN_UNIT_TOKENS", "PackedUnits", "RowSpace", "UnitLayout", "pack_units"]
@@ -154,7 +154,7 @@ def _arrays(
         values = np.zeros(capacity, np.float32)
         values[:real] = [u[column] for u in packed.units]
         out[column] = values
-    return out, CollateStats(0, rows * t - sum(fill))
+    return out, CollateStats(tokens_cut(packed.units), rows * t - sum(fill))
 
 
 def pack_units(

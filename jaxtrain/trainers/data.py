@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.data.collate import IGNORE_INDEX, TRUNCATED_TOKENS, masked_positions
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.row_checks import ColumnRule
@@ -94,11 +94,14 @@ class Encoder:
 def encode_prompt_completion(
     encoder: Encoder, prompt: Any, completion: Any, max_length: int
 ) -> dict[str, np.ndarray]:
-    """``{"input_ids", "labels"}`` of one prompt + response, prompt labels -100."""
-    p, c = truncate_keep_response(*encoder.encode(prompt, completion), max_length)
+    """``{"input_ids", "labels", TRUNCATED_TOKENS}`` of one prompt + response, prompt labels
+    -100, and how many of its tokens truncation cut."""
+    prompt_ids, response_ids = encoder.encode(prompt, completion)
+    p, c = truncate_keep_response(prompt_ids, response_ids, max_length)
     ids = np.asarray(p + c, np.int64)
     labels = np.asarray([IGNORE_INDEX] * len(p) + c, np.int64)
-    return {"input_ids": ids, "labels": labels}
+    cut = len(prompt_ids) + len(response_ids) - len(ids)
+    return {"input_ids": ids, "labels": labels, TRUNCATED_TOKENS: cut}
 
 
 def encode_scored_response(
@@ -246,7 +249,7 @@ class PairFeaturizer(Featurizer):
         else:  # implicit prompt: the messages both conversations start with
             n = shared_prefix(list(chosen), list(rejected))
             prompt, chosen, rejected = list(chosen[:n]), list(chosen[n:]), list(rejected[n:])
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {TRUNCATED_TOKENS: 0}
         for side, completion in (("chosen", chosen), ("rejected", rejected)):
             try:
                 example = encode_prompt_completion(
@@ -258,6 +261,7 @@ class PairFeaturizer(Featurizer):
                 example["input_ids"],
                 example["labels"],
             )
+            out[TRUNCATED_TOKENS] += example[TRUNCATED_TOKENS]
         for column in self.float_columns:
             out[column] = float(row[column])
         return out
@@ -270,6 +274,8 @@ class PairCollator:
 
     def __init__(self, seq_len: int, pad_token_id: int = 0):
         self.seq_len, self.pad_token_id = seq_len, int(pad_token_id)
+
+    padding_tokens = staticmethod(masked_positions)  # the meter's count (data/assemble.py)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         n, t, pad = len(examples), self.seq_len, self.pad_token_id

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.data.collate import IGNORE_INDEX, TRUNCATED_TOKENS, masked_positions
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.row_checks import ColumnRule
@@ -137,6 +137,8 @@ class KTOFeaturizer(Featurizer):
             "prompt_ids": np.asarray(prompt_ids, np.int64),
             "completion_ids": np.asarray(completion_ids, np.int64),
             "label": float(label),
+            # What kto_sequence will cut of it (its KL sequence's cut is not the data's).
+            TRUNCATED_TOKENS: max(len(prompt_ids) + len(completion_ids) - self.max_length, 0),
         }
 
 
@@ -164,6 +166,8 @@ class KTOCollator:
 
     def __init__(self, seq_len: int, pad_token_id: int, *, group: int, kl: bool = True):
         self.seq_len, self.pad_token_id, self.group, self.kl = seq_len, pad_token_id, group, kl
+
+    padding_tokens = staticmethod(masked_positions)  # the meter's count (data/assemble.py)
 
     def sequences(self, examples: list[dict[str, Any]]) -> dict[str, list[tuple[np.ndarray, ...]]]:
         """(ids, labels) of each example's sequence and, with `kl`, of its KL sequence."""
