@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 from typing import Any
 
 from jaxtrain.cli.usage import USAGE, split_positional
@@ -22,6 +23,7 @@ def cmd_train(
         parse_overrides,
         resolve_config_with_sources,
         save_config,
+        section_changes,
         split_config,
         typed_model_section,
     )
@@ -73,11 +75,27 @@ def cmd_train(
         task, config, data, tokenizer, args, build_model, typed_model_section
     )
     resolved.update(task_config)
+    sections = get_task(task).sections
 
     class SaveConfig:
         # Written once the run owns output_dir (after resume checks), so an interrupted run
         # can be evaluated, sampled or resumed from its directory.
         def on_train_start(self, trainer: Any, state: Any) -> None:
+            import jax
+
+            from jaxtrain.config_values import read_config_file
+
+            saved = Path(args.output_dir) / "config.yaml"
+            step = int(jax.device_get(state.step))
+            if step and saved.is_file() and runtime.is_main_process:  # a resumed run
+                changed = section_changes(read_config_file(saved), resolved, sections)
+                if changed:
+                    print(
+                        "jaxtrain: this run's task sections differ from the "
+                        f"checkpoint's run ({changed}): from step {step + 1} on it trains "
+                        "with this run's",
+                        flush=True,
+                    )
             save_config(resolved, args.output_dir)
 
     trainer = trainer_class(

@@ -422,6 +422,21 @@ def typed_model_section(
     return typed
 
 
+def section_changes(
+    saved: dict[str, Any], config: dict[str, Any], sections: tuple[str, ...]
+) -> str | None:
+    """What `config` changed of `saved`'s task sections (a distillation's teacher), as
+    "teacher.pretrained 'a' -> 'b'", or None. A checkpoint holds no frozen model: a resumed
+    run builds its teacher from this run's section, which must be said."""
+    changed = []
+    for name in sections:
+        old, new = saved.get(name) or {}, config.get(name) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                changed.append(f"{name}.{key} {old.get(key)!r} -> {new.get(key)!r}")
+    return ", ".join(changed) or None
+
+
 def save_config(config: dict[str, Any], output_dir: str | Path) -> Path:
     path = Path(output_dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

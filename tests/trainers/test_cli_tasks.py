@@ -181,3 +181,19 @@ def test_eval_of_a_fine_tuned_run_rebuilds_its_frozen_parts_from_the_base(
         assert "fine-tuned from" in err and str(base_dir) in err and "base_model" in err
     finally:
         moved.rename(base_dir)
+
+
+def test_a_resumed_distillation_says_its_teacher_changed(files, capsys):
+    """A checkpoint holds no frozen model: a resumed run builds the teacher of its own
+    config, which went unsaid."""
+    path = config(files, "distill", "sft", teacher=dict(MODEL), save_final=True)
+    assert main(["train", path]) == 0
+    assert main(["train", path, "--max_steps", "2"]) == 0
+    assert "differ from the checkpoint's run" not in capsys.readouterr().out
+    other = ["--teacher.num_hidden_layers", "2", "--max_steps", "3"]
+    assert main(["train", path, *other]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "jaxtrain: this run's task sections differ from the checkpoint's run "
+        "(teacher.num_hidden_layers 1 -> 2): from step 3 on it trains with this run's"
+    ) in out, out
