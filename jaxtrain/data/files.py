@@ -73,11 +73,21 @@ def resolve_files(pattern: str | Path | Sequence[str | Path], *, name: str) -> l
     return paths
 
 
+# The columns the tasks read as text. A CSV reader infers each column's type from its cells:
+# replies such as "4" or "007" would become the numbers 4 and 7, so these stay strings.
+TEXT_COLUMNS = ("text", "prompt", "completion", "chosen", "rejected")
+
+
 def _load(builder: str, paths: list[str], streaming: bool) -> Any:
     import datasets
 
+    options: dict[str, Any] = {}
+    if builder == "csv":
+        options["converters"] = dict.fromkeys(TEXT_COLUMNS, str)
     with quiet_datasets():
-        return datasets.load_dataset(builder, data_files=paths, split="train", streaming=streaming)
+        return datasets.load_dataset(
+            builder, data_files=paths, split="train", streaming=streaming, **options
+        )
 
 
 @contextlib.contextmanager

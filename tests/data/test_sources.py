@@ -180,3 +180,15 @@ def test_a_jsonl_column_of_mixed_types_names_its_row(tmp_path):
         DatasetError, match=r"column 'chosen' holds strings, then a number in row 10"
     ):
         load_files(str(path), name="dataset_train")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_csv_replies_that_look_like_numbers_stay_text(tmp_path, streaming):
+    """A CSV reader types each column by its cells: replies "4" and "007" became the numbers
+    4 and 7 (the row checks then refused an int where text was due); other columns keep the
+    reader's types."""
+    path = tmp_path / "pairs.csv"
+    path.write_text("prompt,chosen,rejected,margin\n2 + 2 ?,4,007,1.5\n1 + 1 ?,2,3,0\n")
+    rows = list(load_files(str(path), name="data.train_files", streaming=streaming))
+    assert rows[0] == {"prompt": "2 + 2 ?", "chosen": "4", "rejected": "007", "margin": 1.5}
+    assert rows[1]["margin"] == 0.0
