@@ -208,6 +208,7 @@ def print_sample(
     from jaxtrain.data.prompts import sample_prompt, vision_sample_prompt
     from jaxtrain.data.vision import is_processor, text_tokenizer
     from jaxtrain.models import generate
+    from jaxtrain.trainers.tools import shown_tools
 
     messages_column = getattr(args, "messages_column", "messages")
     chat_template = getattr(args, "chat_template", None)
@@ -228,6 +229,7 @@ def print_sample(
         ids, prompt = sample_prompt(
             tokenizer, dataset, prompt=sample.get("prompt"), messages_column=messages_column,
             text_column=getattr(args, "text_column", "text"), chat_template=chat_template,
+            tools=shown_tools(args),
         )  # fmt: skip
     top_k, note = sample_top_k(model, tokenizer, sample.get("top_k"))
     temperature = sample.get("temperature", 0.0)

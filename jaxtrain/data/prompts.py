@@ -44,13 +44,15 @@ def sample_prompt(
     messages_column: str = "messages",
     text_column: str = "text",
     chat_template: str | None = None,
+    tools: Any = None,
 ) -> tuple[list[int], str]:
     """-> (prompt token ids, the prompt as text) for the end-of-run sample.
 
     Order: `prompt` if given; a row's own `prompt` (DPO/reward pairs, prompt+completion);
     chat rows: the conversation up to its last assistant reply,
     rendered with the chat template and its generation prompt; token or text rows: the first
-    half (at most MAX_PROMPT_TOKENS tokens) of the first row.
+    half (at most MAX_PROMPT_TOKENS tokens) of the first row. `tools(row)`: the tools a chat
+    prompt shows (a tools run's, as its rollouts' prompts showed them).
     """
     if prompt is not None:
         ids = list(tokenizer(prompt)["input_ids"])
@@ -67,6 +69,7 @@ def sample_prompt(
             turns.pop()  # the model writes the reply
         text = tokenizer.apply_chat_template(
             turns or [dict(messages[0])],
+            tools=tools(row) if tools is not None else None,  # a tools run's: `shown(row)`
             tokenize=False,
             add_generation_prompt=True,
             chat_template=chat_template,

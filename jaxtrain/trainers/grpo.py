@@ -40,8 +40,8 @@ from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.grpo_loss import clip_metric_name, grpo_loss_sums, grpo_normalizer
 from jaxtrain.trainers.grpo_prompts import PromptLoader, read_prompts
 from jaxtrain.trainers.grpo_source import RolloutSource
-from jaxtrain.trainers.rewards import load_callable, load_reward, reward_name
-from jaxtrain.trainers.tools import ToolCalls
+from jaxtrain.trainers.rewards import load_reward, reward_name
+from jaxtrain.trainers.tools import ToolCalls, load_tools
 from jaxtrain.training.logps import model_token_logps
 from jaxtrain.training.program import Objective
 from jaxtrain.training.trainer import Trainer
@@ -234,10 +234,12 @@ class GRPOTrainer(Trainer):
     ) -> ToolCalls | None:
         """The run's tools (given, or loaded from the task's `tools` / `environment`), after
         checking that the chat template shows tool calls and that they can be parsed."""
-        if tools is None and settings.task.tools:
-            tools = [load_callable(spec, "tool") for spec in settings.task.tools]
-        if environment_factory is None and settings.task.environment:
-            environment_factory = load_callable(settings.task.environment, "environment")
+        loaded = load_tools(
+            settings.task.tools if tools is None else None,
+            settings.task.environment if environment_factory is None else None,
+        )
+        tools = loaded[0] if tools is None else tools
+        environment_factory = loaded[1] if environment_factory is None else environment_factory
         if not tools and environment_factory is None:
             return None
         check_tool_template(tokenizer)

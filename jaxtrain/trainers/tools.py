@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxtrain.errors import ArgumentError
 
-__all__ = ["Toolbox", "ToolCalls", "environment_reward"]
+__all__ = ["Toolbox", "ToolCalls", "environment_reward", "load_tools", "shown_tools"]
 
 NOT_TOOLS = ("reset", "get_reward")
 
@@ -209,3 +209,24 @@ def environment_reward(cls: type) -> Callable:
     reward.__name__ = cls.__name__
     reward.environment = cls  # type: ignore[attr-defined]
     return reward
+
+
+def load_tools(specs: Sequence[str] | None, environment: str | None) -> tuple[list | None, Any]:
+    """(tools, environment factory) of a run's `tools` / `environment` settings, each a
+    module:function path (None where a setting is not given)."""
+    from jaxtrain.trainers.rewards import load_callable
+
+    tools = [load_callable(spec, "tool") for spec in specs] if specs else None
+    return tools, load_callable(environment, "environment") if environment else None
+
+
+def shown_tools(arguments: Any) -> Callable[[dict[str, Any]], list[Callable]] | None:
+    """What a prompt row of a run with `arguments` shows the model (its chat template writes
+    the tools' schemas): `shown(row)`, or None for a run without tools. A sample of a tools
+    run's model is prompted as its rollouts were."""
+    tools, factory = load_tools(
+        getattr(arguments, "tools", None), getattr(arguments, "environment", None)
+    )
+    if not tools and factory is None:
+        return None
+    return ToolCalls(tools, factory).shown

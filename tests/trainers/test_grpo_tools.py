@@ -378,3 +378,17 @@ def test_tools_need_a_template_that_shows_them_and_chat_prompts(tmp_path, tok, c
         GRPOTrainer(arguments=arguments(tmp_path), model=fresh_caller(tok, caller),
                     reward_funcs=[says_seven], dataset_train=[{"prompt": "add 2 and 5"}] * 4,
                     processing_class=tok, tools=[add])  # fmt: skip
+
+
+def test_a_tools_run_s_sample_is_prompted_with_its_tools(tok, caller, tmp_path, capsys):
+    """The end-of-run sample (and `jaxtrain sample`) rendered a tools run's chat prompt
+    without the tools its rollouts showed: the model was asked what it never saw."""
+    from jaxtrain.cli.commands import print_sample
+
+    args = arguments(tmp_path, tools=["tool_chat_fixtures:add"])
+    print_sample(fresh_caller(tok, caller), tok, {"max_new_tokens": 2}, rows(1), args)
+    shown = tok.apply_chat_template(
+        rows(1)[0]["prompt"], tools=[add], add_generation_prompt=True, tokenize=False
+    )
+    printed = capsys.readouterr().out
+    assert '"name": "add"' in shown and shown in printed, printed
