@@ -51,6 +51,12 @@ def cmd_train(
     runtime = Runtime.from_arguments(args)  # before anything touches a device
     if runtime.is_main_process:
         print(describe_sources(config, sources), flush=True)
+        if sample and not get_task(task).generates:  # said, not refused: a shared config
+            print(
+                f"jaxtrain: --task {task} writes no text, so its sample section "
+                f"({', '.join(sorted(sample))}) is not used.",
+                flush=True,
+            )
     data = pretrained_data_section(model_section, data)
     train, evaluation, tokenizer = build_data(data, args.max_sequence_length, args.packing)
     if "pretrained" in model_section:

@@ -197,3 +197,13 @@ def test_a_resumed_distillation_says_its_teacher_changed(files, capsys):
         "jaxtrain: this run's task sections differ from the checkpoint's run "
         "(teacher.num_hidden_layers 1 -> 2): from step 3 on it trains with this run's"
     ) in out, out
+
+
+def test_a_reward_run_says_its_sample_section_is_not_used(files, capsys):
+    path = config(files, "reward", "pairs", sample={"max_new_tokens": 8, "temperature": 0.5})
+    assert main(["train", path]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "jaxtrain: --task reward writes no text, so its sample section (max_new_tokens, "
+        "temperature) is not used."
+    ) in out
