@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.errors import ArgumentError
+
 
 class JsonlLog:
     def __init__(self, path: str | Path):
@@ -33,8 +35,21 @@ class JsonlLog:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metric log. A last line cut short (a crash or a full disk mid-write:
+    the resumed run drops it too) is left out; a bad line before it is an error naming it."""
     with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for n, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if n == lines[-1][0]:
+                break
+            raise ArgumentError(
+                f"{path} line {n} is not JSON ({err.msg}, column {err.colno}); fix or remove it"
+            ) from None
+    return records
 
 
 class NullLog:

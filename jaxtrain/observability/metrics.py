@@ -143,6 +143,7 @@ class _ClosedWindow:
         self.step, self.epoch = step, epoch
         self.data_wait_s = 0.0
         self.extra_logs: dict[str, Any] = {}
+        self.skipped = 0  # its steps whose update was skipped (NaN/Inf), once read
 
     def read(self) -> dict[str, float]:
         """Wait for the window's last step, then summarise it."""
@@ -157,14 +158,16 @@ class _ClosedWindow:
                     totals[key] = totals.get(key, 0.0) + float(value)
         targets, positions, sequences, flops = (float(c) for c in self._counts)
         steps = len(values)
+        summary = summarize_sums(
+            totals, perplexity=self._window.perplexity, differences=self._window.differences
+        )
+        self.skipped = sum(bool(v.get("nonfinite", False)) for v in values)
+        if self.skipped == steps:  # a skipped step's sums are zeroed: 0/0 read as a loss of 0
+            summary = dict.fromkeys(summary, float("nan"))
         logs = {
             "step": self.step,
             "epoch": round(self.epoch, 4),
-            **summarize_sums(
-                totals,
-                perplexity=self._window.perplexity,
-                differences=self._window.differences,
-            ),
+            **summary,
             "learning_rate": float(values[-1]["learning_rate"]),
             "grad_norm": float(values[-1]["grad_norm"]),
             "step_time_s": elapsed / steps,

@@ -101,6 +101,7 @@ class TrainingLoop:
         self.checkpoint_path: str | None = None
         self.stop_reason = "completed"
         self.guard = NonFiniteGuard(self.settings.on_nan, self.settings.max_nan_skips)
+        self.skipped_steps = 0  # updates skipped for a NaN/Inf, through the last logged window
         self.pending = None  # a closed logging window whose device metrics are read one step late
         self.pending_data: dict[str, float] = {}  # and the data meter's counts at its close
         self.hooks = trainer.hooks  # who hears about the run, fixed for its duration
@@ -420,10 +421,12 @@ class TrainingLoop:
             return
         trainer, monitor = self.trainer, self.trainer.monitor
         logs = monitor.step_logs({**self.pending.read(), **self.pending_data})
+        # Counted from the window's own flags: the guard reads each flag a step late.
+        self.skipped_steps += self.pending.skipped
         self.pending = None
         self.read_step = int(logs["step"])
-        if self.guard.skipped_total:
-            logs["nonfinite_skipped_steps"] = self.guard.skipped_total
+        if self.skipped_steps:
+            logs["nonfinite_skipped_steps"] = self.skipped_steps
         self.log.write(logs["step"], logs)
         self.hooks.call("on_log", trainer, logs, logs["step"])
         self.progress.update(logs["step"], monitor.progress_fields(logs))

@@ -93,7 +93,6 @@ class NonFiniteGuard:
 
     def __init__(self, mode: str, max_consecutive_skips: int):
         self.mode, self.max_consecutive_skips = mode, max_consecutive_skips
-        self.skipped_total = 0
         self._consecutive = 0
         self._pending: tuple[int, Any] | None = None
 
@@ -119,7 +118,6 @@ class NonFiniteGuard:
                 "applied and nothing after it was saved. Lower learning_rate, set clip_grad, "
                 "check the data of that step, or pass --on_nan skip to skip such updates."
             )
-        self.skipped_total += 1
         self._consecutive += 1
         if self._consecutive > self.max_consecutive_skips:
             raise NonFiniteLossError(

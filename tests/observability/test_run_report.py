@@ -75,3 +75,19 @@ def test_a_report_that_cannot_be_written_is_an_error_after_the_checkpoint(tmp_pa
     with pytest.raises(ReportError, match="jaxtrain report"):
         trainer.train()
     assert committed_steps(checkpoints_root(out_dir)) == [2]  # the training itself is kept
+
+
+def test_a_log_whose_last_line_was_cut_still_reports(resumed_run, tmp_path, capsys):
+    """A crash or a full disk mid-write leaves a last line cut short: `jaxtrain report` died
+    with a JSONDecodeError traceback (exit 1); a bad line before the last is named."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(resumed_run.out_dir, run)
+    text = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(text + '{"step": 13, "loss": 1.')
+    assert main(["report", str(run)]) == 0
+    assert len(read_jsonl(run / "metrics.jsonl")) == len(text.splitlines())
+    (run / "metrics.jsonl").write_text('{"step": 1, "lo\n' + text)
+    assert main(["report", str(run)]) == EXIT_BAD_INPUT
+    assert "metrics.jsonl line 1 is not JSON" in capsys.readouterr().err

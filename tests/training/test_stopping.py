@@ -158,3 +158,27 @@ def test_nan_skip_gives_up_after_max_consecutive_skips(tmp_path):
     )
     with pytest.raises(NonFiniteLossError, match="2 consecutive steps up to step 3"):
         trainer.train()
+
+
+def test_a_window_of_skipped_steps_logs_no_loss_of_zero_and_counts_its_own_skip(tmp_path):
+    """A window whose every update was skipped logged loss 0.0 and perplexity 1.0 (its sums
+    are zeroed: 0/0), a perfect loss where the run diverged; and the skip count lagged a step
+    (the guard reads each flag one step late)."""
+    trainer = PoisonedTrainer(
+        arguments=tiny_arguments(
+            str(tmp_path / "run"),
+            shuffle_train=False,
+            on_nan="skip",
+            max_steps=4,
+            logging_steps=1,
+        ),  # fmt: skip
+        model=tiny_model(),
+        dataset_train=poisoned_dataset({8}),  # step 2
+    )
+    trainer.train()
+    records = {r["step"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "step" in r}
+    # JSON has no NaN: the log writes non-finite values as strings.
+    assert (records[2]["loss"], records[2]["perplexity"]) == ("nan", "nan"), records[2]
+    assert records[2]["nonfinite_skipped_steps"] == 1
+    assert "nonfinite_skipped_steps" not in records[1]
+    assert records[3]["loss"] > 0 and records[4]["nonfinite_skipped_steps"] == 1
