@@ -34,6 +34,15 @@ class SbatchOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ArgumentError(f"--{name} must be a positive integer, got {value!r}.")
+        for name in ("time", "partition", "account", "job_name", "output"):
+            value = getattr(self, name)
+            # An #SBATCH line is split at blanks: "my job" would name the job "my".
+            if value is not None and (not str(value) or any(c in str(value) for c in " \t\n\"'")):
+                raise ArgumentError(
+                    f"--{name} {value!r}: an #SBATCH value cannot hold blanks or quotes (sbatch "
+                    "splits its lines at blanks); use e.g. "
+                    f"{str(value).strip().replace(' ', '_')!r}."
+                )
 
 
 def sbatch_script(command: list[str], options: SbatchOptions, python: str | None = None) -> str:

@@ -22,23 +22,30 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compressed host list -> host names, in order.
 
     "node[01-03,07],gpu5" -> ["node01", "node02", "node03", "node07", "gpu5"]; zero padding
-    of a range is kept ("node[008-010]" -> node008, node009, node010).
+    of a range is kept ("node[008-010]" -> node008, node009, node010); a name of several
+    ranges expands as `scontrol show hostnames` does ("r[1-2]-n[1-2]" -> r1-n1, r1-n2, r2-n1,
+    r2-n2).
     """
-    hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", nodelist):
-        prefix, ranges, suffix = match.group(1), match.group(2), match.group(3)
-        if not prefix.strip():
-            continue
-        if ranges is None:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            low, _, high = part.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise ArgumentError(f"SLURM node list {nodelist!r}: cannot read range {part!r}.")
-            width = len(low)
-            for number in range(int(low), int(high or low) + 1):
-                hosts.append(f"{prefix}{number:0{width}d}{suffix}")
+    # The names are the commas outside brackets apart.
+    name = r"(?:[^,\[\]]|\[[^\[\]]*\])+"
+    if not re.fullmatch(f"{name}(?:,{name})*", nodelist):
+        raise ArgumentError(f"SLURM node list {nodelist!r}: unbalanced brackets or empty names.")
+    names = re.findall(name, nodelist)
+    return [host for name in names if name.strip() for host in _expand_name(name, nodelist)]
+
+
+def _expand_name(name: str, nodelist: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", name)
+    if match is None:
+        return [name]
+    prefix, rest = name[: match.start()], _expand_name(name[match.end() :], nodelist)
+    hosts = []
+    for part in match.group(1).split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ArgumentError(f"SLURM node list {nodelist!r}: cannot read range {part!r}.")
+        for number in range(int(low), int(high or low) + 1):
+            hosts += [f"{prefix}{number:0{len(low)}d}{suffix}" for suffix in rest]
     return hosts
 
 

@@ -29,6 +29,17 @@ def test_node_lists_expand_in_order_with_their_zero_padding():
         expand_nodelist("n[x-2]")
 
 
+def test_a_name_of_several_ranges_expands_as_scontrol_does():
+    """The second range of a name was copied as text: every task's coordinator was
+    'rack1-node[01-02]', no host, and the cluster never formed."""
+    assert expand_nodelist("rack[1-2]-node[01-02],gpu7") == [
+        "rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02", "gpu7",
+    ]  # fmt: skip
+    for bad in ("n[1-2", "n]1", "a,,b"):
+        with pytest.raises(ArgumentError, match="unbalanced brackets or empty names"):
+            expand_nodelist(bad)
+
+
 def slurm_env(**extra: str) -> dict[str, str]:
     env = {
         "SLURM_JOB_ID": "123456",
@@ -101,6 +112,14 @@ def test_sbatch_script_quotes_arguments_with_spaces():
         ["train", "--sample.prompt", "def f(x):"], SbatchOptions(), python=sys.executable
     )
     assert "--sample.prompt 'def f(x):'" in script
+
+
+def test_sbatch_values_with_blanks_are_refused():
+    """sbatch splits an #SBATCH line at blanks: `--job_name "my job"` named the job "my"."""
+    with pytest.raises(ArgumentError, match="--job_name 'my job': an #SBATCH value cannot"):
+        SbatchOptions(job_name="my job")
+    with pytest.raises(ArgumentError, match="--output 'logs/x %j.out'"):
+        SbatchOptions(output="logs/x %j.out")
 
 
 def test_cli_launch_slurm_prints_the_script_and_rejects_mixed_options(capsys):
