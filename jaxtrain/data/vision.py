@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.config.tables import IMAGE_TRUNCATION
-from jaxtrain.data.collate import IGNORE_INDEX, collate_examples
+from jaxtrain.data.collate import IGNORE_INDEX, TRUNCATED_TOKENS, collate_examples, masked_positions
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.images import images_of, load_image, place_images
@@ -297,7 +297,8 @@ class VisionFeaturizer(Featurizer):
             if cut_images:
                 return self._cut_image(n, where)
             ids, labels = ids[keep], labels[keep]
-        return {"input_ids": ids, "labels": labels, "pixel_values": pixels}
+        cut = n - len(ids)  # counted as the batch's truncated tokens
+        return {"input_ids": ids, "labels": labels, "pixel_values": pixels, TRUNCATED_TOKENS: cut}
 
     def _cut_image(self, length: int, where: str) -> dict[str, Any]:
         message = (
@@ -339,6 +340,8 @@ class VisionCollator:
 
     def __init__(self, *, seq_len: int, pad_token_id: int, image_slots: ImageSlots) -> None:
         self.seq_len, self.pad_token_id, self.image_slots = seq_len, pad_token_id, image_slots
+
+    padding_tokens = staticmethod(masked_positions)  # the meter's count (data/assemble.py)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         batch = collate_examples(

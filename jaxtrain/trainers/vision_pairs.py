@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.config.sections import DataSettings
+from jaxtrain.data.collate import TRUNCATED_TOKENS
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.images import images_of
@@ -85,7 +86,7 @@ class VisionPairFeaturizer(Featurizer):
             n = shared_prefix(list(chosen), list(rejected))
             prompt, chosen, rejected = list(chosen[:n]), list(chosen[n:]), list(rejected[n:])
         images = images_of(row, label)
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {TRUNCATED_TOKENS: 0}
         for side, completion in (("chosen", chosen), ("rejected", rejected)):
             unit = {"images": images, "prompt": prompt, "completion": completion}
             example = self.sides.example(unit, label)
@@ -93,11 +94,12 @@ class VisionPairFeaturizer(Featurizer):
                 example["input_ids"],
                 example["labels"],
             )
+            out[TRUNCATED_TOKENS] += example.get(TRUNCATED_TOKENS, 0)
             out["pixel_values"] = example["pixel_values"]  # the prompt's: the same both sides
         if not (len(out["chosen_input_ids"]) and len(out["rejected_input_ids"])):
             empty = np.zeros(0, np.int64)  # a side was dropped (image_truncation="drop"): both
             out.update(chosen_input_ids=empty, chosen_labels=empty, rejected_input_ids=empty,
-                       rejected_labels=empty)  # fmt: skip
+                       rejected_labels=empty, **{TRUNCATED_TOKENS: 0})  # fmt: skip
         for column in self.float_columns:
             value = row.get(column)
             if not isinstance(value, (int, float, np.floating, np.integer)):

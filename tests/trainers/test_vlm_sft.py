@@ -224,3 +224,21 @@ def test_a_vlm_fine_tunes_from_the_command_line_and_exports(checkpoint, tmp_path
         before = base(**batch).loss.item()
         after = exported(**batch).loss.item()
     assert after < before
+
+
+def test_a_batch_counts_what_truncation_cut_and_padding_filled(processor):
+    """Image rows are cut to max_sequence_length by the featurizer, before collation: the
+    logged data/truncated_tokens and data/padding_tokens read 0."""
+    from jaxtrain.data.assemble import Collation
+
+    rows = conversations(ROWS)
+    full = [len(e["input_ids"]) for e in featurizer(processor)(rows, list(range(ROWS)))]
+    short = featurizer(processor, max_length=20)
+    collation = Collation(
+        name="dataset_train", seq_len=20, pad_token_id=short.pad_token_id,
+        collator=short.collator,
+    )  # fmt: skip
+    fill = np.zeros(ROWS, bool)
+    _, stats = collation(short(rows, list(range(ROWS))), fill, list(range(ROWS)))
+    assert stats.num_truncated_tokens == sum(max(n - 20, 0) for n in full) > 0, full
+    assert stats.num_padding_tokens == sum(max(20 - n, 0) for n in full) > 0, full
