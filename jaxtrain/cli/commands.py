@@ -235,7 +235,7 @@ def print_sample(
         ids, prompt = sample_prompt(
             tokenizer, dataset, prompt=sample.get("prompt"), messages_column=messages_column,
             text_column=getattr(args, "text_column", "text"), chat_template=chat_template,
-            tools=shown_tools(args),
+            tools=shown_tools(getattr(args, "tools", None), getattr(args, "environment", None)),
         )  # fmt: skip
     top_k, note = sample_top_k(model, tokenizer, sample.get("top_k"))
     temperature = sample.get("temperature", 0.0)

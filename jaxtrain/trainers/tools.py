@@ -220,13 +220,13 @@ def load_tools(specs: Sequence[str] | None, environment: str | None) -> tuple[li
     return tools, load_callable(environment, "environment") if environment else None
 
 
-def shown_tools(arguments: Any) -> Callable[[dict[str, Any]], list[Callable]] | None:
-    """What a prompt row of a run with `arguments` shows the model (its chat template writes
-    the tools' schemas): `shown(row)`, or None for a run without tools. A sample of a tools
-    run's model is prompted as its rollouts were."""
-    tools, factory = load_tools(
-        getattr(arguments, "tools", None), getattr(arguments, "environment", None)
-    )
+def shown_tools(
+    specs: Sequence[str] | None, environment: str | None
+) -> Callable[[dict[str, Any]], list[Callable]] | None:
+    """What a prompt row of a run with these `tools` / `environment` settings shows the model
+    (its chat template writes the tools' schemas): `shown(row)`, or None for a run without
+    tools. A sample of a tools run's model is prompted as its rollouts were."""
+    tools, factory = load_tools(specs, environment)
     if not tools and factory is None:
         return None
     return ToolCalls(tools, factory).shown
