@@ -36,11 +36,12 @@ def cmd_train(
 
     task = str(config.get("task") or DEFAULT_TASK)
     try:
+        definition = get_task(task)  # an unknown task is the config's error too
         args, model_section, data, sample = split_config(
             config,
             path or "the command line",
             sources,
-            task_check=get_task(task).check_data,
+            task_check=definition.check_data,
         )
     except ArgumentError as err:
         raise explain_source(err, sources) from None
@@ -51,7 +52,7 @@ def cmd_train(
     runtime = Runtime.from_arguments(args)  # before anything touches a device
     if runtime.is_main_process:
         print(describe_sources(config, sources), flush=True)
-        if sample and not get_task(task).generates:  # said, not refused: a shared config
+        if sample and not definition.generates:  # said, not refused: a shared config
             print(
                 f"jaxtrain: --task {task} writes no text, so its sample section "
                 f"({', '.join(sorted(sample))}) is not used.",
@@ -81,7 +82,6 @@ def cmd_train(
         task, config, data, tokenizer, args, build_model, typed_model_section
     )
     resolved.update(task_config)
-    sections = get_task(task).sections
 
     class SaveConfig:
         # Written once the run owns output_dir (after resume checks), so an interrupted run
@@ -94,7 +94,7 @@ def cmd_train(
             saved = Path(args.output_dir) / "config.yaml"
             step = int(jax.device_get(state.step))
             if step and saved.is_file() and runtime.is_main_process:  # a resumed run
-                changed = section_changes(read_config_file(saved), resolved, sections)
+                changed = section_changes(read_config_file(saved), resolved, definition.sections)
                 if changed:
                     print(
                         "jaxtrain: this run's task sections differ from the "
@@ -131,8 +131,7 @@ def cmd_train(
         print(f"done ({output.stop_reason}): {summary}; checkpoint: {output.checkpoint_path}")
     if output.stop_reason == "time_limit":
         return EXIT_TIME_LIMIT
-    writes_text = get_task(task).generates
-    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0 and writes_text:
+    if tokenizer is not None and sample.get("max_new_tokens", 64) > 0 and definition.generates:
         # The trained causal LM (a task trainer's policy or student), not the task's container.
         model = trainer.model_from_state(output.state)
         try:
