@@ -40,6 +40,9 @@ class Featurizer:
     # How its examples become batches when they carry more than tokens (data/vision.py's
     # images); None: the pipeline's pad/truncate collation.
     collator: Any = None
+    # Whether its rows' images are read (data/images.py); a featurizer that does not read them
+    # refuses rows that hold some (data/loader.py prepare_source).
+    takes_images = False
 
     def __init__(
         self,

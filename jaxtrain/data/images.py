@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxtrain.data.errors import DatasetError
 
-__all__ = ["IMAGE_COLUMNS", "images_of", "load_image", "place_images"]
+__all__ = ["IMAGE_COLUMNS", "images_of", "load_image", "place_images", "refuse_unread_images"]
 
 IMAGE_COLUMNS = ("images", "image")
 
@@ -34,6 +34,28 @@ def images_of(row: Mapping[str, Any], where: str) -> list[Any]:
         return list(images)
     image = row.get("image")
     return [] if image is None else [image]
+
+
+def refuse_unread_images(row: Mapping[str, Any], name: str, processing_class: Any) -> None:
+    """DatasetError when `name`'s first row holds images that a text tokenizer would drop:
+    the model would train on the text alone and never see a picture."""
+    if not images_of(row, f"{name} row 0"):
+        return
+    kind = type(processing_class).__name__
+    if getattr(processing_class, "image_processor", None) is not None:
+        why = f"this task reads text rows only (the processor {kind} is given)"
+        fix = "use a task that takes images (sft, dpo, orpo, cpo, grpo, rloo)"
+    else:
+        why = f"the processing class ({kind}) is a text tokenizer"
+        fix = (
+            "give a vision-language model with its processor (a model directory with "
+            "preprocessor_config.json, or processing_class=AutoProcessor.from_pretrained(...))"
+        )
+    raise DatasetError(
+        f"{name} row 0 has images, but {why}: the images would be dropped and the model would "
+        f"train on the text alone. {fix[0].upper() + fix[1:]}, or drop the images "
+        "(ids_to_pop_from_dataset=['images'], --ids_to_pop_from_dataset images)"
+    )
 
 
 def load_image(value: Any, where: str) -> Any:

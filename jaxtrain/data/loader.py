@@ -29,6 +29,7 @@ from jaxtrain.data.assemble import Batch, Collation, Collator
 from jaxtrain.data.collate import CollateStats
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
+from jaxtrain.data.images import refuse_unread_images
 from jaxtrain.data.row_checks import check_all_rows
 from jaxtrain.data.sources import IterableSource, RandomAccessSource, as_source
 from jaxtrain.data.units import epoch_order
@@ -48,7 +49,9 @@ def prepare_source(
         n = len(source)
         if n == 0:
             raise DatasetError(f"{name} is empty (0 rows); pass a dataset with at least one row")
-        mode = featurizer.detect(source.read([0])[0], source.columns)
+        first = source.read([0])[0]
+        mode = featurizer.detect(first, source.columns)
+        _refuse_images(first, featurizer, name)
         if n < min_rows:
             raise DatasetError(
                 f"{name} has {n} rows but one global batch needs {min_rows} rows "
@@ -61,7 +64,14 @@ def prepare_source(
         if source.one_shot:
             return "unknown"  # decided at the first row read
         raise DatasetError(f"{name} is empty (no rows); pass a dataset with at least one row")
-    return featurizer.detect(first)
+    mode = featurizer.detect(first)
+    _refuse_images(first, featurizer, name)
+    return mode
+
+
+def _refuse_images(first: Any, featurizer: Featurizer, name: str) -> None:
+    if not featurizer.takes_images and isinstance(first, dict):
+        refuse_unread_images(featurizer.drop(dict(first)), name, featurizer.tokenizer)
 
 
 def validate_dataset(

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.data.mixture import Source
+from jaxtrain.errors import ArgumentError
 
 # A continuation prompt is the first half of a row, at most this many tokens.
 MAX_PROMPT_TOKENS = 32
@@ -97,7 +98,8 @@ def vision_sample_prompt(
 ) -> tuple[list[int], str, np.ndarray | None]:
     """-> (prompt token ids, the prompt as text, its images [n, C, H, W] or None) of a
     vision-language model's sample: the user's `prompt` about `image` (a path) as one user
-    turn; else the first row's conversation up to its last reply, with the row's images."""
+    turn; else the first row's conversation up to its last reply (or its `prompt`: preference
+    and prompt+completion rows), with the row's images."""
     from jaxtrain.data.images import images_of, load_image, place_images
     from jaxtrain.data.vision import processed_prompt
 
@@ -107,13 +109,16 @@ def vision_sample_prompt(
         messages = place_images(turn, len(images), "sample.prompt")
     else:
         row = first_row(dataset) or {}
-        turns = [dict(m) for m in row.get(messages_column) or []]
+        turns = row.get(messages_column) or row.get("prompt") or []
+        if isinstance(turns, str):  # preference and prompt+completion rows: a plain prompt
+            turns = [{"role": "user", "content": turns}]
+        turns = [dict(m) for m in turns]
         while turns and turns[-1].get("role") == "assistant":
             turns.pop()  # the model writes the reply
         if not turns:
-            raise ValueError(
-                f"the data's first row has no {messages_column!r} to sample from; give "
-                "sample.prompt (and sample.image)"
+            raise ArgumentError(
+                f"the data's first row has no {messages_column!r} or 'prompt' to sample from; "
+                "give sample.prompt (and sample.image), e.g. --prompt TEXT --image PATH"
             )
         images = [load_image(i, "the data's row 0") for i in images_of(row, "the data's row 0")]
         messages = place_images(turns, len(images), "the data's row 0")

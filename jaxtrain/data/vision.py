@@ -93,6 +93,8 @@ def processed_prompt(
 class VisionFeaturizer(Featurizer):
     """Image rows -> ``{"input_ids", "labels", "pixel_values" [n, C, H, W]}`` (module docstring)."""
 
+    takes_images = True
+
     def __init__(
         self,
         *,

@@ -33,6 +33,8 @@ __all__ = ["ImageClassificationTrainer", "ImageCollator", "ImageFeaturizer"]
 class ImageFeaturizer(Featurizer):
     """Rows with an image array and an integer class label, checked and passed through."""
 
+    takes_images = True
+
     def __init__(
         self, *, name: str, image_column: str = "pixel_values", label_column: str = "labels"
     ):

@@ -9,7 +9,13 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.data.errors import DatasetError
-from jaxtrain.data.images import IMAGE_COLUMNS, images_of, load_image, place_images
+from jaxtrain.data.images import (
+    IMAGE_COLUMNS,
+    images_of,
+    load_image,
+    place_images,
+    refuse_unread_images,
+)
 from jaxtrain.data.packing import ImageSlots
 from jaxtrain.data.units import epoch_order
 from jaxtrain.data.vision import is_processor, processed_prompt, text_tokenizer
@@ -95,6 +101,8 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: Any = None) ->
             "chat `messages` (or a `prompt` list of messages), or token ids (`prompt_ids`)"
         )
     vision = is_processor(tokenizer) and any(c in names for c in IMAGE_COLUMNS)
+    if not vision:
+        refuse_unread_images(rows[0], "dataset_train", tokenizer)
     if vision and (kind != "chat" or tools):
         raise DatasetError(
             "GRPO prompts with images are chat prompts (a `prompt` or `messages` list of "

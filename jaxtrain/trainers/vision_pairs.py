@@ -40,6 +40,8 @@ class VisionPairFeaturizer(Featurizer):
     """Image preference rows -> ``chosen_*``/``rejected_*`` token examples and the prompt's
     ``pixel_values`` [n, C, H, W]."""
 
+    takes_images = True
+
     def __init__(self, *, name: str, **vision: Any):
         super().__init__(name=name, tokenizer=vision["processor"])
         # Each side is a prompt + completion row of this featurizer (its response learned).

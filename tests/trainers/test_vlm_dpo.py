@@ -120,7 +120,7 @@ def test_image_pairs_loss_gradient_and_rewards_equal_trl(checkpoints, tmp_path):
     assert abs(theirs["rewards/margins"]) > 1e-3  # the two models differ: not a zero test
 
 
-def test_dpo_on_image_pairs_from_the_command_line(checkpoints, tmp_path):
+def test_dpo_on_image_pairs_from_the_command_line(checkpoints, tmp_path, capsys):
     policy_dir, _ = checkpoints
     images = []
     for i in range(8):
@@ -133,12 +133,18 @@ def test_dpo_on_image_pairs_from_the_command_line(checkpoints, tmp_path):
         task="dpo", output_dir=str(run), max_steps=2, total_batch_size=4, max_sequence_length=48,
         logging_steps=1, evaluation_strategy="no", progress_bar="none", report_to="jsonl",
         run_report=False, model={"pretrained": str(policy_dir)},
-        data={"source": "files", "train_files": str(data)}, sample={"max_new_tokens": 0},
+        data={"source": "files", "train_files": str(data)}, sample={"max_new_tokens": 2},
     )  # fmt: skip
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", str(tmp_path / "run.yaml")]) == 0
     logs = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert [r["step"] for r in logs if "rewards/margins" in r] == [1, 2]
+    # The end-of-run sample and `jaxtrain sample` ask the first pair's prompt, with its image.
+    out = capsys.readouterr().out
+    assert "failed" not in out and "--- sample" in out
+    assert main(["sample", str(run), "--max_new_tokens", "2"]) == 0
+    sampled = capsys.readouterr().out.split("--- sample")[-1]
+    assert "<start_of_image>" in sampled and "describe this image" in sampled
 
 
 def test_image_pairs_refuse_packing_with_or_without_a_collator_of_the_users(checkpoints, tmp_path):

@@ -182,6 +182,61 @@ def test_bad_image_rows_are_named(processor, tmp_path):
         featurizer(processor)([{"images": [picture(0)], "messages": placed}], [2])
 
 
+def test_image_rows_are_refused_where_their_images_would_be_dropped(
+    checkpoint, processor, tmp_path
+):
+    """A text tokenizer (or a task that reads text only) would drop the images and train on
+    the text alone: the dataset is refused up front, naming the row and the fix."""
+    from jaxtrain.trainers import DPOArguments, DPOTrainer, KTOArguments, KTOTrainer
+    from jaxtrain.trainers.grpo_prompts import read_prompts
+
+    rows = conversations(ROWS)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    options = dict(output_dir=str(tmp_path / "run"), max_steps=1, total_batch_size=ROWS,
+                   max_sequence_length=48, packing=False)  # fmt: skip
+    text_only = r"dataset_train row 0 has images, but the processing class .* text tokenizer"
+    with pytest.raises(DatasetError, match=text_only + ".*AutoProcessor"):
+        SFTTrainer(SFTArguments(**options), model, dataset_train=rows,
+                   processing_class=processor.tokenizer)  # fmt: skip
+    pairs = [{"images": r["images"], "prompt": "what is it?", "chosen": "a square",
+              "rejected": "a circle"} for r in rows]  # fmt: skip
+    with pytest.raises(DatasetError, match=text_only):
+        DPOTrainer(DPOArguments(**options), model, dataset_train=pairs,
+                   processing_class=processor.tokenizer)  # fmt: skip
+    with pytest.raises(DatasetError, match=text_only):
+        read_prompts([{"images": r["images"], "prompt": "what is it?"} for r in rows],
+                     processor.tokenizer, limit=32)  # fmt: skip
+    # The processor given to a task that reads text rows only (KTO).
+    unpaired = [{**p, "completion": p["chosen"], "label": True} for p in pairs]
+    for row in unpaired:
+        del row["chosen"], row["rejected"]
+    with pytest.raises(
+        DatasetError, match="this task reads text rows only.*ids_to_pop_from_dataset"
+    ):
+        KTOTrainer(KTOArguments(**options), model, dataset_train=unpaired,
+                   processing_class=processor)  # fmt: skip
+    # Dropping the images is the user's explicit choice, and is taken.
+    dropped = SFTArguments(**options, ids_to_pop_from_dataset=["images"])
+    SFTTrainer(dropped, model, dataset_train=rows, processing_class=processor.tokenizer)
+
+
+def test_the_sample_of_prompt_and_completion_image_rows_asks_their_prompt(processor):
+    from jaxtrain.data.images import place_images
+    from jaxtrain.data.prompts import vision_sample_prompt
+    from jaxtrain.data.vision import processed_prompt
+    from jaxtrain.errors import ArgumentError
+
+    image = picture(0)
+    rows = [{"images": [image], "prompt": "what colour is it?", "completion": "red"}]
+    ids, text, pixels = vision_sample_prompt(processor, rows)
+    turn = place_images([{"role": "user", "content": "what colour is it?"}], 1, "row")
+    expected, expected_pixels, _ = processed_prompt(processor, turn, [image])
+    assert ids == expected and "what colour is it?" in text
+    np.testing.assert_array_equal(pixels, expected_pixels)
+    with pytest.raises(ArgumentError, match="no 'messages' or 'prompt' to sample from"):
+        vision_sample_prompt(processor, [{"images": [image], "text": "a square"}])
+
+
 def test_a_vlm_fine_tunes_from_the_command_line_and_exports(checkpoint, tmp_path, capsys):
     rows = []
     for i, row in enumerate(conversations(8)):
