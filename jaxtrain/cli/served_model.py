@@ -64,7 +64,7 @@ def _tokenizer(*directories: Path) -> Any:
             return load_processing_class(directory)
     raise ArgumentError(
         f"no tokenizer in {', '.join(map(str, directories))}: save one beside the model "
-        "(tokenizer.json) to serve it."
+        "(tokenizer.json)."
     )
 
 
@@ -78,7 +78,8 @@ def merged_peft_directory(adapter_dir: Path, out: Path) -> Path:
     if not (base / "config.json").is_file():
         raise ArgumentError(
             f"{adapter_dir}/adapter_config.json names the base model {str(base)!r}, which is not "
-            "a local Hugging Face directory; serve a merged export, or fix the path."
+            "a local Hugging Face directory; fix the path in that file (an absolute one works from "
+            "any directory), or export the run merged (jaxtrain export without --lora_format peft)."
         )
     weights = sorted(base.glob("*.safetensors"))
     if not weights:

@@ -72,6 +72,14 @@ def _target_modules(model: Any, modules: set[str]) -> list[str] | str:
     return f"{scope}\\.({'|'.join(sorted(modules))})"
 
 
+def _base_name(base: str | None) -> str | None:
+    """A local base directory as its absolute path: a relative one would name another
+    directory, or none, wherever the adapter is loaded from. A Hub id stays as it is."""
+    if base and Path(base).is_dir() and not Path(base).is_absolute():
+        return str(Path(base).resolve())
+    return base
+
+
 def save_peft_adapter(
     model: Any,
     save_directory: str | Path,
@@ -111,7 +119,7 @@ def save_peft_adapter(
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model or getattr(model, "name_or_path", None),
+        "base_model_name_or_path": _base_name(base_model or getattr(model, "name_or_path", None)),
         "r": first.rank,
         "lora_alpha": first.alpha,
         "lora_dropout": first.dropout,

@@ -124,3 +124,20 @@ def test_targets_naming_nothing_of_the_model_are_refused(tmp_path):
     _, gpt2 = base_pair("gpt2", tmp_path / "g")
     with pytest.raises(ArgumentError, match=r"\['q_proj'\].*GPT2LMHeadModel.*c_attn"):
         apply_lora(gpt2, rank=RANK, alpha=ALPHA, targets=["q_proj"])
+
+
+def test_a_local_base_is_written_as_an_absolute_path(tmp_path, monkeypatch):
+    """A relative base directory would name another directory, or none, when the adapter is
+    loaded from elsewhere (`jaxtrain serve|evaluate ADAPTER` from another directory); a Hub
+    id, which names no local directory, is written as given."""
+    _, model = base_pair("llama", tmp_path)
+    apply_lora(model, rank=RANK, alpha=ALPHA)
+    (tmp_path / "bases" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for given, written in [
+        ("bases/tiny", str(tmp_path / "bases" / "tiny")),
+        ("org/tiny", "org/tiny"),
+    ]:
+        adapter = save_peft_adapter(model, tmp_path / "adapter", base_model=given)
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == written
