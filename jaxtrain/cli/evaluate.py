@@ -1,9 +1,9 @@
 """`jaxtrain evaluate MODEL --tasks ...`: lm-eval tasks on a finished run or an exported model,
 scored exactly as during training (jaxtrain.evaluation: the same adapter, the same tasks).
 
-MODEL is a run directory (its newest checkpoint, or --checkpoint), a Hugging Face directory
-or .gguf file, or a PEFT LoRA export merged onto its local base (what `jaxtrain serve`
-loads). The scores are printed as a table and, with --output, written as lm-eval's own
+MODEL is a run directory (its newest checkpoint, or --checkpoint) or a step directory of one,
+a Hugging Face directory or .gguf file, or a PEFT LoRA export merged onto its local base (what
+`jaxtrain serve` loads). The scores are printed as a table and, with --output, written as lm-eval's own
 results JSON (per-task metrics, standard errors, configurations).
 """
 
@@ -19,10 +19,10 @@ from jaxtrain.errors import EXIT_OK, ArgumentError
 __all__ = ["EVALUATE_HELP", "cmd_evaluate"]
 
 EVALUATE_HELP = """usage: jaxtrain evaluate MODEL_OR_RUN_DIR --tasks TASK[,TASK...] [--limit N]
-                         [--batch_size 8] [--num_fewshot N] [--checkpoint PATH] [--output FILE]
+                         [--batch_size 8] [--num_fewshot N] [--checkpoint PATH|STEP] [--output FILE]
 
 Score lm-eval-harness tasks on a model, as a run scores eval_tasks during training: a run
-directory (its newest checkpoint), a Hugging Face directory or .gguf file, or a LoRA export
+directory (its newest checkpoint) or one of its step directories, a Hugging Face directory or .gguf file, or a LoRA export
 (merged onto its local base). Tasks come from local YAML files and local data; nothing is
 downloaded. Needs the eval extra (lm-eval).
 
@@ -34,8 +34,9 @@ downloaded. Needs the eval extra (lm-eval).
       Requests per compiled step, and sequences generated at once.
   --num_fewshot INT
       Few-shot examples per document (default: each task's own, else 0).
-  --checkpoint PATH
-      A run's step directory <run>/checkpoints/<step> (default: its newest committed one).
+  --checkpoint PATH|STEP
+      A run's step directory <run>/checkpoints/<step>, or its step number (default: its newest
+      committed one). MODEL may be the step directory itself.
   --output FILE
       Also write lm-eval's results (metrics, standard errors, task configurations) as JSON.
 """
@@ -78,6 +79,11 @@ def parse_evaluate_options(tokens: list[str]) -> tuple[str, dict[str, Any]]:
 def load_model(path: str, checkpoint: str | None) -> tuple[Any, Any]:
     """(model, tokenizer) of a run directory (at `checkpoint`), an HF directory, .gguf or a
     LoRA export."""
+    step = Path(path)
+    if (step / "state").is_dir() and (step.parent.parent / "config.yaml").is_file():
+        if checkpoint is not None:
+            raise ArgumentError(f"{path} is a step directory; drop --checkpoint, or pass the run.")
+        path, checkpoint = str(step.parent.parent), path  # <run>/checkpoints/<step>
     if (Path(path) / "config.yaml").is_file():
         from jaxtrain.cli.run_dir import restore_run
 

@@ -321,21 +321,23 @@ def command_help(command: str, tokens: list[str] | None = None) -> str:
       of them on fsdp, e.g. 1,-1,1,1,1, or one device; a line says so).
 """
     texts = {
-        "eval": f"""usage: jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
+        "eval": f"""usage: jaxtrain eval RUN_DIR [--checkpoint PATH|STEP] [--max_eval_batches N]
 
 Evaluate a run's checkpoint (default: its newest) on the run's eval data.
 
-  --checkpoint PATH
-      A step directory <run>/checkpoints/<step> (default: the newest committed one).
+  --checkpoint PATH|STEP
+      A step directory <run>/checkpoints/<step>, or its step number (default: the newest
+      committed one).
   --max_eval_batches INT
       Cap on eval batches (default: the run's max_eval_batches).
 {mesh}""",
-        "sample": f"""usage: jaxtrain sample RUN_DIR [--checkpoint PATH] [--field value ...]
+        "sample": f"""usage: jaxtrain sample RUN_DIR [--checkpoint PATH|STEP] [--field value ...]
 
 Generate text from a run's checkpoint (default: its newest) with the run's tokenizer.
 
-  --checkpoint PATH
-      A step directory <run>/checkpoints/<step> (default: the newest committed one).
+  --checkpoint PATH|STEP
+      A step directory <run>/checkpoints/<step>, or its step number (default: the newest
+      committed one).
 {mesh}{sample}
 """,
         "export": f"""usage: jaxtrain export RUN_OR_CHECKPOINT OUT_DIR [--max_shard_size 5GB] [--dtype bfloat16]

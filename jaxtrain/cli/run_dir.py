@@ -303,6 +303,17 @@ class RestoredRun:
         )
 
 
+def step_directory(run_dir: str | Path, checkpoint: str | Path | None) -> Path | None:
+    """`--checkpoint`: a step directory, or a step number of the run's (<run>/checkpoints/N)."""
+    from jaxtrain.checkpointing import checkpoints_root
+
+    if not checkpoint:
+        return None
+    if str(checkpoint).isdigit() and not Path(checkpoint).exists():
+        return checkpoints_root(run_dir) / str(checkpoint)
+    return Path(checkpoint)
+
+
 def restore_run(
     run_dir: str | Path,
     checkpoint: str | Path | None = None,
@@ -323,7 +334,7 @@ def restore_run(
     from jaxtrain.checkpointing import find_checkpoint
 
     sections = load_run(run_dir)  # first: a directory that is no run is said so
-    checkpoint = str(checkpoint) if checkpoint else str(find_checkpoint(run_dir))
+    checkpoint = str(step_directory(run_dir, checkpoint) or find_checkpoint(run_dir))
     # Before the model touches a device; Orbax reads the arrays onto this mesh's shardings.
     runtime, sections = restore_runtime(
         sections, run_dir, sharding_axis_dims, for_eval=with_eval_data

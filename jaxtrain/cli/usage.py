@@ -12,7 +12,7 @@ USAGE = f"""usage:
   jaxtrain train [CONFIG.yaml|json] [--field value ...] [--model.field value] [--data.field value]
                  [--dry_run]   (print mesh, per-device memory and parameter shardings; no training)
                  [--task {"|".join(TASKS)}]  (the trainer; distill: --teacher.pretrained DIR)
-  jaxtrain eval RUN_DIR [--checkpoint PATH] [--max_eval_batches N]
+  jaxtrain eval RUN_DIR [--checkpoint PATH|STEP] [--max_eval_batches N]
   jaxtrain evaluate MODEL_OR_RUN_DIR --tasks TASK[,TASK...] [--limit N]   (lm-eval tasks)
   jaxtrain sample RUN_DIR [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_p P]
   {EXPORT_USAGE}

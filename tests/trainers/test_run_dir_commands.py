@@ -157,6 +157,26 @@ def test_eval_takes_max_eval_batches_from_the_command_line(run_dirs, capsys):
         assert "--max_eval_batches must be a positive number" in capsys.readouterr().err
 
 
+def test_a_checkpoint_is_named_by_its_step_directory_or_its_step_number(run_dirs, capsys):
+    """`jaxtrain evaluate` takes a run's step directory as MODEL (as `export` does), and
+    `--checkpoint` a step number as well as a step directory."""
+    run_dir = run_dirs("lm")
+    step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    tables = []
+    for model, extra in [
+        (run_dir / "checkpoints" / str(step), []),
+        (run_dir, ["--checkpoint", str(step)]),
+    ]:
+        capsys.readouterr()
+        assert main(["evaluate", str(model), "--tasks", "python_mc", "--limit", "2", *extra]) == 0
+        tables.append(capsys.readouterr().out)
+    assert "python_mc" in tables[0] and tables[0] == tables[1]
+    assert main(["sample", str(run_dir), "--checkpoint", str(step), "--max_new_tokens", "2"]) == 0
+    assert main(["evaluate", str(run_dir / "checkpoints" / str(step)), "--tasks", "python_mc",
+                 "--checkpoint", str(step)]) == 2  # fmt: skip
+    assert "is a step directory; drop --checkpoint" in capsys.readouterr().err
+
+
 def test_export_writes_a_lora_run_as_a_peft_adapter(run_dirs, files, capsys):  # noqa: F811
     """`--lora_format peft` from the shell (once Python-only): the adapter directory the
     Trainer's own export writes, and a run without adapters refused in one line."""
