@@ -123,7 +123,9 @@ def check_same_data(state: dict[str, Any], mine: dict[str, Any]) -> None:
         details = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differing)
         raise DatasetError(
             f"The checkpoint's data position does not fit dataset_train ({details}). "
-            "Resume with the same dataset, seed, batch size and data options, or start a new run."
+            "Resume with the same dataset, seed, batch size and data options (rows of text cut "
+            "to max_sequence_length change with it), or start a new run (another output_dir, "
+            "or overwrite_output_dir=True)."
         )
 
 

@@ -83,6 +83,16 @@ def test_each_epoch_covers_each_row_once_and_reshuffles():
     assert not np.array_equal(epochs[0], epochs[1])
 
 
+def test_a_saved_position_of_other_data_is_refused_naming_what_differs_and_the_way_out():
+    saved = make_loader(id_dataset(50), seed=1).data_state(7)
+    assert make_loader(id_dataset(50), seed=1).check_data_state(saved) == 7
+    with pytest.raises(DatasetError) as refused:
+        make_loader(id_dataset(60), seed=2).check_data_state(saved)
+    message = str(refused.value)
+    assert "seed: saved 1, now 2" in message and "num_rows: saved 50, now 60" in message
+    assert "max_sequence_length" in message and "overwrite_output_dir=True" in message
+
+
 def test_no_shuffle_is_dataset_order():
     loader = make_loader(id_dataset(16), shuffle=False)
     np.testing.assert_array_equal(rows_of(next(loader.batches())).ravel(), np.arange(8))
