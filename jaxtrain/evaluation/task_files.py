@@ -19,6 +19,7 @@ Each failure is one line naming the task, its file and the fix (TaskError).
 from __future__ import annotations
 
 import glob
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,17 @@ def _absolute_files(value: Any, base: Path, where: str) -> Any:
             )
         path = Path(file).expanduser()
         path = path if path.is_absolute() else base / path
-        if not glob.glob(str(path)):
+        matched = glob.glob(str(path))
+        if not matched:
             raise TaskError(
                 f"{where}: data file {file!r} does not exist (looked at {path}); fix the path "
                 "(relative paths are relative to the task's YAML file)."
+            )
+        files = [m for m in matched if os.path.isfile(m)]
+        if files and all(os.path.getsize(m) == 0 for m in files):
+            raise TaskError(
+                f"{where}: data file {file!r} is empty (0 bytes); a task needs its documents, "
+                "one per line (jsonl)."
             )
         return str(path)
 

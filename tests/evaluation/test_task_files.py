@@ -50,6 +50,7 @@ def test_the_examples_are_local_and_relative_files_follow_the_yaml(tmp_path, mon
     ("change", "message"),
     [
         (("test: python_mc.jsonl", "test: missing.jsonl"), "data file 'missing.jsonl' does not exist"),
+        (("test: python_mc.jsonl", "test: empty.jsonl"), "data file 'empty.jsonl' is empty (0 bytes)"),
         (("dataset_path: json", "dataset_path: cais/mmlu"), "would be downloaded from the Hugging Face Hub"),
         (("test: python_mc.jsonl", "test: hf://datasets/x/y/z.jsonl"), "is a URL, which would be downloaded"),
         (("metric: acc_norm", "metric: sacrebleu_xyz"), "'sacrebleu_xyz' is not one of lm-eval's own"),
@@ -59,6 +60,7 @@ def test_the_examples_are_local_and_relative_files_follow_the_yaml(tmp_path, mon
 )  # fmt: skip
 def test_a_task_that_cannot_run_locally_is_one_line(tmp_path, change, message):
     shutil.copy(EXAMPLES / "python_mc.jsonl", tmp_path / "python_mc.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
     old, new = change
     assert old in MC
     path = task_file(tmp_path, MC.replace(old, new))
