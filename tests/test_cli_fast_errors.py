@@ -135,3 +135,31 @@ def test_a_data_tokenizer_that_is_no_tokenizer_is_one_line(tmp_path, capsys, mon
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"data.tokenizer={where!r}" in err and "Traceback" not in err
+
+
+def test_a_processor_that_does_not_load_is_named_with_its_whole_first_sentence(tmp_path, capsys):
+    """A model directory's processor that transformers cannot build (here an image processor
+    class it does not know; in the field, one that needs torchvision) was cut mid-word and
+    blamed data.tokenizer, which the user had not set (it follows model.pretrained)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "preprocessor_config.json").write_text(
+        '{"image_processor_type": "NoSuchImageProcessor", "processor_class": "NoSuchProcessor"}'
+    )
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    argv = ["train", "--data.source", "files", "--data.train_files", str(tmp_path / "rows.jsonl"),
+            "--data.tokenizer", str(tmp_path / "model"), "--max_steps", "1", "--warmup_steps", "0"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.pretrained's unless set" in err and len(err.splitlines()) == 1
+    assert "Unrecognized processing class" in err
+    # transformers' long reasons keep their whole first sentence(s), never half a word.
+    from jaxtrain.cli.run_dir import _first_sentences
+
+    torchvision = (
+        "Qwen2VLImageProcessor requires the Torchvision library but it was not found in your "
+        "environment. Check out the instructions on the installation page: "
+        "https://pytorch.org/get-started/locally/ and follow the ones that match your "
+        "environment. Please note that you may need to restart your runtime after installation."
+    )
+    assert _first_sentences(torchvision) == torchvision.split(" Please")[0]
+    assert _first_sentences("x" * 300) == "x" * 240 + "..."
