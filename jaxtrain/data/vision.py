@@ -70,6 +70,12 @@ def check_image_model(processor: Any, config: Any) -> None:
             f"model ({type(config).__name__}) takes no images; pass its tokenizer "
             "(processor.tokenizer) or a vision-language model."
         )
+    if getattr(config, "image_shape", None) is None:  # a tower of any image size (Qwen2.5-VL)
+        raise ArgumentError(
+            f"training on image rows needs a vision tower of fixed-size images (Gemma 3's); "
+            f"{type(config).__name__}'s images keep their sizes, which the data pipeline does "
+            "not batch yet (docs/models.md). Train it on text rows, or use a Gemma 3 model."
+        )
 
 
 def processed_prompt(

@@ -220,6 +220,24 @@ def test_image_rows_are_refused_where_their_images_would_be_dropped(
     SFTTrainer(dropped, model, dataset_train=rows, processing_class=processor.tokenizer)
 
 
+def test_a_tower_of_images_of_any_size_is_refused_for_image_rows(processor):
+    """Qwen2.5-VL's images keep their sizes, which the data pipeline does not batch yet: its
+    config has no image_shape, read below (an AttributeError traceback)."""
+    from jaxtrain.data.vision import check_image_model
+    from jaxtrain.errors import ArgumentError
+    from jaxtrain.models.llama import LlamaConfig
+    from jaxtrain.models.qwen25_vl import Qwen25VLConfig
+    from jaxtrain.models.qwen25_vl_vision import Qwen25VisionConfig
+
+    text = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=64, num_hidden_layers=1, vocab_size=300)  # fmt: skip
+    config = Qwen25VLConfig(
+        text=text, vision=Qwen25VisionConfig(out_hidden_size=64), mrope_section=(4, 6, 6)
+    )
+    with pytest.raises(ArgumentError, match="Qwen25VLConfig's images keep their sizes"):
+        check_image_model(processor, config)
+
+
 def test_the_sample_of_prompt_and_completion_image_rows_asks_their_prompt(processor):
     from jaxtrain.data.images import place_images
     from jaxtrain.data.prompts import vision_sample_prompt
