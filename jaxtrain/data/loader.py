@@ -19,7 +19,7 @@ only its own rows (map-style) or its own part of the stream.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,7 @@ def prepare_source(
 
 
 def _refuse_images(first: Any, featurizer: Featurizer, name: str) -> None:
-    if not featurizer.takes_images and isinstance(first, dict):
+    if not featurizer.takes_images and isinstance(first, Mapping):
         refuse_unread_images(featurizer.drop(dict(first)), name, featurizer.tokenizer)
 
 
