@@ -8,6 +8,7 @@ served raises `RequestError` with the status code and OpenAI's error shape.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import secrets
 import time
@@ -111,6 +112,18 @@ def _refuse_unsupported(body: dict) -> None:
             )  # fmt: skip
 
 
+def _refuse_unencodable(body: dict) -> None:
+    """A 400 for text that is no Unicode (a lone surrogate such as "\\ud800", which JSON lets
+    through): the tokenizer would fail on it, as a 500."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(
+            400, f"the request holds text that is not valid Unicode ({err.reason} at "
+            f"{err.object[max(err.start - 20, 0) : err.start]!r}...)",
+        ) from None  # fmt: skip
+
+
 def _seed(body: dict) -> int:
     """The request's seed; without one a fresh draw each time, as OpenAI's API and vLLM give
     (a fixed default would answer every unseeded request alike: retries and RL rollouts over
@@ -146,8 +159,16 @@ def parse_request(
     limits = limits or ServeLimits().for_engine(max_length, max_length)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    _refuse_unencodable(body)
     _refuse_unsupported(body)
+    if not chat and "max_completion_tokens" in body:  # chat's name; a completion's is max_tokens
+        raise RequestError(
+            400, "'max_completion_tokens' is a chat completions field; a completion takes "
+            "'max_tokens'", "max_completion_tokens",
+        )  # fmt: skip
     model, served = body.get("model"), [model_name, *adapters]
+    if model is None:
+        raise RequestError(400, f"'model' is required; this server serves {served[0]!r}", "model")
     if model not in served:
         raise RequestError(
             404, f"the model {model!r} does not exist; this server serves "

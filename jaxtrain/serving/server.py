@@ -127,6 +127,8 @@ def create_app(
             return refuse(err)
         except (ValueError, UnicodeDecodeError) as err:
             return refuse(RequestError(400, f"the request body is not valid JSON: {err}"))
+        except RecursionError:
+            return refuse(RequestError(400, "the request body is nested too deeply"))
         loop = asyncio.get_running_loop()
         parse = functools.partial(
             parse_request,

@@ -126,6 +126,18 @@ def test_eight_concurrent_clients(client, expected):
         ({"model": "tiny", "prompt": "x", "n": 9}, 400, "invalid_request"),
         ({"model": "tiny", "messages": "hello"}, 400, "invalid_request"),
         ("{not json", 400, "invalid_request"),
+        # Once 500s: a lone surrogate reached the tokenizer, a deep body json.loads' recursion.
+        ({"model": "tiny", "prompt": "\ud800"}, 400, "invalid_request"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "a\udfff"}]},
+            400,
+            "invalid_request",
+        ),
+        ({"model": "tiny", "prompt": "x", "stop": ["\ud800"]}, 400, "invalid_request"),
+        ('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "invalid_request"),
+        # Once silently ignored (max_completion_tokens) or a 404 of the model None.
+        ({"model": "tiny", "prompt": "x", "max_completion_tokens": 2}, 400, "invalid_request"),
+        ({"prompt": "x"}, 400, "invalid_request"),
         # Once answered 500 in plain text (int(inf), .get on a string) or streamed ("false").
         ({"model": "tiny", "prompt": "x", "max_tokens": float("inf")}, 400, "invalid_request"),
         ({"model": "tiny", "prompt": "x", "temperature": float("nan")}, 400, "invalid_request"),
