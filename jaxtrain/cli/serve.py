@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -137,7 +138,7 @@ def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
     }  # fmt: skip
     for key, value in parse_overrides(rest).items():
         if key not in OPTIONS:
-            raise ArgumentError(f"jaxtrain serve: unknown option --{key}.\nusage: {SERVE_USAGE}")
+            raise ArgumentError(f"unknown option --{key}.\nusage: {SERVE_USAGE}")
         try:
             options[key] = OPTIONS[key](value)
         except (TypeError, ValueError):
@@ -145,6 +146,8 @@ def parse_serve_options(tokens: list[str]) -> tuple[str, dict]:
     for key in ("port", "max_slots", "page_size", "max_length", "num_pages"):
         if key in options and options[key] <= 0:
             raise ArgumentError(f"--{key} must be positive, got {options[key]}.")
+    if options["port"] > 65535:
+        raise ArgumentError(f"--port must be at most 65535, got {options['port']}.")
     options["api_key"] = options.get("api_key") or os.environ.get(API_KEY_VARIABLE) or None
     host = options["host"]
     if (
@@ -166,7 +169,7 @@ def serve_limits(options: dict) -> ServeLimits:
     try:
         return ServeLimits(**{key: options[key] for key in LIMITS if key in options})
     except ValueError as err:
-        raise ArgumentError(f"jaxtrain serve: --{err}.") from None
+        raise ArgumentError(f"--{err}.") from None
 
 
 def warm_up(engine: Engine, max_prompt_tokens: int | None) -> str:
@@ -214,6 +217,7 @@ def cmd_serve(tokens: list[str], own_process: bool = False) -> int:
             "jaxtrain serve needs the serve extra: pip install 'jaxtrain[serve]'."
         ) from None
     limits = serve_limits(options)  # before the model loads: a bad limit fails fast
+    listener = bind_listener(options["host"], options["port"])  # a taken port fails fast too
     from jaxtrain.runtime import serving_environment
 
     # A restart loads the warm-up's programs instead of compiling them (minutes on a CPU).
@@ -245,8 +249,26 @@ def cmd_serve(tokens: list[str], own_process: bool = False) -> int:
         print(f"jaxtrain serve: LoRA adapters {', '.join(adapters)} on {name}", flush=True)
     if own_process:
         freeze_the_heap()  # fewer and shorter collection pauses between decode steps
-    serve_until_drained(app, host=host, port=port)
+    serve_until_drained(app, listener)
     return 0
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now, before minutes of loading and warm-up (uvicorn listens
+    on it once the app is ready: until then a connection is refused, as no server is there)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        listener.bind(address)
+    except OSError as err:
+        raise ArgumentError(
+            f"--host {host} --port {port}: cannot listen there ({err.strerror or err}); another "
+            "server may hold the port: pick another --port, or stop that server."
+        ) from None
+    return listener
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -33,8 +34,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 KEEP_ALIVE_S = 75.0  # nginx's default; above every common client pool's idle expiry
 
 
-def serve_until_drained(app: Any, *, host: str, port: int, log_level: str = "warning") -> None:
-    """Run `app` (server.create_app's) until a signal, then drain it (module docstring)."""
+def serve_until_drained(app: Any, listener: socket.socket, log_level: str = "warning") -> None:
+    """Run `app` (server.create_app's) on the bound socket `listener` until a signal, then
+    drain it (module docstring)."""
     import uvicorn
 
     gate: GateState = app.state.gate
@@ -70,7 +72,5 @@ def serve_until_drained(app: Any, *, host: str, port: int, log_level: str = "war
                 for number, handler in previous.items():
                     signal.signal(number, handler)
 
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S
-    )
-    DrainingServer(config).run()
+    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S)
+    DrainingServer(config).run(sockets=[listener])

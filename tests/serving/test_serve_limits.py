@@ -269,6 +269,29 @@ def test_no_key_off_loopback_is_refused_in_one_line(long_model_dir, monkeypatch,
         serve_limits(parse_serve_options([str(long_model_dir), "--max_stop", "-1"])[1])
 
 
+def test_a_bad_or_taken_port_is_refused_before_the_model_loads(tmp_path, capsys):
+    """`--port 99999` was served on 99999 - 65536; a taken port was found after the whole
+    warm-up (minutes), as uvicorn's error and exit 3. No model is read here: the directory
+    does not exist, and the port is what the one line names."""
+    import socket
+
+    from jaxtrain.cli import main
+
+    missing = str(tmp_path / "no_model")
+    assert main(["serve", missing, "--port", "99999"]) == 2
+    assert "--port must be at most 65535, got 99999" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", missing, "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--port {port}: cannot listen there" in err
+    # Each error names the command once.
+    assert main(["serve", missing, "--request_timeout", "-1"]) == 2
+    assert capsys.readouterr().err.count("jaxtrain serve") == 1
+
+
 def test_logprobs_in_openai_s_shapes_are_the_model_s(server, client, long_model_dir, tokenizer):
     import jax
     import numpy as np
