@@ -3,7 +3,7 @@ calls and tool answers for the chat template, and a sample's tool calls in the r
 
 The model sees the tools through its chat template; its calls are read from the sampled
 tokens (tool_chat.parse_turn, the template's format) and come back as `tool_calls`, with
-finish_reason "tool_calls". `tool_choice` "auto" (the default with tools) or "none" (the
+finish_reason "tool_calls"; a turn that calls a function the request did not offer is text. `tool_choice` "auto" (the default with tools) or "none" (the
 tools are not shown); "required" or a named function would need decoding constrained to a
 call, which this server does not do: refused with a 400.
 """
@@ -102,6 +102,13 @@ def tool_message(
     arguments), and whether it called a tool."""
     turn = parse_turn(tokenizer, tools.template, token_ids, prompt_ids, tools.tools)
     message: dict[str, Any] = {"role": "assistant", "content": turn.message.get("content") or None}
+    offered = {tool["function"]["name"] for tool in tools.tools}
+    if any(call.get("function", call)["name"] not in offered for call in turn.calls):
+        # As OpenAI's API: only calls of the request's tools are tool calls (a client's loop
+        # would be handed a function it never declared); the model's text is the answer.
+        text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        eos = getattr(tokenizer, "eos_token", None)
+        return {"role": "assistant", "content": text.removesuffix(eos) if eos else text}, False
     if not turn.calls:
         message["content"] = message["content"] or ""
         return message, False

@@ -108,6 +108,23 @@ def test_without_tools_the_call_is_plain_text(client):
     assert out.choices[0].finish_reason != "tool_calls"
 
 
+def test_a_call_of_a_function_the_request_did_not_offer_is_text(tok):
+    """It came back as a tool call (finish_reason "tool_calls"): a client's loop was handed a
+    function it never declared. The streamed and whole answers both read it here."""
+    from jaxtrain.serving.tool_api import read_tools, tool_message
+
+    shown = tok.apply_chat_template(ASK, tools=[ADD], add_generation_prompt=True, tokenize=False)
+    prompt = tok(shown, add_special_tokens=False)["input_ids"]
+    made = tok(CALL + tok.eos_token, add_special_tokens=False)["input_ids"]
+    subtract = {"type": "function", "function": {**ADD["function"], "name": "subtract"}}
+    for offered, called in [([ADD], True), ([subtract], False)]:
+        tools = read_tools({"tools": offered}, tok, RuntimeError)
+        message, was_call = tool_message(tools, tok, made, list(prompt))
+        assert was_call is called and ("tool_calls" in message) is called
+        if not called:
+            assert '"name": "add"' in message["content"] and tok.eos_token not in message["content"]
+
+
 @pytest.mark.parametrize(
     "extra, said",
     [
