@@ -92,7 +92,7 @@ class Gate:
             err = RequestError(401, "a valid API key is needed: 'Authorization: Bearer KEY'")
             await send_error(counted, err, [(b"www-authenticate", b"Bearer")])
             return
-        if self.state.draining:
+        if self.state.draining and path not in UNCOUNTED_PATHS:  # a scrape sees the drain
             err = RequestError(503, "the server is shutting down; retry on another replica")
             await send_error(counted, err, [(b"connection", b"close")])
             return

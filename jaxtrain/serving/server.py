@@ -112,11 +112,21 @@ def create_app(
         text = metrics.render(runner.stats, in_flight=gate.in_flight, engine_alive=runner.alive)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "jaxtrain"}
+    cards = [card] + [{**card, "id": name, "parent": model_name} for name in adapters]
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jaxtrain"}
-        cards = [card] + [{**card, "id": name, "parent": model_name} for name in adapters]
         return {"object": "list", "data": cards}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> Any:  # the openai client's models.retrieve
+        found = [c for c in cards if c["id"] == model_id]
+        if found:
+            return found[0]
+        served = ", ".join(repr(c["id"]) for c in cards)
+        return refuse(RequestError(404, f"the model {model_id!r} does not exist; this server "
+                                   f"serves {served}", "model", "model_not_found"))  # fmt: skip
 
     async def complete(request: Request, chat: bool) -> Any:
         arrival = time.monotonic()

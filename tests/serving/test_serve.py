@@ -184,6 +184,13 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
 
 
+def test_one_model_is_retrieved_by_its_id(client):
+    """GET /v1/models/{id} was a 404, so the openai client's models.retrieve failed."""
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
+        client.models.retrieve("nope")
+
+
 def test_unknown_routes_and_methods_answer_in_openai_s_shape(server):
     root = server.removesuffix("/v1")
     for answer, status in ((httpx.get(f"{root}/v1/nope"), 404),

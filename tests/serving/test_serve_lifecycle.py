@@ -108,6 +108,9 @@ def test_sigterm_finishes_the_running_stream_refuses_new_requests_and_exits_0(
         assert answer.json()["error"]["code"] == "server_shutting_down"
         health = httpx.get(base.removesuffix("/v1") + "/health")
         assert health.status_code == 503 and health.json() == {"status": "draining"}
+        # A scrape still sees the server while it drains (it was refused 503 like a request).
+        scrape = httpx.get(base.removesuffix("/v1") + "/metrics")
+        assert scrape.status_code == 200 and "jaxtrain_running_sequences" in scrape.text
         reader.join(120)
         assert lines[-1] == "data: [DONE]"
         usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
