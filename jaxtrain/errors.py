@@ -49,6 +49,7 @@ __all__ = [
     "TaskError",
     "TrackerError",
     "TrainingInterrupted",
+    "first_sentences",
 ]
 
 
@@ -221,6 +222,9 @@ class TrainingInterrupted(JaxtrainError):
             "Run the same command again to resume."
         )
 
+    def __reduce__(self) -> tuple:  # pickled whole: a Ray actor's run raises it to the driver
+        return type(self), (self.signal_name, self.step, self.checkpoint_path)
+
 
 def first_failed_check(owner: str, checks: list[tuple[bool, str]]) -> None:
     """ArgumentError for the first failed (ok, message) of `checks`, named `owner.field...`
@@ -228,3 +232,14 @@ def first_failed_check(owner: str, checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
             raise ArgumentError(f"{owner}.{message}.")
+
+
+def first_sentences(text: str, limit: int = 240) -> str:
+    """`text`'s first line, cut after its last whole sentence within `limit` characters: a
+    library's long reason quoted in one of our lines, never cut mid-word."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[0] if lines else ""
+    if len(line) <= limit:
+        return line
+    end = line.rfind(". ", 0, limit)
+    return line[: end + 1] if end > 0 else line[:limit] + "..."

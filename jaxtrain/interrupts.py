@@ -51,3 +51,25 @@ def install(label: str = "jaxtrain") -> None:
 
     signal.signal(signal.SIGINT, handle)
     _installed = True
+
+
+# A stop asked of this process by other means than a signal to the thread that trains: a
+# Ray actor's job runs on a worker thread (where no handler can be installed), so the
+# actor's main thread, or the launch driver through the actor, records the request here and
+# the training loop's StopSignals reads it (finish the step, save, exit 128 + signal).
+_stop_requested: str | None = None
+
+
+def request_stop(signal_name: str) -> bool:
+    """Record a stop request ("SIGTERM", "SIGINT"); False when one was recorded already
+    (the caller may then end the process at once, as a second Ctrl-C does)."""
+    global _stop_requested
+    first = _stop_requested is None
+    if first:
+        _stop_requested = signal_name
+    return first
+
+
+def stop_requested() -> str | None:
+    """The signal name of a stop requested through `request_stop`, or None."""
+    return _stop_requested

@@ -153,7 +153,7 @@ def test_a_processor_that_does_not_load_is_named_with_its_whole_first_sentence(t
     assert "model.pretrained's unless set" in err and len(err.splitlines()) == 1
     assert "Unrecognized processing class" in err
     # transformers' long reasons keep their whole first sentence(s), never half a word.
-    from jaxtrain.cli.run_dir import _first_sentences
+    from jaxtrain.errors import first_sentences
 
     torchvision = (
         "Qwen2VLImageProcessor requires the Torchvision library but it was not found in your "
@@ -161,5 +161,5 @@ def test_a_processor_that_does_not_load_is_named_with_its_whole_first_sentence(t
         "https://pytorch.org/get-started/locally/ and follow the ones that match your "
         "environment. Please note that you may need to restart your runtime after installation."
     )
-    assert _first_sentences(torchvision) == torchvision.split(" Please")[0]
-    assert _first_sentences("x" * 300) == "x" * 240 + "..."
+    assert first_sentences(torchvision) == torchvision.split(" Please")[0]
+    assert first_sentences("x" * 300) == "x" * 240 + "..."

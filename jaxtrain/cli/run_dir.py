@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config.sections import RunSettings
-from jaxtrain.errors import ArgumentError
+from jaxtrain.errors import ArgumentError, first_sentences
 
 
 def build_model(
@@ -142,21 +142,12 @@ def data_tokenizer(path: str) -> Any:
     try:
         return load_processing_class(Path(path).expanduser())
     except Exception as err:  # transformers' many ways to say it found no tokenizer there
-        reason = _first_sentences(str(err).strip() or type(err).__name__)
+        reason = first_sentences(str(err).strip() or type(err).__name__)
         raise ArgumentError(
             f"data.tokenizer={path!r} (model.pretrained's unless set): no tokenizer or processor "
             f"loads from it ({reason}). Pass the local directory of a Hugging Face tokenizer "
             "(tokenizer.json or tokenizer_config.json), or a .gguf file."
         ) from err
-
-
-def _first_sentences(text: str, limit: int = 240) -> str:
-    """`text`'s first line, cut after its last whole sentence within `limit` characters."""
-    line = text.splitlines()[0]
-    if len(line) <= limit:
-        return line
-    end = line.rfind(". ", 0, limit)
-    return line[: end + 1] if end > 0 else line[:limit] + "..."
 
 
 @dataclass

@@ -17,10 +17,13 @@ import dataclasses
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxtrain import interrupts
+from jaxtrain.errors import EXIT_PEER_LOST, first_sentences
 from jaxtrain.parallel.distributed import DistributedError
 
 EventSink = Callable[[str, int, Any], None]
@@ -31,6 +34,12 @@ _DEATH_GRACE_S = 5.0
 
 class ClusterError(DistributedError):
     """The Ray cluster could not run the job: a process died too often, or none could start."""
+
+
+class ProcessDiedError(ClusterError):
+    """A process died and no restart is left: exit 5 as a lost peer, not 2 (bad input)."""
+
+    exit_code = EXIT_PEER_LOST
 
 
 @dataclasses.dataclass
@@ -140,7 +149,7 @@ def _short_cause(err: BaseException) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     detail = [line for line in lines if "exit" in line.lower() or "killed" in line.lower()]
     picked = detail[0] if detail else (lines[0] if lines else type(err).__name__)
-    return f"{type(err).__name__}: {picked[:400]}"
+    return f"{type(err).__name__}: {first_sentences(picked, 200)}"
 
 
 class _ProcessLost(Exception):
@@ -179,7 +188,7 @@ class ProcessGroup:
                 num_gpus=cluster.gpus_per_process,
                 resources=cluster.resources_per_process or {},
                 max_restarts=0,  # restarts are whole-cluster attempts, decided here
-                max_concurrency=2,  # `drain` runs beside `run`
+                max_concurrency=3,  # `drain` and `stop` run beside `run`
                 runtime_env={"env_vars": cluster.process_env()},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement, placement_group_bundle_index=index
@@ -211,11 +220,15 @@ class ProcessGroup:
         index_of = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
-            self._forward(on_event)
-            for ref in ready:
-                results[index_of[ref]] = self._result(ref, index_of[ref], pending, index_of)
+        with _DriverSignals() as signals:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+                if signals.take():  # every process finishes its step, saves and exits
+                    for actor in self.actors:
+                        actor.stop.remote(signals.received)
+                self._forward(on_event)
+                for ref in ready:
+                    results[index_of[ref]] = self._result(ref, index_of[ref], pending, index_of)
         self._forward(on_event)
         return results
 
@@ -274,6 +287,41 @@ class ProcessGroup:
                 os.kill(pid, signal.SIGKILL)
 
 
+class _DriverSignals:
+    """SIGINT/SIGTERM to the launch's driver while its job runs: the stop is passed on to
+    every process (a lone run's save-and-stop, at one step); a second signal ends the driver
+    at once (Ray then ends its actors)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._passed_on = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _DriverSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number: int, frame: Any) -> None:
+        name = signal.Signals(number).name
+        if self.received is not None:
+            interrupts.abort("jaxtrain launch", f"second {name}: stopped without saving", number)
+        self.received = name
+        print(f"jaxtrain launch: {name}: every process saves after its step and stops", flush=True)
+
+    def take(self) -> bool:
+        """True once, after the first signal."""
+        if self.received is None or self._passed_on:
+            return False
+        self._passed_on = True
+        return True
+
+
 def _this_node() -> str:
     from jaxtrain.distributed.worker import node_address
 
@@ -317,15 +365,15 @@ def run_on_cluster(
             return results if every_process else results[0]
         except _ProcessLost as lost:
             record[-1].failed_process, record[-1].cause = lost.process_id, lost.cause
-            if on_event is not None:
+            if on_event is not None and number < cluster.max_restarts:  # a restart follows
                 on_event("restart", -1, {"attempt": number, "process": lost.process_id})
         finally:
             group.teardown()
     last = record[-1]
     where = last.processes[last.failed_process] if last.processes else {}
-    raise ClusterError(
+    raise ProcessDiedError(
         f"process {last.failed_process} of {cluster.num_processes} (pid {where.get('pid')} on "
-        f"node {where.get('node')}) died: {last.cause}. The job ran {len(record)} time(s) "
+        f"node {where.get('node')}) died: {last.cause.rstrip('.')}. The job ran {len(record)} time(s) "
         f"and max_restarts={cluster.max_restarts} is exhausted. Check that process's memory "
         "and logs, or raise max_restarts; the run resumes from its newest committed checkpoint."
     )

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 from typing import Any, Protocol
+
+from jaxtrain import interrupts
 
 
 class JobContext(Protocol):
@@ -56,6 +59,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _stop_on_signal(number: int, frame: Any) -> None:
+    name = signal.Signals(number).name
+    if not interrupts.request_stop(name):
+        interrupts.abort("jaxtrain", f"second {name}: aborting at once", number)
+
+
 class ProcessActor:
     """Body of the Ray actor of one JAX process (wrapped with ray.remote in cluster.py).
 
@@ -67,6 +76,16 @@ class ProcessActor:
         self.process_id, self.num_processes, self.attempt = process_id, num_processes, attempt
         self._events: list[tuple[str, int, Any]] = []
         self._lock = threading.Lock()
+        # Ray builds the actor on the process's main thread, the one place a handler can be
+        # installed: SIGTERM to this process (a preempted node) stops its job as it stops a
+        # lone run, after the step, with a save; every process stops at the same step.
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(number, _stop_on_signal)
+
+    def stop(self, signal_name: str) -> None:
+        """The launch driver's stop (it was signalled): as a signal to this process."""
+        interrupts.request_stop(signal_name)
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node": node_address(), "process_id": self.process_id}

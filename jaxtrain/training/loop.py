@@ -39,6 +39,7 @@ from jaxtrain.training.stopping import (
     StopSignals,
     TrainingInterrupted,
     any_process,
+    preemption_sync_reached,
     time_limit_seconds,
 )
 
@@ -402,6 +403,9 @@ class TrainingLoop:
         agreement is a collective that waits for the step in flight, so it runs every
         MULTI_HOST_POLL_STEPS steps only."""
         self.stop.reason, self.stop.interval_save_due = None, False
+        if preemption_sync_reached(step):  # a SIGTERM JAX's own notifier took, on any process
+            self.stop.reason = "signal:SIGTERM"
+            return
         if jax.process_count() > 1 and step % MULTI_HOST_POLL_STEPS:
             return
         interval = self.settings.save_interval_minutes

@@ -59,8 +59,15 @@ class StopSignals:
     SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self) -> None:
-        self.received: str | None = None
+        self._received: str | None = None
         self._previous: dict[int, Any] = {}
+
+    @property
+    def received(self) -> str | None:
+        """The first signal's name: one this thread's handler took, or a stop requested of
+        the process (interrupts.request_stop: a Ray actor's, whose job runs off the main
+        thread)."""
+        return self._received or interrupts.stop_requested()
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -75,12 +82,25 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, number: int, frame: Any) -> None:
-        if self.received is not None:
+        if self._received is not None:
             name = signal.Signals(number).name
             if interrupts.installed():  # the command line: end now, no traceback
                 interrupts.abort("jaxtrain", f"second {name}: aborting at once", number)
             raise KeyboardInterrupt(f"second {name}: aborting at once")
-        self.received = signal.Signals(number).name
+        self._received = signal.Signals(number).name
+
+
+def preemption_sync_reached(step: int) -> bool:
+    """With several processes: whether every process has reached the step JAX's preemption
+    sync chose after a SIGTERM. `jax.distributed.initialize` installs JAX's own SIGTERM
+    notifier; a loop on the main thread replaces it with StopSignals' handler, but a Ray
+    actor's job runs off the main thread and installs none, so there the notifier gets the
+    signal, and every process stops at the step this returns True for. Called every step."""
+    if jax.process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(step))
 
 
 # ----------------------------------------------------------- non-finite loss

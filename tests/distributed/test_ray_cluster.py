@@ -110,6 +110,19 @@ class KillSelf:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class TermSelf:
+    """Process `victim` is sent SIGTERM (as a preempted node's process is) at step `at_step`."""
+
+    def __init__(self, victim: int, at_step: int) -> None:
+        self.victim, self.at_step = victim, at_step
+
+    def on_step_start(self, trainer, state, step) -> None:
+        import jax
+
+        if jax.process_index() == self.victim and step == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Listener:
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -343,3 +356,83 @@ def test_launch_fails_when_any_process_fails(ray_session, capsys):
     code = launch_ray(["train"], two_processes(max_restarts=0), exit_code_by_process)
     assert code == 3
     assert "non-zero exit codes (process 1: 3)" in capsys.readouterr().out
+
+
+def die_on_process_one(tokens: list[str]) -> int:
+    """A command whose process 1 is killed (as the OOM killer or a lost node would)."""
+    if os.environ["JAXTRAIN_PROCESS_ID"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+def test_a_death_with_no_restart_left_is_exit_5_in_one_readable_line(ray_session, capsys):
+    """It said "process 1 died; restarting" and did not restart, ended with exit 2 (bad
+    input), and quoted Ray's reason cut mid-word."""
+    from jaxtrain.distributed.launch import launch_ray
+    from jaxtrain.errors import EXIT_PEER_LOST
+
+    with pytest.raises(ClusterError, match=r"process 1 of 2 .* died") as err:
+        launch_ray(["train"], two_processes(max_restarts=0), die_on_process_one)
+    assert err.value.exit_code == EXIT_PEER_LOST
+    assert "restarting" not in capsys.readouterr().out
+    message = str(err.value)
+    cause = message.split(" died: ", 1)[1].split(". The job ran ", 1)[0]
+    assert len(message.splitlines()) == 1 and len(cause) < 260 and ".." not in message, message
+
+
+def test_sigterm_to_one_process_stops_every_process_at_one_step_with_a_save(ray_session, tmp_path):
+    """A Ray actor's job runs off its process's main thread, where no handler was installed:
+    SIGTERM to one process was ignored and the run trained to its end."""
+    from jaxtrain.errors import TrainingInterrupted
+
+    rt = trainer()
+    run = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted) as stopped:
+        rt.train(2, arguments(run, max_steps=40, save_steps=100), rows(),
+                 callbacks=[TermSelf(1, 3)], cluster=two_processes())  # fmt: skip
+    # JAX's preemption sync picks the step every process stops at; that step is saved.
+    step = stopped.value.step
+    assert stopped.value.signal_name == "SIGTERM" and 3 <= step < 40
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()] == [str(step)]
+    assert len(rt.attempts) == 1  # a stop, not a death: nothing restarted
+
+
+def test_ctrl_c_to_the_launch_driver_saves_on_every_process_and_exits_130(tmp_path):
+    """It was a KeyboardInterrupt traceback through ray.wait, exit 1, and no checkpoint."""
+    import subprocess
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(32)))
+    run = tmp_path / "run"
+    config = {
+        "output_dir": str(run), "max_steps": 3000, "save_steps": 5000, "total_batch_size": 8,
+        "max_sequence_length": SEQ, "evaluation_strategy": "no", "warmup_steps": 0,
+        "progress_bar": "none", "run_report": False, "logging_steps": 1,
+        "model": {**MODEL, "max_position_embeddings": 64},
+        "data": {"source": "files", "train_files": str(data)}, "sample": {"max_new_tokens": 0},
+    }  # fmt: skip
+    (tmp_path / "cfg.yaml").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "jaxtrain.cli", "launch", "--ray", "--num_processes", "2",
+               "--devices_per_process", "1", "train", str(tmp_path / "cfg.yaml")]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled"}
+    driver = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while (
+            not (run / "metrics.jsonl").is_file()
+            or "loss" not in (run / "metrics.jsonl").read_text()
+        ):
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGINT)
+        stdout, stderr = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 130, stderr[-3000:]
+    assert "SIGINT: every process saves after its step and stops" in stdout
+    assert "Traceback" not in stderr, stderr[-3000:]
+    saved = [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and int(saved[0]) < 3000
