@@ -13,10 +13,13 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from jaxtrain.config.tables import TRUNCATION_MODES
+from jaxtrain.data.errors import DatasetError
 
 __all__ = [
     "IGNORE_INDEX",
     "TRUNCATED_TOKENS",
+    "bad_label_error",
+    "bad_labels",
     "TRUNCATION_MODES",
     "CollateStats",
     "collate_examples",
@@ -25,6 +28,24 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+
+
+def bad_labels(labels: np.ndarray, vocab_size: int | None) -> np.ndarray:
+    """Where `labels` are neither IGNORE_INDEX nor a token id of the vocabulary: a -1 would
+    gather the last token's log-probability and an id past the vocabulary a NaN loss."""
+    bad = (labels != IGNORE_INDEX) & (labels < 0)
+    if vocab_size is not None:
+        bad |= labels >= vocab_size
+    return bad
+
+
+def bad_label_error(name: str, row: Any, label: int, vocab_size: int | None) -> DatasetError:
+    return DatasetError(
+        f"{name} row {row}: column 'labels' holds {label}, but a label is {IGNORE_INDEX} "
+        f"(ignored) or a token id in [0, vocab_size={vocab_size}); mark the positions to ignore "
+        f"with {IGNORE_INDEX}"
+    )
+
 
 # An example's key for its tokens that truncation cuts outside `collate_examples` (a featurizer
 # that encodes a prompt + response to fit, a task collator that cuts): counted as truncated.

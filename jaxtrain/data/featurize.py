@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.data.chat import render_chat
+from jaxtrain.data.collate import bad_label_error, bad_labels
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.row_checks import ColumnRule
 
@@ -168,6 +169,8 @@ class Featurizer:
                 )
             if column == "input_ids" and arr.size:
                 self._check_ids(arr, where)
+            if column == "labels" and arr.size and (bad := bad_labels(arr, self.vocab_size)).any():
+                raise bad_label_error(self.name, where, int(arr[bad][0]), self.vocab_size)
             if length is None:
                 length = len(arr)
             elif len(arr) != length:

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain.data.collate import IGNORE_INDEX, bad_label_error, bad_labels
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.sources import RandomAccessSource
 
 logger = logging.getLogger("jaxtrain")
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass
@@ -98,7 +98,11 @@ def scan_tokens(
             )
     lengths = np.bincount(parents, minlength=len(table)) if ids.size else np.zeros(len(table))
     if "labels" in wanted:
-        labels, _ = _flat(table, "labels")
+        labels, label_rows = _flat(table, "labels")
+        bad = bad_labels(labels, vocab_size) if labels.size else labels.astype(bool)
+        if bad.any():
+            first = int(np.argmax(bad))
+            raise bad_label_error(name, int(label_rows[first]), int(labels[first]), vocab_size)
         targets = int(np.count_nonzero(labels != IGNORE_INDEX))
     else:
         targets = int(np.maximum(lengths - 1, 0).sum())  # each token predicts the next

@@ -118,12 +118,14 @@ class Attempt:
 
 def plain_output() -> None:
     """No ANSI colour codes where the driver's output is not a terminal (a log file, a pipe):
-    Ray colours the "(pid=...)" prefix of forwarded lines unless RAY_COLOR_PREFIX=0."""
+    Ray colours the "(pid=...)" prefix of forwarded lines unless RAY_COLOR_PREFIX=0, and the
+    "[repeated 2x across cluster]" of its line deduplication always (RAY_DEDUP_LOGS=0)."""
     import sys
 
     streams = (sys.stdout, sys.stderr)
     if not all(getattr(s, "isatty", None) and s.isatty() for s in streams):
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def ensure_ray(cluster: ClusterConfig) -> None:
@@ -310,7 +312,14 @@ class _DriverSignals:
     def _handle(self, number: int, frame: Any) -> None:
         name = signal.Signals(number).name
         if self.received is not None:
-            interrupts.abort("jaxtrain launch", f"second {name}: stopped without saving", number)
+            import ray
+
+            try:  # a local Ray instance would outlive an exit that skips its atexit shutdown
+                ray.shutdown()
+            finally:
+                interrupts.abort(
+                    "jaxtrain launch", f"second {name}: stopped without saving", number
+                )
         self.received = name
         print(f"jaxtrain launch: {name}: every process saves after its step and stops", flush=True)
 

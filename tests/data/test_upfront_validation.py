@@ -41,6 +41,31 @@ def test_an_id_outside_the_vocabulary_in_a_late_row_fails_at_construction(bad_id
     assert f"vocab_size={VOCAB}" in message and str(max(bad_ids)) in message
 
 
+@pytest.mark.parametrize("label", [-1, -5, VOCAB])
+def test_a_label_neither_ignored_nor_in_the_vocabulary_is_refused(label):
+    """-1 trained as the vocabulary's last id, silently; VOCAB ended as a NaN loss blamed on
+    the learning rate. Every way rows arrive is checked: Arrow-held and listed rows up front,
+    streamed rows as read."""
+    ids = rows_with(0, [5, 6, 7], n=40)
+    labels = [list(r) for r in ids]
+    labels[23][1] = label
+    columns = {"input_ids": ids, "labels": labels}
+    pattern = (
+        rf"row .*23.*: column 'labels' holds {label}, but a label is -100 .*vocab_size={VOCAB}"
+    )
+    with pytest.raises(DatasetError, match=pattern):
+        build_train_loader(args(), datasets.Dataset.from_dict(columns), vocab_size=VOCAB)
+    rows = [{"input_ids": i, "labels": t} for i, t in zip(ids, labels)]
+    with pytest.raises(DatasetError, match=pattern):
+        build_train_loader(args(), rows, vocab_size=VOCAB)
+    stream = datasets.Dataset.from_dict(columns).to_iterable_dataset()
+    with pytest.raises(DatasetError, match=pattern):
+        for _ in zip(range(20), build_train_loader(args(), stream, vocab_size=VOCAB).batches()):
+            pass
+    labels[23][1] = -100  # ignored: taken
+    build_train_loader(args(), datasets.Dataset.from_dict(columns), vocab_size=VOCAB)
+
+
 def test_the_eval_set_is_checked_too():
     dataset = datasets.Dataset.from_dict({"input_ids": rows_with(7, [VOCAB])})
     with pytest.raises(DatasetError, match=r"dataset_eval row 7"):

@@ -434,5 +434,6 @@ def test_ctrl_c_to_the_launch_driver_saves_on_every_process_and_exits_130(tmp_pa
     assert driver.returncode == 130, stderr[-3000:]
     assert "SIGINT: every process saves after its step and stops" in stdout
     assert "Traceback" not in stderr, stderr[-3000:]
+    assert "\x1b[" not in stdout + stderr  # not a terminal: no colour codes (Ray's dedup marker)
     saved = [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and int(saved[0]) < 3000
