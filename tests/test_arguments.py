@@ -32,6 +32,8 @@ def test_defaults_are_valid_and_derived_values():
         ({"max_steps": 0}, ["max_steps"]),
         ({"scheduler": "warmup_cosine"}, ["warmup_steps"]),
         ({"save_steps": 0}, ["save_steps"]),
+        # Built, then a bare ValueError from the data loader (the CLI's exit 1, a traceback).
+        ({"seed": -1}, ["TrainingArguments.seed must be >= 0", "-1"]),
         ({"adam_beta2": 1.5}, ["adam_beta2"]),
         ({"eval_steps": None}, ["eval_steps", "must be an integer", "None"]),
         ({"eval_steps": 0}, ["eval_steps", "--evaluation_strategy no"]),  # how to say "never"

@@ -364,6 +364,7 @@ def check_data(args: Any) -> None:
         raise ArgumentError("TrainingArguments.chat_template must be a Jinja template or None.")
     for name in ("stream_window", "packing_window", "images_per_row"):
         check_positive(args, name)
+    check_positive(args, "seed", allow_zero=True)  # the data order's and the model's
     if (args.packing or args.streaming) and args.max_steps <= 0:
         which = "packing" if args.packing else "streaming"
         raise ArgumentError(
