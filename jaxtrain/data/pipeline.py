@@ -124,8 +124,9 @@ def build_train_loader(
             scan = sample_scan(source, featurizer, seq_len=settings.seq_len)
         if not (settings.packing and settings.split_long_documents):  # else long rows are split
             warn_truncation(
-                scan, name=name, seq_len=settings.seq_len, mode=settings.truncation_mode
-            )
+                scan, name=name, seq_len=settings.seq_len, mode=settings.truncation_mode,
+                packing=settings.packing,
+            )  # fmt: skip
     stream = isinstance(source, IterableSource)
     if not stream and not settings.packing:
         return BatchLoader(

@@ -155,15 +155,19 @@ def sample_scan(
     return TokenScan.of(lengths, seq_len, sampled_from=n if len(lengths) < n else None)
 
 
-def warn_truncation(scan: TokenScan | None, *, name: str, seq_len: int, mode: str) -> None:
-    """One warning with the share of tokens truncation drops (nothing when none)."""
+def warn_truncation(
+    scan: TokenScan | None, *, name: str, seq_len: int, mode: str, packing: bool = False
+) -> None:
+    """One warning with the share of tokens truncation drops (nothing when none); `packing`:
+    on already (with split_long_documents off, or there would be no truncation)."""
     if scan is None or not scan.truncated_tokens:
         return
     sample = f" sampled from its {scan.sampled_from}" if scan.sampled_from else ""
+    split = "split_long_documents=True" if packing else "packing=True"
     logger.warning(
         "%s: %.1f%% of its tokens (%d of %d, in %d of %d rows%s) are beyond "
         "max_sequence_length=%d and are dropped (truncation_mode=%s). Raise "
-        "max_sequence_length, or use packing=True to split long documents instead.",
+        "max_sequence_length, or use %s to split long documents instead.",
         name,
         100 * scan.truncated_share,
         scan.truncated_tokens,
@@ -173,4 +177,5 @@ def warn_truncation(scan: TokenScan | None, *, name: str, seq_len: int, mode: st
         sample,
         seq_len,
         mode,
+        split,
     )

@@ -101,6 +101,14 @@ def test_truncation_that_drops_tokens_is_one_warning_with_its_share(caplog):
     warnings = [r.getMessage() for r in caplog.records if "max_sequence_length" in r.getMessage()]
     assert len(warnings) == 1
     assert "60.0% of its tokens (48 of 80, in 4 of 4 rows)" in warnings[0]
+    assert "use packing=True to split" in warnings[0]
+    caplog.clear()  # packing on already: the setting that splits is split_long_documents
+    with caplog.at_level(logging.WARNING, logger="jaxtrain"):
+        build_train_loader(
+            args(packing=True, split_long_documents=False), long_rows, vocab_size=VOCAB
+        )
+    warnings = [r.getMessage() for r in caplog.records if "max_sequence_length" in r.getMessage()]
+    assert len(warnings) == 1 and "use split_long_documents=True to split" in warnings[0]
 
 
 def test_text_rows_from_files_warn_about_truncation_at_the_start(tmp_path, caplog, chat_tokenizer):
