@@ -96,8 +96,8 @@ def preemption_sync_reached(step: int) -> bool:
     notifier; a loop on the main thread replaces it with StopSignals' handler, but a Ray
     actor's job runs off the main thread and installs none, so there the notifier gets the
     signal, and every process stops at the step this returns True for. Called every step."""
-    if jax.process_count() == 1:
-        return False
+    if jax.process_count() == 1 or not jax.config.jax_enable_preemption_service:
+        return False  # (turned off, JAX takes no SIGTERM: StopSignals' handler does)
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.reached_preemption_sync_point(step))
