@@ -256,13 +256,12 @@ def cmd_serve(tokens: list[str], own_process: bool = False) -> int:
 def bind_listener(host: str, port: int) -> socket.socket:
     """The server's socket, bound now, before minutes of loading and warm-up (uvicorn listens
     on it once the app is ready: until then a connection is refused, as no server is there)."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds a host
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host.strip("[]"), port, type=socket.SOCK_STREAM
-        )[0]
-        listener = socket.socket(family, kind, proto)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        listener.bind(address)
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
     except OSError as err:
         raise ArgumentError(
             f"--host {host} --port {port}: cannot listen there ({err.strerror or err}); another "
