@@ -42,14 +42,16 @@ def _free_port() -> int:
 class Cluster:
     """Processes 0 and 1 of one cluster training in `run_dir`, their output in log files."""
 
-    def __init__(self, run_dir: Path, name: str, linger_s: float = 0.0, **env_extra: str):
+    def __init__(
+        self, run_dir: Path, name: str, linger_s: float = 0.0, steps: int = STEPS, **env_extra: str
+    ):
         self.logs = [run_dir.parent / f"{name}_{i}.log" for i in range(2)]
         command = [sys.executable, str(HERE / "peer_worker.py"), str(_free_port())]
         env = {**worker_env(), "LINGER_S": str(linger_s), **env_extra}
         self.procs = []
         for i, log in enumerate(self.logs):
             with log.open("w") as out:
-                args = [*command, str(i), str(run_dir), str(STEPS), str(PEER_TIMEOUT_S)]
+                args = [*command, str(i), str(run_dir), str(steps), str(PEER_TIMEOUT_S)]
                 self.procs.append(
                     subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
                 )
@@ -250,3 +252,25 @@ def test_a_process_stuck_inside_a_step_is_named_with_its_last_step(tmp_path):
         assert f"{this}) is stuck: its training loop has not moved past step 3 for " in lines[0]
         assert f"(step_timeout_s={step_timeout_s:g}" in lines[0]
         assert "Exiting with code 5" in lines[0] and "Traceback" not in out
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_with_a_save(tmp_path):
+    """The documented agreement on signals, on a plain jax.distributed run: SIGTERM to
+    process 1 stops both processes after the same step (checked every 10), saved."""
+    run_dir = tmp_path / "run"
+    cluster = Cluster(run_dir, "sigterm", steps=40)
+    try:
+        cluster.wait_for_step(1, 3)
+        os.kill(cluster.procs[1].pid, signal.SIGTERM)
+        for p in cluster.procs:
+            p.wait(timeout=120)
+    finally:
+        cluster.kill_all()
+    said = [
+        [line for line in cluster.output(i).splitlines() if "SIGTERM received" in line]
+        for i in range(2)
+    ]
+    assert all(len(lines) == 1 for lines in said), [cluster.output(i)[-2000:] for i in range(2)]
+    assert said[0][0].split("stopped after step ")[1].split()[0] == "10"
+    assert said[1][0].split("stopped after step ")[1].split()[0] == "10"
+    assert _committed(run_dir)[-1] == 10 and not (run_dir / "final.npz").exists()
