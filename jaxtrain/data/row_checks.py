@@ -20,9 +20,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ColumnRule", "check_all_rows"]
+__all__ = ["ColumnRule", "check_all_rows", "is_finite_number"]
 
 KINDS = ("str", "messages", "bool", "number")
+
+
+def is_finite_number(value: Any) -> bool:
+    """An int or a finite float (a bool is no number here): a NaN margin or weight would
+    reach the loss as a NaN, reported as a diverging run."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return bool(np.isfinite(value))
+
+
 READ_ROWS = 1024  # rows read at a time when Arrow cannot decide them
 LOOP_ROWS = 20_000  # a list of fewer rows is looped over (no pyarrow import)
 
@@ -31,7 +41,7 @@ LOOP_ROWS = 20_000  # a list of fewer rows is looped over (no pyarrow import)
 class ColumnRule:
     """What surely passes a featurizer's row check in `column`: a value of one of `kinds`
     ("str"; "messages": a list of role/content mappings; "bool": True/False or 0/1;
-    "number"), an empty one ("" or []) only when `empty_ok`, a null only when `null_ok`.
+    "number": a finite one), an empty one ("" or []) only when `empty_ok`, a null only when `null_ok`.
     Only a shortcut: a value it does not vouch for goes through the row check."""
 
     column: str
@@ -72,8 +82,10 @@ def _passing_chunk(arr: Any, rule: ColumnRule) -> np.ndarray:
     elif "bool" in rule.kinds and pa.types.is_integer(t):
         values = arr.fill_null(-1).to_numpy(zero_copy_only=False)
         ok = valid & ((values == 0) | (values == 1))
-    elif "number" in rule.kinds and (pa.types.is_integer(t) or pa.types.is_floating(t)):
+    elif "number" in rule.kinds and pa.types.is_integer(t):
         ok = valid.copy()
+    elif "number" in rule.kinds and pa.types.is_floating(t):  # a finite one: NaN/inf go on
+        ok = valid & np.isfinite(arr.fill_null(0).to_numpy(zero_copy_only=False))
     if rule.null_ok:
         ok |= ~valid
     return ok

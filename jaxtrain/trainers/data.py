@@ -23,7 +23,7 @@ import numpy as np
 from jaxtrain.data.collate import IGNORE_INDEX, TRUNCATED_TOKENS, masked_positions
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
-from jaxtrain.data.row_checks import ColumnRule
+from jaxtrain.data.row_checks import ColumnRule, is_finite_number
 
 __all__ = [
     "PAIR_FLOAT_COLUMNS",
@@ -55,11 +55,23 @@ def is_messages(value: Any) -> bool:
 class Encoder:
     """Tokenizes (prompt, completion) pairs of strings or message lists."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None, name: str):
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None, name: str, conversational: bool = False
+    ):
         if tokenizer is None:
             raise DatasetError(
                 f"{name} holds text rows but no tokenizer was given; pass "
                 "processing_class=<HF tokenizer>"
+            )
+        if (
+            conversational
+            and chat_template is None
+            and not getattr(tokenizer, "chat_template", None)
+        ):
+            raise DatasetError(
+                f"{name} holds chat messages but the tokenizer has no chat_template; set the "
+                "arguments' chat_template (--chat_template) to a Jinja template, or use a "
+                "tokenizer that has one"
             )
         self.tokenizer, self.chat_template, self.name = tokenizer, chat_template, name
 
@@ -211,7 +223,7 @@ class PairFeaturizer(Featurizer):
                 f"{self.name} holds chat messages but no tokenizer was given; pass "
                 "processing_class=<HF tokenizer with a chat template>"
             )
-        self.encoder = Encoder(self.tokenizer, self.chat_template, self.name)
+        self.encoder = Encoder(self.tokenizer, self.chat_template, self.name, self.conversational)
         self.float_columns = tuple(c for c in PAIR_FLOAT_COLUMNS if c in first)
         self.mode = "pairs"
         return self.mode
@@ -234,9 +246,10 @@ class PairFeaturizer(Featurizer):
             check_prompt(self.name, where, row.get("prompt"), messages=self.conversational)
         for column in self.float_columns:
             value = row.get(column)
-            if not isinstance(value, (int, float, np.floating, np.integer)):
+            if not is_finite_number(value):
                 raise DatasetError(
-                    f"{self.name} row {where}: column {column!r} must be a number, got {value!r}"
+                    f"{self.name} row {where}: column {column!r} must be a finite number, got "
+                    f"{value!r}"
                 )
 
     def _pair(self, row: Mapping[str, Any], where: Any) -> dict[str, Any]:

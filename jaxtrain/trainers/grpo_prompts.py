@@ -125,6 +125,11 @@ def read_prompts(dataset: Any, tokenizer: Any, limit: int, tools: Any = None) ->
     text_side = text_tokenizer(tokenizer)
     for i, row in enumerate(rows):
         value = row[used[0]]
+        if value is None:  # a null in a file's column: the tokenizer's error names no row
+            raise DatasetError(
+                f"dataset_train row {i}: column {used[0]!r} is null; give every row its prompt, "
+                "or drop that row"
+            )
         if vision:  # the processor renders the chat and expands each image into its tokens
             tokens, pixels = image_prompt(tokenizer, row, value, i)
             if len(tokens) > limit and pixels is not None:

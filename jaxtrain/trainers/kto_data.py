@@ -97,7 +97,7 @@ class KTOFeaturizer(Featurizer):
                 f"'chosen', 'rejected'; available columns: {available}"
             )
         self.conversational = is_messages(first["completion"])
-        self.encoder = Encoder(self.tokenizer, self.chat_template, self.name)
+        self.encoder = Encoder(self.tokenizer, self.chat_template, self.name, self.conversational)
         self.mode = "kto"
         return self.mode
 

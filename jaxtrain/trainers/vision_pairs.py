@@ -23,6 +23,7 @@ from jaxtrain.data.errors import DatasetError
 from jaxtrain.data.featurize import Featurizer
 from jaxtrain.data.images import images_of
 from jaxtrain.data.packing import ImageSlots
+from jaxtrain.data.row_checks import is_finite_number
 from jaxtrain.data.vision import VisionFeaturizer, check_image_model
 from jaxtrain.errors import ArgumentError
 from jaxtrain.trainers.data import (
@@ -104,8 +105,10 @@ class VisionPairFeaturizer(Featurizer):
                        rejected_labels=empty, **{TRUNCATED_TOKENS: 0})  # fmt: skip
         for column in self.float_columns:
             value = row.get(column)
-            if not isinstance(value, (int, float, np.floating, np.integer)):
-                raise DatasetError(f"{label}: column {column!r} must be a number, got {value!r}")
+            if not is_finite_number(value):
+                raise DatasetError(
+                    f"{label}: column {column!r} must be a finite number, got {value!r}"
+                )
             out[column] = float(value)
         return out
 

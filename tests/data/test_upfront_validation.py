@@ -174,3 +174,36 @@ def test_a_long_list_of_rows_is_checked_to_its_last_row(chat_tokenizer, spoil, m
     featurizer = PairFeaturizer(name="dataset_train", tokenizer=chat_tokenizer, max_length=8)
     with pytest.raises(DatasetError, match=message):
         prepare_source(as_source(rows, name="dataset_train"), featurizer)
+
+
+def test_task_rows_that_reached_a_library_s_error_or_a_nan_loss_name_the_row(chat_tokenizer):
+    """Each failed outside jaxtrain's checks: a null GRPO prompt (transformers: "specify either
+    `text` or `text_target`"), a NaN margin (a NaN loss, "lower learning_rate"), chat pairs
+    with a tokenizer without a template (transformers' chat-template error)."""
+    import copy
+
+    from jaxtrain.trainers.grpo_prompts import read_prompts
+
+    with pytest.raises(DatasetError, match="row 1: column 'prompt' is null"):
+        read_prompts([{"prompt": "a"}, {"prompt": None}], chat_tokenizer, limit=8)
+    pairs = [{"prompt": "a", "chosen": "b", "rejected": "c", "margin": 0.5} for _ in range(8)]
+    pairs[3]["margin"] = float("nan")
+    for dataset in (pairs, datasets.Dataset.from_list(pairs)):
+        featurizer = PairFeaturizer(name="dataset_train", tokenizer=chat_tokenizer, max_length=8)
+        with pytest.raises(DatasetError, match="row 3: column 'margin' must be a finite number"):
+            prepare_source(as_source(dataset, name="dataset_train"), featurizer)
+    plain = copy.deepcopy(chat_tokenizer)
+    plain.chat_template = None
+    talk = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    chats = [{"chosen": talk, "rejected": talk}] * 4
+    for featurizer in (
+        PairFeaturizer(name="dataset_train", tokenizer=plain, max_length=8),
+        KTOFeaturizer(name="dataset_train", tokenizer=plain, max_length=8),
+    ):
+        with pytest.raises(
+            DatasetError, match="chat messages but the tokenizer has no chat_template"
+        ):
+            rows = chats if isinstance(featurizer, PairFeaturizer) else [
+                {"prompt": talk[:1], "completion": talk[1:], "label": True}
+            ] * 4  # fmt: skip
+            prepare_source(as_source(rows, name="dataset_train"), featurizer)
