@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from jaxtrain.checkpointing.quiet import quiet_orbax
-from jaxtrain.errors import CheckpointError
+from jaxtrain.errors import CheckpointError, first_sentences
 from jaxtrain.state import TrainState
 
 # orbax is imported where it is used: it is not needed before the first save.
@@ -176,10 +176,9 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return metadata
 
 
-def _first_line(err: BaseException, limit: int = 400) -> str:
+def _first_line(err: BaseException) -> str:
     """The gist of a library error (Tensorstore appends its whole JSON spec)."""
-    text = str(err).splitlines()[0] if str(err) else ""
-    return text if len(text) <= limit else text[:limit] + " ..."
+    return first_sentences(str(err), 400)
 
 
 def damaged(step_dir: Path, path: Path, why: str) -> CheckpointError:

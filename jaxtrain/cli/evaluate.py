@@ -3,8 +3,8 @@ scored exactly as during training (jaxtrain.evaluation: the same adapter, the sa
 
 MODEL is a run directory (its newest checkpoint, or --checkpoint) or a step directory of one,
 a Hugging Face directory or .gguf file, or a PEFT LoRA export merged onto its local base (what
-`jaxtrain serve` loads). The scores are printed as a table and, with --output, written as lm-eval's own
-results JSON (per-task metrics, standard errors, configurations).
+`jaxtrain serve` loads). The scores are printed as a table and, with --output, written as
+lm-eval's own results JSON (per-task metrics, standard errors, configurations).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ EVALUATE_HELP = """usage: jaxtrain evaluate MODEL_OR_RUN_DIR --tasks TASK[,TASK.
                          [--batch_size 8] [--num_fewshot N] [--checkpoint PATH|STEP] [--output FILE]
 
 Score lm-eval-harness tasks on a model, as a run scores eval_tasks during training: a run
-directory (its newest checkpoint) or one of its step directories, a Hugging Face directory or .gguf file, or a LoRA export
-(merged onto its local base). Tasks come from local YAML files and local data; nothing is
-downloaded. Needs the eval extra (lm-eval).
+directory (its newest checkpoint) or one of its step directories, a Hugging Face directory or
+.gguf file, or a LoRA export (merged onto its local base). Tasks come from local YAML files and
+local data; nothing is downloaded. Needs the eval extra (lm-eval).
 
   --tasks LIST
       Task YAML files, or names of jaxtrain's example tasks (python_mc, python_em).

@@ -292,8 +292,8 @@ class MixtureLoader:
             details = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in differing)
             raise DatasetError(
                 f"The checkpoint's data position does not fit this mixture ({details}). Resume "
-                "with the same sources, mixture_weights and batch size, or start a new run (another "
-                "output_dir, or overwrite_output_dir=True)."
+                "with the same sources, mixture_weights and batch size, or start a new run "
+                "(another output_dir, or overwrite_output_dir=True)."
             )
         rows = []
         for name, reader in zip(self.names, self.readers):

@@ -41,8 +41,8 @@ LOOP_ROWS = 20_000  # a list of fewer rows is looped over (no pyarrow import)
 class ColumnRule:
     """What surely passes a featurizer's row check in `column`: a value of one of `kinds`
     ("str"; "messages": a list of role/content mappings; "bool": True/False or 0/1;
-    "number": a finite one), an empty one ("" or []) only when `empty_ok`, a null only when `null_ok`.
-    Only a shortcut: a value it does not vouch for goes through the row check."""
+    "number": a finite one), an empty one ("" or []) only when `empty_ok`, a null only when
+    `null_ok`. Only a shortcut: a value it does not vouch for goes through the row check."""
 
     column: str
     kinds: tuple[str, ...]

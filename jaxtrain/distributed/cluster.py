@@ -382,7 +382,8 @@ def run_on_cluster(
     where = last.processes[last.failed_process] if last.processes else {}
     raise ProcessDiedError(
         f"process {last.failed_process} of {cluster.num_processes} (pid {where.get('pid')} on "
-        f"node {where.get('node')}) died: {last.cause.rstrip('.')}. The job ran {len(record)} time(s) "
-        f"and max_restarts={cluster.max_restarts} is exhausted. Check that process's memory "
-        "and logs, or raise max_restarts; the run resumes from its newest committed checkpoint."
+        f"node {where.get('node')}) died: {last.cause.rstrip('.')}. The job ran "
+        f"{len(record)} time(s) and max_restarts={cluster.max_restarts} is exhausted. Check "
+        "that process's memory and logs, or raise max_restarts; the run resumes from its "
+        "newest committed checkpoint."
     )

@@ -3,9 +3,10 @@ calls and tool answers for the chat template, and a sample's tool calls in the r
 
 The model sees the tools through its chat template; its calls are read from the sampled
 tokens (tool_chat.parse_turn, the template's format) and come back as `tool_calls`, with
-finish_reason "tool_calls"; a turn that calls a function the request did not offer is text. `tool_choice` "auto" (the default with tools) or "none" (the
-tools are not shown); "required" or a named function would need decoding constrained to a
-call, which this server does not do: refused with a 400.
+finish_reason "tool_calls"; a turn that calls a function the request did not offer is text.
+`tool_choice` "auto" (the default with tools) or "none" (the tools are not shown); "required"
+or a named function would need decoding constrained to a call, which this server does not
+do: refused with a 400.
 """
 
 from __future__ import annotations
