@@ -134,10 +134,11 @@ def encode_scored_response(
 
 def check_value(name: str, where: Any, column: str, value: Any, conversational: bool) -> None:
     empty = value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0)
-    if empty:
+    if empty:  # a column a row lacks reads as null (Arrow fills it)
+        state = "missing (null)" if value is None else "empty"
         raise DatasetError(
-            f"{name} row {where}: column {column!r} is empty; every pair needs a non-empty "
-            f"{column!r} response (fix or drop that row)"
+            f"{name} row {where}: column {column!r} is {state}; every row needs a non-empty "
+            f"{column!r} (fix or drop that row)"
         )
     if conversational and not is_messages(value):
         raise DatasetError(

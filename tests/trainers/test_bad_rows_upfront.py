@@ -63,11 +63,11 @@ CASES = {
     ),
     "dpo missing rejected": (
         DPOTrainer, DPOArguments, pairs, lambda r: without(r, "rejected"),
-        r"column 'rejected' is empty",
+        r"column 'rejected' is missing \(null\)",
     ),
     "sft missing completion": (
         SFTTrainer, SFTArguments, thumbs, lambda r: without(r, "completion"),
-        r"column 'completion' is empty",
+        r"column 'completion' is missing \(null\)",
     ),
 }  # fmt: skip
 
@@ -98,7 +98,7 @@ def test_the_eval_set_and_precomputed_reference_rows_are_checked_before_compilin
     bad = write_jsonl(tmp_path / "bad.jsonl", rows)
     good = write_jsonl(tmp_path / "good.jsonl", pairs(16))
     with pytest.raises(
-        DatasetError, match=rf"dataset_eval row {ROWS - 1}: column 'chosen' is empty"
+        DatasetError, match=rf"dataset_eval row {ROWS - 1}: column 'chosen' is missing \(null\)"
     ):
         ORPOTrainer(
             arguments=tiny_arguments(ORPOArguments, tmp_path, max_steps=2),
@@ -110,7 +110,7 @@ def test_the_eval_set_and_precomputed_reference_rows_are_checked_before_compilin
     # The reference's log-probs of every row are computed (compiled) in the constructor.
     args = tiny_arguments(DPOArguments, tmp_path, max_steps=2, precompute_reference_logps=True)
     with pytest.raises(
-        DatasetError, match=rf"dataset_train row {ROWS - 1}: column 'chosen' is empty"
+        DatasetError, match=rf"dataset_train row {ROWS - 1}: column 'chosen' is missing \(null\)"
     ):
         DPOTrainer(
             arguments=args, model=tiny_model(), dataset_train=bad, processing_class=tokenizer
