@@ -1,13 +1,18 @@
 """Where the test suite's time goes: pytest with a plugin that records, for every test, its
-wall time and the seconds JAX spent in its worker tracing, lowering and compiling (JAX's own
+wall time, its CPU seconds (its worker's, and those of the processes it started and waited
+for), and the seconds JAX spent in its worker tracing, lowering and compiling (JAX's own
 monitoring events), then a summary by file.
 
     python bench/suite_profile.py --out /tmp/profile.jsonl -- -n 2 --dist loadfile tests/trainers
 
-Everything after `--` goes to pytest. Each worker appends its tests to the JSONL file. Work in
-the processes a test starts (the CLI, multi-process workers) counts in the test's wall time
-only. Many programs per test with little compile time each are eager ops: every jax op run
-outside `jit` on a new shape is a program of its own on XLA:CPU.
+Everything after `--` goes to pytest. Each worker appends its tests to the JSONL file. The
+suite is CPU-bound when the CPU seconds of every test, summed, fill the cores for the whole
+run; a test whose wall time is far above its CPU seconds waits (timeouts, sleeps, processes it
+did not start itself, such as Ray's, or the other worker holding the cores). Compiles in the
+processes a test starts count in its child CPU only. Programs that compile in less than the
+persistent cache's threshold (`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`, 0.2 s in the
+tests) are counted apart: no disk cache keeps them, so each process pays them again. Most are
+eager ops: every jax op run outside `jit` on a new shape is a program of its own on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +34,14 @@ EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
 }
 OUT_VARIABLE = "JAXTRAIN_SUITE_PROFILE"  # the workers find the output file here
+CACHE_THRESHOLD_VARIABLE = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # JAX's default: 1 s
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(this process's, its waited-for children's) user + system CPU seconds."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 class CompileProfile:
@@ -36,13 +50,19 @@ class CompileProfile:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.programs = 0
+        self.small_programs = 0
+        self.small_seconds = 1.0
         self.listening = False
 
     def _listen(self, event: str, duration: float, **_) -> None:
         kind = EVENTS.get(event)
         if kind:
             self.seconds[kind] += duration
-            self.programs += kind == "compile"
+        if kind == "compile":
+            self.programs += 1
+            if duration < self.small_seconds:
+                self.small_programs += 1
+                self.seconds["small_compile"] += duration
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
@@ -51,12 +71,16 @@ class CompileProfile:
 
             jax.monitoring.register_event_duration_secs_listener(self._listen)
             self.listening = True
+            # Read at the first test: the tests' conftest sets it after this plugin loads.
+            self.small_seconds = float(os.environ.get(CACHE_THRESHOLD_VARIABLE, 1.0))
         self.seconds.clear()
-        self.programs = 0
-        started = time.perf_counter()
+        self.programs = self.small_programs = 0
+        started, (own, children) = time.perf_counter(), cpu_seconds()
         yield
+        own_after, children_after = cpu_seconds()
         row = {"test": item.nodeid, "wall": time.perf_counter() - started, **self.seconds}
-        row["programs"] = self.programs
+        row["cpu"], row["child_cpu"] = own_after - own, children_after - children
+        row["programs"], row["small_programs"] = self.programs, self.small_programs
         with open(os.environ[OUT_VARIABLE], "a") as out:
             out.write(json.dumps(row) + "\n")
 
@@ -67,28 +91,41 @@ def pytest_configure(config) -> None:
         config.pluginmanager.register(CompileProfile(), "compile_profile")
 
 
+# The summary's columns: a header and the row keys summed into each.
+COLUMNS = {
+    "wall s": ("wall",),
+    "cpu s": ("cpu",),
+    "child cpu s": ("child_cpu",),
+    "compile s": ("compile",),
+    "trace+lower s": ("trace", "lower"),
+    "programs": ("programs",),
+    "small": ("small_programs",),
+    "small s": ("small_compile",),
+}
+
+
 def summary(rows: list[dict], top: int) -> list[str]:
-    files: dict[str, list[float]] = defaultdict(lambda: [0.0] * 5)
+    """Per file, every column summed, the files with the most wall time first; `small` counts
+    the programs no disk cache keeps (the module docstring)."""
+    files: dict[str, list[float]] = defaultdict(lambda: [0.0] * (len(COLUMNS) + 1))
     for row in rows:
         total = files[row["test"].split("::")[0]]
-        total[0] += row["wall"]
-        total[1] += row.get("compile", 0.0)
-        total[2] += row.get("trace", 0.0) + row.get("lower", 0.0)
-        total[3] += row["programs"]
-        total[4] += 1
-    lines = [
-        f"{'wall s':>8} {'compile s':>9} {'trace+lower s':>13} {'programs':>8} {'tests':>5}  file"
-    ]
+        for i, keys in enumerate(COLUMNS.values()):
+            total[i] += sum(row.get(key, 0.0) for key in keys)
+        total[-1] += 1
+    widths = [max(len(header), 8) for header in COLUMNS]
+    header = " ".join(f"{h:>{w}}" for h, w in zip(COLUMNS, widths, strict=True))
+    lines = [f"{header} {'tests':>5}  file"]
     ranked = sorted(files.items(), key=lambda item: -item[1][0])
-    for name, (wall, compile_s, traced, programs, tests) in [("all", _sum(files)), *ranked[:top]]:
-        lines.append(
-            f"{wall:8.1f} {compile_s:9.1f} {traced:13.1f} {programs:8.0f} {tests:5.0f}  {name}"
-        )
+    for name, totals in [("all", _sum(files)), *ranked[:top]]:
+        cells = " ".join(f"{v:>{w}.1f}" for v, w in zip(totals, widths, strict=False))
+        lines.append(f"{cells} {totals[-1]:5.0f}  {name}")
     return lines
 
 
 def _sum(files: dict[str, list[float]]) -> list[float]:
-    return [sum(values) for values in zip(*files.values())] if files else [0.0] * 5
+    width = len(COLUMNS) + 1
+    return [sum(values) for values in zip(*files.values())] if files else [0.0] * width
 
 
 def main(argv: list[str] | None = None) -> int:
