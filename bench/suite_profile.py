@@ -102,6 +102,7 @@ COLUMNS = {
     "small": ("small_programs",),
     "small s": ("small_compile",),
 }
+COUNTS = {"programs", "small"}  # printed as whole numbers
 
 
 def summary(rows: list[dict], top: int) -> list[str]:
@@ -118,7 +119,10 @@ def summary(rows: list[dict], top: int) -> list[str]:
     lines = [f"{header} {'tests':>5}  file"]
     ranked = sorted(files.items(), key=lambda item: -item[1][0])
     for name, totals in [("all", _sum(files)), *ranked[:top]]:
-        cells = " ".join(f"{v:>{w}.1f}" for v, w in zip(totals, widths, strict=False))
+        cells = " ".join(
+            f"{v:>{w}.{0 if h in COUNTS else 1}f}"
+            for v, w, h in zip(totals, widths, COLUMNS, strict=False)
+        )
         lines.append(f"{cells} {totals[-1]:5.0f}  {name}")
     return lines
 
