@@ -34,7 +34,8 @@ EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
 }
 OUT_VARIABLE = "JAXTRAIN_SUITE_PROFILE"  # the workers find the output file here
-CACHE_THRESHOLD_VARIABLE = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # JAX's default: 1 s
+CACHE_THRESHOLD_VARIABLE = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+JAX_CACHE_THRESHOLD = 1.0  # seconds, where the variable is unset
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -51,7 +52,7 @@ class CompileProfile:
         self.seconds: dict[str, float] = defaultdict(float)
         self.programs = 0
         self.small_programs = 0
-        self.small_seconds = 1.0
+        self.small_seconds = JAX_CACHE_THRESHOLD
         self.listening = False
 
     def _listen(self, event: str, duration: float, **_) -> None:
@@ -72,7 +73,9 @@ class CompileProfile:
             jax.monitoring.register_event_duration_secs_listener(self._listen)
             self.listening = True
             # Read at the first test: the tests' conftest sets it after this plugin loads.
-            self.small_seconds = float(os.environ.get(CACHE_THRESHOLD_VARIABLE, 1.0))
+            self.small_seconds = float(
+                os.environ.get(CACHE_THRESHOLD_VARIABLE, JAX_CACHE_THRESHOLD)
+            )
         self.seconds.clear()
         self.programs = self.small_programs = 0
         started, (own, children) = time.perf_counter(), cpu_seconds()
@@ -103,12 +106,13 @@ COLUMNS = {
     "small s": ("small_compile",),
 }
 COUNTS = {"programs", "small"}  # printed as whole numbers
+ROW_WIDTH = len(COLUMNS) + 1  # the columns, then the number of tests
 
 
 def summary(rows: list[dict], top: int) -> list[str]:
     """Per file, every column summed, the files with the most wall time first; `small` counts
     the programs no disk cache keeps (the module docstring)."""
-    files: dict[str, list[float]] = defaultdict(lambda: [0.0] * (len(COLUMNS) + 1))
+    files: dict[str, list[float]] = defaultdict(lambda: [0.0] * ROW_WIDTH)
     for row in rows:
         total = files[row["test"].split("::")[0]]
         for i, keys in enumerate(COLUMNS.values()):
@@ -128,8 +132,7 @@ def summary(rows: list[dict], top: int) -> list[str]:
 
 
 def _sum(files: dict[str, list[float]]) -> list[float]:
-    width = len(COLUMNS) + 1
-    return [sum(values) for values in zip(*files.values())] if files else [0.0] * width
+    return [sum(values) for values in zip(*files.values())] if files else [0.0] * ROW_WIDTH
 
 
 def main(argv: list[str] | None = None) -> int:
