@@ -280,3 +280,22 @@ def test_the_configuration_imports_nothing_of_the_implementation():
     for name in configuration:
         assert all(layer_of(target) <= 1 for target in GRAPH[name]), (name, GRAPH[name])
         assert {t for t in GRAPH[name] if layer_of(t) == 0} <= {"jaxtrain.errors"}, name
+
+
+def test_no_test_imports_a_conftest_by_name():
+    """`from conftest import X` finds whichever conftest.py was imported first: a run of
+    tests/serving and tests/trainers together once failed to collect (serving's conftest
+    has no `tiny_arguments`). Shared helpers live in modules with names of their own."""
+    tests = ROOT.parent / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            found += [f"{path.relative_to(tests)}:{node.lineno}" for n in names if n == "conftest"]
+    assert not found, f"imports of a conftest by name: {found}"

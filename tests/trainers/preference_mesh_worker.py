@@ -22,8 +22,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model  # noqa: E402
 from sharded_worker import tokenizer  # noqa: E402
+from trainer_fixtures import StepMetrics, addition_pairs, tiny_arguments, tiny_model  # noqa: E402
 
 from jaxtrain.trainers import (  # noqa: E402
     DPOArguments,

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model  # noqa: E402
+from trainer_fixtures import StepMetrics, addition_pairs, tiny_arguments, tiny_model  # noqa: E402
 
 from jaxtrain.trainers import DPOArguments, DPOTrainer  # noqa: E402
 
@@ -31,8 +31,8 @@ MESHES = {"single": (1, 1, 1, 1, 1), "dp2_fsdp2_tp2": (2, 2, 1, 2, 1)}
 
 
 def tokenizer():
-    from conftest import WORDS
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from trainer_fixtures import WORDS
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<unk>": 1, "<s>": 2, "</s>": 3, ":": 4}

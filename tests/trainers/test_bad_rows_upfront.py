@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import StepMetrics, tiny_arguments, tiny_model
+from trainer_fixtures import StepMetrics, tiny_arguments, tiny_model
 
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.trainers import (

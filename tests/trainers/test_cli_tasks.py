@@ -132,7 +132,7 @@ def test_an_unknown_task_names_the_tasks(files, capsys):
 @pytest.fixture(scope="module")
 def base_dir(files, tokenizer):
     """A 'pretrained' model directory whose weights no seed of the run reproduces."""
-    from conftest import tiny_model
+    from trainer_fixtures import tiny_model
 
     from jaxtrain.hf.save import save_pretrained
 

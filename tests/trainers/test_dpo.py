@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model
+from trainer_fixtures import StepMetrics, addition_pairs, tiny_arguments, tiny_model
 
 from jaxtrain.data.errors import DatasetError
 from jaxtrain.hf import AutoModelForCausalLM

@@ -5,7 +5,7 @@ over the tokenizer's own template, which the run did not use)."""
 from __future__ import annotations
 
 import numpy as np
-from conftest import CHAT_TEMPLATE, tiny_arguments, tiny_model
+from trainer_fixtures import CHAT_TEMPLATE, tiny_arguments, tiny_model
 from transformers import AutoTokenizer
 
 from jaxtrain.trainers import SFTArguments, SFTTrainer

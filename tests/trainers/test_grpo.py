@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import tiny_arguments, tiny_model
+from trainer_fixtures import tiny_arguments, tiny_model
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
 from flax import nnx
 from test_grpo import Completions, big_first_number, grpo_args, prompts, run
+from trainer_fixtures import tiny_model
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings

@@ -11,8 +11,8 @@ import re
 from collections import Counter
 
 import jax
-from conftest import tiny_model
 from test_grpo import big_first_number, grpo_args, prompts
+from trainer_fixtures import tiny_model
 
 from jaxtrain.trainers import GRPOTrainer
 

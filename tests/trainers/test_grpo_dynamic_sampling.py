@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_arguments, tiny_model
+from trainer_fixtures import tiny_arguments, tiny_model
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer

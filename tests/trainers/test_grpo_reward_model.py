@@ -5,9 +5,9 @@ in-memory model and from the exported directory, and a GRPO run uses it."""
 from __future__ import annotations
 
 import numpy as np
-from conftest import tiny_arguments, tiny_model
 from flax import nnx
 from test_grpo import Logs
+from trainer_fixtures import tiny_arguments, tiny_model
 
 from jaxtrain import TrainingArguments
 from jaxtrain.trainers import GRPOArguments, GRPOTrainer, RewardTrainer

@@ -9,8 +9,8 @@ import os
 import signal
 
 import pytest
-from conftest import tiny_model
 from test_grpo import Completions, big_first_number, grpo_args, prompts
+from trainer_fixtures import tiny_model
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.config.sections import RunSettings

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_arguments
 from flax import nnx
 from matplotlib import image
+from trainer_fixtures import tiny_arguments
 
 from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.errors import ArgumentError
@@ -31,7 +31,7 @@ from jaxtrain.trainers import GRPOTrainer
 from jaxtrain.trainers.grpo_agreement import routing_agreement
 from jaxtrain.training.logps import model_token_logps
 
-# The trainers' test vocabulary (tests/trainers/conftest.py).
+# The trainers' test vocabulary (tests/trainers/trainer_fixtures.py).
 VOCAB = 64
 
 
@@ -185,7 +185,7 @@ def test_routing_replay_needs_experts_and_single_turn_rollouts(tokenizer, tmp_pa
     args = tiny_arguments(
         GRPOArguments, tmp_path, total_batch_size=8, num_generations=4, routing_replay=True
     )
-    from conftest import tiny_model
+    from trainer_fixtures import tiny_model
 
     with pytest.raises(ArgumentError, match="routing_replay replays a mixture-of-experts"):
         GRPOTrainer(

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import tiny_arguments, tiny_model
 from flax import nnx
+from trainer_fixtures import tiny_arguments, tiny_model
 
 trl = pytest.importorskip("trl")
 

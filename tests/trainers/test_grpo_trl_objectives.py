@@ -354,7 +354,7 @@ def first_is_big(prompts, completions, **_):
 def test_the_trainer_runs_and_logs_each_objective(tokenizer, tmp_path, options, clip):
     """GRPOTrainer with the new options (two updates per round: old log-probs, the cap and the
     mask compiled in): finite losses, and the clip metric TRL logs for the loss type only."""
-    from conftest import tiny_arguments, tiny_model
+    from trainer_fixtures import tiny_arguments, tiny_model
 
     from jaxtrain.trainers import GRPOTrainer
 

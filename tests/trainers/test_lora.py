@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import tiny_arguments, tiny_model
 from flax import nnx
 from safetensors.numpy import load_file
+from trainer_fixtures import tiny_arguments, tiny_model
 
 from jaxtrain import Trainer, TrainingArguments
 from jaxtrain.arguments import ArgumentError

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model
+from trainer_fixtures import StepMetrics, addition_pairs, tiny_arguments, tiny_model
 
 from jaxtrain.trainers import DPOArguments, DPOTrainer
 from jaxtrain.trainers.dpo import dpo_objective

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model
 from flax import nnx
+from trainer_fixtures import StepMetrics, addition_pairs, tiny_arguments, tiny_model
 
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.data.unit_packing import RowSpace, pack_units

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import addition_pairs, tiny_arguments, tiny_config, tiny_model
+from trainer_fixtures import addition_pairs, tiny_arguments, tiny_config, tiny_model
 
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.planning.program import plan_program
@@ -164,7 +164,7 @@ def test_an_rloo_plan_is_the_rloo_run_s_step_and_plans_its_engine(tokenizer, tmp
 def test_a_qlora_plan_counts_the_quantized_base_as_the_run_does(tmp_path):
     """The plan of a LoRA run on an NF4 base is the run's compiled step: its codes and scales
     are frozen state of the Program, as in the run."""
-    from conftest import tiny_model
+    from trainer_fixtures import tiny_model
 
     from jaxtrain import Trainer, TrainingArguments
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import StepMetrics, addition_pairs, tiny_arguments, tiny_model
+from trainer_fixtures import StepMetrics, addition_pairs, tiny_arguments, tiny_model
 
 from jaxtrain.arguments import ArgumentError
 from jaxtrain.data.errors import DatasetError

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import addition_pairs
 from flax import nnx
+from trainer_fixtures import addition_pairs
 
 trl = pytest.importorskip("trl")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402

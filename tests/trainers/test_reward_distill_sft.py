@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import StepMetrics, tiny_arguments, tiny_model
 from flax import nnx
+from trainer_fixtures import StepMetrics, tiny_arguments, tiny_model
 
 from jaxtrain import TrainingArguments
 from jaxtrain.trainers import (

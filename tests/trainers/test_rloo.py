@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_arguments, tiny_model
 from flax import nnx
 from test_grpo_trl_objectives import Logs, first_is_big
+from trainer_fixtures import tiny_arguments, tiny_model
 
 from jaxtrain.models.lora import adapters_off
 from jaxtrain.rollout_arguments import RLOOArguments

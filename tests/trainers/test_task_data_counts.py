@@ -9,7 +9,7 @@ import json
 import logging
 from pathlib import Path
 
-from conftest import tiny_arguments, tiny_model
+from trainer_fixtures import tiny_arguments, tiny_model
 
 from jaxtrain.trainers import (
     DPOArguments,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import tiny_model
 from flax import nnx
+from trainer_fixtures import tiny_model
 from vlm_fixtures import conversations, write_checkpoint
 
 peft = pytest.importorskip("peft")
