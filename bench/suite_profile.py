@@ -1,7 +1,8 @@
 """Where the test suite's time goes: pytest with a plugin that records, for every test, its
 wall time, its CPU seconds (its worker's, and those of the processes it started and waited
 for), and the seconds JAX spent in its worker tracing, lowering and compiling (JAX's own
-monitoring events), then a summary by file.
+monitoring events), with the worker that ran it and when it started; then a summary by file
+and each worker's span.
 
     python bench/suite_profile.py --out /tmp/profile.jsonl -- -n 2 --dist loadfile tests/trainers
 
@@ -82,6 +83,9 @@ class CompileProfile:
         yield
         own_after, children_after = cpu_seconds()
         row = {"test": item.nodeid, "wall": time.perf_counter() - started, **self.seconds}
+        # Where and when: the summary's per-worker spans show a worker idle at the end.
+        row["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        row["start"] = time.time() - row["wall"]
         row["cpu"], row["child_cpu"] = own_after - own, children_after - children
         row["programs"], row["small_programs"] = self.programs, self.small_programs
         with open(os.environ[OUT_VARIABLE], "a") as out:
@@ -128,7 +132,24 @@ def summary(rows: list[dict], top: int) -> list[str]:
             for v, w, h in zip(totals, widths, COLUMNS, strict=False)
         )
         lines.append(f"{cells} {totals[-1]:5.0f}  {name}")
-    return lines
+    return lines + worker_spans(rows)
+
+
+def worker_spans(rows: list[dict]) -> list[str]:
+    """Each worker's first test start and last test end, in seconds from the run's first
+    start: a worker that ends long before the others left its core idle."""
+    timed = [r for r in rows if "start" in r]
+    if not timed:
+        return []
+    origin = min(r["start"] for r in timed)
+    spans: dict[str, list[float]] = {}
+    for r in timed:
+        begin, end = r["start"] - origin, r["start"] + r["wall"] - origin
+        span = spans.setdefault(r["worker"], [begin, end])
+        span[0], span[1] = min(span[0], begin), max(span[1], end)
+    return [
+        "workers: " + ", ".join(f"{w} {b:.1f}-{e:.1f} s" for w, (b, e) in sorted(spans.items()))
+    ]
 
 
 def _sum(files: dict[str, list[float]]) -> list[float]:

@@ -55,6 +55,10 @@ def test_each_test_gets_its_wall_and_compile_seconds_and_the_files_summary(tmp_p
     assert compiled["programs"] >= 1 and compiled["compile"] > 0 and compiled["trace"] > 0
     assert idle["programs"] == 0 and "compile" not in idle
     assert all(r["wall"] > 0 for r in rows.values())
+    # One process (-n 0): one worker, its tests one after the other.
+    assert {r["worker"] for r in rows.values()} == {"main"}
+    begins = [r["start"] for r in map(json.loads, out.read_text().splitlines())]
+    assert begins == sorted(begins)
     # A jitted sin compiles well under 0.2 s: a program no disk cache would keep.
     assert compiled["small_programs"] >= 1
     assert 0 < compiled["small_compile"] <= compiled["compile"]
@@ -63,3 +67,4 @@ def test_each_test_gets_its_wall_and_compile_seconds_and_the_files_summary(tmp_p
     assert waits["wall"] >= 0.5 and waits["cpu"] < 0.25 and waits["child_cpu"] < 0.05
     assert starts["child_cpu"] > 0.2 and starts["cpu"] < starts["child_cpu"]
     assert "test_measured.py" in done.stdout and "child cpu s" in done.stdout
+    assert "workers: main 0.0-" in done.stdout
