@@ -84,7 +84,9 @@ class CompileProfile:
         own_after, children_after = cpu_seconds()
         row = {"test": item.nodeid, "wall": time.perf_counter() - started, **self.seconds}
         # Where and when: the summary's per-worker spans show a worker idle at the end.
-        row["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        # From xdist's own worker input, not PYTEST_XDIST_WORKER: a pytest that a worker's
+        # test starts inherits that variable.
+        row["worker"] = getattr(item.config, "workerinput", {}).get("workerid", "main")
         row["start"] = time.time() - row["wall"]
         row["cpu"], row["child_cpu"] = own_after - own, children_after - children
         row["programs"], row["small_programs"] = self.programs, self.small_programs
