@@ -44,7 +44,9 @@ def test_each_test_gets_its_wall_and_compile_seconds_and_the_files_summary(tmp_p
         [sys.executable, str(ROOT / "bench" / "suite_profile.py"), "--out", str(out), "--",
          "-q", "-p", "no:cacheprovider", "-n", "0", str(tmp_path / "test_measured.py")],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2"},
+        # A worker's variable, as a pytest started inside an xdist worker's test inherits it.
+        env={**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
+             "PYTEST_XDIST_WORKER": "gw7"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["test"].split("::")[1]: r for r in map(json.loads, out.read_text().splitlines())}
