@@ -140,12 +140,11 @@ def summary(rows: list[dict], top: int) -> list[str]:
 def worker_spans(rows: list[dict]) -> list[str]:
     """Each worker's first test start and last test end, in seconds from the run's first
     start: a worker that ends long before the others left its core idle."""
-    timed = [r for r in rows if "start" in r]
-    if not timed:
+    if not rows:
         return []
-    origin = min(r["start"] for r in timed)
+    origin = min(r["start"] for r in rows)
     spans: dict[str, list[float]] = {}
-    for r in timed:
+    for r in rows:
         begin, end = r["start"] - origin, r["start"] + r["wall"] - origin
         span = spans.setdefault(r["worker"], [begin, end])
         span[0], span[1] = min(span[0], begin), max(span[1], end)

@@ -290,12 +290,12 @@ def test_no_test_imports_a_conftest_by_name():
     found = []
     for path in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = (
-                [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else [alias.name for alias in node.names]
-                if isinstance(node, ast.Import)
-                else []
-            )
-            found += [f"{path.relative_to(tests)}:{node.lineno}" for n in names if n == "conftest"]
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if "conftest" in names:
+                found.append(f"{path.relative_to(tests)}:{node.lineno}")
     assert not found, f"imports of a conftest by name: {found}"
