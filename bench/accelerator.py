@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=380.0)
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--engine-variants", default=",".join(ENGINE_VARIANTS))
     parser.add_argument("--tiny", action="store_true", help="the tiny model (CPU, for tests)")
     opts = parser.parse_args(argv)
     size = "tiny" if opts.tiny else "1b"
@@ -351,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in variants:
         if name not in TRAIN_VARIANTS:
             parser.error(f"--variants: unknown {name!r}; choose from {', '.join(TRAIN_VARIANTS)}")
+    engine_variants = [v for v in opts.engine_variants.split(",") if v]
+    for name in engine_variants:
+        if name not in ENGINE_VARIANTS:
+            parser.error(f"--engine-variants: unknown {name!r}; "
+                         f"choose from {', '.join(ENGINE_VARIANTS)}")  # fmt: skip
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + opts.budget_s
@@ -401,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" in stages:
         report["engine"] = {}
         accelerated = device.get("platform") in ("gpu", "tpu")
-        for name, (kernel, steps) in ENGINE_VARIANTS.items():
+        for name in engine_variants:
+            kernel, steps = ENGINE_VARIANTS[name]
             if kernel == "pallas" and not accelerated:
                 continue
             tokens = out / f"engine-{name}.npz"

@@ -55,6 +55,10 @@ def grpo_step(size: str, max_staleness: int) -> dict:
         def on_log(self, trainer, values, step) -> None:
             times.append(time.perf_counter())
             logs.append(dict(values))
+            # Each step in the stage's log as it ends: a stage stopped at its budget still
+            # says how far it got and where its time went.
+            timings = {k: round(v, 3) for k, v in values.items() if k.endswith("_s")}
+            print(f"grpo step {step}: {times[-1] - start:.1f} s in, {timings}", flush=True)
 
     from flax import nnx
 

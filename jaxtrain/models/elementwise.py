@@ -181,8 +181,10 @@ def _add_rms_norm_rows(x, delta, weight, *, eps, dtype, interpret):
         def squares(columns, mask, acc):
             total = _load(x_ref, columns, mask) + _load(delta_ref, columns, mask)
             _store(total_ref, columns, total, mask)
+            # Masked columns loaded as 0, so they add nothing (no jnp.where: its weakly
+            # typed constant would lower to Triton with the mask's type).
             t32 = total.astype(jnp.float32)
-            return acc + jnp.where(mask, t32 * t32, 0.0)
+            return acc + t32 * t32
 
         acc = _for_blocks(width, squares, jnp.zeros(_block(width), jnp.float32))
         inverse = jax.lax.rsqrt(acc.sum() / width + eps)
@@ -211,8 +213,10 @@ def _swiglu_rows(gate, up, *, interpret):
 
     def kernel(gate_ref, up_ref, out_ref):
         def body(columns, mask, carry):
-            g = _load(gate_ref, columns, mask)
-            _store(out_ref, columns, jax.nn.silu(g) * _load(up_ref, columns, mask), mask)
+            # silu in float32: Triton divides only float32 and float64 (sigmoid's 1 / ...).
+            g = _load(gate_ref, columns, mask).astype(jnp.float32)
+            up = _load(up_ref, columns, mask).astype(jnp.float32)
+            _store(out_ref, columns, jax.nn.silu(g) * up, mask)
             return carry
 
         _for_blocks(width, body, 0)

@@ -69,7 +69,9 @@ def _block_kernel(expert_ref, used_ref, x_ref, w_ref, out_ref, *, transpose, col
             dims = (((1,), (0,)), ((), ()))
         return acc + jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
-    steps = jnp.where(i < used_ref[0], pl.cdiv(size_k, depth), 0)
+    # A product, not jnp.where: Pallas' Triton lowering gives a where's weakly typed constant
+    # branches the predicate's type (i1), and Triton then rejects the loop's i1 bound.
+    steps = pl.cdiv(size_k, depth) * (i < used_ref[0]).astype(jnp.int32)
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[1], cols), jnp.float32))
     plt.store(out_ref.at[i, :, pl.ds(j * cols, cols)], acc.astype(out_ref.dtype),
               mask=col_ok[None, :])  # fmt: skip

@@ -4,6 +4,7 @@ Llama model and a training run with them equal the same without them."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -170,3 +171,25 @@ def test_kernels_that_cannot_run_are_refused_with_the_field(rows, tmp_path):
                              elementwise_kernels="interpret")  # fmt: skip
     with pytest.raises(ArgumentError, match="GPT2LMHeadModel has no layers that take fused"):
         Trainer(arguments=args, model=gpt2, dataset_train=data).train()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_kernels_lower_to_triton_modules_a_gpu_accepts(dtype, verified_triton):
+    """Lowered for CUDA from this CPU and verified as XLA:GPU verifies them: bf16's division
+    in silu and a jnp.where's constant branch once reached the GPU unlowerable."""
+    from jaxtrain.models import elementwise
+
+    rows = jax.ShapeDtypeStruct((2, 3, 4100), dtype)
+    weight = jax.ShapeDtypeStruct((4100,), jnp.float32)
+    heads = jax.ShapeDtypeStruct((2, 5, 3, 80), dtype)
+    angles = jax.ShapeDtypeStruct((2, 5, 80), dtype)
+    kernels = [
+        (functools.partial(elementwise._add_rms_norm_rows, eps=1e-6, dtype=dtype),
+         (rows, rows, weight)),
+        (elementwise._swiglu_rows, (rows, rows)),
+        (elementwise._rotary_rows, (heads, angles, angles)),
+    ]  # fmt: skip
+    for kernel, inputs in kernels:
+        lowered = jax.jit(functools.partial(kernel, interpret=False)).trace(*inputs)
+        assert "__gpu$xla.gpu.triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert len(verified_triton) == 3, verified_triton

@@ -1,6 +1,7 @@
 """The MoE Pallas kernels compile for the platforms they are for, from this CPU: JAX lowers
-them for CUDA (our Triton kernels) and for TPU (megablox) without a device, so a kernel that
-Triton or Mosaic cannot take fails here, not on a lent GPU. Their numbers are checked in
+them for CUDA (our Triton kernels, each module verified as XLA:GPU verifies it) and for TPU
+(megablox) without a device, so a kernel that Triton or Mosaic cannot take fails here, not on a
+lent GPU. Their numbers are checked in
 Pallas' interpret mode by tests/models/test_moe.py, against every expert on every token."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _value_and_grad(matmul):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_the_gpu_kernels_lower_to_triton_forward_and_backward(dtype):
+def test_the_gpu_kernels_lower_to_triton_forward_and_backward(dtype, verified_triton):
     x = jax.ShapeDtypeStruct((BLOCKS, ROWS, HIDDEN), dtype)
     w = jax.ShapeDtypeStruct((EXPERTS, HIDDEN, WIDTH), dtype)
     block_expert = jax.ShapeDtypeStruct((BLOCKS,), jnp.int32)
@@ -30,6 +31,8 @@ def test_the_gpu_kernels_lower_to_triton_forward_and_backward(dtype):
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     # The forward, the input gradient (w read transposed) and the weight gradient.
     assert text.count("__gpu$xla.gpu.triton") == 3
+    # And verified as XLA:GPU verifies them (a loop bound typed i1 once failed only there).
+    assert len(verified_triton) == 3, verified_triton
 
 
 def test_the_tpu_kernels_lower_to_mosaic_forward_and_backward():
