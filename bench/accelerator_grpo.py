@@ -38,10 +38,10 @@ def distinct_words(prompts, completions, **_) -> list[float]:
     return [len(set(c.split())) / max(len(c.split()), 1) for c in completions]
 
 
-def grpo_step(size: str, max_staleness: int) -> dict:
+def grpo_step(size: str, max_staleness: int, decode_steps: int = 1) -> dict:
     """Seconds per GRPO step (full fine-tuning of the size's random model, bf16 compute, the
-    serving engine sampling) synchronous (max_staleness 0) or a round ahead (1): issue 47's
-    figure on the accelerator."""
+    serving engine sampling `decode_steps` tokens per call) synchronous (max_staleness 0) or
+    a round ahead (1): issue 47's figure on the accelerator."""
     from jaxtrain.trainers import GRPOArguments, GRPOTrainer
 
     run, vocab = GRPO_RUNS[size], MODELS[size]["vocab_size"]
@@ -71,7 +71,8 @@ def grpo_step(size: str, max_staleness: int) -> dict:
             max_completion_length=run["new"], temperature=1.0, beta=0.0, learning_rate=1e-5,
             warmup_steps=0, logging_steps=1, evaluation_strategy="no", save_final=False,
             progress_bar="none", run_report=False, seed=0, dtype="bfloat16",
-            max_staleness=max_staleness, compilation_cache_dir=None,
+            max_staleness=max_staleness, rollout_decode_steps=decode_steps,
+            compilation_cache_dir=None,
         )  # fmt: skip
         start = time.perf_counter()
         GRPOTrainer(
@@ -87,6 +88,7 @@ def grpo_step(size: str, max_staleness: int) -> dict:
     handoff = [x["async/weight_handoff_s"] for x in logs if "async/weight_handoff_s" in x]
     return {
         "max_staleness": max_staleness,
+        "decode_steps": decode_steps,
         **run,
         "steady_steps": f"{run['warmup'] + 2}-{run['steps']}",
         "step_s": (steady[-1] - steady[0]) / (len(steady) - 1),

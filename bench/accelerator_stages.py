@@ -404,7 +404,7 @@ def run_worker(argv: list[str]) -> None:
     elif opts.stage == "grpo":
         from accelerator_grpo import grpo_step
 
-        result = grpo_step(opts.size, opts.max_staleness)
+        result = grpo_step(opts.size, opts.max_staleness, opts.decode_steps)
     elif opts.stage == "moe":
         result = train(opts.size, opts.attention, opts.remat, moe=opts.moe)
     elif opts.stage == "batch":

@@ -124,13 +124,15 @@ def test_moe_stage_trains_the_twin_with_each_dispatch(campaign):
     assert all(k["ms"] > 0 for k in kernels.values()) and "(pallas):" in table
 
 
-def test_grpo_stage_times_sync_and_async_steps(campaign):
+def test_grpo_stage_times_sync_async_and_8_decode_steps_a_call(campaign):
     report, out = campaign
     grpo = report["grpo"]
-    assert set(grpo) == {"sync", "async"}
+    assert set(grpo) == {"sync", "async", "steps8"}
     for name, result in grpo.items():
         assert "error" not in result, (name, result)
         assert result["step_s"] > 0 and result["steady_steps"] == "3-4"
     assert grpo["sync"]["weight_handoff_s"] is None  # nothing is handed to a round ahead
     assert grpo["async"]["max_staleness"] == 1 and grpo["async"]["weight_handoff_s"] > 0
-    assert "grpo async / sync:" in (out / "accelerator.md").read_text()
+    assert [grpo[k]["decode_steps"] for k in ("sync", "async", "steps8")] == [1, 1, 8]
+    table = (out / "accelerator.md").read_text()
+    assert "grpo async / sync:" in table and "grpo steps8 / sync:" in table
