@@ -181,10 +181,8 @@ def _add_rms_norm_rows(x, delta, weight, *, eps, dtype, interpret):
         def squares(columns, mask, acc):
             total = _load(x_ref, columns, mask) + _load(delta_ref, columns, mask)
             _store(total_ref, columns, total, mask)
-            # Masked columns loaded as 0, so they add nothing (no jnp.where: its weakly
-            # typed constant would lower to Triton with the mask's type).
             t32 = total.astype(jnp.float32)
-            return acc + t32 * t32
+            return acc + jnp.where(mask, t32 * t32, 0.0)
 
         acc = _for_blocks(width, squares, jnp.zeros(_block(width), jnp.float32))
         inverse = jax.lax.rsqrt(acc.sum() / width + eps)

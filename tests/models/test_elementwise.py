@@ -175,8 +175,8 @@ def test_kernels_that_cannot_run_are_refused_with_the_field(rows, tmp_path):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_the_kernels_lower_to_triton_modules_a_gpu_accepts(dtype, verified_triton):
-    """Lowered for CUDA from this CPU and verified as XLA:GPU verifies them: bf16's division
-    in silu and a jnp.where's constant branch once reached the GPU unlowerable."""
+    """Lowered for CUDA from this CPU and verified as XLA:GPU verifies them: the SwiGLU
+    kernel's bf16 division (silu's) once reached the GPU, where Triton refused it."""
     from jaxtrain.models import elementwise
 
     rows = jax.ShapeDtypeStruct((2, 3, 4100), dtype)
