@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--engine-variants", default=",".join(ENGINE_VARIANTS))
+    parser.add_argument("--grpo-variants", default=",".join(GRPO_VARIANTS))
     parser.add_argument("--tiny", action="store_true", help="the tiny model (CPU, for tests)")
     opts = parser.parse_args(argv)
     size = "tiny" if opts.tiny else "1b"
@@ -361,11 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in variants:
         if name not in TRAIN_VARIANTS:
             parser.error(f"--variants: unknown {name!r}; choose from {', '.join(TRAIN_VARIANTS)}")
-    engine_variants = [v for v in opts.engine_variants.split(",") if v]
-    for name in engine_variants:
-        if name not in ENGINE_VARIANTS:
-            parser.error(f"--engine-variants: unknown {name!r}; "
-                         f"choose from {', '.join(ENGINE_VARIANTS)}")  # fmt: skip
+    chosen = {}
+    for flag, table in (("engine-variants", ENGINE_VARIANTS), ("grpo-variants", GRPO_VARIANTS)):
+        chosen[flag] = [v for v in getattr(opts, flag.replace("-", "_")).split(",") if v]
+        for name in chosen[flag]:
+            if name not in table:
+                parser.error(f"--{flag}: unknown {name!r}; choose from {', '.join(table)}")
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + opts.budget_s
@@ -416,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" in stages:
         report["engine"] = {}
         accelerated = device.get("platform") in ("gpu", "tpu")
-        for name in engine_variants:
+        for name in chosen["engine-variants"]:
             kernel, steps = ENGINE_VARIANTS[name]
             if kernel == "pallas" and not accelerated:
                 continue
@@ -462,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         record("gmm", report["gmm"])
     if "grpo" in stages:
         report["grpo"] = {}
-        for name, (staleness, steps) in GRPO_VARIANTS.items():
+        for name in chosen["grpo-variants"]:
+            staleness, steps = GRPO_VARIANTS[name]
             args = ["--max-staleness", str(staleness), "--decode-steps", str(steps)]
             report["grpo"][name] = stage("grpo", args, f"grpo-{name}.log")
             record(f"grpo/{name}", report["grpo"][name])
