@@ -329,7 +329,7 @@ def grpo_rows(report: dict) -> list[str]:
             rows.append(f"grpo ({name}): {r['error'][:200]}")
             continue
         rows.append(
-            f"grpo ({name}, max_staleness {r['max_staleness']}, {r.get('decode_steps', 1)} "
+            f"grpo ({name}, max_staleness {r['max_staleness']}, {r['decode_steps']} "
             f"decode steps a call): {r['step_s']:.3f} s/step over "
             f"steps {r['steady_steps']} ({r['batch']} completions of <= {r['new']} tokens, "
             f"{r['group']} per prompt)"
@@ -354,20 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny model (CPU, for tests)")
     opts = parser.parse_args(argv)
     size = "tiny" if opts.tiny else "1b"
-    stages = [s for s in opts.stages.split(",") if s]
-    variants = [v for v in opts.variants.split(",") if v]
-    for name in stages:
-        if name not in STAGES:
-            parser.error(f"--stages: unknown stage {name!r}; choose from {', '.join(STAGES)}")
-    for name in variants:
-        if name not in TRAIN_VARIANTS:
-            parser.error(f"--variants: unknown {name!r}; choose from {', '.join(TRAIN_VARIANTS)}")
+    # Each comma-separated choice, checked against what it names.
+    choices = {"stages": STAGES, "variants": TRAIN_VARIANTS, "engine-variants": ENGINE_VARIANTS,
+               "grpo-variants": GRPO_VARIANTS}  # fmt: skip
     chosen = {}
-    for flag, table in (("engine-variants", ENGINE_VARIANTS), ("grpo-variants", GRPO_VARIANTS)):
+    for flag, table in choices.items():
         chosen[flag] = [v for v in getattr(opts, flag.replace("-", "_")).split(",") if v]
         for name in chosen[flag]:
             if name not in table:
                 parser.error(f"--{flag}: unknown {name!r}; choose from {', '.join(table)}")
+    stages, variants = chosen["stages"], chosen["variants"]
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + opts.budget_s
