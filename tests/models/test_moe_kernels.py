@@ -69,3 +69,17 @@ def test_asking_for_the_kernels_on_a_cpu_says_what_runs_there():
     gate_up, down = jnp.ones((2, 16, 2, 16)), jnp.ones((2, 16, 16))
     with pytest.raises(ArgumentError, match="GPU or TPU, not on cpu; use 'blocks' there"):
         expert_mlp(x, routing, jnp.ones((4, 1)), gate_up, down, implementation="pallas")
+
+
+def test_each_platform_defaults_to_its_fastest_measured_dispatch():
+    from jaxtrain.models.moe_dispatch import default_implementation
+
+    # CPU: the blocked loop (ragged_dot is a dense product there). GPU: our Triton kernels,
+    # 2.2x ragged_dot's training tokens/s on an H200 (bench/RESULTS.md, session 56). TPU:
+    # ragged_dot until megablox is measured on one.
+    assert default_implementation() == "blocks"  # this CPU
+    assert [default_implementation(p) for p in ("cpu", "gpu", "tpu")] == [
+        "blocks",
+        "pallas",
+        "ragged_dot",
+    ]
