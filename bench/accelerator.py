@@ -99,8 +99,8 @@ ENGINE_VARIANTS = {"gather": ("gather", 1), "pallas": ("pallas", 1), "steps8": (
 ENGINE_ATTENTION = ("gather", "pallas")  # the two engine_agreement compares
 # Seconds a stage needs at the least (start, imports, compile); a stage is skipped when less
 # of the budget is left. Tiny runs have no minimum. A grpo variant compiles the train step,
-# the policy's log-probs and the engine's 23 buckets before its first step: on an H200 it ran
-# out of 163 s (bench/RESULTS.md, 2026-12-04).
+# the policy's log-probs and the engine's buckets before its first step: on an H200 the sync
+# variant took 226 s in all, steps8 319 s (bench/RESULTS.md, 2026-12-04, session 56).
 MIN_STAGE_S = {"train": 60, "generate": 40, "engine": 40, "batch": 100, "profile": 60, "plan": 40,
                "moe": 90, "gmm": 40, "grpo": 300}  # fmt: skip
 
