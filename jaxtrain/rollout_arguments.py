@@ -74,6 +74,10 @@ class RolloutArguments(TrainingArguments):
     # Tokens each of the engine's decode calls draws per completion (serving/decoding.py): the
     # same completions, the host's work between steps paid once per k tokens.
     rollout_decode_steps: int = 1
+    # Compile every engine shape the run's prompts can reach before the first round, so no
+    # round compiles (a steady step time from step 2). False compiles each shape when a round
+    # first reaches it: a sooner start, and no compile of shapes a short run never reaches.
+    rollout_warm_up: bool = True
     # A mixture-of-experts policy: each forward of the loss routes every token to the experts
     # the sampler chose for it (recorded by the engine), weighted by the trainer's router, so
     # routing flips between sampler and trainer no longer change the log-probs (rollout

@@ -176,3 +176,14 @@ def test_sections_take_every_value_from_the_arguments():
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         data.seq_len = 3  # type: ignore[misc]
+
+
+def test_a_task_section_is_named_after_its_arguments_class():
+    """The name an error about a section shows (a rollout process unpickling it, say)."""
+    from jaxtrain.config.sections import task_settings
+    from jaxtrain.rollout_arguments import GRPOArguments, RLOOArguments
+    from jaxtrain.task_arguments import DPOArguments
+
+    names = [type(task_settings(cls(output_dir="runs/x"))).__name__
+             for cls in (GRPOArguments, RLOOArguments, DPOArguments)]  # fmt: skip
+    assert names == ["GRPOSettings", "RLOOSettings", "DPOSettings"]

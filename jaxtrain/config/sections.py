@@ -353,9 +353,9 @@ def _task_section(arguments_class: type) -> type | None:
     # A class's constants stand in for fields it does not have (RLOO has no sampler
     # correction: `sampler_correction: ClassVar[str] = "none"`); the section keeps them.
     for klass in arguments_class.__mro__[: arguments_class.__mro__.index(root)]:
-        for name, annotation in vars(klass).get("__annotations__", {}).items():
+        for field_name, annotation in vars(klass).get("__annotations__", {}).items():
             if str(annotation).startswith(("ClassVar", "typing.ClassVar")):
-                namespace.setdefault(name, getattr(arguments_class, name))
+                namespace.setdefault(field_name, getattr(arguments_class, field_name))
     return dataclasses.make_dataclass(name, own, frozen=True, namespace=namespace)
 
 

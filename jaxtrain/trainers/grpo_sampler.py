@@ -85,7 +85,8 @@ class RolloutSampler:
                 max_images=self.settings.data.images_per_row,
                 record_routing=self.routing is not None,
             )
-            self.engine.warm_up(*self._warm_up_limits())
+            if self.settings.task.rollout_warm_up:
+                self.engine.warm_up(*self._warm_up_limits())
         self.engine.update_state(nnx.split(policy)[1])
 
     def roll(

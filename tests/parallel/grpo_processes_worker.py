@@ -45,7 +45,7 @@ def train(out: Path, callbacks: list, distributed: dict) -> GRPOTrainer:
         beta=0.04, epsilon=0.2, learning_rate=2e-2, optimizer="adamw", warmup_steps=0,
         logging_steps=1, evaluation_strategy="steps", eval_steps=2, eval_num_generations=2,
         eval_pass_threshold=0.6, save_final=True, progress_bar="none", seed=5, lora_rank=4,
-        **distributed,
+        rollout_warm_up=False, **distributed,
     )  # fmt: skip
     prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
     eval_prompts = [{"prompt": f"what is {i} + 1 ?"} for i in range(3)]  # shares of 2 and 1

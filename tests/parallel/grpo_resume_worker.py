@@ -47,6 +47,7 @@ def run(out: Path, seen: Seen) -> list[np.ndarray]:
         total_batch_size=16, num_generations=4, max_prompt_length=6, max_completion_length=4,
         beta=0.04, learning_rate=1e-2, adam_epsilon=1e-3, warmup_steps=0, logging_steps=1,
         evaluation_strategy="no", save_final=True, progress_bar="none", seed=3,
+        rollout_warm_up=False,
     )  # fmt: skip
     trainer = GRPOTrainer(
         arguments=args,

@@ -78,6 +78,7 @@ def run(name: str, dims: tuple[int, ...], out: Path) -> dict:
         max_completion_length=COMPLETION, beta=0.04, epsilon=0.05, learning_rate=1e-2,
         optimizer="adamw", adam_epsilon=1e-3, warmup_steps=0, logging_steps=1,
         evaluation_strategy="no", save_final=False, progress_bar="none", seed=3,
+        rollout_warm_up=False,
     )  # fmt: skip
     rows = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
     trainer = FixedCompletions(

@@ -1,7 +1,8 @@
 """GRPO compiles its old-log-prob pass and its train step once each over a run of several
 steps (fixed shapes), and the engine's steps once per bucketed shape, all of them before the
 first round samples (nothing compiles after the first step), counted from JAX's own compile
-log and the run's metrics.jsonl."""
+log and the run's metrics.jsonl. With `rollout_warm_up=False` the engine compiles only the
+shapes its rounds reach."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 from test_grpo import big_first_number, grpo_args, prompts
 from trainer_fixtures import tiny_model
 
+from jaxtrain.serving.warm_up import EngineShape, step_calls
 from jaxtrain.trainers import GRPOTrainer
 
 
@@ -27,10 +29,8 @@ class Steps:
         self.step = step
 
 
-def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer, tmp_path, caplog):
-    steps = Steps()
-    args = grpo_args(tmp_path, max_steps=6, num_iterations=2, beta=0.04, report_to="jsonl")
-    trainer = GRPOTrainer(
+def _trainer(tokenizer, args, steps: Steps) -> GRPOTrainer:
+    return GRPOTrainer(
         arguments=args,
         model=tiny_model(),
         reward_funcs=[big_first_number],
@@ -38,6 +38,10 @@ def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer
         processing_class=tokenizer,
         callbacks=[steps],
     )
+
+
+def _train_logging_compiles(trainer: GRPOTrainer, steps: Steps) -> tuple[Counter, list[str]]:
+    """(programs compiled, by name; those compiled after the first step) of a run."""
     compiled: Counter[str] = Counter()
     after_first: list[str] = []
 
@@ -58,6 +62,16 @@ def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer
             trainer.train()
     finally:
         logging.getLogger("jax").removeHandler(handler)
+    return compiled, after_first
+
+
+def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer, tmp_path):
+    steps = Steps()
+    args = grpo_args(
+        tmp_path, max_steps=6, num_iterations=2, beta=0.04, report_to="jsonl", rollout_warm_up=True
+    )
+    trainer = _trainer(tokenizer, args, steps)
+    compiled, after_first = _train_logging_compiles(trainer, steps)
     assert steps.step == 6
     shapes = trainer.train_source.engine.steps.compiles  # 3 generation rounds
     assert compiled["_prefill_fn"] == len(shapes["prefill"]), compiled  # once per bucket
@@ -69,3 +83,24 @@ def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     counts = [r["compile/train_step_count"] for r in records if "compile/train_step_count" in r]
     assert counts == [1]  # the monitor's record: one compile of the step, no recompile
+
+
+def test_without_warm_up_the_engine_compiles_only_the_shapes_its_rounds_reach(tokenizer, tmp_path):
+    steps = Steps()
+    trainer = _trainer(tokenizer, grpo_args(tmp_path, max_steps=2, rollout_warm_up=False), steps)
+    compiled, _ = _train_logging_compiles(trainer, steps)
+    assert steps.step == 2
+    source = trainer.train_source
+    shapes = source.engine.steps.compiles
+    assert compiled["_prefill_fn"] == len(shapes["prefill"]), compiled
+    assert compiled["_decode_fn"] == len(shapes["decode"]), compiled
+    # A warm-up would have compiled every shape the prompts can reach: more than the run did.
+    e = source.engine
+    shape = EngineShape(e.max_slots, e.page_size, e.max_length, e.pages.num_pages,
+                        e.prefill_tokens, e.speculative_tokens, e.decode_steps)  # fmt: skip
+    reachable = Counter(kind for kind, _ in step_calls(shape, *source.sampler._warm_up_limits()))
+    used = {kind: len(shapes[kind]) for kind in ("prefill", "decode")}
+    assert used["prefill"] <= reachable["prefill"] and used["decode"] < reachable["decode"], (
+        used,
+        reachable,
+    )

@@ -88,7 +88,7 @@ def arguments(tmp_path, **overrides):
         max_prompt_length=192, max_completion_length=64, max_steps=2, learning_rate=1e-3,
         warmup_steps=0, logging_steps=1, progress_bar="none", save_final=False,
         run_report=False, temperature=0.7, max_tool_calling_iterations=2, seed=3,
-        eval_num_generations=2, eval_steps=100,
+        eval_num_generations=2, eval_steps=100, rollout_warm_up=False,
     )  # fmt: skip
     return GRPOArguments(**{**values, **overrides})
 

@@ -161,6 +161,7 @@ def run_jaxtrain(tok, checkpoint, tmp_path):
         max_prompt_length=320, max_completion_length=C, max_steps=1, learning_rate=1e-3,
         warmup_steps=0, logging_steps=1, shuffle_train=False, progress_bar="none",
         save_final=False, run_report=False, loss_type="dapo", beta=0.0, epsilon=0.2,
+        rollout_warm_up=False,
     )  # fmt: skip
     logs = Logs()
     trainer = GRPOTrainer(

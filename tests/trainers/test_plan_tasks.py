@@ -101,6 +101,7 @@ def test_a_grpo_plan_is_the_grpo_run_s_step_and_engine(tokenizer, tmp_path):
         # Its arrays joined the batch this session; the planner once kept its own copy of
         # the batch and would have planned the step without them.
         sampler_correction="token_truncate",
+        rollout_warm_up=True,  # every decode shape compiled, as the plan compiles them
     )
     prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
     trainer = GRPOTrainer(
