@@ -15,8 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from flax import nnx
 
 from jaxtrain import TrainingArguments
-from jaxtrain.rollout_arguments import RolloutArguments
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+from jaxtrain.rollout_arguments import RolloutArguments
 
 WORDS = [str(i) for i in range(20)] + ["+", "=", "user", "assistant", "what", "is", "?"]
 CHAT_TEMPLATE = (
