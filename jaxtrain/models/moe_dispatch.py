@@ -13,8 +13,9 @@ not its own. Exact implementations of the grouped matmul:
 - ``"ragged_dot"`` (the default on TPU): ``jax.lax.ragged_dot`` on the sorted rows.
 - ``"pallas"`` (GPU/TPU; the default on GPU): Pallas kernels (``moe_kernels``): ours on the
   blocks on a GPU (2.2x ``ragged_dot``'s training tokens/s on an H200, bench/RESULTS.md),
-  JAX's megablox on the sorted rows on a TPU (not yet measured there). ``"interpret"`` and ``"interpret_tpu"`` run
-  the GPU's and the TPU's kernel code in Pallas' interpret mode on any platform (tests).
+  JAX's megablox on the sorted rows on a TPU (not yet measured there). ``"interpret"`` and
+  ``"interpret_tpu"`` run the GPU's and the TPU's kernel code in Pallas' interpret mode on
+  any platform (tests).
 
 ``dense_reference`` runs every expert on every token and weights the outputs: the
 definition the dispatch is tested against.
