@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxtrain.models.blockwise import blockwise_attention
 from jaxtrain.models.ring import SEQUENCE_AXIS, sequence_parallel_attention
-from jaxtrain.models.sharding import current_rules
+from jaxtrain.models.sharding import current_rules, step_device
 
 Array = jax.Array
 
@@ -66,11 +66,8 @@ def default_implementation(
 def _resolve_default(q: Array, logit_cap: float | None) -> str:
     """default_implementation for these queries, on the devices the step runs on."""
     rules = current_rules()
-    if rules is not None:
-        device = rules.mesh.devices.flat[0]
-        sequence_parallel = dict(rules.mesh.shape).get(SEQUENCE_AXIS, 1) > 1
-    else:
-        device, sequence_parallel = jax.devices()[0], False
+    device = step_device()
+    sequence_parallel = rules is not None and dict(rules.mesh.shape).get(SEQUENCE_AXIS, 1) > 1
     capability = getattr(device, "compute_capability", None)
     return default_implementation(
         platform=device.platform,

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.blocks import gated
 from jaxtrain.models.moe_kernels import gpu_grouped_matmul, tpu_ragged_matmul
+from jaxtrain.models.sharding import step_device
 
 Array = jax.Array
 
@@ -44,8 +45,9 @@ DEFAULT_IMPLEMENTATIONS = {"cpu": "blocks", "gpu": "pallas", "tpu": "ragged_dot"
 
 
 def default_implementation(platform: str | None = None) -> str:
-    """What ``moe_implementation=None`` runs on ``platform`` (None: JAX's default backend)."""
-    return DEFAULT_IMPLEMENTATIONS.get(platform or jax.default_backend(), "ragged_dot")
+    """What ``moe_implementation=None`` runs on ``platform`` (None: the platform of the
+    devices the step is traced for, as attention's default)."""
+    return DEFAULT_IMPLEMENTATIONS.get(platform or step_device().platform, "ragged_dot")
 
 
 def platform_kernel(implementation: str) -> str:
@@ -57,7 +59,7 @@ def platform_kernel(implementation: str) -> str:
         return "tpu_interpret"
     if implementation != "pallas":
         return implementation
-    platform = jax.default_backend()
+    platform = step_device().platform
     if platform not in ("gpu", "tpu"):
         raise ArgumentError(
             f"moe_implementation='pallas' runs Pallas kernels on a GPU or TPU, not on "

@@ -49,6 +49,14 @@ def current_rules() -> Any:
     return _RULES.get()
 
 
+def step_device() -> Any:
+    """A device of the mesh the step is traced for (the enclosing rules'), else JAX's first
+    device: what a kernel's default is chosen for. A plan compiled for TPU or GPU devices
+    from a CPU host thus picks the target's kernels, not the host's."""
+    rules = _RULES.get()
+    return rules.mesh.devices.flat[0] if rules is not None else jax.devices()[0]
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     rules = _RULES.get()
     if rules is None:

@@ -234,3 +234,29 @@ def test_the_engine_groups_decode_rows_by_the_target_s_platform_not_the_laptop_s
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-3:] == ["0", "8", "8"], done.stdout
+
+
+MOE_DEFAULT_ON_TPU = """
+from jaxtrain.models.moe_dispatch import default_implementation, platform_kernel
+from jaxtrain.models.sharding import activation_sharding
+from jaxtrain.parallel import ShardingRules
+from jaxtrain.parallel.mesh import build_mesh
+from jaxtrain.planning.targets import compile_target
+
+_, devices = compile_target({"accelerator": "v5e", "topology": "2x2", "devices": 4})
+with activation_sharding(ShardingRules(build_mesh((4, 1, 1, 1, 1), devices))):
+    print(default_implementation(), platform_kernel("pallas"))
+print(default_implementation())
+"""
+
+
+@pytest.mark.skipif(not (LIBTPU / "libtpu").is_dir(), reason=f"no libtpu in {LIBTPU} (make test)")
+def test_a_step_traced_for_tpu_devices_takes_the_tpu_s_moe_dispatch():
+    """A TPU plan of a MoE model compiled on this CPU once took the CPU's blocked loop: the
+    default read the host's backend, not the devices the step is traced for."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(LIBTPU)])
+    done = subprocess.run([sys.executable, "-c", MOE_DEFAULT_ON_TPU], capture_output=True,
+                          text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ragged_dot", "tpu", "blocks"]
