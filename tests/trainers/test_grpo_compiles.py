@@ -15,8 +15,9 @@ import jax
 from test_grpo import big_first_number, grpo_args, prompts
 from trainer_fixtures import tiny_model
 
-from jaxtrain.serving.warm_up import EngineShape, step_calls
+from jaxtrain.serving.warm_up import step_calls
 from jaxtrain.trainers import GRPOTrainer
+from jaxtrain.trainers.grpo_sampler import rollout_engine_shape
 
 
 class Steps:
@@ -95,9 +96,7 @@ def test_without_warm_up_the_engine_compiles_only_the_shapes_its_rounds_reach(to
     assert compiled["_prefill_fn"] == len(shapes["prefill"]), compiled
     assert compiled["_decode_fn"] == len(shapes["decode"]), compiled
     # A warm-up would have compiled every shape the prompts can reach: more than the run did.
-    e = source.engine
-    shape = EngineShape(e.max_slots, e.page_size, e.max_length, e.pages.num_pages,
-                        e.prefill_tokens, e.speculative_tokens, e.decode_steps)  # fmt: skip
+    shape = rollout_engine_shape(trainer.settings)
     reachable = Counter(kind for kind, _ in step_calls(shape, *source.sampler._warm_up_limits()))
     used = {kind: len(shapes[kind]) for kind in ("prefill", "decode")}
     assert used["prefill"] <= reachable["prefill"] and used["decode"] < reachable["decode"], (
