@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxtrain.models.blockwise import blockwise_attention
 from jaxtrain.models.ring import SEQUENCE_AXIS, sequence_parallel_attention
-from jaxtrain.models.sharding import current_rules, step_device
+from jaxtrain.models.sharding import current_rules, step_platform
 
 Array = jax.Array
 
@@ -66,12 +66,11 @@ def default_implementation(
 def _resolve_default(q: Array, logit_cap: float | None) -> str:
     """default_implementation for these queries, on the devices the step runs on."""
     rules = current_rules()
-    device = step_device()
+    platform, capability = step_platform()
     sequence_parallel = rules is not None and dict(rules.mesh.shape).get(SEQUENCE_AXIS, 1) > 1
-    capability = getattr(device, "compute_capability", None)
     return default_implementation(
-        platform=device.platform,
-        compute_capability=float(capability) if capability else None,
+        platform=platform,
+        compute_capability=capability,
         dtype=jnp.dtype(q.dtype).name,
         head_dim=q.shape[-1],
         length=q.shape[1],

@@ -73,9 +73,10 @@ class MoeConfig(LlamaConfig):
     - ``router_aux_loss_coef`` / ``router_z_loss_coef``: weights of the two router losses.
     - ``capacity_factor``: None is dropless; c keeps at most ceil(c * tokens * k / E) rows
       per expert and layer (earliest tokens first) and drops the others' expert output.
-    - ``moe_implementation``: None (blocks on CPU, pallas on GPU, ragged_dot on TPU), "blocks",
-      "ragged_dot", "pallas" (GPU/TPU kernels, models/moe_kernels.py), "interpret" and
-      "interpret_tpu" (those kernels' code interpreted, for tests) -- all exact.
+    - ``moe_implementation``: None (blocks on CPU, pallas on NVIDIA GPUs from Ampere on,
+      ragged_dot elsewhere), "blocks", "ragged_dot", "pallas" (GPU/TPU kernels,
+      models/moe_kernels.py), "interpret" and "interpret_tpu" (those kernels' code
+      interpreted, for tests) -- all exact.
     """
 
     SUPPORTED_MODEL_TYPES: ClassVar[tuple[str, ...]] = MOE_MODEL_TYPES

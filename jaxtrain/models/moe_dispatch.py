@@ -11,7 +11,7 @@ not its own. Exact implementations of the grouped matmul:
   dense masked product over *all* experts (8x the work at 8 experts), this costs about a
   dense matmul of the active rows.
 - ``"ragged_dot"`` (the default on TPU): ``jax.lax.ragged_dot`` on the sorted rows.
-- ``"pallas"`` (GPU/TPU; the default on GPU): Pallas kernels (``moe_kernels``): ours on the
+- ``"pallas"`` (GPU/TPU; the default on NVIDIA GPUs from Ampere on): Pallas kernels (``moe_kernels``): ours on the
   blocks on a GPU (2.2x ``ragged_dot``'s training tokens/s on an H200, bench/RESULTS.md),
   JAX's megablox on the sorted rows on a TPU (not yet measured there). ``"interpret"`` and
   ``"interpret_tpu"`` run the GPU's and the TPU's kernel code in Pallas' interpret mode on
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jaxtrain.errors import ArgumentError
 from jaxtrain.models.blocks import gated
 from jaxtrain.models.moe_kernels import gpu_grouped_matmul, tpu_ragged_matmul
-from jaxtrain.models.sharding import step_device
+from jaxtrain.models.sharding import step_platform
 
 Array = jax.Array
 
@@ -41,13 +41,21 @@ PALLAS_IMPLEMENTATIONS = ("pallas", "interpret", "interpret_tpu")
 IMPLEMENTATIONS = ("blocks", "ragged_dot", *PALLAS_IMPLEMENTATIONS)
 
 
-DEFAULT_IMPLEMENTATIONS = {"cpu": "blocks", "gpu": "pallas", "tpu": "ragged_dot"}
+# Our Triton kernels multiply bf16 blocks: NVIDIA GPUs from Ampere on.
+TRITON_MIN_CAPABILITY = 8.0
 
 
-def default_implementation(platform: str | None = None) -> str:
-    """What ``moe_implementation=None`` runs on ``platform`` (None: the platform of the
-    devices the step is traced for, as attention's default)."""
-    return DEFAULT_IMPLEMENTATIONS.get(platform or step_device().platform, "ragged_dot")
+def default_implementation(platform: str, compute_capability: float | None = None) -> str:
+    """What ``moe_implementation=None`` runs on a device of ``platform`` (and, on an NVIDIA
+    GPU, ``compute_capability``; models/sharding.step_platform gives both for the devices the
+    step is traced for): the blocked loop on CPU, our Triton kernels on an NVIDIA GPU (2.2x
+    ``ragged_dot``'s training tokens/s on an H200), ``ragged_dot`` elsewhere (a TPU until
+    megablox is measured there, other GPUs)."""
+    if platform == "cpu":
+        return "blocks"
+    if platform == "gpu" and (compute_capability or 0.0) >= TRITON_MIN_CAPABILITY:
+        return "pallas"
+    return "ragged_dot"
 
 
 def platform_kernel(implementation: str) -> str:
@@ -59,7 +67,7 @@ def platform_kernel(implementation: str) -> str:
         return "tpu_interpret"
     if implementation != "pallas":
         return implementation
-    platform = step_device().platform
+    platform, _ = step_platform()
     if platform not in ("gpu", "tpu"):
         raise ArgumentError(
             f"moe_implementation='pallas' runs Pallas kernels on a GPU or TPU, not on "
@@ -189,7 +197,7 @@ def expert_mlp(
     k = experts.shape[1]
     local, _, _, f = gate_up.shape
     total = local if num_experts is None else num_experts
-    implementation = implementation or default_implementation()
+    implementation = implementation or default_implementation(*step_platform())
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"moe implementation={implementation!r} is not one of {IMPLEMENTATIONS}.")
     kernel = platform_kernel(implementation)

@@ -57,6 +57,17 @@ def step_device() -> Any:
     return rules.mesh.devices.flat[0] if rules is not None else jax.devices()[0]
 
 
+def step_platform() -> tuple[str, float | None]:
+    """(platform, NVIDIA compute capability or None) of `step_device()`: what the kernels'
+    defaults are chosen by."""
+    device = step_device()
+    capability = getattr(device, "compute_capability", None)
+    try:
+        return device.platform, float(capability) if capability else None
+    except ValueError:  # not a CUDA version: an AMD GPU names its architecture ("gfx90a")
+        return device.platform, None
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     rules = _RULES.get()
     if rules is None:

@@ -238,15 +238,15 @@ def test_the_engine_groups_decode_rows_by_the_target_s_platform_not_the_laptop_s
 
 MOE_DEFAULT_ON_TPU = """
 from jaxtrain.models.moe_dispatch import default_implementation, platform_kernel
-from jaxtrain.models.sharding import activation_sharding
+from jaxtrain.models.sharding import activation_sharding, step_platform
 from jaxtrain.parallel import ShardingRules
 from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.planning.targets import compile_target
 
 _, devices = compile_target({"accelerator": "v5e", "topology": "2x2", "devices": 4})
 with activation_sharding(ShardingRules(build_mesh((4, 1, 1, 1, 1), devices))):
-    print(default_implementation(), platform_kernel("pallas"))
-print(default_implementation())
+    print(default_implementation(*step_platform()), platform_kernel("pallas"))
+print(default_implementation(*step_platform()))
 """
 
 
