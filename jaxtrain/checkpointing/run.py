@@ -381,11 +381,15 @@ class _Saver:
                     self._manager.wait_until_finished()
                     self._prune()
             finally:
-                self._manager.close()
-                if self._failed:
-                    # Writes of the failed save still in flight when it was cleaned up (a
-                    # loaded machine left a directory behind, twice) end now or soon.
-                    self._remove_uncommitted(patience_s=10.0)
+                try:
+                    # After a failed save this raises its error again (Orbax's async
+                    # checkpointer re-checks it on close): the removal below must still run.
+                    self._manager.close()
+                finally:
+                    if self._failed:
+                        # Writes of the failed save still in flight when it was cleaned up
+                        # (a loaded machine left a directory behind) end now or soon.
+                        self._remove_uncommitted(patience_s=10.0)
 
 
 def _barrier(name: str) -> None:
