@@ -176,7 +176,9 @@ def test_plan_json_goes_to_the_output_dir_the_command_names():
 def test_ctrl_c_during_plan_is_one_line_and_130(tmp_path):
     command = [sys.executable, "-m", "jaxtrain.cli", "plan", "--devices", "2", "--layers", "all"]
     command += ["--model.num_hidden_layers", "24", "--output_dir", str(tmp_path)]  # a long compile
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "TMPDIR": str(scratch)}
     # A session of its own: killpg below is the terminal's Ctrl-C to the foreground group.
     plan = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -191,6 +193,7 @@ def test_ctrl_c_during_plan_is_one_line_and_130(tmp_path):
     ]
     assert _ends(child)  # the compile did not outlive the command
     assert not (tmp_path / "plan.json").exists()
+    assert list(scratch.iterdir()) == []  # nor did the compile's spec
 
 
 # Ctrl-C lands the moment the compile process exists, before Popen has returned it: the
@@ -212,8 +215,8 @@ run_child("jaxtrain.planning.worker", {}, 1, label="jaxtrain plan")
 """
 
 
-def test_ctrl_c_as_the_compile_process_starts_still_ends_it_with_the_plan_s_line():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+def test_ctrl_c_as_the_compile_process_starts_still_ends_it_with_the_plan_s_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path)}
     command = [sys.executable, "-c", _CTRL_C_AS_THE_CHILD_STARTS]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 130, done.stderr[-3000:]
@@ -221,6 +224,7 @@ def test_ctrl_c_as_the_compile_process_starts_still_ends_it_with_the_plan_s_line
         "jaxtrain plan: interrupted by SIGINT; nothing was written"
     ]
     assert _ends(int(done.stdout.split()[0]))
+    assert list(tmp_path.iterdir()) == []  # the compile's spec went with it
 
 
 def _ends(pid: int, timeout: float = 30.0) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def run_child(module: str, spec: dict[str, Any], devices: int, *, label: str) ->
         env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
         # A session of its own: the terminal's Ctrl-C reaches only this process, which ends
         # the child itself (_ends_with), so the child never prints a traceback of its own.
-        with _ends_with(label) as started:
+        with _ends_with(label, Path(tmp)) as started:
             child = subprocess.Popen(
                 [sys.executable, "-m", module, str(spec_path), str(out_path)],
                 env=env,
@@ -50,9 +51,10 @@ def run_child(module: str, spec: dict[str, Any], devices: int, *, label: str) ->
 
 
 @contextlib.contextmanager
-def _ends_with(label: str) -> Iterator[Callable[[subprocess.Popen], None]]:
-    """Ctrl-C while the child compiles: the child is killed, then one line and exit 130.
-    Only where the command line installed its interrupt handling (the process's own entry).
+def _ends_with(label: str, scratch: Path) -> Iterator[Callable[[subprocess.Popen], None]]:
+    """Ctrl-C while the child compiles: the child is killed, its `scratch` directory removed
+    (the exit below skips the `with` that would), then one line and exit 130. Only where the
+    command line installed its interrupt handling (the process's own entry).
 
     The handler is in place before the child starts (a Ctrl-C that arrived between the
     start and the handler once met the command line's generic line); a Ctrl-C before the
@@ -66,6 +68,7 @@ def _ends_with(label: str) -> Iterator[Callable[[subprocess.Popen], None]]:
         # os.kill, not child.kill() + wait(): the interrupted wait holds Popen's lock.
         with contextlib.suppress(ProcessLookupError):
             os.kill(children[0].pid, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)  # the spec: what is left is no output
         interrupts.abort(label, "interrupted by SIGINT; nothing was written")
 
     def started(child: subprocess.Popen) -> None:
