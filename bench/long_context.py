@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/long_context.py                    # ~15 minutes on 2 cores
     .venv/bin/python bench/long_context.py --sizes 1024,2048 --skip-packed --skip-sp
+    .venv/bin/python bench/long_context.py --sizes "" --skip-packed --skip-sp   # padded rows
 
 A small Llama (hidden 256, 4 layers, 8 heads of 32, vocab 32000, full remat
 ``nothing_saveable``, batch 1, float32) takes SGD steps of the Trainer's loss
@@ -17,7 +18,10 @@ and compilation).
 - packed rows of 16 documents (4k and 8k): dense with its [T, T] segment mask vs blockwise,
   which skips the blocks of other documents (dense at 8k is skipped by the memory rule);
 - sp = 4 on 4 simulated CPU devices vs sp = 1: XLA's temp buffer size per device of the
-  compiled train step (``memory_analysis``) at 8k, ring attention over the sp axis.
+  compiled train step (``memory_analysis``) at 8k, ring attention over the sp axis;
+- padded rows (4k and 8k, an eighth of each row real, blockwise): the batch's
+  ``attention_mask`` marking the padding (the loss then skips its blocks) vs the same batch
+  without it (every block of the causal triangle computed), in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -72,12 +76,22 @@ def build(seq: int, implementation: str):
     return step, params, jnp
 
 
-def batch_for(seq: int, documents: int):
+PADDED_REAL_FRACTION = 8  # a padded row's real tokens: seq // 8
+
+
+def batch_for(seq: int, documents: int, padding: str = ""):
+    """`padding`: "" (every token real), "marked" (an eighth real, the rest padding that the
+    batch's attention_mask marks) or "unmarked" (the same row without its attention_mask)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     ids = rng.integers(1, 32000, size=(1, seq)).astype(np.int32)
     batch = {"input_ids": ids, "labels": ids}
+    if padding:
+        real = np.arange(seq)[None] < seq // PADDED_REAL_FRACTION
+        batch = {"input_ids": ids * real, "labels": np.where(real, ids, -100).astype(np.int32)}
+        if padding == "marked":
+            batch["attention_mask"] = real.astype(np.int32)
     if documents > 1:  # equal documents, positions restart at each
         length = seq // documents
         batch["segment_ids"] = (np.arange(seq) // length + 1)[None].astype(np.int32)
@@ -85,12 +99,14 @@ def batch_for(seq: int, documents: int):
     return batch
 
 
-def worker_steps(seq: int, implementation: str, documents: int, steps: int) -> dict:
+def worker_steps(
+    seq: int, implementation: str, documents: int, steps: int, padding: str = ""
+) -> dict:
     import jax
 
     step, params, jnp = build(seq, implementation)
     step = jax.jit(step, donate_argnums=0)
-    batch = {k: jnp.asarray(v) for k, v in batch_for(seq, documents).items()}
+    batch = {k: jnp.asarray(v) for k, v in batch_for(seq, documents, padding).items()}
     start = time.perf_counter()
     params, loss = step(params, batch)
     jax.block_until_ready(loss)
@@ -150,6 +166,9 @@ def main() -> None:
     parser.add_argument("--packed-sizes", default="4096,8192")
     parser.add_argument("--skip-packed", action="store_true")
     parser.add_argument("--skip-sp", action="store_true")
+    parser.add_argument("--padded-sizes", default="4096,8192")
+    parser.add_argument("--skip-padded", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (padded)")
     parser.add_argument("--worker", nargs="+")
     args = parser.parse_args()
     if args.worker:
@@ -157,14 +176,14 @@ def main() -> None:
         if kind == "sp":
             out = worker_sp(int(rest[0]), int(rest[1]))
         else:
-            seq, documents, steps = (int(x) for x in rest)
-            out = worker_steps(seq, kind, documents, steps)
+            seq, documents, steps = (int(x) for x in rest[:3])
+            out = worker_steps(seq, kind, documents, steps, *rest[3:])
         print(json.dumps(out))
         return
     print(f"load average at start: {os.getloadavg()}", flush=True)
     results: dict[str, dict] = {}
     stopped: dict[str, str] = {}
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]  # "" runs none
     for seq in sizes:
         for impl in ("dense", "blockwise"):
             # The largest blockwise size always runs (one step, compile included): it is the
@@ -196,6 +215,20 @@ def main() -> None:
             out = run_worker("sp", "8192", str(sp), devices=sp)
             results[f"sp{sp} 8192"] = out
             print(f"sp={sp} 8192 blockwise: {out}", flush=True)
+    if not args.skip_padded:
+        for seq in (int(s) for s in args.padded_sizes.split(",")):
+            times: dict[str, list[float]] = {"marked": [], "unmarked": []}
+            for _ in range(args.rounds):
+                for padding in times:
+                    out = run_worker("blockwise", str(seq), "1", "2", padding)
+                    times[padding].append(out.get("step_s", float("nan")))
+                    print(f"padded {seq} {padding}: {out}", flush=True)
+            medians = {k: statistics.median(v) for k, v in times.items()}
+            results[f"padded {seq}"] = {
+                **{f"{k}_step_s": v for k, v in times.items()},
+                "unmarked_over_marked": round(medians["unmarked"] / medians["marked"], 2),
+            }
+            print(f"padded {seq}: {results[f'padded {seq}']}", flush=True)
     print(f"load average at end: {os.getloadavg()}", flush=True)
     print(json.dumps(results))
 

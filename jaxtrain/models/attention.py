@@ -63,11 +63,16 @@ def default_implementation(
     return "blockwise" if length >= BLOCKWISE_MIN_LENGTH else "xla"
 
 
+def _sequence_parallel() -> bool:
+    """Whether the enclosing activation rules split the length over sp > 1 devices."""
+    rules = current_rules()
+    return rules is not None and dict(rules.mesh.shape).get(SEQUENCE_AXIS, 1) > 1
+
+
 def _resolve_default(q: Array, logit_cap: float | None) -> str:
     """default_implementation for these queries, on the devices the step runs on."""
-    rules = current_rules()
     platform, capability = step_platform()
-    sequence_parallel = rules is not None and dict(rules.mesh.shape).get(SEQUENCE_AXIS, 1) > 1
+    sequence_parallel = _sequence_parallel()
     return default_implementation(
         platform=platform,
         compute_capability=capability,
@@ -77,6 +82,25 @@ def _resolve_default(q: Array, logit_cap: float | None) -> str:
         logit_cap=logit_cap,
         sequence_parallel=sequence_parallel,
     )
+
+
+def padding_segments(attention_mask: Array | None) -> Array | None:
+    """Segment ids for right-padded rows (1 up to a row's last real token, 0 on the padding
+    after it) where blockwise attention reads them, else None.
+
+    Real tokens attend only to earlier ones, so these ids change no real token's output.
+    Blockwise attention (the default from BLOCKWISE_MIN_LENGTH tokens, ring attention under
+    sp) then skips every block that is padding in all rows: short rows padded to a long
+    length cost the attention of the batch's longest row. Not on a GPU without sp, where
+    cuDNN (its default there) would take them as a dense [B, T, T] mask instead of running
+    its causal kernel."""
+    if attention_mask is None or attention_mask.shape[-1] < BLOCKWISE_MIN_LENGTH:
+        return None
+    if step_platform()[0] == "gpu" and not _sequence_parallel():
+        return None
+    real = (attention_mask != 0).astype(jnp.int32)
+    # 1 where a real token lies at or after this position in the row.
+    return (jnp.cumsum(real[:, ::-1], axis=1)[:, ::-1] > 0).astype(jnp.int32)
 
 
 def causal_attention(

@@ -11,7 +11,10 @@ window (HF Mistral: query i sees key j when 0 <= i - j < window), packed segment
 (``segment_ids`` [B, T]; padding is segment 0, see masking.py) and keys past the true
 length. A key block that the mask hides from every row of a query block is never computed:
 the inner loop runs only over the span of needed key blocks and ``lax.cond`` skips the
-blocks inside it that belong to other documents (per-block min/max segment ids).
+blocks inside it that belong to other documents (per-block min/max segment ids). Padding
+makes no block needed: a block of padding queries or keys alone is skipped (its queries'
+outputs are zeros, which nothing reads), so a short row padded to a long length costs the
+attention of its real tokens only.
 
 The per-pair functions (``chunk_forward``, ``chunk_backward``) take the global token index
 of the first query and first key, so ring attention (ring.py) reuses them for key/value
@@ -26,6 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxtrain.models.sharding import step_platform
 
 Array = jax.Array
 
@@ -58,9 +63,10 @@ class AttentionSpec:
 
 
 def default_blocks(ring: bool = False) -> tuple[int, int]:
-    """(block_q, block_k) when the caller sets none: the GPU's, else the CPU's (TPUs too:
-    not measured there); `ring`: ring attention's per-chunk blocks."""
-    if jax.default_backend() == "gpu":
+    """(block_q, block_k) when the caller sets none, for the devices the step is traced for
+    (a GPU plan compiled on a CPU host takes the GPU's): the GPU's, else the CPU's (TPUs
+    too: not measured there); `ring`: ring attention's per-chunk blocks."""
+    if step_platform()[0] == "gpu":
         return GPU_BLOCKS
     return CPU_RING_BLOCKS if ring else CPU_BLOCKS
 
@@ -112,8 +118,8 @@ def blockwise_attention(
         block_q=block_q,
         block_k=block_k,
     )
-    if segment_ids is None:  # one segment: the overlap test then never skips anything
-        segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
+    if segment_ids is None:  # one document: the overlap test then never skips anything
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     segment_ids = segment_ids.astype(jnp.int32)
     return _attention(q, k, v, segment_ids, spec)
 
@@ -170,14 +176,22 @@ def needed_blocks(
     if spec.window is not None:  # not wholly before every query's window
         need &= q_first[:, None] - k_last[None, :] < spec.window
     # Segments: some row has a query segment and a key segment whose ranges overlap.
-    qs_min, qs_max = q_seg.min(axis=2), q_seg.max(axis=2)  # [nq, B]
-    ks_min, ks_max = k_seg.min(axis=2), k_seg.max(axis=2)  # [nk, B]
+    qs_min, qs_max = real_segment_range(q_seg)  # [nq, B]
+    ks_min, ks_max = real_segment_range(k_seg)  # [nk, B]
     overlap = (ks_min[None] <= qs_max[:, None]) & (ks_max[None] >= qs_min[:, None])
     need &= overlap.any(axis=2)
     first = jnp.argmax(need, axis=1)
     last = nk - 1 - jnp.argmax(need[:, ::-1], axis=1)
     any_needed = need.any(axis=1)
     return need, jnp.where(any_needed, first, 0), jnp.where(any_needed, last, -1)
+
+
+def real_segment_range(seg: Array) -> tuple[Array, Array]:
+    """(min, max) [n, B] of each block's segment ids, padding (0) left out: a block of
+    padding alone gets an empty range (min > max), which overlaps nothing."""
+    real = seg > 0
+    low = jnp.where(real, seg, jnp.iinfo(jnp.int32).max).min(axis=2)
+    return low, jnp.where(real, seg, -1).max(axis=2)
 
 
 def block_mask(

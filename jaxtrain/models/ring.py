@@ -70,8 +70,8 @@ def sequence_parallel_attention(
             f"ring attention: sequence length {t} must be divisible by sp={n}; pad rows to a "
             f"multiple of {n} (max_sequence_length)."
         )
-    if segment_ids is None:
-        segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
+    if segment_ids is None:  # one document (0 would be padding, which is skipped)
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     segment_ids = segment_ids.astype(jnp.int32)
     q_spec = rules.activation_spec(q.shape, ("batch", "length", "heads", None))
     kv_spec = rules.activation_spec(k.shape, ("batch", "length", "kv_heads", None))

@@ -23,7 +23,7 @@ from jaxtrain.trainers.base import TaskStart, TaskTrainer, concrete_model, task_
 from jaxtrain.trainers.frozen import TaskModel
 from jaxtrain.trainers.sft import SFTTrainer
 from jaxtrain.training.program import Objective
-from jaxtrain.training.step import causal_lm_sums
+from jaxtrain.training.step import causal_lm_sums, model_segment_ids
 
 __all__ = [
     "DistillationArguments",
@@ -86,7 +86,7 @@ def distill_objective(settings: RunSettings) -> Objective:
 
     def loss_sums(model: TaskModel, batch: dict[str, jax.Array], rng: jax.Array):
         del rng
-        inputs = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+        inputs = dict(positions=batch.get("positions"), segment_ids=model_segment_ids(batch))
         student = model.model(batch["input_ids"], **inputs)
         teacher = jax.lax.stop_gradient(model.teacher(batch["input_ids"], **inputs))
         sums = causal_lm_sums(student, batch["labels"])

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.models.attention import padding_segments
 from jaxtrain.training.logps import (
     chunk_tokens_for,
     chunked_token_logps,
@@ -153,6 +154,9 @@ def _rows(batch: dict[str, jax.Array], sides: tuple[str, ...]) -> dict[str, Any]
         }
     cat = lambda key: jnp.concatenate([batch[f"{p}{key}"] for p in sides])  # noqa: E731
     model = {}  # right-padded rows: causal attention never lets a real token see padding
+    segments = padding_segments(cat("attention_mask"))  # only where they save attention
+    if segments is not None:
+        model["segment_ids"] = segments
     if "pixel_values" in batch:  # a vision prompt's images, seen by every side's sequence
         model["pixel_values"] = jnp.concatenate([batch["pixel_values"]] * len(sides))
     return {

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from jaxtrain.data.collate import IGNORE_INDEX
+from jaxtrain.models.attention import padding_segments
 from jaxtrain.objective import Objective, check_loss_sums
 from jaxtrain.state import TrainState
 from jaxtrain.training.logps import (
@@ -92,6 +93,14 @@ def causal_lm_loss_sums(model: nnx.Module, batch: dict[str, jax.Array], rng: jax
     return causal_lm_loss_rows(model, batch, rng)[0]
 
 
+def model_segment_ids(batch: dict[str, jax.Array]) -> jax.Array | None:
+    """The segment ids a model call on `batch`'s rows takes: a packed batch's own; for padded
+    rows, those marking the padding after each row's last token where blockwise attention
+    then skips it (`attention.padding_segments`), else None."""
+    segment_ids = batch.get("segment_ids")
+    return padding_segments(batch.get("attention_mask")) if segment_ids is None else segment_ids
+
+
 def causal_lm_loss_rows(
     model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array
 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
@@ -99,7 +108,7 @@ def causal_lm_loss_rows(
     ({"nll", "tokens"} [B], no gradient): what a mixture's per-source loss is made of."""
     del rng  # the Llama family has no dropout; custom losses may use it
     kwargs: dict[str, Any] = dict(
-        positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
+        positions=batch.get("positions"), segment_ids=model_segment_ids(batch)
     )
     if "pixel_values" in batch:  # a vision-language model's images (data/vision.py)
         kwargs["pixel_values"] = batch["pixel_values"]

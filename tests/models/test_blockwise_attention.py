@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxtrain.data.collate import IGNORE_INDEX
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM
 from jaxtrain.models.attention import (
     BLOCKWISE_MIN_LENGTH,
@@ -24,13 +25,15 @@ from jaxtrain.models.blockwise import (
     AttentionSpec,
     blocked_tokens,
     blockwise_attention,
+    default_blocks,
     needed_blocks,
 )
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxtrain.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
+from jaxtrain.trainers.sequences import PAIR_SIDES, _rows, sequence_logps
 from jaxtrain.training.logps import CHUNK_LOGITS
-from jaxtrain.training.step import causal_lm_loss_sums
+from jaxtrain.training.step import causal_lm_loss_sums, model_segment_ids
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -71,6 +74,10 @@ def test_blockwise_equals_dense_outputs_and_gradients(name, blocks):
     q, k, v, cot = random_qkv(t, kv=case.pop("kv", 2))
     seg = jnp.asarray(packed_segments(2, t)) if case.pop("segments", False) else None
     window, cap, scale = case.get("sliding_window"), case.get("logit_cap"), case.get("scale")
+    # What padding queries get is read by nothing (their labels are masked): a block of them
+    # alone is skipped. Outputs are compared, and gradients taken, on the real tokens.
+    real = jnp.ones((2, t, 1, 1)) if seg is None else (seg > 0)[:, :, None, None]
+    cot = cot * real
 
     def dense(q, k, v):
         mask = causal_mask(t, segment_ids=seg, sliding_window=window)
@@ -88,7 +95,7 @@ def test_blockwise_equals_dense_outputs_and_gradients(name, blocks):
         return jax.jit(loss)(q, k, v)
 
     np.testing.assert_allclose(
-        jax.jit(blockwise)(q, k, v), jax.jit(dense)(q, k, v), rtol=RTOL, atol=ATOL
+        jax.jit(blockwise)(q, k, v) * real, jax.jit(dense)(q, k, v) * real, rtol=RTOL, atol=ATOL
     )
     (want_loss, want), (got_loss, got) = loss_and_grads(dense), loss_and_grads(blockwise)
     np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
@@ -113,13 +120,14 @@ def needed(seg: np.ndarray, t: int, block: int, window: int | None = None) -> np
     need = np.asarray(need)
     for i, row in enumerate(need):  # the loop span covers exactly the needed blocks
         cols = np.flatnonzero(row)
-        assert (first[i], last[i]) == (cols.min(), cols.max())
+        span = (cols.min(), cols.max()) if cols.size else (0, -1)  # none: an empty loop
+        assert (first[i], last[i]) == span
     return need
 
 
 def test_blocks_hidden_by_the_mask_are_skipped():
     t, block = 64, 16
-    one = np.zeros((1, t), np.int32)
+    one = np.ones((1, t), np.int32)
     np.testing.assert_array_equal(needed(one, t, block), np.tril(np.ones((4, 4), bool)))
     # A window of 16 needs only the diagonal and the block just before it.
     band = np.tril(np.ones((4, 4), bool)) & ~np.tril(np.ones((4, 4), bool), -2)
@@ -129,6 +137,38 @@ def test_blocks_hidden_by_the_mask_are_skipped():
     want = np.tril(np.ones((4, 4), bool))
     want[2:, :2] = False
     np.testing.assert_array_equal(needed(docs, t, block), want)
+    # Padding (segment 0) makes no block needed: a row of 20 tokens padded to 64 needs the
+    # blocks of its first two, a row of padding alone none.
+    padded = np.array([[1] * 20 + [0] * 44, [0] * t], np.int32)
+    want = np.zeros((4, 4), bool)
+    want[:2, :2] = np.tril(np.ones((2, 2), bool))
+    np.testing.assert_array_equal(needed(padded, t, block), want)
+
+
+def test_padding_blocks_are_not_computed_and_real_tokens_see_the_same():
+    t, block = 64, 16
+    q, k, v, cot = random_qkv(t)
+    seg = jnp.asarray(np.array([[1] * 20 + [0] * 44, [1] * 40 + [0] * 24], np.int32))
+    real = (seg > 0)[:, :, None, None]
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cot * real), (0, 1, 2)))
+
+    def blockwise(q, k, v):
+        return blockwise_attention(q, k, v, segment_ids=seg, block_q=block, block_k=block)
+
+    def unpadded(q, k, v):  # no segments: every block of the causal triangle is computed
+        return blockwise_attention(q, k, v, block_q=block, block_k=block)
+
+    out = jax.jit(blockwise)(q, k, v)
+    np.testing.assert_allclose(out * real, jax.jit(unpadded)(q, k, v) * real, rtol=RTOL, atol=ATOL)
+    # Blocks are skipped for the whole batch: the last one is padding in both rows, and its
+    # queries saw no key (zeros, not NaN).
+    assert np.all(np.asarray(out[:, 3 * block :]) == 0) and np.isfinite(np.asarray(out)).all()
+    (got_loss, got), (want_loss, want) = loss(blockwise)(q, k, v), loss(unpadded)(q, k, v)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
 
 def test_implementation_switch():
@@ -223,6 +263,48 @@ def test_models_pass_blockwise_through(name):
     np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
+def test_padded_long_rows_mark_their_padding_and_train_as_with_dense_attention():
+    t = BLOCKWISE_MIN_LENGTH  # where the default turns blockwise
+    mask = np.array([[1] * n + [0] * (t - n) for n in (100, 700, 0)], np.int32)  # 0: filler
+    ids = np.random.default_rng(2).integers(1, 64, size=mask.shape).astype(np.int32) * mask
+    batch = dict(input_ids=ids, labels=np.where(mask == 1, ids, IGNORE_INDEX), attention_mask=mask)
+    segments = model_segment_ids(batch)
+    np.testing.assert_array_equal(segments, mask)  # right-padded: 1 up to the last token
+    short = {key: value[:, : t - 1] for key, value in batch.items()}
+    assert model_segment_ids(short) is None  # dense attention there: nothing to skip
+    # The last quarter of the rows is padding in every row: no block of it is computed.
+    block = default_blocks()[0]
+    need = needed(np.asarray(segments), t, block)
+    assert not need[(700 + block - 1) // block :].any() and need[: 700 // block].any()
+    model = MODELS["llama_window"]()
+    want_loss, want = model_loss_and_grads(model, "xla", batch)
+    got_loss, got = model_loss_and_grads(model, "blockwise", batch)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
+def test_padded_preference_pairs_at_a_long_length_score_as_with_dense_attention():
+    """The preference losses' padded rows (trainers/sequences.py) take the same marks."""
+    t, rng = BLOCKWISE_MIN_LENGTH, np.random.default_rng(3)
+    batch = {}
+    for side, lengths in (("", (60, 700)), ("rejected_", (90, 300))):
+        mask = np.array([[1] * n + [0] * (t - n) for n in lengths], np.int32)
+        ids = rng.integers(1, 64, size=mask.shape).astype(np.int32) * mask
+        labels = np.where(mask == 1, ids, IGNORE_INDEX)
+        labels[:, :20] = IGNORE_INDEX  # the prompt
+        batch |= {f"{side}input_ids": ids, f"{side}labels": labels, f"{side}attention_mask": mask}
+    marks = _rows(batch, PAIR_SIDES)["model"]["segment_ids"]  # what the model call takes
+    masks = np.concatenate([batch["attention_mask"], batch["rejected_attention_mask"]])
+    np.testing.assert_array_equal(marks, masks)
+    model = MODELS["llama_window"]()
+    scores = {}
+    for implementation in ("xla", "blockwise"):
+        model.attention_implementation = implementation
+        scores[implementation] = jax.jit(lambda b: sequence_logps(model, b).logps)(batch)
+    np.testing.assert_allclose(scores["blockwise"], scores["xla"], rtol=RTOL)
 
 
 @pytest.mark.parametrize(
