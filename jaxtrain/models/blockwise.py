@@ -12,9 +12,9 @@ window (HF Mistral: query i sees key j when 0 <= i - j < window), packed segment
 length. A key block that the mask hides from every row of a query block is never computed:
 the inner loop runs only over the span of needed key blocks and ``lax.cond`` skips the
 blocks inside it that belong to other documents (per-block min/max segment ids). Padding
-makes no block needed: a block of padding queries or keys alone is skipped (its queries'
-outputs are zeros, which nothing reads), so a short row padded to a long length costs the
-attention of its real tokens only.
+makes no block needed: a block that is padding in every row of the batch is skipped (its
+queries' outputs are zeros, which nothing reads), so short rows padded to a long length
+cost the attention of the batch's longest row.
 
 The per-pair functions (``chunk_forward``, ``chunk_backward``) take the global token index
 of the first query and first key, so ring attention (ring.py) reuses them for key/value
