@@ -200,6 +200,14 @@ def model_loss_and_grads(model: nnx.Module, implementation: str, batch: dict) ->
     return jax.jit(jax.value_and_grad(loss))(params)  # compiled whole, not op by op
 
 
+def assert_blockwise_trains_as_dense(model: nnx.Module, batch: dict) -> None:
+    want_loss, want = model_loss_and_grads(model, "xla", batch)
+    got_loss, got = model_loss_and_grads(model, "blockwise", batch)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
 def packed_batch(t: int, vocab: int) -> dict:
     rng = np.random.default_rng(1)
     seg = packed_segments(2, t)
@@ -256,13 +264,7 @@ MODELS = {
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_models_pass_blockwise_through(name):
-    model = MODELS[name]()
-    batch = packed_batch(40, 64)
-    want_loss, want = model_loss_and_grads(model, "xla", batch)
-    got_loss, got = model_loss_and_grads(model, "blockwise", batch)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    assert_blockwise_trains_as_dense(MODELS[name](), packed_batch(40, 64))
 
 
 def test_padded_long_rows_mark_their_padding_and_train_as_with_dense_attention():
@@ -278,12 +280,7 @@ def test_padded_long_rows_mark_their_padding_and_train_as_with_dense_attention()
     block = default_blocks()[0]
     need = needed(np.asarray(segments), t, block)
     assert not need[(700 + block - 1) // block :].any() and need[: 700 // block].any()
-    model = MODELS["llama_window"]()
-    want_loss, want = model_loss_and_grads(model, "xla", batch)
-    got_loss, got = model_loss_and_grads(model, "blockwise", batch)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    assert_blockwise_trains_as_dense(MODELS["llama_window"](), batch)
 
 
 def test_padded_preference_pairs_at_a_long_length_score_as_with_dense_attention():
