@@ -32,6 +32,13 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitte
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
+# The CLI's huge pages off in the processes the tests start (jaxtrain/cli/huge_pages.py keeps a
+# GLIBC_TUNABLES that names the tunable). They make a long run's steps 11-20% faster, but a
+# run of a few steps, as every run of the suite is, pays for zeroing 2 MiB pages it barely
+# uses: a 2-step `jaxtrain train` took 1.2 s and 1.7 CPU-s more with them (6 interleaved
+# pairs, bench/RESULTS.md 2026-12-04 session 58). tests/test_cli.py runs the commands without
+# the variable, where the restart that adds it is tested.
+os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
 
 # The file that runs longest (every docs block, 10-20 minutes) starts first: started last, it
 # alone kept one worker busy after the other had finished (make test: --no-loadscope-reorder).
