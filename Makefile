@@ -54,8 +54,8 @@ format: $(VENV)/.installed-test
 	$(BIN)/ruff format jaxtrain tests bench
 	$(BIN)/ruff check --fix jaxtrain tests bench
 
-# Python writes each module's bytecode when it is first imported (an empty
-# PYTHONDONTWRITEBYTECODE, which these build machines set): otherwise every process the tests
+# pytest runs with PYTHONDONTWRITEBYTECODE emptied (these build machines set it), so Python
+# writes each module's bytecode when it is first imported: otherwise every process the tests
 # start would compile jaxtrain's ~200 modules and the libraries' thousands from source again.
 # jaxtrain's bytecode first, before the two workers import it at once.
 test: lint
