@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.arguments import ArgumentError
+from jaxtrain.models.attention import padding_segments
 from jaxtrain.models.lora import merge_lora
 from jaxtrain.state import TrainState
 from jaxtrain.trainers.base import (
@@ -73,7 +74,11 @@ class RewardModel(nnx.Module):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), jnp.int32)
-        hidden = self.backbone.hidden_states(input_ids)
+        # Right-padded rows: the padding's marks let blockwise attention skip it (as in the
+        # other padded losses); real tokens' states, and so the scores, do not change.
+        hidden = self.backbone.hidden_states(
+            input_ids, segment_ids=padding_segments(attention_mask)
+        )
         last = jnp.max(jnp.arange(t) * (attention_mask != 0), axis=-1)
         h_BxD = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return (h_BxD.astype(jnp.float32) @ self.score[...].astype(jnp.float32))[:, 0]

@@ -31,6 +31,7 @@ from jaxtrain.models.blockwise import (
 from jaxtrain.models.gemma import GemmaConfig, GemmaForCausalLM
 from jaxtrain.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from jaxtrain.models.layers import rope_cos_sin, rope_inv_freq
+from jaxtrain.trainers.reward import RewardModel
 from jaxtrain.trainers.sequences import PAIR_SIDES, _rows, sequence_logps
 from jaxtrain.training.logps import CHUNK_LOGITS
 from jaxtrain.training.step import causal_lm_loss_sums, model_segment_ids
@@ -302,6 +303,36 @@ def test_padded_preference_pairs_at_a_long_length_score_as_with_dense_attention(
         model.attention_implementation = implementation
         scores[implementation] = jax.jit(lambda b: sequence_logps(model, b).logps)(batch)
     np.testing.assert_allclose(scores["blockwise"], scores["xla"], rtol=RTOL)
+
+
+def test_padded_reward_pairs_at_a_long_length_mark_their_padding_and_score_as_dense():
+    """The reward model's padded rows (trainers/reward.py) take the same marks: they once
+    reached the backbone without them, and every padding block was computed."""
+    t, rng = BLOCKWISE_MIN_LENGTH, np.random.default_rng(4)
+    mask = np.array([[1] * n + [0] * (t - n) for n in (60, 700)], np.int32)
+    ids = rng.integers(1, 64, size=mask.shape).astype(np.int32) * mask
+    reward = RewardModel(MODELS["llama_window"](), seed=0)
+    seen = []  # what the backbone's call was given, inside the traced call
+    backbone_states = reward.backbone.hidden_states
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("segment_ids"))
+        return backbone_states(*args, **kwargs)
+
+    reward.backbone.hidden_states = recording
+
+    def scored(ids, mask):
+        scores = reward(ids, mask)
+        return scores, seen[-1]
+
+    results = {}
+    for implementation in ("xla", "blockwise"):
+        reward.backbone.attention_implementation = implementation
+        results[implementation] = jax.jit(scored)(ids, mask)
+    marks = results["blockwise"][1]
+    assert marks is not None
+    np.testing.assert_array_equal(marks, mask)  # 1 through each row's last real token
+    np.testing.assert_allclose(results["blockwise"][0], results["xla"][0], rtol=RTOL)
 
 
 @pytest.mark.parametrize(
