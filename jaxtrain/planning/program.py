@@ -258,6 +258,9 @@ def plan_program(
     r = settings.task.rollout_devices if engine_task else 0
     devices, rollout = rollout_split(devices, r)
     full = plan_step_program(config, args, devices, attention, task, settings)
+    # The run's own check of its batch split, so a mesh that cannot take it says why in one
+    # line (it failed inside the compile with JAX's sharding traceback).
+    full.plan.batch.check(settings.data.micro_batch_size, settings.data.seq_len, "micro-batch size")
     abstract, shardings = full.abstract_state(), full.state_shardings
     # Frozen weights (a reference, a teacher, a LoRA base, quantized or not): state too.
     frozen = float(tree_bytes_per_device(full.rest, full.plan.param_shardings(full.rest)))

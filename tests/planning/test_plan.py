@@ -217,6 +217,21 @@ def test_plan_refuses_an_unknown_accelerator_and_a_bad_device_count(capsys):
     assert "--devices must be a positive integer" in capsys.readouterr().err
 
 
+def test_a_batch_the_mesh_cannot_split_is_named_in_one_line(tmp_path, capsys):
+    """2 rows over fsdp=4 failed inside the compile with JAX's sharding traceback; the plan
+    now runs the run's own check (parallel/batch.py) and says why, as `jaxtrain train` does."""
+    code = main(
+        ["plan", "--devices", "4", "--accelerator", "a100", "--output", str(tmp_path / "p.json"),
+         "--total_batch_size", "2", "--max_sequence_length", "64",
+         "--model.num_hidden_layers", "1", "--model.vocab_size", "256",
+         "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2"]
+    )  # fmt: skip
+    printed = capsys.readouterr()
+    assert code == 2, printed.out[-2000:]
+    assert "cannot run: micro-batch size=2 is not divisible by dp*fsdp=4" in printed.out
+    assert "Traceback" not in printed.out + printed.err
+
+
 def test_plan_choices_compiles_each_setting_changed_alone(tmp_path, capsys):
     out = tmp_path / "plan.json"
     hidden, inter, layers, kv_heads, heads = 64, 128, 2, 2, 4
