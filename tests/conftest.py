@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from jaxtrain.cache import MAX_CACHE_BYTES  # imports no jax: the settings below still apply
+from jaxtrain.cli.collector import collect_less_often
 
 # Tests share one tokenizer cache per session, never the user's ~/.cache.
 os.environ.setdefault("JAXTRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))
@@ -64,10 +65,11 @@ def pytest_collection_finish(session):
     collection (below). And its young collections run every 20,000 allocations instead of
     700: tracing a program allocates millions of objects, and those collections were 5% of a
     worker's CPU samples (`perf`, tests/trainers/test_grpo.py and
-    tests/models/test_blockwise_attention.py), 1.8% with these thresholds."""
+    tests/models/test_blockwise_attention.py), 1.8% with these thresholds (the commands'
+    own, jaxtrain/cli/collector.py)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(20_000, 50, 1_000)
+    collect_less_often()
 
 
 @pytest.fixture(autouse=True, scope="module")

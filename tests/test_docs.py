@@ -99,8 +99,12 @@ def all_blocks() -> list[Block]:
 # Each block's wall and CPU seconds (the CPU of the commands a shell block ran included) go to
 # block_seconds.jsonl in the working directory (pytest's --basetemp keeps it): where the suite's
 # longest test spends its time. A block on 8 devices uses more CPU than wall.
+# The interpreter of the Python blocks collects garbage at the commands' and the workers'
+# thresholds (jaxtrain/cli/collector.py): tracing allocates millions of objects.
 RUNNER = """
 import gc, json, os, subprocess, sys, time
+from jaxtrain.cli.collector import collect_less_often
+collect_less_often()
 blocks = json.load(open(sys.argv[1]))
 namespace = {"__name__": "__main__"}
 timings = open("block_seconds.jsonl", "a")

@@ -6,6 +6,7 @@
   usage.py       the usage text
   help.py        `jaxtrain COMMAND --help`: every option with its type, default and doc
   huge_pages.py  train and eval restart once with glibc's huge-page tunable (faster CPU steps)
+  collector.py   the command's process collects garbage less often (tracing allocates much)
   run_config.py  config file + --flags -> one mapping (TrainingArguments + model/data/sample)
   run_dir.py     build_model, build_data, load_run, restore_run: a run directory's pieces
   pretrained.py  the `model.pretrained` section (fine-tuning a local Hugging Face model)
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from jaxtrain import interrupts
 
+    if entry:  # this process is the command's own
+        from jaxtrain.cli.collector import collect_less_often
+
+        collect_less_often()
     if entry and command in COMMANDS:  # launch/tune: Ray's
         from jaxtrain.cli.huge_pages import restart_with_huge_pages
 
@@ -75,7 +80,7 @@ def _dispatch(command: str, rest: list[str], *, entry: bool) -> int:
     from jaxtrain.errors import CheckpointError, JaxtrainError, TrainingInterrupted
 
     commands = {
-        # The process's own command may freeze its heap (commands.freeze_the_heap); a caller's
+        # The process's own command may freeze its heap (collector.freeze_the_heap); a caller's
         # (a test, a Tune trial) must not: its later garbage would never be collected.
         "train": lambda tokens: cmd_train(tokens, own_process=entry),
         "eval": cmd_eval,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ def cmd_train(
     tokens: list[str], callbacks: list[Any] | None = None, own_process: bool = False
 ) -> int:
     """`jaxtrain train`; `callbacks` join the Trainer's (jaxtrain tune reports through one);
-    `own_process`: the process is the command's (its entry point: `freeze_the_heap`)."""
+    `own_process`: the process is the command's (its entry point: collector.freeze_the_heap)."""
     from jaxtrain.cli.pretrained import pretrained_data_section, run_model_section
     from jaxtrain.cli.run_config import (
         describe_sources,
@@ -118,6 +117,8 @@ def cmd_train(
         trainer.dry_run()
         return EXIT_OK
     if own_process:
+        from jaxtrain.cli.collector import freeze_the_heap
+
         freeze_the_heap()
     try:
         output = trainer.train()
@@ -147,17 +148,6 @@ def cmd_train(
                     file=sys.stderr,
                 )
     return EXIT_OK
-
-
-def freeze_the_heap() -> None:
-    """Collect once, then move every live object out of the garbage collector's walk. Only in
-    a process that is the command's: its libraries, model and data live until it ends, and
-    each full collection walked them all again (0.3-0.4 s of a one-step `jaxtrain train`; on
-    a long run, a pause between steps that grows with the heap). Garbage made later is
-    collected as before, but a frozen object is never collected: in a caller's process (a
-    notebook, a Tune trial's actor) the objects of an earlier run would stay."""
-    gc.collect()
-    gc.freeze()
 
 
 def sample_top_k(model: Any, tokenizer: Any, top_k: int | None) -> tuple[int | None, str | None]:

@@ -222,7 +222,7 @@ def cmd_serve(tokens: list[str], own_process: bool = False) -> int:
 
     # A restart loads the warm-up's programs instead of compiling them (minutes on a CPU).
     serving_environment(options["compilation_cache_dir"])
-    from jaxtrain.cli.commands import freeze_the_heap
+    from jaxtrain.cli.collector import freeze_the_heap
     from jaxtrain.cli.served_model import load_served_model
     from jaxtrain.serving.drain import serve_until_drained
     from jaxtrain.serving.server import create_app
