@@ -6,9 +6,9 @@ a Tune trial's actor, a notebook) leaves that program's collector as it was.
 - Thresholds. Tracing and lowering a program allocate millions of short-lived objects, on top
   of the million or so that jax, flax, transformers and datasets leave after their imports. At
   Python's defaults (700, 10, 10) a young collection ran every 700 net allocations and full
-  ones walked that heap again and again: these thresholds take 5-7% off a short
-  `jaxtrain train` (a 2-step run; the demo's first step from an empty compilation cache;
-  bench/RESULTS.md, session 59). The tests' workers use them too (tests/conftest.py).
+  ones walked that heap again and again. These thresholds took 9% off the CPU of a tiny
+  8-step `jaxtrain train` and 4% off the demo's first step from an empty compilation cache
+  (`bench/collector.py`, bench/RESULTS.md session 59). The tests' workers use them too.
 - Freezing. Once a command has built its model and data, what lives then lives until the end.
 """
 
