@@ -145,6 +145,16 @@ def test_grpo_on_the_default_data_says_what_to_pass_on_the_command_line(capsys):
     assert "set --data.tokenizer DIR" in capsys.readouterr().err
 
 
+def test_a_preference_task_on_files_without_a_tokenizer_names_the_flags(capsys):
+    # It once failed on the first row with the Python API's advice (processing_class=...).
+    files = ["--data.source", "files", "--data.train_files", "pairs.jsonl"]
+    for task in ("reward", "dpo", "kto", "orpo", "cpo"):
+        assert main(["train", "--task", task, *files]) == 2
+        err = capsys.readouterr().err
+        assert f"--task {task} tokenizes the text of its rows: set --data.tokenizer DIR" in err
+        assert "processing_class" not in err and err.count("\n") == 1
+
+
 def test_help_names_grpo_and_its_own_loss_types(capsys):
     assert main(["--help"]) == 0
     assert "|grpo|" in capsys.readouterr().out  # the usage's --task list

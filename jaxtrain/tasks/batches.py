@@ -9,7 +9,14 @@ from typing import Any
 from jaxtrain.config.sections import RunSettings
 from jaxtrain.errors import ArgumentError
 
-__all__ = ["check_files_source", "lm_batch", "packed_units_batch", "pair_batch", "shapes"]
+__all__ = [
+    "check_files_source",
+    "check_tokenizer",
+    "lm_batch",
+    "packed_units_batch",
+    "pair_batch",
+    "shapes",
+]
 
 PAIR_KEYS = ("input_ids", "labels", "attention_mask")
 
@@ -69,10 +76,23 @@ def pair_batch(settings: RunSettings) -> dict[str, Any]:
 
 
 def check_files_source(task: str, rows: str, config: dict[str, Any]) -> None:
-    """A task whose rows the embedded corpus lacks needs data files: ArgumentError said in
-    flags."""
+    """A task whose rows the embedded corpus lacks needs data files, and a tokenizer for their
+    text: ArgumentError said in flags."""
     if (config.get("data") or {}).get("source", "default") != "files":
         raise ArgumentError(
             f"--task {task} trains on rows of {rows}: set --data.source files "
             "--data.train_files ROWS.jsonl (and --data.tokenizer DIR)."
+        )
+    check_tokenizer(task, "the text of its rows", config)
+
+
+def check_tokenizer(task: str, what: str, config: dict[str, Any]) -> None:
+    """A task that tokenizes text from files needs a tokenizer the command can load: its own
+    (`data.tokenizer`) or the pretrained model's. Without one the trainer failed on the first
+    row, with the Python API's advice (pass processing_class=...)."""
+    data, model = config.get("data") or {}, config.get("model") or {}
+    if not data.get("tokenizer") and not model.get("pretrained"):
+        raise ArgumentError(
+            f"--task {task} tokenizes {what}: set --data.tokenizer DIR (a Hugging Face "
+            "tokenizer directory), or --model.pretrained DIR (its tokenizer is used)."
         )

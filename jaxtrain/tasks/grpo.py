@@ -16,6 +16,7 @@ from jaxtrain.rollout_arguments import (
     GRPO_SCALE_REWARDS,
     GRPOArguments,
 )
+from jaxtrain.tasks.batches import check_tokenizer
 from jaxtrain.tasks.task import Task, imported
 
 
@@ -35,12 +36,7 @@ def check_prompt_files(task: str, config: dict[str, Any]) -> None:
             f"--task {task} needs reward functions: --reward last_number_matches, format_regex "
             "(with --format_pattern REGEX) or module:function, comma-separated."
         )
-    if not data.get("tokenizer") and not (config.get("model") or {}).get("pretrained"):
-        raise ArgumentError(
-            f"--task {task} tokenizes its prompts and decodes the completions for the rewards: "
-            "set --data.tokenizer DIR (a Hugging Face tokenizer directory), or --model.pretrained "
-            "DIR (its tokenizer is used)."
-        )
+    check_tokenizer(task, "its prompts and decodes the completions for the rewards", config)
 
 
 def reference_when_beta(settings: RunSettings) -> dict[str, bool]:
