@@ -156,39 +156,57 @@ def pair_mask(labels: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ chunked over the vocabulary
-def _batch_shards(rows: int) -> int:
-    """Devices the rows are split over in the enclosing activation_sharding block (1 outside)."""
+def _shards(size: int, name: str) -> int:
+    """Devices an activation axis of `size` named `name` ("batch", "length") is split over in
+    the enclosing activation_sharding block (1 outside one, or where it does not divide)."""
     rules = current_rules()
     if rules is None:
         return 1
-    axes = rules.activation_spec((rows,), ("batch",))[0]
+    axes = rules.activation_spec((size,), (name,))[0]
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     return math.prod(rules.mesh.shape[a] for a in axes)
 
 
 def _token_chunks(
     hidden: jax.Array, labels: jax.Array, chunk_tokens: int
-) -> tuple[jax.Array, jax.Array]:
-    """(hidden [C, B, n, D], targets [C, B, n]): each row's T-1 predicting positions padded
-    (with ignored targets) to C chunks of n. A chunk keeps every row, so the rows stay split
-    over the batch axes: flattening the rows into one token axis let the partitioner gather
-    every device's hidden states onto every device (a 70B fsdp plan on 256 devices showed
-    34 GB per device). n is set so one device's chunk holds about chunk_tokens positions."""
+) -> tuple[jax.Array, jax.Array, int]:
+    """(hidden [C, B, n, D], targets [C, B, n], sequence shards S): each row's T positions
+    (the last one predicts nothing: its target is ignored) in C chunks of n.
+
+    The chunks keep the activations where they are. A chunk keeps every row, so the rows stay
+    split over the batch axes: flattening the rows into one token axis let the partitioner
+    gather every device's hidden states onto every device (a 70B fsdp plan on 256 devices
+    showed 34 GB per device). And with the sequence split over S devices (sp), a chunk takes
+    n / S positions from each device's own part of the row: chunks of consecutive positions
+    had every device gather the whole row and compute all of its logits (an 8-device 32k-token
+    run did 8x the output head's work). n is set so one device's chunk holds about
+    chunk_tokens positions; each device pads its part to C x n / S positions."""
     b, t, d = hidden.shape
-    n = t - 1
-    local_rows = max(b // _batch_shards(b), 1)
-    per_row = max(min(-(-chunk_tokens // local_rows), n), 1)
-    chunks = -(-n // per_row)
-    pad = chunks * per_row - n
-    h = jnp.pad(hidden[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    h = constrain(h.reshape(b, chunks, per_row, d).swapaxes(0, 1), (None, "batch", None, None))
-    targets = jnp.pad(labels[:, 1:], ((0, 0), (0, pad)), constant_values=IGNORE_INDEX)
-    return h, targets.reshape(b, chunks, per_row).swapaxes(0, 1)
+    shards = _shards(t, "length")
+    local = t // shards
+    local_rows = max(b // _shards(b, "batch"), 1)
+    per_shard = max(min(-(-chunk_tokens // local_rows), local), 1)
+    chunks = -(-local // per_shard)
+    # Targets move one position left instead of the hidden states: [B, T] ints, not [B, T, D].
+    targets = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX)
+
+    def split(x: jax.Array, fill: int, names: tuple) -> jax.Array:
+        """[B, T, ...] -> [C, B, S x per_shard, ...], each device's positions kept on it."""
+        rest = x.shape[2:]
+        x = constrain(x.reshape(b, shards, local, *rest), ("batch", "length", None, *names))
+        pad = [(0, 0), (0, 0), (0, chunks * per_shard - local)] + [(0, 0)] * len(rest)
+        x = jnp.pad(x, pad, constant_values=fill).reshape(b, shards, chunks, per_shard, *rest)
+        x = jnp.moveaxis(x, 2, 0).reshape(chunks, b, shards * per_shard, *rest)
+        return constrain(x, (None, "batch", "length", *names))
+
+    return split(hidden, 0, (None,)), split(targets, IGNORE_INDEX, ()), shards
 
 
-def _unchunk(x: jax.Array, t: int) -> jax.Array:
-    """[C, B, n] per-chunk values -> [B, T-1]."""
-    return x.swapaxes(0, 1).reshape(x.shape[1], -1)[:, : t - 1]
+def _unchunk(x: jax.Array, t: int, shards: int) -> jax.Array:
+    """[C, B, n] per-chunk values (of `_token_chunks`' layout) -> [B, T-1]."""
+    chunks, b, n = x.shape
+    x = jnp.moveaxis(x.reshape(chunks, b, shards, n // shards), 0, 2)
+    return x.reshape(b, shards, -1)[:, :, : t // shards].reshape(b, t)[:, : t - 1]
 
 
 def _chunk_logps(head: Callable, h_c, t_c, *weights, entropy: bool = False) -> tuple:
@@ -211,7 +229,7 @@ def chunked_token_logps(
     any cotangent: the backward pass recomputes each chunk's logits.
     """
     t = hidden.shape[1]
-    h, targets = _token_chunks(hidden, labels, chunk_tokens)
+    h, targets, shards = _token_chunks(hidden, labels, chunk_tokens)
     head, weights = jax.closure_convert(project, h[0])
     chunk_logps = jax.checkpoint(
         functools.partial(_chunk_logps, entropy=entropy), static_argnums=(0,)
@@ -224,8 +242,8 @@ def chunked_token_logps(
     _, (logp, ent) = jax.lax.scan(body, None, (h, targets))
     mask = labels[:, 1:] != IGNORE_INDEX
     if entropy:
-        return _unchunk(logp, t), mask, _unchunk(ent, t)
-    return _unchunk(logp, t), mask
+        return _unchunk(logp, t, shards), mask, _unchunk(ent, t, shards)
+    return _unchunk(logp, t, shards), mask
 
 
 def chunked_logp_sums(
@@ -244,7 +262,7 @@ def chunked_logp_sums(
     head's weights (Liger's fused linear cross-entropy does the same); the backward pass
     only scales them by the one scalar cotangent.
     """
-    h, targets = _token_chunks(hidden, labels, chunk_tokens)
+    h, targets, _ = _token_chunks(hidden, labels, chunk_tokens)
     # The head's weights become explicit arguments, so the gradient can be formed for them.
     head, weights = jax.closure_convert(project, h[0])
     return _fused_logp_sums(head, h, targets, *weights)

@@ -2,7 +2,8 @@
 
 - "attention": outputs and q/k/v gradients of blockwise attention, ring vs one device, for
   causal, windowed, packed (with padding and a one-token document), soft-capped GQA rows;
-  prints the largest relative errors as JSON.
+  and the chunked log-probs of training/logps.py on sp meshes (values, gradients, and what
+  the compiled program gathers); prints the largest errors as JSON.
 - "train,<dims>": losses of 2 training steps of a windowed Llama on packed rows with
   attention_implementation="blockwise" on the mesh <dims> (argv[2]: output dir).
 """
@@ -26,8 +27,9 @@ from flax import nnx  # noqa: E402
 from jaxtrain import Trainer  # noqa: E402
 from jaxtrain.models import LlamaForCausalLM  # noqa: E402
 from jaxtrain.models.attention import causal_attention  # noqa: E402
-from jaxtrain.models.sharding import activation_sharding  # noqa: E402
+from jaxtrain.models.sharding import activation_sharding, constrain  # noqa: E402
 from jaxtrain.parallel import ShardingRules, build_mesh  # noqa: E402
+from jaxtrain.training.logps import chunked_logp_sums, chunked_token_logps  # noqa: E402
 
 
 def attention_errors() -> dict[str, float]:
@@ -70,6 +72,48 @@ def attention_errors() -> dict[str, float]:
     return errors
 
 
+def chunked_loss_report() -> dict:
+    """Chunked log-probs with the row split over sp (and dp x sp): the sums, per-token
+    log-probs and their gradients against one device's, and the element counts of every
+    array the compiled program all-gathers (the hidden states, [B, T, D], must stay where
+    they are: each device computes the logits of its own positions)."""
+    b, t, d, vocab = 2, 64, 8, 32
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(d, vocab)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32).at[0, :5].set(-100)
+
+    def loss(hidden, head):
+        # 5 positions a chunk: chunks cross no shard border, each device pads its part.
+        sums = chunked_logp_sums(hidden, lambda h: h @ head, labels, chunk_tokens=5)
+        logps, _ = chunked_token_logps(hidden, lambda h: h @ head, labels, chunk_tokens=5)
+        return sums["logp_sum"] + jnp.sum(jnp.sin(logps)), logps
+
+    one = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(hidden, head)
+    report = {}
+    for dims in [(1, 1, 1, 1, 4), (2, 1, 1, 1, 2)]:
+        rules = ShardingRules(build_mesh(dims))
+
+        def sharded(hidden, head, rules=rules):
+            with activation_sharding(rules):
+                return loss(constrain(hidden, ("batch", "length", None)), head)
+
+        run = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1), has_aux=True))
+        got = run(hidden, head)
+        error = max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(w))) / np.max(np.abs(np.asarray(w))))
+            for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(one))
+        )
+        hlo = run.lower(hidden, head).compile().as_text()
+        gathered = [
+            int(np.prod([int(n) for n in line.split("[", 1)[1].split("]")[0].split(",") if n]))
+            for line in hlo.splitlines()
+            if " all-gather(" in line
+        ]
+        report[",".join(map(str, dims))] = {"error": error, "gathered": gathered}
+    return {"hidden_elements": b * t * d, "tokens": b * t, "meshes": report}
+
+
 def train_losses(dims: tuple[int, ...], out: str) -> list[float]:
     seq = 64
     rng = np.random.default_rng(0)
@@ -98,7 +142,7 @@ def train_losses(dims: tuple[int, ...], out: str) -> list[float]:
 
 
 if sys.argv[1] == "attention":
-    print(json.dumps(attention_errors()))
+    print(json.dumps({"attention": attention_errors(), "chunked_loss": chunked_loss_report()}))
 else:
     dims = tuple(int(d) for d in sys.argv[1].split(",")[1:])
     print(json.dumps(train_losses(dims, sys.argv[2])))
