@@ -187,8 +187,8 @@ def _token_chunks(
     local_rows = max(b // _shards(b, "batch"), 1)
     per_shard = max(min(-(-chunk_tokens // local_rows), local), 1)
     chunks = -(-local // per_shard)
-    # Targets move one position left instead of the hidden states: [B, T] ints, not [B, T, D].
-    targets = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX)
+    # The targets move one position left, not the hidden states: [B, T] ints, not [B, T, D].
+    targets = next_token_targets(labels)
 
     def split(x: jax.Array, fill: int, names: tuple) -> jax.Array:
         """[B, T, ...] -> [C, B, S x per_shard, ...], each device's positions kept on it."""
