@@ -29,6 +29,7 @@ from jaxtrain.models import LlamaForCausalLM  # noqa: E402
 from jaxtrain.models.attention import causal_attention  # noqa: E402
 from jaxtrain.models.sharding import activation_sharding, constrain  # noqa: E402
 from jaxtrain.parallel import ShardingRules, build_mesh  # noqa: E402
+from jaxtrain.planning.hlo import collectives  # noqa: E402
 from jaxtrain.training.logps import chunked_logp_sums, chunked_token_logps  # noqa: E402
 
 
@@ -74,9 +75,9 @@ def attention_errors() -> dict[str, float]:
 
 def chunked_loss_report() -> dict:
     """Chunked log-probs with the row split over sp (and dp x sp): the sums, per-token
-    log-probs and their gradients against one device's, and the element counts of every
-    array the compiled program all-gathers (the hidden states, [B, T, D], must stay where
-    they are: each device computes the logits of its own positions)."""
+    log-probs and their gradients against one device's, and the bytes of every array the
+    compiled program all-gathers (planning/hlo.collectives). The hidden states [B, T, D] must
+    stay where they are: each device computes the logits of its own positions."""
     b, t, d, vocab = 2, 64, 8, 32
     rng = np.random.default_rng(1)
     hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
@@ -105,13 +106,9 @@ def chunked_loss_report() -> dict:
             for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(one))
         )
         hlo = run.lower(hidden, head).compile().as_text()
-        gathered = [
-            int(np.prod([int(n) for n in line.split("[", 1)[1].split("]")[0].split(",") if n]))
-            for line in hlo.splitlines()
-            if " all-gather(" in line
-        ]
-        report[",".join(map(str, dims))] = {"error": error, "gathered": gathered}
-    return {"hidden_elements": b * t * d, "tokens": b * t, "meshes": report}
+        gathered = [c.bytes for c in collectives(hlo, 4) if c.kind == "all-gather"]
+        report[",".join(map(str, dims))] = {"error": error, "gathered_bytes": gathered}
+    return {"token_value_bytes": b * t * 4, "meshes": report}
 
 
 def train_losses(dims: tuple[int, ...], out: str) -> list[float]:
