@@ -77,7 +77,9 @@ class RolloutArguments(TrainingArguments):
     # Compile every engine shape the run's prompts can reach before the first round, so no
     # round compiles (a steady step time from step 2). False compiles each shape when a round
     # first reaches it: a sooner start, and no compile of shapes a short run never reaches.
-    rollout_warm_up: bool = True
+    # None (default): true, unless the run trains a single round (max_steps <= num_iterations):
+    # a warm-up spares the later rounds their compiles, and a single round has none.
+    rollout_warm_up: bool | None = None
     # A mixture-of-experts policy: each forward of the loss routes every token to the experts
     # the sampler chose for it (recorded by the engine), weighted by the trainer's router, so
     # routing flips between sampler and trainer no longer change the log-probs (rollout

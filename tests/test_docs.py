@@ -14,14 +14,16 @@ stops after 1 update and evaluates at most 1 batch; the long-context examples st
 32k-token row). Blocks run on one device, as on a laptop, except on a page that says
 `<!-- docs test: 8 devices -->` (its examples train on a mesh): its shell commands run on 8
 simulated CPU devices, and its Python blocks in a second interpreter on 8 devices, once the
-first has run every other block, after Getting started's Python blocks (the names every page
-builds on). A default run on 8 simulated devices is an 8-way FSDP one, several times slower to
+first has run every other block, after the imports and assignments of Getting started's
+Python blocks that define the names they read (`defines_what_it_needs`). A default run on 8 simulated devices is an 8-way FSDP one, several times slower to
 compile. Laptop blocks compile at LLVM level 0, a mesh page's at level 1 (`block_flag`). The
 ViT block also runs as written, unshortened, for its accuracy.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import os
 import re
@@ -176,6 +178,41 @@ def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...
     return json.loads((tmp_path / "docs_result.json").read_text()) if keep else {}
 
 
+def defines_what_it_needs(prelude: list[Block], pages: list[Block]) -> list[Block]:
+    """The prelude's imports and the assignments of the names `pages` read from it (with
+    what those assignments read, transitively), each block cut to them: the mesh pass needs
+    `corpus` and `train`, not the prelude's training run and Program, which the laptop pass
+    ran and checked (on 8 devices at level 1 they cost 15 CPU-s)."""
+
+    def names(tree: ast.AST, context: type) -> set[str]:
+        return {
+            n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, context)
+        }
+
+    trees = [ast.parse(b.code) for b in prelude]
+    read = [ast.parse(b.code) for b in pages]
+    # What the pages read and do not assign themselves (a page that read a prelude name
+    # before assigning its own would fail here with a NameError, not pass).
+    needed = set().union(*(names(t, ast.Load) for t in read))
+    needed -= set().union(*(names(t, ast.Store) for t in read))
+    kept: set[int] = set()
+    for tree in reversed(trees):  # later assignments read earlier ones
+        for statement in reversed(tree.body):
+            assigned = isinstance(statement, (ast.Assign, ast.AnnAssign))
+            if assigned and names(statement, ast.Store) & needed:
+                kept.add(id(statement))
+                needed |= names(statement, ast.Load)
+    cut = []
+    for block, tree in zip(prelude, trees):
+        code = [
+            ast.get_source_segment(block.code, statement)
+            for statement in tree.body
+            if isinstance(statement, (ast.Import, ast.ImportFrom)) or id(statement) in kept
+        ]
+        cut.append(dataclasses.replace(block, code="\n".join(code) + "\n"))
+    return cut
+
+
 def as_rows(blocks: list[Block]) -> list[tuple]:
     return [(b.page, b.line, b.kind, b.code, b.target, block_flag(b)) for b in blocks]
 
@@ -192,8 +229,17 @@ def test_the_pages_have_their_examples_and_the_nav_every_page():
     assert [b.page for b in blocks if b.devices == 8 and b.kind == "bash"] == [
         "docs/long-context.md"
     ]
-    mesh_pages = {b.page for b in blocks if b.devices == 8 and b.kind == "python"}
-    assert mesh_pages == {"docs/models.md", "docs/parallelism.md", "docs/long-context.md"}
+    on_a_mesh = [b for b in blocks if b.devices == 8 and b.kind == "python"]
+    assert {b.page for b in on_a_mesh} == {
+        "docs/models.md",
+        "docs/parallelism.md",
+        "docs/long-context.md",
+    }
+    # They take the corpus and its rows from Getting started, not its training run.
+    prelude = [b for b in blocks if b.kind == "python" and b.page == PRELUDE]
+    cut = "".join(b.code for b in defines_what_it_needs(prelude, on_a_mesh))
+    assert "corpus = load_default_corpus" in cut and "train = chunk_dataset" in cut, cut
+    assert "trainer.train()" in prelude[0].code and ".train()" not in cut, cut
     # Every page of docs/ is in the nav (none unreachable), every nav entry exists.
     listed = {p.resolve() for p in pages()[1:]}
     assert all(p.is_file() for p in listed)
@@ -220,7 +266,7 @@ def test_every_python_block_and_shell_command_of_the_docs_runs_in_order(tmp_path
     assert prelude and on_a_mesh
     run_blocks(
         tmp_path,
-        as_rows(prelude + on_a_mesh),
+        as_rows(defines_what_it_needs(prelude, on_a_mesh) + on_a_mesh),
         {**env, "XLA_FLAGS": device_flag(8, EXECUTING_LEVEL)},
     )
 

@@ -14,7 +14,8 @@ calls, the tools' answers appended to its tokens and masked out of the loss (grp
 tool_rollouts.py, rollout_rows.py). The train step's shapes are fixed (a row is a prompt of at
 most max_prompt_length tokens, then its completion, right-padded to their sum), so it compiles
 once; the engine compiles every bucket of its prefill and decode steps when it is made, before
-the first round samples (`Engine.warm_up`), and nothing after.
+the first round samples (`Engine.warm_up`), and nothing after (a run of one round, or
+`rollout_warm_up=False`: each when first reached; grpo_sampler.warms_up).
 
 With max_staleness k > 0 the rounds after the current one are sampled in the background
 while it trains, from copies of the parameters of their time (rounds_ahead.py); their batches

@@ -1,8 +1,8 @@
 """GRPO compiles its old-log-prob pass and its train step once each over a run of several
 steps (fixed shapes), and the engine's steps once per bucketed shape, all of them before the
 first round samples (nothing compiles after the first step), counted from JAX's own compile
-log and the run's metrics.jsonl. With `rollout_warm_up=False` the engine compiles only the
-shapes its rounds reach."""
+log and the run's metrics.jsonl. With `rollout_warm_up=False`, and by default in a run of one
+round, the engine compiles only the shapes its rounds reach."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from trainer_fixtures import tiny_model
 
 from jaxtrain.serving.warm_up import step_calls
 from jaxtrain.trainers import GRPOTrainer
-from jaxtrain.trainers.grpo_sampler import rollout_engine_shape
+from jaxtrain.config.sections import RunSettings
+from jaxtrain.trainers.grpo_sampler import rollout_engine_shape, warms_up
 
 
 class Steps:
@@ -68,8 +69,9 @@ def _train_logging_compiles(trainer: GRPOTrainer, steps: Steps) -> tuple[Counter
 
 def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer, tmp_path):
     steps = Steps()
+    # rollout_warm_up's default (None): 3 rounds, so the engine warms up.
     args = grpo_args(
-        tmp_path, max_steps=6, num_iterations=2, beta=0.04, report_to="jsonl", rollout_warm_up=True
+        tmp_path, max_steps=6, num_iterations=2, beta=0.04, report_to="jsonl", rollout_warm_up=None
     )
     trainer = _trainer(tokenizer, args, steps)
     compiled, after_first = _train_logging_compiles(trainer, steps)
@@ -86,9 +88,23 @@ def test_generation_and_the_train_step_compile_once_over_several_steps(tokenizer
     assert counts == [1]  # the monitor's record: one compile of the step, no recompile
 
 
+def test_the_default_warms_up_unless_the_run_trains_one_round():
+    def chosen(**fields) -> bool:
+        return warms_up(RunSettings.from_arguments(grpo_args(None, **fields)))
+
+    assert chosen(rollout_warm_up=None, max_steps=3) is True
+    assert chosen(rollout_warm_up=None, max_steps=-1, num_train_epochs=1) is True  # by epochs
+    assert chosen(rollout_warm_up=None, max_steps=1) is False
+    assert chosen(rollout_warm_up=None, max_steps=2, num_iterations=2) is False
+    assert chosen(rollout_warm_up=True, max_steps=1) is True  # an explicit choice wins
+    assert chosen(rollout_warm_up=False, max_steps=6) is False
+
+
 def test_without_warm_up_the_engine_compiles_only_the_shapes_its_rounds_reach(tokenizer, tmp_path):
     steps = Steps()
-    trainer = _trainer(tokenizer, grpo_args(tmp_path, max_steps=2, rollout_warm_up=False), steps)
+    # The default (None) on a run of one round (two updates of one batch) does not warm up.
+    args = grpo_args(tmp_path, max_steps=2, num_iterations=2, rollout_warm_up=None)
+    trainer = _trainer(tokenizer, args, steps)
     compiled, _ = _train_logging_compiles(trainer, steps)
     assert steps.step == 2
     source = trainer.train_source
