@@ -15,9 +15,9 @@ import jax
 from test_grpo import big_first_number, grpo_args, prompts
 from trainer_fixtures import tiny_model
 
+from jaxtrain.config.sections import RunSettings
 from jaxtrain.serving.warm_up import step_calls
 from jaxtrain.trainers import GRPOTrainer
-from jaxtrain.config.sections import RunSettings
 from jaxtrain.trainers.grpo_sampler import rollout_engine_shape, warms_up
 
 
