@@ -1,8 +1,7 @@
 """Python's garbage collector in a process that is a jaxtrain command's own.
 
-Only there: `jaxtrain ...` from a shell calls these (and the planner's child processes,
-planning/worker.py and fit.py), `main([...])` called from a program (a test, a Tune trial's
-actor, a notebook) leaves that program's collector as it was.
+Only there: `jaxtrain ...` from a shell calls these, `main([...])` called from a program (a test,
+a Tune trial's actor, a notebook) leaves that program's collector as it was.
 
 - Thresholds. Tracing and lowering a program allocate millions of short-lived objects, on top
   of the million or so that jax, flax, transformers and datasets leave after their imports. At

@@ -200,9 +200,6 @@ def main(argv: list[str]) -> int:
     """The child of `search_fits` on a CPU: `python -m jaxtrain.planning.fit SPEC OUT`."""
     import json
 
-    from jaxtrain.cli.collector import collect_less_often
-
-    collect_less_often()  # a command's own process, as `jaxtrain plan` is: it traces and compiles
     import jax
 
     from jaxtrain.arguments import TrainingArguments

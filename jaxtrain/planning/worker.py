@@ -65,12 +65,9 @@ def plan_meshes(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
-    from jaxtrain.cli.collector import collect_less_often
-
     # `jaxtrain plan` starts this process in a session of its own and kills it on Ctrl-C; a
     # SIGINT sent here directly ends it quietly too (the parent reports the exit code).
     signal.signal(signal.SIGINT, lambda number, frame: os._exit(128 + number))
-    collect_less_often()  # a command's own process, as `jaxtrain plan` is: it traces and compiles
     spec_path, out_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
