@@ -15,8 +15,8 @@ stops after 1 update and evaluates at most 1 batch; the long-context examples st
 `<!-- docs test: 8 devices -->` (its examples train on a mesh): its shell commands run on 8
 simulated CPU devices, and its Python blocks in a second interpreter on 8 devices, once the
 first has run every other block, after the imports and assignments of Getting started's
-Python blocks that define the names they read (`defines_what_it_needs`). A default run on 8 simulated devices is an 8-way FSDP one, several times slower to
-compile. Laptop blocks compile at LLVM level 0, a mesh page's at level 1 (`block_flag`). The
+Python blocks that define the names they read (`defines_what_it_needs`). A default run on 8
+simulated devices is an 8-way FSDP one, several times slower to compile. Laptop blocks compile at LLVM level 0, a mesh page's at level 1 (`block_flag`). The
 ViT block also runs as written, unshortened, for its accuracy.
 """
 

@@ -2,8 +2,8 @@
 tools (tool_rollouts.py), returned as RolloutRows.
 
 The engine is made from the policy at the first round, compiles every bucket it can reach
-then (`Engine.warm_up`; not for a run of one round, `warms_up`), and is handed the live parameters before each round. A group of
-rollouts of one prompt is one request of num_generations samples: one prefill, its pages
+then (`Engine.warm_up`; not for a run of one round, `warms_up`), and is handed the live
+parameters before each round. A group of rollouts of one prompt is one request of num_generations samples: one prefill, its pages
 shared. With tools, each rollout's next turn is a request of its own whose prompt is the
 rollout so far: the engine keeps the finished turn's pages, so it prefills the tools' answer
 only.

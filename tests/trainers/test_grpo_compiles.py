@@ -12,6 +12,7 @@ import re
 from collections import Counter
 
 import jax
+import pytest
 from test_grpo import big_first_number, grpo_args, prompts
 from trainer_fixtures import tiny_model
 
@@ -100,10 +101,19 @@ def test_the_default_warms_up_unless_the_run_trains_one_round():
     assert chosen(rollout_warm_up=False, max_steps=6) is False
 
 
-def test_without_warm_up_the_engine_compiles_only_the_shapes_its_rounds_reach(tokenizer, tmp_path):
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(max_steps=2, rollout_warm_up=False),  # turned off: two rounds
+        dict(max_steps=2, num_iterations=2, rollout_warm_up=None),  # the default, one round
+    ],
+    ids=["off", "one_round"],
+)
+def test_without_warm_up_the_engine_compiles_only_the_shapes_its_rounds_reach(
+    tokenizer, tmp_path, fields
+):
     steps = Steps()
-    # The default (None) on a run of one round (two updates of one batch) does not warm up.
-    args = grpo_args(tmp_path, max_steps=2, num_iterations=2, rollout_warm_up=None)
+    args = grpo_args(tmp_path, **fields)
     trainer = _trainer(tokenizer, args, steps)
     compiled, _ = _train_logging_compiles(trainer, steps)
     assert steps.step == 2
