@@ -4,7 +4,9 @@ runs as written, and the figure the ViT block claims is what it reaches.
 The pages are the README, then every page of mkdocs.yml's nav in its order. Their blocks run
 in that order in one working directory: the ```python blocks in one interpreter (one
 namespace, each pasted after the blocks before it, so a page builds on the pages before it),
-the ```bash blocks with `bash -e` (a command reads what the blocks before it wrote). A block
+the ```bash blocks with `bash -e` (a command reads what the blocks before it wrote), except
+that a block of only `jaxtrain` commands runs each in that interpreter, through the console
+script's `jaxtrain.cli.main` (tests/docs_runner.py, with the arguments bash passes). A block
 whose fence has a title (```yaml title="config.yaml") is a file the page shows: it is
 written there before the page's other blocks run, and not run itself. A block after `<!-- not run: REASON -->` is left out, with its reason
 said on the page. The repository's configs/ is linked into the working directory.
@@ -98,41 +100,7 @@ def all_blocks() -> list[Block]:
     ]
 
 
-# Each block's wall and CPU seconds (the CPU of the commands a shell block ran included) go to
-# block_seconds.jsonl in the working directory (pytest's --basetemp keeps it): where the suite's
-# longest test spends its time. A block on 8 devices uses more CPU than wall.
-# The interpreter of the Python blocks collects garbage at the commands' and the workers'
-# thresholds (jaxtrain/cli/collector.py): tracing allocates millions of objects.
-RUNNER = """
-import gc, json, os, subprocess, sys, time
-from jaxtrain.cli.collector import collect_less_often
-collect_less_often()
-blocks = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__main__"}
-timings = open("block_seconds.jsonl", "a")
-for page, line, kind, code, target, xla_flags in blocks:
-    print(f"--- {page}:{line} ({kind})", flush=True)
-    started, cpu_before = time.perf_counter(), os.times()
-    if kind == "python":
-        exec(compile(code, f"{page}:{line}", "exec"), namespace)
-    elif kind == "bash":
-        env = {**os.environ, "XLA_FLAGS": xla_flags}  # a shell block's own device count
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], env=env)
-        if done.returncode != 0:
-            sys.exit(f"{page}:{line}: the shell block exited {done.returncode}")
-    elif kind == "file":
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        open(target, "w").write(code)
-    if kind == "python":  # what the blocks keep stays out of the collector's walk (conftest)
-        gc.collect()
-        gc.freeze()
-    seconds = round(time.perf_counter() - started, 1)
-    cpu = sum(os.times()[:4]) - sum(cpu_before[:4])  # this process's and its shell's children
-    timings.write(json.dumps([page, line, kind, seconds, round(cpu, 1)]) + "\\n")
-    timings.flush()
-if "docs_result" in sys.argv[2:]:
-    json.dump({k: namespace[k] for k in sys.argv[3:]}, open("docs_result.json", "w"))
-"""
+RUNNER = Path(__file__).with_name("docs_runner.py")  # the blocks' interpreter
 
 
 # XLA's flags of a block. Shortened to one update, a laptop page's runs are compiles: at LLVM
@@ -158,7 +126,7 @@ def block_flag(block: Block) -> str:
 
 def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...] = ()) -> dict:
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    (tmp_path / "runner.py").write_text(RUNNER)
+    (tmp_path / "runner.py").write_text(RUNNER.read_text())
     if not (tmp_path / "configs").exists():
         (tmp_path / "configs").symlink_to(ROOT / "configs")
     args = [sys.executable, "runner.py", "blocks.json"]
@@ -247,6 +215,29 @@ def test_the_pages_have_their_examples_and_the_nav_every_page():
     # What is not run says why, and stays the exception.
     skipped = [b for b in blocks if b.kind == "skip"]
     assert all(len(b.target) > 20 for b in skipped) and len(skipped) <= 6, skipped
+
+
+def test_the_commands_run_in_process_get_the_arguments_bash_passes():
+    """docs_runner.py runs a block of only `jaxtrain` commands in its interpreter: its split
+    of each page's block equals bash's own (a `jaxtrain` function that prints its arguments),
+    and a block that bash would expand or redirect is left to bash."""
+    from docs_runner import jaxtrain_commands
+
+    shown = "jaxtrain() { printf '%s\\037' \"$@\"; printf '\\n'; }\n"
+    blocks = [b for b in all_blocks() if b.kind == "bash"]
+    split = [jaxtrain_commands(b.code) for b in blocks]
+    assert all(split), [b.line for b, s in zip(blocks, split) if not s]  # the pages' are plain
+    for block, commands in zip(blocks, split):
+        done = subprocess.run(["bash", "-c", shown + block.code], capture_output=True, text=True)
+        by_bash = [line.split("\037")[:-1] for line in done.stdout.splitlines()]
+        assert commands == by_bash, f"{block.page}:{block.line}"
+    for shell in ("jaxtrain train > log", "jaxtrain train | tail", "jaxtrain eval $RUN",
+                  "jaxtrain train --data.train_files data/*.jsonl", "X=1 jaxtrain train",
+                  "jaxtrain train; ls", "ls runs", "jaxtrain eval ~/run"):  # fmt: skip
+        assert jaxtrain_commands(shell) is None, shell
+    assert jaxtrain_commands('jaxtrain sample r --prompt "a b" # c\n') == [
+        ["sample", "r", "--prompt", "a b"]
+    ]
 
 
 def test_the_readme_is_what_a_newcomer_needs():
