@@ -14,10 +14,10 @@ said on the page. The repository's configs/ is linked into the working directory
 Everything runs shortened by one environment variable, JAXTRAIN_MAX_STEPS=1 (every run
 stops after 1 update and evaluates at most 1 batch; the long-context examples still train a
 32k-token row). Blocks run on one device, as on a laptop, except on a page that says
-`<!-- docs test: 8 devices -->` (its examples train on a mesh): its shell commands run on 8
-simulated CPU devices, and its Python blocks in a second interpreter on 8 devices, once the
-first has run every other block, after the imports and assignments of Getting started's
-Python blocks that define the names they read (`defines_what_it_needs`). A default run on 8
+`<!-- docs test: 8 devices -->` (its examples train on a mesh): its blocks run in a second
+interpreter on 8 simulated CPU devices, once the first has run every other block, after the
+imports and assignments of Getting started's Python blocks that define the names they read
+(`defines_what_it_needs`). A default run on 8
 simulated devices is an 8-way FSDP one, several times slower to compile. Laptop blocks compile at LLVM level 0, a mesh page's at level 1 (`block_flag`). The
 ViT block also runs as written, unshortened, for its accuracy.
 """
@@ -250,14 +250,15 @@ def test_the_readme_is_what_a_newcomer_needs():
 def test_every_python_block_and_shell_command_of_the_docs_runs_in_order(tmp_path):
     env = {"JAXTRAIN_MAX_STEPS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     blocks = all_blocks()
-    on_a_mesh = [b for b in blocks if b.kind == "python" and b.devices == 8]
+    on_a_mesh = [b for b in blocks if b.kind in RUN and b.devices == 8]
     laptop = [b for b in blocks if b not in on_a_mesh]
     run_blocks(tmp_path, as_rows(laptop), {**env, "XLA_FLAGS": device_flag(1)})
     prelude = [b for b in blocks if b.kind == "python" and b.page == PRELUDE]
-    assert prelude and on_a_mesh
+    mesh_python = [b for b in on_a_mesh if b.kind == "python"]
+    assert prelude and mesh_python
     run_blocks(
         tmp_path,
-        as_rows(defines_what_it_needs(prelude, on_a_mesh) + on_a_mesh),
+        as_rows(defines_what_it_needs(prelude, mesh_python) + on_a_mesh),
         {**env, "XLA_FLAGS": device_flag(8, EXECUTING_LEVEL)},
     )
 
