@@ -54,7 +54,10 @@ def run_commands(where: str, commands: list[list[str]]) -> None:
     try:
         for args in commands:
             print(f"$ jaxtrain {shlex.join(args)}", flush=True)
-            exit_code = jaxtrain(args)
+            try:
+                exit_code = jaxtrain(args)
+            except SystemExit as exited:  # a process's exit, here the command's end alone
+                exit_code = exited.code if isinstance(exited.code, int) else int(bool(exited.code))
             gc.collect()  # the command's model and data, before the next one builds its own
             if exit_code != 0:
                 sys.exit(f"{where}: `jaxtrain {shlex.join(args)}` exited {exit_code}")

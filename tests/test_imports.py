@@ -5,6 +5,7 @@ including those inside functions that a runtime check would miss.
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import jaxtrain
@@ -59,7 +60,11 @@ def imports_of(name: str, *, type_hints: bool = False) -> set[str]:
     return {m for m in found if m in MODULES and m != name}
 
 
-GRAPH = {name: imports_of(name) for name in MODULES}
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    """Every module's jaxtrain imports: built when a test first asks (parsing the package
+    took 2.5 s of every pytest worker's collection)."""
+    return {name: imports_of(name) for name in MODULES}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -86,13 +91,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_scanner_sees_imports_inside_functions():
     # The cycle finder is only as good as the edges: a lazy import must count.
-    assert "jaxtrain.cli.commands" in GRAPH["jaxtrain.cli"]
+    assert "jaxtrain.cli.commands" in import_graph()["jaxtrain.cli"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_no_import_cycle():
-    cycle = find_cycle(GRAPH)
+    cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
@@ -110,13 +115,13 @@ LEAVES = ("jaxtrain.errors", "jaxtrain.pytrees")  # import nothing from jaxtrain
 
 def test_leaf_modules_import_nothing_from_jaxtrain():
     for leaf in LEAVES:
-        assert GRAPH[leaf] == set(), leaf
+        assert import_graph()[leaf] == set(), leaf
 
 
 def test_models_do_not_depend_on_hf_or_training():
     # Models are the bottom layer: hf, parallel, training and the CLI build on them. They read
     # the configuration's tables of names (remat policies, LoRA targets) and nothing else of it.
-    for name, targets in GRAPH.items():
+    for name, targets in import_graph().items():
         if name.startswith("jaxtrain.models"):
             allowed = ("jaxtrain.models", "jaxtrain.config.tables", *LEAVES)
             bad = {t for t in targets if not t.startswith(allowed)}
@@ -266,7 +271,7 @@ def layer_of(module: str) -> int:
 def test_imports_go_down_the_layers():
     upward = {
         (name, target)
-        for name, targets in GRAPH.items()
+        for name, targets in import_graph().items()
         for target in targets
         if layer_of(target) > layer_of(name)
     }
@@ -278,8 +283,11 @@ def test_the_configuration_imports_nothing_of_the_implementation():
     configuration = {name for name in MODULES if layer_of(name) == 1}
     assert "jaxtrain.config.checks" in configuration
     for name in configuration:
-        assert all(layer_of(target) <= 1 for target in GRAPH[name]), (name, GRAPH[name])
-        assert {t for t in GRAPH[name] if layer_of(t) == 0} <= {"jaxtrain.errors"}, name
+        assert all(layer_of(target) <= 1 for target in import_graph()[name]), (
+            name,
+            import_graph()[name],
+        )
+        assert {t for t in import_graph()[name] if layer_of(t) == 0} <= {"jaxtrain.errors"}, name
 
 
 def test_no_test_imports_a_conftest_by_name():
