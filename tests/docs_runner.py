@@ -8,7 +8,7 @@ only `jaxtrain` commands on this interpreter's devices: each runs here through t
 script's own function, `jaxtrain.cli.main(args)`, as Ray workers and Tune trials call it,
 with the arguments bash would pass and the console script's sys.path. A process of its own
 for each command cost its imports and its eager programs again: 2-3 CPU-s a command, and the
-pages have about thirty (bench/RESULTS.md, session 63). The console script itself runs in
+pages have 35 (bench/RESULTS.md, session 63). The console script itself runs in
 real processes in tests/test_cli.py.
 
 Each block's wall and CPU seconds (the CPU of the commands a shell ran included) go to
