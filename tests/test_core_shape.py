@@ -56,9 +56,8 @@ def test_no_function_below_training_takes_a_trainer():
                     offences.append(f"{path}:{node.lineno} {node.name}")
     assert not offences, offences
     # And no such module imports the Trainer (not even for a type).
-    assert not [
-        n for n, t in import_graph().items() if layer_of(n) < training and "jaxtrain.training" in t
-    ]
+    graph = import_graph()
+    assert not [n for n, t in graph.items() if layer_of(n) < training and "jaxtrain.training" in t]
 
 
 def test_the_arguments_are_read_in_at_most_12_files(tmp_path, monkeypatch):

@@ -126,6 +126,8 @@ def block_flag(block: Block) -> str:
 
 def run_blocks(tmp_path: Path, blocks, env: dict[str, str], keep: tuple[str, ...] = ()) -> dict:
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    # A copy beside the blocks' files: the interpreter's sys.path[0] is then the working
+    # directory, as for a user who runs `python` there.
     (tmp_path / "runner.py").write_text(RUNNER.read_text())
     if not (tmp_path / "configs").exists():
         (tmp_path / "configs").symlink_to(ROOT / "configs")
@@ -256,11 +258,11 @@ def test_every_python_block_and_shell_command_of_the_docs_runs_in_order(tmp_path
     prelude = [b for b in blocks if b.kind == "python" and b.page == PRELUDE]
     mesh_python = [b for b in on_a_mesh if b.kind == "python"]
     assert prelude and mesh_python
-    on_a_mesh = defines_what_it_needs(prelude, mesh_python) + on_a_mesh
-    run_blocks(tmp_path, as_rows(on_a_mesh), {**env, "XLA_FLAGS": device_flag(8, EXECUTING_LEVEL)})
+    mesh_pass = defines_what_it_needs(prelude, mesh_python) + on_a_mesh
+    run_blocks(tmp_path, as_rows(mesh_pass), {**env, "XLA_FLAGS": device_flag(8, EXECUTING_LEVEL)})
     # Every block ran to its end: none ended its interpreter early with a zero exit status.
     ran = (tmp_path / "block_seconds.jsonl").read_text().splitlines()
-    assert len(ran) == len(laptop) + len(on_a_mesh), (len(ran), len(laptop), len(on_a_mesh))
+    assert len(ran) == len(laptop) + len(mesh_pass), (len(ran), len(laptop), len(mesh_pass))
 
 
 def test_the_vit_block_reaches_the_accuracy_it_claims(tmp_path):

@@ -283,11 +283,9 @@ def test_the_configuration_imports_nothing_of_the_implementation():
     configuration = {name for name in MODULES if layer_of(name) == 1}
     assert "jaxtrain.config.checks" in configuration
     for name in configuration:
-        assert all(layer_of(target) <= 1 for target in import_graph()[name]), (
-            name,
-            import_graph()[name],
-        )
-        assert {t for t in import_graph()[name] if layer_of(t) == 0} <= {"jaxtrain.errors"}, name
+        targets = import_graph()[name]
+        assert all(layer_of(target) <= 1 for target in targets), (name, targets)
+        assert {t for t in targets if layer_of(t) == 0} <= {"jaxtrain.errors"}, name
 
 
 def test_no_test_imports_a_conftest_by_name():
