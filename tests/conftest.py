@@ -3,6 +3,7 @@ import os
 import sys
 
 import pytest
+from worker_memory import KEEP_PROGRAMS_BELOW_BYTES, release_freed_heap, resident_bytes
 
 from jaxtrain.cache import MAX_CACHE_BYTES  # imports no jax: the settings below still apply
 from jaxtrain.cli.collector import collect_less_often
@@ -46,19 +47,6 @@ os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
 LONGEST_FIRST = ("tests/test_docs.py",)
 
 
-# A worker's resident memory past which its compiled programs are dropped (below).
-KEEP_PROGRAMS_BELOW_BYTES = 3 << 30
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux); None where /proc does not say."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def pytest_collection_finish(session):
     """What the test modules imported (jax, flax, transformers, torch: millions of objects)
     lives all session: frozen, Python's garbage collector stops walking it at every full
@@ -88,6 +76,9 @@ def _drop_compiled_programs_once_a_worker_is_large():
         gc.unfreeze()  # what was kept may be garbage now
         sys.modules["jax"].clear_caches()
         gc.collect()
+        # Without this the worker stayed above the mark, and every later module dropped its
+        # programs again (tests/worker_memory.py).
+        release_freed_heap()
     gc.freeze()
 
 
