@@ -66,9 +66,11 @@ def _drop_compiled_programs_once_a_worker_is_large():
     kept, and two such workers beside a test's own processes can exhaust a 24 GiB machine.
     Dropped after every module, though, the eager ops (a program each on XLA:CPU) compiled
     again in the next: tests/models and tests/hf in two workers compiled 3,454 programs in
-    373 s of test time, against 3,218 in 360 s when they go only once a worker passes 3 GiB
-    (the wall time the same, 200 s; workers stayed under 4 GiB in a whole run). A later
-    module that needs a large program loads it from the disk cache above."""
+    373 s of test time, against 3,218 in 360 s when they went only once a worker passed 3 GiB.
+    Past the mark, though, the freed heap stayed resident and every later module dropped them
+    again: a whole run compiled 14,551 programs, 12,776 with the heap handed back
+    (bench/RESULTS.md, session 64; the mark: tests/worker_memory.py). A later module that
+    needs a large program loads it from the disk cache above."""
     yield
     gc.collect()  # a module's models and arrays first
     resident = resident_bytes()
