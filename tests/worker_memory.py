@@ -11,7 +11,6 @@ its programs again: the eager ops they had compiled were compiled again in the n
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 # A worker's resident memory past which its compiled programs are dropped. With the freed heap
@@ -33,8 +32,7 @@ def resident_bytes() -> int | None:
 def release_freed_heap() -> bool:
     """Return the heap's free pages to the system (glibc's malloc_trim); False where the C
     library has no such call (musl, macOS), which then keeps them as before."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the C library already loaded
     if trim is None:
         return False
     trim(0)
