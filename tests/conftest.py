@@ -2,8 +2,9 @@ import gc
 import os
 import sys
 
+import psutil
 import pytest
-from worker_memory import KEEP_PROGRAMS_BELOW_BYTES, release_freed_heap, resident_bytes
+from worker_memory import KEEP_PROGRAMS_BELOW_BYTES, release_freed_heap
 
 from jaxtrain.cache import MAX_CACHE_BYTES  # imports no jax: the settings below still apply
 from jaxtrain.cli.collector import collect_less_often
@@ -73,8 +74,8 @@ def _drop_compiled_programs_once_a_worker_is_large():
     needs a large program loads it from the disk cache above."""
     yield
     gc.collect()  # a module's models and arrays first
-    resident = resident_bytes()
-    if "jax" in sys.modules and (resident is None or resident > KEEP_PROGRAMS_BELOW_BYTES):
+    resident = psutil.Process().memory_info().rss
+    if "jax" in sys.modules and resident > KEEP_PROGRAMS_BELOW_BYTES:
         gc.unfreeze()  # what was kept may be garbage now
         sys.modules["jax"].clear_caches()
         gc.collect()

@@ -10,8 +10,10 @@ from pathlib import Path
 
 CHECK = """
 import json, sys
+import psutil
 sys.path.insert(0, sys.argv[1])
-from worker_memory import release_freed_heap, resident_bytes
+from worker_memory import release_freed_heap
+resident_bytes = lambda: psutil.Process().memory_info().rss
 start = resident_bytes()
 held = [bytes(4096) for _ in range(60_000)]  # 240 MB in malloc'd blocks, as a module leaves
 pin = bytearray(4096)  # allocated after them: the heap's top cannot shrink under it

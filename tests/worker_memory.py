@@ -1,4 +1,5 @@
-"""A pytest worker's memory: what it holds, and handing freed heap back to the system.
+"""A pytest worker's memory: the mark past which it drops its programs, and handing freed heap
+back to the system.
 
 tests/conftest.py drops a worker's compiled programs once its resident memory passes
 KEEP_PROGRAMS_BELOW_BYTES. glibc keeps the heap pages a process frees for its own later use,
@@ -11,22 +12,12 @@ its programs again: the eager ops they had compiled were compiled again in the n
 from __future__ import annotations
 
 import ctypes
-import os
 
 # A worker's resident memory past which its compiled programs are dropped. With the freed heap
 # handed back, a whole run's two workers passed 3 GiB 8 times (3.6 GiB at the most at a
 # module's end); a GiB more for each keeps the two and a test's processes far inside the build
 # machines' 24 GiB.
 KEEP_PROGRAMS_BELOW_BYTES = 4 << 30
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux); None where /proc does not say."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def release_freed_heap() -> bool:
