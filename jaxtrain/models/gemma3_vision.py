@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.gemma import GemmaRMSNorm
+from jaxtrain.models.initial_values import normal_param_values
 from jaxtrain.models.siglip import SiglipVisionConfig, SiglipVisionModel
 
 Array = jax.Array
@@ -46,9 +47,10 @@ class Gemma3Projector(nnx.Module):
         self.mm_soft_emb_norm = GemmaRMSNorm(
             vision.hidden_size, eps=vision.layer_norm_eps, dtype=dtype, param_dtype=param_dtype
         )
-        init = nnx.initializers.normal(vision.initializer_range)
         self.mm_input_projection = nnx.Param(
-            init(rngs.params(), (vision.hidden_size, text_hidden), param_dtype),
+            normal_param_values(
+                rngs, (vision.hidden_size, text_hidden), vision.initializer_range, param_dtype
+            ),
             logical_axes=(None, "embed"),
         )
 

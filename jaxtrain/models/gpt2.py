@@ -18,6 +18,7 @@ from flax import nnx
 from jaxtrain.config.tables import SCAN_LAYERS_DEFAULT
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.blocks import GELU_ACTS, LayerNorm, gelu
+from jaxtrain.models.initial_values import normal_param_values
 from jaxtrain.models.layer_scan import run_layers
 from jaxtrain.models.layers import Embedding, Projection, output_head
 from jaxtrain.models.masking import apply_padding_mask
@@ -169,8 +170,8 @@ class GPT2Model(nnx.Module):
         kw = dict(std=c.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.wte = Embedding(c.vocab_size, c.hidden_size, **kw)
         self.wpe = nnx.Param(
-            nnx.initializers.normal(0.01)(rngs.params(), (c.max_position_embeddings,
-                                                          c.hidden_size), param_dtype),
+            normal_param_values(rngs, (c.max_position_embeddings, c.hidden_size), 0.01,
+                                param_dtype),
             logical_axes=(None, "embed"),
         )  # fmt: skip
         self.dtype = dtype

@@ -19,38 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.config.tables import cpu_defaults
 from jaxtrain.models.attention import causal_attention
 from jaxtrain.models.config import LlamaConfig
 from jaxtrain.models.elementwise import rms_norm, rotary, swiglu
 from jaxtrain.models.fp8 import fp8_matmul
+from jaxtrain.models.initial_values import normal_param_values
 from jaxtrain.models.sharding import constrain, current_rules
 
 Array = jax.Array
 DType = Any
-
-
-# Eagerly (a model built outside jit), each new parameter shape compiles its own random-normal
-# program: ~90 ms each at XLA's default optimisation level, 1.6 s of a 6.3M model's 1.8 s
-# build. At level 1 (the Trainer's level for its steps on CPU, runtime/compiler.py) the
-# builds take 0.84 s (6.3M) and 1.0 s (37.8M, from 1.9 s), with the same values; level 0
-# compiles faster still but runs the draw of 37.8M numbers slower. Inside a trace (a
-# ModelFactory's init, where a nested jit may not carry options) the draw is traced as is.
-def _normal_values(key: Array, *, shape: tuple[int, ...], std: float, dtype: Any) -> Array:
-    return jax.random.normal(key, shape, dtype) * jnp.array(std, dtype)
-
-
-_compiled_normal_values = jax.jit(
-    _normal_values,
-    static_argnames=("shape", "std", "dtype"),
-    compiler_options=cpu_defaults() or None,  # as the Trainer's compiles (config/tables.py)
-)
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, param_dtype: DType) -> Array:
-    key = rngs.params()
-    draw = _normal_values if isinstance(key, jax.core.Tracer) else _compiled_normal_values
-    return draw(key, shape=tuple(shape), std=float(std), dtype=jnp.dtype(param_dtype))
 
 
 # Rows up to which a matrix stored [out, in] multiplies into [out, rows] on the CPU (`dense`).
@@ -189,7 +166,8 @@ class Projection(nnx.Module):
         self.fp8 = False
         self.stored_transposed = False
         self.kernel = nnx.Param(
-            _normal(rngs, kernel_shape, std, param_dtype), logical_axes=tuple(kernel_axes)
+            normal_param_values(rngs, kernel_shape, std, param_dtype),
+            logical_axes=tuple(kernel_axes),
         )
         if bias_ndim is None:
             self.bias = None
@@ -229,7 +207,8 @@ class Embedding(nnx.Module):
     ):
         self.dtype = dtype
         self.embedding = nnx.Param(
-            _normal(rngs, (vocab, embed), std, param_dtype), logical_axes=("vocab", "embed")
+            normal_param_values(rngs, (vocab, embed), std, param_dtype),
+            logical_axes=("vocab", "embed"),
         )
 
     def __call__(self, ids: Array) -> Array:

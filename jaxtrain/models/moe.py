@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.initial_values import normal_param_values
 from jaxtrain.models.layer_scan import LayerStep, run_layers
 from jaxtrain.models.layers import (
     MLP,
@@ -192,10 +193,6 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, param_dtype: DType) -> Array:
-    return nnx.initializers.normal(stddev=std)(rngs.params(), shape, param_dtype)
-
-
 class RouterOutput(NamedTuple):
     """What a sparse layer's router did: its losses [balance, z] and each token's experts
     [B, T, k]."""
@@ -227,11 +224,12 @@ class SparseMoeBlock(nnx.Module):
             std=std, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
         )  # fmt: skip
         self.gate_up = nnx.Param(
-            _normal(rngs, (e, d, 2, f), std, param_dtype),
+            normal_param_values(rngs, (e, d, 2, f), std, param_dtype),
             logical_axes=("expert", "embed", "gate_up", "mlp"),
         )
         self.down = nnx.Param(
-            _normal(rngs, (e, f, d), std, param_dtype), logical_axes=("expert", "mlp", "embed")
+            normal_param_values(rngs, (e, f, d), std, param_dtype),
+            logical_axes=("expert", "mlp", "embed"),
         )
         if c.shared_expert_intermediate_size:
             shared = dataclasses.replace(c, intermediate_size=c.shared_expert_intermediate_size)

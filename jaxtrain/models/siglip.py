@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.blocks import LayerNorm
+from jaxtrain.models.initial_values import normal_param_values
 from jaxtrain.models.layers import Projection
 from jaxtrain.models.vit import ViTConfig, ViTLayer
 
@@ -84,9 +85,9 @@ class SiglipVisionModel(nnx.Module):
         # The patch "convolution" (stride = kernel = patch) as one matmul over flat patches.
         self.patch_embed = Projection((c.num_channels * p * p, c.hidden_size), (None, "embed"),
                                       "bpk,kd->bpd", bias_ndim=1, **kw)  # fmt: skip
-        init = nnx.initializers.normal(c.initializer_range)
         self.position_embedding = nnx.Param(
-            init(rngs.params(), (n, c.hidden_size), param_dtype), logical_axes=(None, "embed")
+            normal_param_values(rngs, (n, c.hidden_size), c.initializer_range, param_dtype),
+            logical_axes=(None, "embed"),
         )
         layer = c.layer_config()
         self.layers = nnx.List(

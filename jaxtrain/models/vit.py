@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxtrain.models.attention import grouped_attention
 from jaxtrain.models.blocks import GELU_ACTS, LayerNorm, gelu
+from jaxtrain.models.initial_values import normal_param_values
 from jaxtrain.models.layers import Projection
 
 Array = jax.Array
@@ -131,11 +132,12 @@ class ViTForImageClassification(nnx.Module):
         # The patch "convolution" (stride = kernel = patch) as one matmul over flat patches.
         self.patch_embed = Projection((c.num_channels * p * p, c.hidden_size), (None, "embed"),
                                       "bpk,kd->bpd", bias_ndim=1, **kw)  # fmt: skip
-        init = nnx.initializers.normal(c.initializer_range)
-        self.cls_token = nnx.Param(init(rngs.params(), (c.hidden_size,), param_dtype),
-                                   logical_axes=("embed",))  # fmt: skip
+        std = c.initializer_range
+        self.cls_token = nnx.Param(
+            normal_param_values(rngs, (c.hidden_size,), std, param_dtype), logical_axes=("embed",)
+        )
         self.position_embeddings = nnx.Param(
-            init(rngs.params(), (c.num_patches + 1, c.hidden_size), param_dtype),
+            normal_param_values(rngs, (c.num_patches + 1, c.hidden_size), std, param_dtype),
             logical_axes=(None, "embed"),
         )
         self.layers = nnx.List(
