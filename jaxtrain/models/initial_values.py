@@ -6,9 +6,9 @@ draws are partitionable (jax's default, `jax_threefry_partitionable`): a value d
 key and its flat index alone, so the first n values of a draw of m >= n numbers are the draw
 of n numbers, in any shape. On the CPU one program per power-of-two size (and standard
 deviation and dtype) therefore draws every parameter up to `SHARED_DRAW_MAX` values, and numpy
-cuts and shapes its part: the same bits as a draw of the parameter's own shape, from a handful
-of programs per model instead of one per shape. Elsewhere, and inside a trace (a
-ModelFactory's init), each draw has its own shape.
+cuts and shapes its part, copied into an array of its own: the same bits as a draw of the
+parameter's own shape, from a handful of draw programs per model instead of one per shape.
+Elsewhere, and inside a trace (a ModelFactory's init), each draw has its own shape.
 
 The standard deviation is a constant of the program, as it is in a traced init (a sharded
 build inside jit), so an eager build and a traced one agree to the bit. flax's normal
@@ -67,7 +67,12 @@ def draw_normal(key: Array, shape: tuple[int, ...], std: float, dtype: Any) -> A
         return _compiled_draw(key, shape=shape, std=std, dtype=dtype)
     drawn = _compiled_draw(key, shape=(1 << (size - 1).bit_length(),), std=std, dtype=dtype)
     (device,) = drawn.devices()
-    return jax.device_put(np.asarray(drawn)[:size].reshape(shape), device)
+    cut = np.asarray(drawn)[:size].reshape(shape)
+    # A copy in memory XLA owns (one copy program per shape, ~7 ms to compile against a draw's
+    # ~100): an array on numpy's memory could not be donated to the first train step, and it
+    # would keep the whole draw alive.
+    with jax.default_device(device):
+        return jnp.array(cut, copy=True)
 
 
 def normal_param_values(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: Any) -> Array:

@@ -34,6 +34,15 @@ def test_an_eager_draw_is_the_traced_draw_of_its_own_shape(dtype):
     assert abs(sample.std() - 0.02) < 0.001 and abs(sample.mean()) < 0.001
 
 
+def test_an_eager_draw_is_an_array_of_its_own_that_a_step_can_donate():
+    """Not numpy's memory under the cut: the Trainer's first step takes the model's buffers
+    over (tests/training/test_trainer.py), and the draw they were cut from is freed."""
+    values = draw_normal(jax.random.key(1), (30, 100), 0.02, jnp.float32)
+    pointer = values.unsafe_buffer_pointer()
+    doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(values)
+    assert doubled.unsafe_buffer_pointer() == pointer and values.is_deleted()
+
+
 def test_shapes_of_one_size_class_share_one_program():
     _compiled_draw.clear_cache()
     key = jax.random.key(0)
