@@ -93,6 +93,7 @@ def parallel_arguments(output_dir: str, **overrides) -> TrainingArguments:
         save_final=False,
         progress_bar="none",
         seed=3,
+        run_report=False,  # tested in tests/observability (matplotlib: ~0.7 CPU-s a process)
     )
     values.update(overrides)
     return TrainingArguments(**values)

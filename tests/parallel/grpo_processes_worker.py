@@ -44,8 +44,8 @@ def train(out: Path, callbacks: list, distributed: dict) -> GRPOTrainer:
         num_generations=4, max_prompt_length=6, max_completion_length=6, temperature=0.7,
         beta=0.04, epsilon=0.2, learning_rate=2e-2, optimizer="adamw", warmup_steps=0,
         logging_steps=1, evaluation_strategy="steps", eval_steps=2, eval_num_generations=2,
-        eval_pass_threshold=0.6, save_final=True, progress_bar="none", seed=5, lora_rank=4,
-        rollout_warm_up=False, **distributed,
+        eval_pass_threshold=0.6, save_final=True, progress_bar="none", run_report=False, seed=5,
+        lora_rank=4, rollout_warm_up=False, **distributed,
     )  # fmt: skip
     prompts = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]
     eval_prompts = [{"prompt": f"what is {i} + 1 ?"} for i in range(3)]  # shares of 2 and 1

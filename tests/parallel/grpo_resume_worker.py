@@ -46,7 +46,7 @@ def run(out: Path, seen: Seen) -> list[np.ndarray]:
         output_dir=str(out), sharding_axis_dims=DIMS, max_steps=4, num_iterations=2,
         total_batch_size=16, num_generations=4, max_prompt_length=6, max_completion_length=4,
         beta=0.04, learning_rate=1e-2, adam_epsilon=1e-3, warmup_steps=0, logging_steps=1,
-        evaluation_strategy="no", save_final=True, progress_bar="none", seed=3,
+        evaluation_strategy="no", save_final=True, progress_bar="none", run_report=False, seed=3,
         rollout_warm_up=False,
     )  # fmt: skip
     trainer = GRPOTrainer(

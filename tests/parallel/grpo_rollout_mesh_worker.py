@@ -32,7 +32,7 @@ def run(name: str, out: Path, **options) -> dict:
         output_dir=str(out / name), max_steps=3, num_iterations=1, max_staleness=1,
         total_batch_size=8, num_generations=4, max_prompt_length=6, max_completion_length=4,
         beta=0.04, learning_rate=1e-2, warmup_steps=0, logging_steps=1, temperature=1.0,
-        evaluation_strategy="no", save_final=False, progress_bar="none", seed=3,
+        evaluation_strategy="no", save_final=False, progress_bar="none", run_report=False, seed=3,
         rollout_warm_up=False, **options,
     )  # fmt: skip
     rows = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]

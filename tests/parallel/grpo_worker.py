@@ -77,7 +77,7 @@ def run(name: str, dims: tuple[int, ...], out: Path) -> dict:
         total_batch_size=16, num_generations=4, max_prompt_length=6,
         max_completion_length=COMPLETION, beta=0.04, epsilon=0.05, learning_rate=1e-2,
         optimizer="adamw", adam_epsilon=1e-3, warmup_steps=0, logging_steps=1,
-        evaluation_strategy="no", save_final=False, progress_bar="none", seed=3,
+        evaluation_strategy="no", save_final=False, progress_bar="none", run_report=False, seed=3,
         rollout_warm_up=False,
     )  # fmt: skip
     rows = [{"prompt": f"what is {i % 7} + {i % 5} ?"} for i in range(8)]

@@ -48,6 +48,9 @@ def tiny_arguments(output_dir: str, **overrides) -> TrainingArguments:
         logging_steps=2,
         progress_bar="none",
         seed=3,
+        # report.png (matplotlib, ~0.35 CPU-s a run) is tested by tests/observability/
+        # test_run_report.py and drawn by the docs' runs; these runs test other things.
+        run_report=False,
     )
     values.update(overrides)
     return TrainingArguments(**values)
