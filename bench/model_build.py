@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 # name -> (class path, config class path, config fields): sizes a laptop builds in a second.
 FAMILIES = {
@@ -46,7 +47,8 @@ where = gpt2 if model_class.startswith("GPT2") else models
 start = time.perf_counter()
 model = getattr(where, model_class)(getattr(where, config_class)(**fields), rngs=nnx.Rngs(0))
 jax.block_until_ready(nnx.state(model))
-print(json.dumps({"seconds": time.perf_counter() - start, "programs": programs[0]}))
+print(json.dumps({"seconds": time.perf_counter() - start, "programs": programs[0],
+                  "jaxtrain": models.__file__}))
 """
 
 
@@ -57,6 +59,7 @@ def build_once(spec: tuple) -> dict:
         text=True,
         check=True,
         env={"JAX_PLATFORMS": "cpu", **os.environ},
+        cwd=tempfile.gettempdir(),  # not a checkout: PYTHONPATH's (or the installed) jaxtrain
     )
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -69,6 +72,7 @@ def main() -> None:
     for _ in range(rounds):  # interleaved: each round builds every family once
         for name, spec in FAMILIES.items():
             results[name].append(build_once(spec))
+    print("jaxtrain:", results[next(iter(results))][0]["jaxtrain"].rsplit("/models/", 1)[0])
     for name, runs in results.items():
         seconds = [r["seconds"] for r in runs]
         print(
