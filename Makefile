@@ -23,7 +23,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # The test environment installs with uv (which pip puts in the venv, 1 s): it downloads and
 # unpacks in parallel, 10 s here for what pip installs in 33. uv reads no pip configuration, so
 # pip's find-links are handed on: these machines keep torch's CPU wheel there, and without them
-# PyPI's CUDA torch would come (a 6.3 GB venv instead of 2.5).
+# PyPI's CUDA torch would come (a 6.3 GB venv; 3.3 GB with the CPU wheel and libtpu). Where
+# uv and pip may both choose, they can resolve differently (bench/RESULTS.md, session 65).
 PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python $(addprefix --find-links ,$(PIP_FIND_LINKS))
 
