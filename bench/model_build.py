@@ -34,14 +34,13 @@ CHILD = """
 import json, sys, time
 import jax
 from flax import nnx
-from jax._src import monitoring
 import jaxtrain.models as models
 import jaxtrain.models.gpt2 as gpt2
 programs = [0]
 def count(event, duration, **_):
     if event == "/jax/core/compile/backend_compile_duration":
         programs[0] += 1
-monitoring.register_event_duration_secs_listener(count)
+jax.monitoring.register_event_duration_secs_listener(count)
 model_class, config_class, fields = json.loads(sys.argv[1])
 where = gpt2 if model_class.startswith("GPT2") else models
 start = time.perf_counter()

@@ -1,5 +1,5 @@
 """Eager initial weights (models/initial_values.py) are the bits a traced build draws, from a
-program per power-of-two size instead of one per shape."""
+program per size class instead of one per shape."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxtrain.models import LlamaConfig, LlamaForCausalLM, MoeConfig, MoeForCausalLM
 from jaxtrain.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from jaxtrain.models.initial_values import _compiled_draw, draw_normal
+from jaxtrain.models.initial_values import SHARED_DRAW_MAX, _compiled_draw, draw_normal, size_class
 from jaxtrain.models.vit import ViTConfig, ViTForImageClassification
 
 
@@ -46,12 +46,22 @@ def test_an_eager_draw_is_an_array_of_its_own_that_a_step_can_donate():
 def test_shapes_of_one_size_class_share_one_program():
     _compiled_draw.clear_cache()
     key = jax.random.key(0)
-    for shape in [(3, 5, 7), (7, 15), (100,), (65,), (128,)]:  # 65..128 values each
+    for shape in [(3, 5, 7), (7, 15), (106,), (110,), (112,)]:  # 105..112 values: class 112
         draw_normal(key, shape, 0.02, jnp.float32)
     assert _compiled_draw._cache_size() == 1
-    draw_normal(key, (129,), 0.02, jnp.float32)  # the next size class
+    draw_normal(key, (113,), 0.02, jnp.float32)  # the next size class
     draw_normal(key, (7, 15), 0.02, jnp.bfloat16)  # another dtype
     assert _compiled_draw._cache_size() == 3
+
+
+def test_size_classes_pad_under_an_eighth_and_large_draws_are_their_own():
+    for size in [*range(1, 300), 1000, 65_537, 1_000_001, SHARED_DRAW_MAX]:
+        assert size <= size_class(size) < size * 1.125 + 1, size
+    assert len({size_class(n) for n in range((1 << 10) + 1, (1 << 11) + 1)}) == 8
+    _compiled_draw.clear_cache()
+    draw_normal(jax.random.key(0), (SHARED_DRAW_MAX + 1,), 0.02, jnp.float32)
+    draw_normal(jax.random.key(0), (SHARED_DRAW_MAX + 3,), 0.02, jnp.float32)
+    assert _compiled_draw._cache_size() == 2  # a program each: no padding to draw
 
 
 def test_without_partitionable_threefry_each_shape_draws_its_own():
