@@ -35,6 +35,14 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitte
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
+# Every Python process a test starts collects garbage as jaxtrain's commands do
+# (subprocess_site/sitecustomize.py); a test that sets its own PYTHONPATH leaves this out.
+SUBPROCESS_SITE = os.path.join(os.path.dirname(__file__), "subprocess_site")
+if SUBPROCESS_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (SUBPROCESS_SITE, os.environ.get("PYTHONPATH")) if p
+    )
+
 # The CLI's huge pages off in the processes the tests start (jaxtrain/cli/huge_pages.py keeps a
 # GLIBC_TUNABLES that names the tunable). They make a long run's steps 11-20% faster, but a
 # run of a few steps, as every run of the suite is, pays for zeroing 2 MiB pages it barely

@@ -24,6 +24,9 @@ Trainer(arguments=args, model=LlamaForCausalLM(config, rngs=nnx.Rngs(0)), datase
 """
 
 
+ZSTD_MAGIC = bytes.fromhex("28b52ffd")
+
+
 def train(tmp_path: Path, setting: str, **env: str) -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION")}
     environ.update(JAX_PLATFORMS="cpu", JAXTRAIN_CACHE=str(tmp_path / "cache"), **env)
@@ -44,6 +47,10 @@ def test_a_rerun_loads_its_programs_from_the_cache_and_adds_none(tmp_path):
     train(tmp_path, "auto")
     first = entries(tmp_path / "cache" / "xla")
     assert any("train_step" in name for name in first), first
+    # zstandard is a dependency so that JAX stores programs with zstd (with zlib otherwise:
+    # 8x slower to write the suite's programs). A zstd frame starts with its magic number.
+    stored = [tmp_path / "cache" / "xla" / name for name in first if name.endswith("-cache")]
+    assert stored and all(p.read_bytes()[:4] == ZSTD_MAGIC for p in stored), stored
     train(tmp_path, "auto")
     assert entries(tmp_path / "cache" / "xla") == first  # every program was found
 
