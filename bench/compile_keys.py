@@ -25,9 +25,11 @@ RUNS = [
     ("warmup_steps 3", {"warmup_steps": 3}),
     ("max_steps 6", {"max_steps": 6}),
     ("weight_decay 0.1", {"weight_decay": 0.1}),
+    ("clip_grad 0.5", {"clip_grad": 0.5}),
+    ("weight_decay 0 (off)", {"weight_decay": 0.0}),  # no decay op: another program
     ("total_batch_size 16", {"total_batch_size": 16}),  # a new shape: compiles by design
 ]
-BASE = dict(learning_rate=1e-3, warmup_steps=2, max_steps=4, total_batch_size=8,
+BASE = dict(learning_rate=1e-3, warmup_steps=2, max_steps=4, weight_decay=0.01, total_batch_size=8,
             max_sequence_length=32, evaluation_strategy="no", run_report=False,
             progress_bar="none", save_steps=1000)  # fmt: skip
 

@@ -1,9 +1,8 @@
-"""Learning-rate schedules and optimizers, each a small entry in a name -> builder registry.
+"""Optimizers, each a small entry in a name -> builder registry (schedules: schedules.py).
 
-* Steps count optimizer updates (optax's ``count``); the first update is step 0.
-* Warmup never wastes an update: step ``s < W`` (W = warmup_steps) uses ``lr * (s + 1) / W``, so
-  step 0 gives ``lr / W`` (not 0) and step ``W - 1`` the peak. Decay starts at step W and reaches
-  ``min_lr_ratio * lr`` at step ``total_steps``.
+* A run's optimizer is a ``TunableOptimizer``: its learning-rate schedule, weight decay and
+  clipping norm are numbers the train step takes as an argument, so a step compiled for one
+  learning rate serves every other (the betas, eps and momentum stay constants of the program).
 * Weight decay is decoupled and multiplied by the scheduled lr (optax ``adamw`` style) for every
   optimizer. It applies to every parameter with ndim >= 2, embeddings included (large matrices
   that drift without it), and never to ndim < 2 ones: norm scales and biases.
@@ -15,16 +14,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from jaxtrain.config.sections import OptimizerSettings
-from jaxtrain.config.tables import OPTIMIZERS, SCHEDULERS
+from jaxtrain.config.tables import OPTIMIZERS
 from jaxtrain.training.muon import orthogonalised_momentum
+from jaxtrain.training.schedules import Numbers, Schedule, build_schedule, canonical, require
+from jaxtrain.training.state import abstract_arrays
 
 # Muon scales each orthogonalised matrix update to this RMS, the typical RMS of an AdamW update
 # ("Muon is Scalable for LLM Training", 2025), so one schedule serves the muon matrices and the
@@ -32,107 +35,21 @@ from jaxtrain.training.muon import orthogonalised_momentum
 MUON_CONSISTENT_RMS = 0.2
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
-
-
-def _canonical(name: Any, valid: tuple[str, ...], kind: str) -> str:
-    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else None
-    _require(key in valid, f"unknown {kind} {name!r}; valid names: {', '.join(valid)}")
-    return key
-
-
-# ----------------------------------------------------------------------------------- schedules
-
-
-class _Plan(NamedTuple):
-    peak: float
-    floor: float  # min_lr_ratio * peak
-    min_lr_ratio: float
-    total_steps: int
-    decay_steps: int  # from the end of warmup to total_steps
-    wsd_decay_fraction: float
-
-
-def _wsd(p: _Plan) -> optax.Schedule:
-    decay = max(1, round(p.wsd_decay_fraction * p.total_steps))
-    stable, warmup = p.decay_steps - decay, p.total_steps - p.decay_steps
-    _require(
-        stable >= 0,
-        f"wsd: warmup_steps ({warmup}) + decay steps ({decay} = wsd_decay_fraction * "
-        f"total_steps) exceed total_steps ({p.total_steps}); lower warmup_steps or the fraction",
-    )
-    decay_part = optax.linear_schedule(p.peak, p.floor, decay)
-    return optax.join_schedules([optax.constant_schedule(p.peak), decay_part], [stable])
-
-
-# name -> the schedule after warmup
-_SCHEDULES: dict[str, Callable[[_Plan], optax.Schedule]] = {
-    "constant": lambda p: optax.constant_schedule(p.peak),
-    "linear": lambda p: optax.linear_schedule(p.peak, p.floor, p.decay_steps),
-    "cosine": lambda p: optax.cosine_decay_schedule(p.peak, p.decay_steps, p.min_lr_ratio),
-    "warmup_cosine": lambda p: _SCHEDULES["cosine"](p),
-    "wsd": _wsd,
-}
-
-
-def build_schedule(
-    name: str,
-    *,
-    learning_rate: float,
-    total_steps: int,
-    warmup_steps: int = 0,
-    min_lr_ratio: float = 0.0,
-    wsd_decay_fraction: float = 0.1,
-) -> optax.Schedule:
-    """Return ``step -> learning rate`` for one of ``SCHEDULERS`` (see the module docstring)."""
-    key = _canonical(name, SCHEDULERS, "scheduler")
-    ok_total = isinstance(total_steps, int) and total_steps > 0
-    _require(ok_total, f"total_steps must be an int > 0 (optimizer updates), got {total_steps!r}")
-    ok_warmup = isinstance(warmup_steps, int) and warmup_steps >= 0
-    _require(ok_warmup, f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-    ok_lr = math.isfinite(learning_rate) and learning_rate >= 0
-    _require(ok_lr, f"learning_rate must be a finite number >= 0, got {learning_rate!r}")
-    _require(0 <= min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-    ok_fraction = 0 < wsd_decay_fraction <= 1
-    _require(ok_fraction, f"wsd_decay_fraction must be in (0, 1], got {wsd_decay_fraction}")
-    _require(
-        key != "warmup_cosine" or warmup_steps > 0,
-        "warmup_cosine needs warmup_steps > 0; set warmup_steps or use 'cosine'",
-    )
-    _require(
-        key == "constant" or warmup_steps < total_steps,
-        f"{key}: warmup_steps ({warmup_steps}) must be < total_steps ({total_steps}) to leave "
-        "steps to decay; lower warmup_steps or raise total_steps",
-    )
-    peak = float(learning_rate)
-    decay_steps = total_steps - warmup_steps
-    plan = _Plan(
-        peak, peak * min_lr_ratio, min_lr_ratio, total_steps, decay_steps, wsd_decay_fraction
-    )
-    main = _SCHEDULES[key](plan)
-    if warmup_steps == 0:
-        return main
-    # (s + 1) / W ramp: from lr/W at step 0 to lr at step W - 1 (W = 1 is flat at lr).
-    ramp = optax.linear_schedule(peak / warmup_steps, peak, max(warmup_steps - 1, 1))
-    return optax.join_schedules([ramp, main], [warmup_steps])
-
-
-def learning_rate_at(schedule: optax.ScalarOrSchedule, step: int) -> float:
-    """The learning rate used by update ``step`` (for logging)."""
-    return float(schedule(step)) if callable(schedule) else float(schedule)
 
 
 # ---------------------------------------------------------------------------------- optimizers
 
 
+def _off(value: Any) -> bool:
+    """A number that turns its part off (None or 0), known on the host: a traced value is on
+    (the host decided, from its own value, to pass it)."""
+    return value is None or (isinstance(value, (int, float)) and value == 0)
+
+
 class _Hyper(NamedTuple):
-    weight_decay: float
+    weight_decay: Any  # a number or a traced scalar; 0.0 leaves optax's decay out
     b1: float
     b2: float
     eps: float
@@ -207,14 +124,14 @@ def muon_dimension_numbers(params: Any, logical_axes: Any = None) -> Any:
     else:
         axes_list = jax.tree.leaves(logical_axes, is_leaf=_is_axes)
         axes_list = [a.get_value() if _is_variable(a) else a for a in axes_list]
-        _require(
+        require(
             len(axes_list) == len(with_paths),
             f"logical_axes has {len(axes_list)} entries but params has {len(with_paths)} "
             "parameters; pass one axis-name tuple per parameter, in the params structure",
         )
     specs = []
     for (path, leaf), axes in zip(with_paths, axes_list):
-        _require(
+        require(
             axes is None or len(axes) == len(leaf.shape),
             f"logical_axes{jax.tree_util.keystr(path)} = {axes} does not match the parameter "
             f"shape {tuple(leaf.shape)}; give one name (or None) per dimension",
@@ -250,7 +167,7 @@ def _sgd(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTr
 def _adafactor(lr: optax.ScalarOrSchedule, params: Any, h: _Hyper) -> optax.GradientTransformation:
     # Absolute step sizes like adamw (no parameter scaling); optax adds the decay after the lr
     # scaling, so the rate follows the schedule. b1/b2/eps are Adam knobs, unused here.
-    rate = _times_lr(lr, h.weight_decay) if h.weight_decay else None
+    rate = None if _off(h.weight_decay) else _times_lr(lr, h.weight_decay)
     return optax.adafactor(
         lr, multiply_by_parameter_scale=False, weight_decay_rate=rate, weight_decay_mask=_decay_mask
     )
@@ -329,6 +246,22 @@ _OPTIMIZERS: dict[str, Callable[[Any, Any, _Hyper], optax.GradientTransformation
 }
 
 
+def _check_numbers(weight_decay, clip_grad, b1, b2, eps, momentum) -> None:
+    require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+    ok_clip = clip_grad is None or clip_grad >= 0
+    require(ok_clip, f"clip_grad must be None/0 (off) or a positive global norm, got {clip_grad}")
+    for field, value in (("b1", b1), ("b2", b2), ("momentum", momentum)):
+        require(0 <= value < 1, f"{field} must be in [0, 1), got {value}")
+    require(eps > 0, f"eps must be > 0, got {eps}")
+
+
+def _assemble(
+    key: str, schedule: optax.ScalarOrSchedule, params: Any, hyper: _Hyper, clip_grad: Any
+) -> optax.GradientTransformation:
+    tx = _OPTIMIZERS[key](schedule, params, hyper)
+    return tx if _off(clip_grad) else optax.chain(optax.clip_by_global_norm(clip_grad), tx)
+
+
 def build_optimizer(
     name: str,
     schedule: optax.ScalarOrSchedule,
@@ -352,29 +285,62 @@ def build_optimizer(
     first moment, Lion's, SGD's and Muon's momentum are kept in (computed in float32;
     adafactor keeps none); None: the parameters'.
     """
-    key = _canonical(name, OPTIMIZERS, "optimizer")
-    _require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
-    ok_clip = clip_grad is None or clip_grad >= 0
-    _require(ok_clip, f"clip_grad must be None/0 (off) or a positive global norm, got {clip_grad}")
-    for field, value in (("b1", b1), ("b2", b2), ("momentum", momentum)):
-        _require(0 <= value < 1, f"{field} must be in [0, 1), got {value}")
-    _require(eps > 0, f"eps must be > 0, got {eps}")
+    key = canonical(name, OPTIMIZERS, "optimizer")
+    _check_numbers(weight_decay, clip_grad, b1, b2, eps, momentum)
     hyper = _Hyper(float(weight_decay), b1, b2, eps, momentum, logical_axes, mesh, mu_dtype)
-    tx = _OPTIMIZERS[key](schedule, params, hyper)
-    if clip_grad:
-        tx = optax.chain(optax.clip_by_global_norm(clip_grad), tx)
-    return tx
+    return _assemble(key, schedule, params, hyper, clip_grad)
 
 
-def run_optimizer(
+@dataclass(frozen=True)
+class TunableOptimizer:
+    """An optimizer as a function of its numbers: ``build(numbers) -> (optax transformation,
+    schedule)``. The train step calls it on the numbers it is given (traced), so changing
+    one retraces nothing and compiles nothing; `numbers` are the run's own (host) values."""
+
+    numbers: Numbers
+    build: Callable[[Numbers], tuple[optax.GradientTransformation, Any]]
+
+    @classmethod
+    def fixed(cls, optimizer: optax.GradientTransformation, schedule: Any) -> TunableOptimizer:
+        """An optimizer with no numbers to swap (a user's own, from `create_optimizer`)."""
+        return cls({}, lambda numbers: (optimizer, schedule))
+
+    def __call__(self) -> tuple[optax.GradientTransformation, Any]:
+        """(transformation, schedule) with the run's own numbers as constants."""
+        return self.build(self.numbers)
+
+    def abstract_numbers(self, sharding: Any = None) -> Numbers:
+        """The numbers as the step traces them, weakly typed scalars (Python numbers are), for
+        lowering without placing anything (a deviceless TPU plan has no device)."""
+
+        def abstract(x: Any) -> jax.ShapeDtypeStruct:
+            dtype = jnp.result_type(x)
+            return jax.ShapeDtypeStruct((), dtype, weak_type=True, sharding=sharding)
+
+        return jax.tree.map(abstract, self.numbers)
+
+    def wrapped(
+        self, wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation]
+    ) -> TunableOptimizer:
+        """The same numbers, the transformation wrapped (pruning's masks around it)."""
+
+        def build(numbers: Numbers) -> tuple[optax.GradientTransformation, Any]:
+            optimizer, schedule = self.build(numbers)
+            return wrap(optimizer), schedule
+
+        return TunableOptimizer(self.numbers, build)
+
+
+def tunable_optimizer(
     settings: OptimizerSettings,
     total_steps: int,
     params: Any,
     logical_axes: Any = None,
     mesh: Any = None,
-) -> tuple[optax.GradientTransformation, Callable[[Any], Any]]:
-    """(optax transformation, learning-rate schedule) of a run's optimizer section over
-    `total_steps` updates on `mesh` (the run's; None: one device)."""
+) -> TunableOptimizer:
+    """A run's optimizer section over `total_steps` updates on `mesh` (the run's; None: one
+    device), its numbers checked here. A weight decay or clipping norm of 0 is off: left out
+    of the numbers, it leaves its operation out of the program."""
     schedule = build_schedule(
         settings.scheduler,
         learning_rate=settings.learning_rate,
@@ -383,18 +349,43 @@ def run_optimizer(
         min_lr_ratio=settings.min_lr_ratio,
         wsd_decay_fraction=settings.wsd_decay_fraction,
     )
-    optimizer = build_optimizer(
-        settings.optimizer,
-        schedule,
-        params,
-        weight_decay=settings.weight_decay,
-        clip_grad=settings.clip_grad,
-        b1=settings.adam_beta1,
-        b2=settings.adam_beta2,
-        eps=settings.adam_epsilon,
-        momentum=settings.momentum,
-        logical_axes=logical_axes,
-        mesh=mesh,
-        mu_dtype=settings.mu_dtype,
+    key = canonical(settings.optimizer, OPTIMIZERS, "optimizer")
+    s = settings
+    _check_numbers(
+        s.weight_decay, s.clip_grad, s.adam_beta1, s.adam_beta2, s.adam_epsilon, s.momentum
     )
-    return optimizer, schedule
+    # Shapes only (muon's partition reads them): the closure must not keep the arrays alive.
+    params = abstract_arrays(params)
+    numbers: Numbers = {"schedule": schedule.numbers}
+    if not _off(s.weight_decay):
+        numbers["weight_decay"] = float(s.weight_decay)
+    if not _off(s.clip_grad):
+        numbers["clip_grad"] = float(s.clip_grad)
+
+    def build(numbers: Numbers) -> tuple[optax.GradientTransformation, Schedule]:
+        rate = schedule.with_numbers(numbers["schedule"])
+        hyper = _Hyper(
+            numbers.get("weight_decay", 0.0),
+            s.adam_beta1,
+            s.adam_beta2,
+            s.adam_epsilon,
+            s.momentum,
+            logical_axes,
+            mesh,
+            s.mu_dtype,
+        )
+        return _assemble(key, rate, params, hyper, numbers.get("clip_grad")), rate
+
+    return TunableOptimizer(numbers, build)
+
+
+def run_optimizer(
+    settings: OptimizerSettings,
+    total_steps: int,
+    params: Any,
+    logical_axes: Any = None,
+    mesh: Any = None,
+) -> tuple[optax.GradientTransformation, Schedule]:
+    """(optax transformation, learning-rate schedule) of a run's optimizer section, its
+    numbers as constants (`tunable_optimizer` with the run's own numbers)."""
+    return tunable_optimizer(settings, total_steps, params, logical_axes, mesh)()

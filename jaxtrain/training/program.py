@@ -39,7 +39,7 @@ from jaxtrain.quantization.kernel import KEPT_IN_FLOAT
 from jaxtrain.runtime import Runtime
 from jaxtrain.state import TrainState
 from jaxtrain.training.evaluation import Evaluator
-from jaxtrain.training.optim import run_optimizer
+from jaxtrain.training.optim import TunableOptimizer, tunable_optimizer
 from jaxtrain.training.pruning import pruning_metrics, with_pruning
 from jaxtrain.training.state import (
     ReadyBuild,
@@ -254,7 +254,8 @@ class Program:
     `settings`: the run's sections (config.sections.RunSettings: its model, optimizer and
     pruning are read). `schedule_length` is the number of updates the learning-rate schedule
     spans. `optimizer`: (optax transformation, schedule) in place of the settings' own
-    (pruning still wraps it when asked for).
+    (pruning still wraps it when asked for); the settings' own take their numbers (learning
+    rate, weight decay, clipping) as an input of the step, a given one has them as constants.
     """
 
     def __init__(
@@ -280,15 +281,24 @@ class Program:
         self.objective = objective or Objective()
         self._jit = jit
         self.plan.check_expert_axis(parts.params)  # ep > 1 needs experts
-        self.optimizer, self.schedule = optimizer or run_optimizer(
-            settings.optimizer,
-            schedule_length,
-            parts.params,
-            logical_axes=param_logical_axes(parts.params),
-            mesh=runtime.mesh,
+        tunable = (
+            TunableOptimizer.fixed(*optimizer)
+            if optimizer is not None
+            else tunable_optimizer(
+                settings.optimizer,
+                schedule_length,
+                parts.params,
+                logical_axes=param_logical_axes(parts.params),
+                mesh=runtime.mesh,
+            )
         )
         # Masks live in the optimizer state, for any optimizer (pruning.py says why).
-        self.optimizer = with_pruning(self.optimizer, settings.pruning, schedule_length)
+        pruning = settings.pruning
+        self.tunable = tunable.wrapped(lambda tx: with_pruning(tx, pruning, schedule_length))
+        # The run's own numbers as constants: what the state is built from (its structure does
+        # not depend on them) and what callers outside the step read.
+        self.optimizer, self.schedule = self.tunable()
+        self._placed_numbers = None
         self.seed = self.settings.seed
         self._state_shardings = self._state_shape_cache = None
         self._placed_rest = None  # the non-Param state on the mesh (frozen_state())
@@ -408,6 +418,14 @@ class Program:
             self._placed_rest = (jax.device_put(self.rest, shardings), shardings)
         return self._placed_rest[0]
 
+    def optimizer_numbers(self) -> Any:
+        """The optimizer's numbers (TunableOptimizer) placed on the mesh, replicated: the train
+        step's last argument. Python numbers stay weakly typed there, so the step promotes
+        them as it would the constants they replace."""
+        if self._placed_numbers is None:
+            self._placed_numbers = jax.device_put(self.tunable.numbers, self.plan.replicated)
+        return self._placed_numbers
+
     # ---------------------------------------------------------------- the steps
     def jit(self, fn: Callable[..., Any], name: str, *, progress: Any = None, **kw: Any):
         """A TrackedJit of `fn` with the runtime's compiler options (the run's monitor
@@ -431,8 +449,7 @@ class Program:
         step(state, batch)`). Both may be abstract (`abstract_state()`, ShapeDtypeStructs)."""
         step_fn = make_train_step(
             graphdef=self.graphdef,
-            optimizer=self.optimizer,
-            schedule=self.schedule,
+            optimizer=self.tunable,
             seed=self.seed,
             loss_sums_fn=with_activation_sharding(self._train_loss_sums, self.plan.rules),
             normalizer_fn=self.objective.normalizer,
@@ -444,13 +461,15 @@ class Program:
         options = self.plan.train_step_jit_options(self.state_shardings, batch)
         rest = self.rest  # a ModelFactory's is abstract until the state exists: shapes suffice
         rest_shardings = self.plan.param_shardings(rest)
-        options["in_shardings"] = (*options["in_shardings"], rest_shardings)
+        replicated = self.plan.replicated
+        options["in_shardings"] = (*options["in_shardings"], rest_shardings, replicated)
         tracked = self.jit(step_fn, "train_step", progress=progress, **options)
-        finish = tracked.lower_for(state, batch, abstract_arrays(rest, rest_shardings))
+        numbers = self.tunable.abstract_numbers(replicated)
+        finish = tracked.lower_for(state, batch, abstract_arrays(rest, rest_shardings), numbers)
 
         def compiled_step() -> StepWithFrozen:
             finish()
-            return StepWithFrozen(tracked, self.frozen_state)
+            return StepWithFrozen(tracked, lambda: (self.frozen_state(), self.optimizer_numbers()))
 
         return compiled_step
 

@@ -27,6 +27,7 @@ from jaxtrain.training.logps import (
     next_token_targets,
     target_logps,
 )
+from jaxtrain.training.optim import TunableOptimizer
 
 # (model, batch, rng) -> dict of sums over the batch: the contract is in objective.py.
 LossSumsFn = Objective
@@ -156,15 +157,21 @@ def make_train_step(
     *,
     graphdef: nnx.GraphDef,
     rest: nnx.State | None = None,
-    optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
+    optimizer: optax.GradientTransformation | TunableOptimizer,
+    schedule: optax.Schedule | None = None,
     seed: int,
     loss_sums_fn: LossSumsFn = causal_lm_loss_sums,
     normalizer_fn: Callable[[dict[str, jax.Array]], jax.Array] = count_target_tokens,
     state_metrics: Callable[[TrainState], dict[str, jax.Array]] | None = None,
     global_scalars_fn: GlobalScalarsFn | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
-    """Build `train_step(state, batch, frozen=None)`; batch leaves are [A, ...] (micro-batches).
+    """Build `train_step(state, batch, frozen=None, numbers=None)`; batch leaves are [A, ...]
+    (micro-batches).
+
+    `optimizer`: an optax transformation and its `schedule`, or a TunableOptimizer, whose
+    `numbers` (learning-rate schedule, weight decay, clipping) the step takes as an argument:
+    placed like any input, not baked into the program, so one compile serves every value.
+    Without them, the optimizer's own numbers are constants.
 
     `global_scalars_fn(global batch)`: named scalars of the whole global batch that every
     micro-batch's objective reads as `batch[name]` (with_global_scalars).
@@ -183,9 +190,15 @@ def make_train_step(
         return sums["loss_sum"] / normalizer, sums
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
+    if not isinstance(optimizer, TunableOptimizer):
+        optimizer = TunableOptimizer.fixed(optimizer, schedule)
+    tunable = optimizer
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array], frozen: Any = None):
+    def train_step(
+        state: TrainState, batch: dict[str, jax.Array], frozen: Any = None, numbers: Any = None
+    ):
         frozen = rest if frozen is None else frozen
+        optimizer, schedule = tunable.build(tunable.numbers if numbers is None else numbers)
         normalizer = jnp.maximum(normalizer_fn(batch), 1.0)
         scalars = {} if global_scalars_fn is None else global_scalars_fn(batch)
         step_key = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -265,16 +278,17 @@ def make_eval_step(
 
 
 class StepWithFrozen:
-    """The compiled train step with the frozen state bound: `step(state, batch)`. The frozen
-    state is placed at the first call (a ModelFactory's exists only once the state does)."""
+    """The compiled train step with its other inputs bound: `step(state, batch)`.
+    `placed_inputs()` gives the frozen state and the optimizer's numbers on the mesh; it is
+    called at the first step (a ModelFactory's frozen state exists only once the state does)."""
 
-    def __init__(self, compiled: Any, frozen_state: Callable[[], Any]):
-        self.compiled, self._frozen_state, self.frozen = compiled, frozen_state, None
+    def __init__(self, compiled: Any, placed_inputs: Callable[[], tuple[Any, Any]]):
+        self.compiled, self._placed_inputs, self.inputs = compiled, placed_inputs, None
 
     def __call__(self, state: TrainState, batch: dict[str, jax.Array]):
-        if self.frozen is None:
-            self.frozen = self._frozen_state()
-        return self.compiled(state, batch, self.frozen)
+        if self.inputs is None:
+            self.inputs = self._placed_inputs()
+        return self.compiled(state, batch, *self.inputs)
 
     def __getattr__(self, name: str) -> Any:  # compiles, lower, ... of the TrackedJit
         return getattr(self.compiled, name)

@@ -141,13 +141,16 @@ class Trainer:
             differences=objective.differences,
         )
         schedule_length = self._schedule_length()
+        # A subclass's optimizer, or the arguments' own built by the Program with its numbers
+        # (learning rate, weight decay, ...) an input of the step: one compile serves them all.
+        own_optimizer = type(self).create_optimizer is not Trainer.create_optimizer
         self.program = Program(
             parts,
             self.runtime,
             settings,
             schedule_length=schedule_length,
             objective=objective,
-            optimizer=self.create_optimizer(schedule_length),
+            optimizer=self.create_optimizer(schedule_length) if own_optimizer else None,
             jit=self.monitor.jit,
         )
         # Where train() starts, its saves, keep-N, the run's files.
@@ -277,7 +280,9 @@ class Trainer:
 
     def create_optimizer(self, total_steps: int) -> tuple[Any, Callable[[Any], Any]]:
         """(optax transformation, learning-rate schedule) over `total_steps` updates: the
-        arguments' optimizer for the model's parameters (`model_parts.params`)."""
+        arguments' optimizer for the model's parameters (`model_parts.params`). Override it
+        for an optimizer of your own; its numbers are then constants of the train step, where
+        the arguments' own are an input (a new learning rate compiles nothing)."""
         params = self.model_parts.params
         return run_optimizer(
             self.settings.optimizer,

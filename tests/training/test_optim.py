@@ -1,4 +1,4 @@
-"""Schedules and optimizers of jaxtrain.training.optim on a tiny real NNX model (CPU, fast)."""
+"""Schedules (training/schedules.py) and optimizers (training/optim.py) on a tiny NNX model."""
 
 import math
 
@@ -11,15 +11,10 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from jaxtrain import TrainingArguments
+from jaxtrain.config.tables import OPTIMIZERS, SCHEDULERS
 from jaxtrain.errors import ArgumentError
-from jaxtrain.training.optim import (
-    OPTIMIZERS,
-    SCHEDULERS,
-    build_optimizer,
-    build_schedule,
-    learning_rate_at,
-    muon_dimension_numbers,
-)
+from jaxtrain.training.optim import build_optimizer, muon_dimension_numbers
+from jaxtrain.training.schedules import build_schedule, learning_rate_at
 
 LR, TOTAL, WARMUP, MIN_RATIO = 2.0, 100, 10, 0.1
 FLOOR = LR * MIN_RATIO
@@ -76,6 +71,59 @@ def test_no_warmup_starts_at_peak_and_min_ratio_zero_reaches_zero():
 def test_schedule_runs_under_jit():
     sched = _build("wsd")
     np.testing.assert_allclose(jax.jit(sched)(jnp.int32(4)), LR / 2, rtol=1e-6)
+
+
+def optax_schedule(key, lr, total, warmup, ratio, fraction):
+    """The same schedule composed of optax's own schedules: the reference."""
+    peak, floor, decay_steps = lr, lr * ratio, total - warmup
+    if key == "constant":
+        main = optax.constant_schedule(peak)
+    elif key == "linear":
+        main = optax.linear_schedule(peak, floor, decay_steps)
+    elif key in ("cosine", "warmup_cosine"):
+        main = optax.cosine_decay_schedule(peak, decay_steps, ratio)
+    else:
+        decay = max(1, round(fraction * total))
+        parts = [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)]
+        main = optax.join_schedules(parts, [decay_steps - decay])
+    if not warmup:
+        return main
+    ramp = optax.linear_schedule(peak / warmup, peak, max(warmup - 1, 1))
+    return optax.join_schedules([ramp, main], [warmup])
+
+
+SCHEDULE_CASES = [
+    (key, lr, total, warmup, ratio)
+    for key in SCHEDULERS
+    for lr, total, warmup, ratio in [(3e-4, 7, 0, 0.0), (0.0123, 100, 3, 0.37), (2.0, 100, 1, 0.1)]
+    if key != "warmup_cosine" or warmup
+]
+
+
+@pytest.mark.parametrize("key, lr, total, warmup, ratio", SCHEDULE_CASES)
+def test_schedules_are_optax_to_the_bit_and_take_traced_numbers(key, lr, total, warmup, ratio):
+    ours = build_schedule(
+        key, learning_rate=lr, total_steps=total, warmup_steps=warmup, min_lr_ratio=ratio,
+        wsd_decay_fraction=0.2,
+    )  # fmt: skip
+    reference = optax_schedule(key, lr, total, warmup, ratio, 0.2)
+    host_steps = [0, 1, 2, 5, 50, 99, 100, 120]
+    assert _values(ours, host_steps) == _values(reference, host_steps)
+    steps = jnp.arange(130, dtype=jnp.int32)
+    want = jax.jit(jax.vmap(reference))(steps)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(ours))(steps), want)
+    # One program for every set of numbers: here another schedule's, traced. XLA turns a
+    # division by a constant into a product with its reciprocal, so with the steps traced the
+    # rate is a few ulps from optax's compiled one, as that is from optax's own host values
+    # (and optax's compiled linear decay to 0 ends at -1e-11, not at 0).
+    by_numbers = jax.jit(lambda n, s: jax.vmap(ours.with_numbers(n))(s))
+    other = build_schedule(key, learning_rate=lr / 3, total_steps=total + 9, warmup_steps=warmup,
+                           min_lr_ratio=ratio / 2, wsd_decay_fraction=0.2)  # fmt: skip
+    other_reference = optax_schedule(key, lr / 3, total + 9, warmup, ratio / 2, 0.2)
+    for schedule, reference in ((ours, want), (other, jax.vmap(other_reference)(steps))):
+        got = by_numbers(schedule.numbers, steps)
+        np.testing.assert_allclose(got, reference, rtol=1e-6, atol=1e-7 * lr)
+    assert by_numbers._cache_size() == 1
 
 
 @pytest.mark.parametrize(

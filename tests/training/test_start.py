@@ -123,3 +123,47 @@ def test_a_model_factory_with_lora_starts_from_the_built_model_s_weights(tmp_pat
         strict=True,
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_another_learning_rate_schedule_or_decay_compiles_the_same_step(tmp_path):
+    """The optimizer's numbers are an input of the step, not constants: a run with another
+    learning rate, warmup, length, floor, weight decay and clipping norm compiles the same
+    program (the persistent cache reads it back), and that program fed the other run's
+    numbers updates exactly as the other run's own step does."""
+    common = dict(scheduler="cosine", weight_decay=0.01)
+    a = tiny_trainer(str(tmp_path / "a"), **common)
+    b = tiny_trainer(
+        str(tmp_path / "b"),
+        **common | dict(weight_decay=0.2),
+        learning_rate=3e-3,
+        warmup_steps=4,
+        max_steps=30,
+        min_lr_ratio=0.1,
+        clip_grad=0.5,
+    )
+    host_batch = next(a.train_source.loader.batches())
+    batch = a.sharding_plan.batch.to_global(host_batch, micro_axis=True)
+    step_a, step_b = (
+        t.program.compile_train_step(t.program.abstract_state(), batch) for t in (a, b)
+    )
+    programs = [  # StableHLO without source locations: what JAX's persistent cache keys on
+        step.lower(t.program.abstract_state(), batch, t.program.frozen_state(), numbers).as_text()
+        for step, t in ((step_a, a), (step_b, b))
+        for numbers in [t.program.optimizer_numbers()]
+    ]
+    assert programs[0] == programs[1]
+
+    def five_steps(step, numbers):
+        state = b.program.create_state()
+        for _ in range(5):  # past B's warmup
+            state, metrics = step.compiled(state, batch, b.program.frozen_state(), numbers)
+        return state, metrics
+
+    want, want_metrics = five_steps(step_b, b.program.optimizer_numbers())
+    got, got_metrics = five_steps(step_a, b.program.optimizer_numbers())
+    own, own_metrics = five_steps(step_a, a.program.optimizer_numbers())
+    assert float(got_metrics["learning_rate"]) == float(want_metrics["learning_rate"])
+    assert float(own_metrics["learning_rate"]) != float(want_metrics["learning_rate"])
+    for x, y, z in zip(*(jax.tree.leaves(s.params) for s in (got, want, own))):
+        np.testing.assert_array_equal(x, y)
+        assert not np.array_equal(x, z)
