@@ -423,7 +423,14 @@ class Program:
         step's last argument. Python numbers stay weakly typed there, so the step promotes
         them as it would the constants they replace."""
         if self._placed_numbers is None:
-            self._placed_numbers = jax.device_put(self.tunable.numbers, self.plan.replicated)
+            # Placed by a jit, not device_put: on several processes jax 0.10.2's device_put
+            # checks that each passed the same number, comparing a float's float64 value with
+            # the float32 it gathered, so that 3e-4 is "not the same on each process".
+            replicated = self.plan.replicated
+            place = jax.jit(
+                lambda numbers: numbers, in_shardings=replicated, out_shardings=replicated
+            )
+            self._placed_numbers = place(self.tunable.numbers)
         return self._placed_numbers
 
     # ---------------------------------------------------------------- the steps
