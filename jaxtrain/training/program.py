@@ -248,6 +248,12 @@ def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
     return model
 
 
+def _same(tree: Any) -> Any:
+    """The identity: jitted with shardings, it places its argument (one function, so that
+    every Program's placement reuses one trace)."""
+    return tree
+
+
 class Program:
     """One run's step, compiled on the runtime's mesh (see the module docstring).
 
@@ -427,9 +433,7 @@ class Program:
             # checks that each passed the same number, comparing a float's float64 value with
             # the float32 it gathered, so that 3e-4 is "not the same on each process".
             replicated = self.plan.replicated
-            place = jax.jit(
-                lambda numbers: numbers, in_shardings=replicated, out_shardings=replicated
-            )
+            place = jax.jit(_same, in_shardings=replicated, out_shardings=replicated)
             self._placed_numbers = place(self.tunable.numbers)
         return self._placed_numbers
 
