@@ -291,6 +291,11 @@ def build_optimizer(
     return _assemble(key, schedule, params, hyper, clip_grad)
 
 
+def _same(tree: Any) -> Any:
+    """The identity (one function, so that every placement reuses one trace)."""
+    return tree
+
+
 @dataclass(frozen=True)
 class TunableOptimizer:
     """An optimizer as a function of its numbers: ``build(numbers) -> (optax transformation,
@@ -318,6 +323,13 @@ class TunableOptimizer:
             return jax.ShapeDtypeStruct((), dtype, weak_type=True, sharding=sharding)
 
         return jax.tree.map(abstract, self.numbers)
+
+    def placed_numbers(self, sharding: Any) -> Numbers:
+        """The numbers on the devices of `sharding`, weakly typed as Python numbers trace.
+        Placed by a jit, not device_put: on several processes jax 0.10.2's device_put checks
+        that each passed the same number, comparing a float's float64 value with the float32
+        it gathered, so that 3e-4 is "not the same on each process"."""
+        return jax.jit(_same, in_shardings=sharding, out_shardings=sharding)(self.numbers)
 
     def wrapped(
         self, wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation]

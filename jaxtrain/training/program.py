@@ -248,12 +248,6 @@ def add_lora(model: nnx.Module, settings: ModelSettings) -> nnx.Module:
     return model
 
 
-def _same(tree: Any) -> Any:
-    """The identity: jitted with shardings, it places its argument (one function, so that
-    every Program's placement reuses one trace)."""
-    return tree
-
-
 class Program:
     """One run's step, compiled on the runtime's mesh (see the module docstring).
 
@@ -429,12 +423,7 @@ class Program:
         step's last argument. Python numbers stay weakly typed there, so the step promotes
         them as it would the constants they replace."""
         if self._placed_numbers is None:
-            # Placed by a jit, not device_put: on several processes jax 0.10.2's device_put
-            # checks that each passed the same number, comparing a float's float64 value with
-            # the float32 it gathered, so that 3e-4 is "not the same on each process".
-            replicated = self.plan.replicated
-            place = jax.jit(_same, in_shardings=replicated, out_shardings=replicated)
-            self._placed_numbers = place(self.tunable.numbers)
+            self._placed_numbers = self.tunable.placed_numbers(self.plan.replicated)
         return self._placed_numbers
 
     # ---------------------------------------------------------------- the steps
