@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
+from suite_profile import run_pytest_with_plugin, split_at_dashes
 
 OUT_VARIABLE = "JAXTRAIN_PROGRAM_TEXTS"  # the workers find the output folder here
 SAVE_VARIABLE = "JAXTRAIN_PROGRAM_TEXTS_SAVE"  # which modules' texts are kept, by name
@@ -151,10 +151,7 @@ def summary(rows: list[dict], texts: Path, top: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, theirs = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
+    ours, theirs = split_at_dashes(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="program_texts")
     parser.add_argument("--save", default="step", help="regex: whose texts are kept and compared")
@@ -164,13 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     for old in out.glob("log-*.jsonl"):
         old.unlink()
     os.environ[OUT_VARIABLE], os.environ[SAVE_VARIABLE] = str(out), opts.save
-    here = str(Path(__file__).resolve().parent)  # the workers import this file by name
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    sys.path.insert(0, here)
-    code = pytest.main(["-p", "program_texts", *theirs])
+    code = run_pytest_with_plugin("program_texts", theirs)
     rows = [json.loads(line) for log in out.glob("log-*.jsonl") for line in log.open()]
     print("\n".join(summary(rows, out / "text", opts.top)))
-    return int(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -157,11 +157,23 @@ def _sum(files: dict[str, list[float]]) -> list[float]:
     return [sum(values) for values in zip(*files.values())] if files else [0.0] * ROW_WIDTH
 
 
+def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this script's arguments, pytest's: everything after `--`)."""
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
+def run_pytest_with_plugin(plugin: str, pytest_args: list[str]) -> int:
+    """pytest.main with the bench module `plugin` loaded in it and in every xdist worker."""
+    here = str(Path(__file__).resolve().parent)  # the workers import the plugin by name
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, here)
+    return int(pytest.main(["-p", plugin, *pytest_args]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, theirs = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
+    ours, theirs = split_at_dashes(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="suite_profile.jsonl")
     parser.add_argument("--top", type=int, default=30, help="files in the summary")
@@ -169,13 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(opts.out).resolve()
     out.unlink(missing_ok=True)
     os.environ[OUT_VARIABLE] = str(out)
-    here = str(Path(__file__).resolve().parent)  # the workers import this file by name
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    sys.path.insert(0, here)
-    code = pytest.main(["-p", "suite_profile", *theirs])
+    code = run_pytest_with_plugin("suite_profile", theirs)
     rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     print("\n".join(summary(rows, opts.top)))
-    return int(code)
+    return code
 
 
 if __name__ == "__main__":
