@@ -18,7 +18,7 @@ The one rule for logs: every value is summed over the logging window (or the who
 set) and divided by the summed `tokens` (or by its own summed `X_count`, and not logged when
 that is 0: a mixture source with weight 0 has no loss), so each is a per-unit mean weighted
 exactly like the loss. It is logged under its own name with a trailing `_sum` dropped (`z_loss_sum` ->
-`z_loss`, `rewards/margins` -> `rewards/margins`), `correct` as `accuracy`, and under
+`z_loss`, `rewards/margins_sum` -> `rewards/margins`), `correct` as `accuracy`, and under
 `eval/` in evaluation. Nothing an objective returns is dropped. `perplexity` = exp(loss) is
 logged beside the loss only when the loss is a mean negative log-likelihood per token
 (`Objective.token_nll`: the causal LM and SFT losses); the exponential of a preference,

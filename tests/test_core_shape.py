@@ -207,6 +207,14 @@ def half_built_uses(klass: type) -> list[str]:
             static = inspect.getattr_static(klass, node.attr, None)
             if isinstance(node.ctx, ast.Store) or inspect.isfunction(static):
                 problems.append(f"line {node.lineno}: self.{node.attr}")  # a half-built trainer
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) != "type"  # its class, for a message
+            and any(
+                ast.unparse(v) == "self" for v in (*node.args, *(k.value for k in node.keywords))
+            )
+        ):  # lent whole, as `pad_source=self` once was
+            problems.append(f"line {node.lineno}: self lent to {ast.unparse(node.func)}")
     return problems
 
 
@@ -250,3 +258,49 @@ def test_no_task_helper_rewrites_the_callers_keyword_arguments():
                 if (stored or called) and ast.unparse(node.value) == "kwargs":
                     offences.append(f"{path.name}:{node.lineno} {function.name}")
     assert not offences, offences
+
+
+def names_the_arguments(node: ast.AST) -> bool:
+    """`args`, `self.arguments`, `grpo_args`...: a name the flat arguments travel under."""
+    name = getattr(node, "id", None) or getattr(node, "attr", None) or ""
+    return name.endswith(("args", "arguments"))
+
+
+def test_only_the_arguments_module_writes_into_the_arguments():
+    """Issue 46, design target 2: the arguments are read into sections, never written back
+    (`jaxtrain eval` once set its batch limit on them). arguments.py's own step cap, applied
+    when they are built, is the one writer."""
+    writes = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            stored = isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del)
+            set_by_call = (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) in ("setattr", "object.__setattr__")
+                and node.args
+            )
+            target = node.value if stored else node.args[0] if set_by_call else None
+            if target is not None and names_the_arguments(target):
+                writes.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert writes and all(w.startswith("arguments.py:") for w in writes), writes
+
+
+def test_a_program_takes_the_run_s_sections_never_the_arguments():
+    """Issue 46, design target 2: `Program(parts, runtime, settings)` is handed the sections
+    (RunSettings) at every call in the package, and refuses the flat arguments."""
+    import pytest
+
+    from jaxtrain.errors import ArgumentError
+    from jaxtrain.training.program import Program
+
+    calls = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "Program" and node.args:
+                given = node.args[2:3] + [k.value for k in node.keywords if k.arg == "settings"]
+                calls.append((f"{path.relative_to(ROOT)}:{node.lineno}", given))
+    assert len(calls) >= 3, calls  # the Trainer's, the planner's, a restored run's
+    for where, given in calls:
+        assert len(given) == 1 and not names_the_arguments(given[0]), where
+    with pytest.raises(ArgumentError, match="Program takes the run's sections, not a Training"):
+        Program(None, None, TrainingArguments(), schedule_length=1)

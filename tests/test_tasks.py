@@ -139,3 +139,29 @@ def test_the_definitions_import_no_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_command_line_builds_the_sections_once_and_hands_them_to_the_trainer():
+    """`trainer_setup` (the CLI's, a restored run's) builds the run's sections and passes them
+    on as `settings=`: the trainer reads those, and builds none of its own."""
+    from flax import nnx
+
+    from jaxtrain.models import LlamaConfig, LlamaForCausalLM
+    from jaxtrain.tasks import trainer_setup
+
+    for name, task in TASKS.items():
+        if task.trainer_kwargs is not None:  # distill: its teacher is built (the CLI's tests)
+            continue
+        # What each task's check of the config asks for (files, a tokenizer, RL's rewards).
+        config, data = {"reward": "last_number_matches"}, {"source": "files", "tokenizer": "t"}
+        args = task.arguments(max_steps=1)
+        trainer_class, kwargs, recorded = trainer_setup(name, config, data, None, args, None, None)
+        assert trainer_class is task.trainer_class() and recorded == {"task": name}
+        assert kwargs == {"settings": RunSettings.from_arguments(args)}, name
+    args = TrainingArguments(max_steps=1, total_batch_size=2, max_sequence_length=8)
+    trainer_class, kwargs, _ = trainer_setup("lm", {}, {}, None, args, None, None)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    rows = [{"input_ids": list(range(8))} for _ in range(4)]
+    trainer = trainer_class(arguments=args, model=model, dataset_train=rows, **kwargs)
+    assert trainer.settings is kwargs["settings"]

@@ -94,7 +94,8 @@ def trainer_setup(
     typed_model_section: Callable[[dict[str, Any]], dict[str, Any]],
 ) -> tuple[type, dict[str, Any], dict[str, Any]]:
     """(trainer class, its extra keyword arguments, what the resolved config.yaml records) of
-    a run of task `name` from the command line's resolved config. The task's own sections
+    a run of task `name` from the command line's resolved config. The keyword arguments hand
+    the run's sections (`settings`), built here once, to the trainer. The task's own sections
     (distill's teacher: a model) reach its hook typed by `typed_model_section`, and
     `build_model(section, tokenizer, seed=...)` builds them."""
     task = get_task(name)
@@ -105,11 +106,12 @@ def trainer_setup(
                 raise ArgumentError(
                     f"the {section} section is for --task {other.name}, not --task {name}."
                 )
-    kwargs: dict[str, Any] = {}
+    settings = RunSettings.from_arguments(args)
+    kwargs: dict[str, Any] = {"settings": settings}
     recorded: dict[str, Any] = {"task": name}
     if task.trainer_kwargs is not None:
         sections = {s: typed_model_section(config.get(s) or {}) for s in task.sections}
-        settings = RunSettings.from_arguments(args)
-        kwargs, extra = task.trainer_kwargs(sections, tokenizer, settings, build_model)
+        own, extra = task.trainer_kwargs(sections, tokenizer, settings, build_model)
+        kwargs.update(own)
         recorded.update(extra)
     return task.trainer_class(), kwargs, recorded

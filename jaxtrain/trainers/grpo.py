@@ -122,7 +122,7 @@ class GRPOTrainer(Trainer):
         model = concrete_model(model, settings.model, runtime)
         if not supports_kv_cache(model):
             raise ArgumentError(
-                f"GRPO samples with the KV-cache generator; {type(model).__name__} has no KV "
+                f"GRPO samples on the serving engine's KV cache; {type(model).__name__} has no KV "
                 "cache (the Llama family and its MoE, Gemma 2/3 and GPT-2 have)."
             )
         routing = getattr(model.config, "routing_shape", None)  # a MoE policy's

@@ -2,11 +2,12 @@
 
 Each round (num_iterations updates) takes total_batch_size / num_generations prompts
 (PromptLoader: a pure function of seed and step), samples num_generations completions of each
-from the live parameters the loop hands to `next(step, state)` (the compiled KV-cache sampler,
-on the run's mesh), scores them with the reward functions on the host, turns the rewards into
-advantages per group and lays the rows out as the train step's batch (with dynamic sampling,
-a group whose rewards are all equal is first replaced by a group of another prompt, drawn
-by seed and round, in up to dynamic_sampling_passes more passes). The later updates of a
+from the live parameters the loop hands to `next(step, state)` (the serving engine,
+`serving.Engine`, on the run's mesh or on devices of its own), scores them with the reward
+functions on the host, turns the rewards into advantages per group and lays the rows out as
+the train step's batch (with dynamic sampling, a group whose rewards are all equal is first
+replaced by a group of another prompt, drawn by seed and round, in up to
+dynamic_sampling_passes more passes). The later updates of a
 round reuse its batch (with the log-probs of the policy that sampled it); a checkpoint inside
 a round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact.
 With tools (GRPOTrainer's `tools`, `environment_factory`) a rollout goes on through its tool
