@@ -1,7 +1,7 @@
 """RLOOTrainer on the engine: it trains and logs what TRL's RLOOTrainer logs, and a round's
 advantages are RLOO's of that round's rewards and of the KL of its completions to the
 reference, recomputed here from the state's policy and the reference (a frozen copy, or
-with LoRA the base without adapters)."""
+with LoRA the base without adapters, an NF4 one with QLoRA)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from test_grpo_trl_objectives import Logs, first_is_big
 from trainer_fixtures import tiny_arguments, tiny_model
 
 from jaxtrain.models.lora import adapters_off
+from jaxtrain.quantization import QuantizedKernel
 from jaxtrain.rollout_arguments import RLOOArguments
 from jaxtrain.trainers import RLOOTrainer, rloo_advantages
 from jaxtrain.training.logps import model_token_logps
@@ -22,10 +23,18 @@ def length_reward(prompts, completions, **_):
     return [len(c.split()) / 4 for c in completions]
 
 
-@pytest.mark.parametrize("reference", ["copy", "lora"])
+# The reference: a frozen copy; with LoRA the base without adapters; with QLoRA an NF4 base.
+REFERENCES = {
+    "copy": {},
+    "lora": {"lora_rank": 4},
+    "qlora": {"lora_rank": 4, "quantization": "nf4", "quantization_block_size": 32},
+}
+
+
+@pytest.mark.parametrize("reference", list(REFERENCES))
 def test_rloo_trains_and_its_advantages_are_rloo_of_the_round(tokenizer, tmp_path, reference):
     logs = Logs()
-    lora = {"lora_rank": 4} if reference == "lora" else {}
+    lora = REFERENCES[reference]
     args = tiny_arguments(
         RLOOArguments, tmp_path, max_steps=4, total_batch_size=8, num_generations=4,
         max_prompt_length=8, max_completion_length=4, num_iterations=2, beta=0.5,
@@ -36,6 +45,9 @@ def test_rloo_trains_and_its_advantages_are_rloo_of_the_round(tokenizer, tmp_pat
         arguments=args, model=tiny_model(), reward_funcs=[first_is_big, length_reward],
         dataset_train=rows, processing_class=tokenizer, callbacks=[logs],
     )  # fmt: skip
+    if reference == "qlora":  # the policy's base is stored quantized
+        policy = trainer.program.parts.model
+        assert any(isinstance(m, QuantizedKernel) for _, m in nnx.iter_modules(policy))
     output = trainer.train()
     assert len(logs.logs) == 4
     for entry in logs.logs:

@@ -85,6 +85,9 @@ def test_eval_reports_the_runs_own_final_evaluation(run_dirs, task, capsys):
         err = capsys.readouterr().err.strip()
         assert "has no eval set" in err and "jaxtrain evaluate" in err
         assert len(err.splitlines()) == 1
+        # The advice works: lm-eval's tasks evaluate the run's policy.
+        assert main(["evaluate", str(run_dir), "--tasks", "python_mc", "--limit", "2"]) == 0
+        assert "python_mc" in capsys.readouterr().out
         return
     assert main(["eval", str(run_dir)]) == 0
     printed = printed_metrics(capsys.readouterr().out)
