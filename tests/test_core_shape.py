@@ -131,6 +131,12 @@ FLAT_ARGUMENT_READERS = {
 }  # fmt: skip
 
 
+def names_the_arguments(node: ast.AST) -> bool:
+    """`args`, `self.arguments`, `grpo_args`...: a name the flat arguments travel under."""
+    name = getattr(node, "id", None) or getattr(node, "attr", None) or ""
+    return name.endswith(("args", "arguments"))
+
+
 def flat_argument_readers() -> dict[str, set[str]]:
     """file -> the argument fields it reads as `<args|arguments>.field`, from the code."""
     from jaxtrain import rollout_arguments, task_arguments
@@ -155,8 +161,7 @@ def flat_argument_readers() -> dict[str, set[str]]:
                 base, field = node.args[0], node.args[1].value
             else:
                 continue
-            name = getattr(base, "id", None) or getattr(base, "attr", None) or ""
-            if name.endswith(("args", "arguments")):  # args, self.arguments, grpo_args...
+            if names_the_arguments(base):
                 readers[str(path.relative_to(ROOT))].add(field)
     return readers
 
@@ -258,12 +263,6 @@ def test_no_task_helper_rewrites_the_callers_keyword_arguments():
                 if (stored or called) and ast.unparse(node.value) == "kwargs":
                     offences.append(f"{path.name}:{node.lineno} {function.name}")
     assert not offences, offences
-
-
-def names_the_arguments(node: ast.AST) -> bool:
-    """`args`, `self.arguments`, `grpo_args`...: a name the flat arguments travel under."""
-    name = getattr(node, "id", None) or getattr(node, "attr", None) or ""
-    return name.endswith(("args", "arguments"))
 
 
 def test_only_the_arguments_module_writes_into_the_arguments():

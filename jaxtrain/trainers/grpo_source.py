@@ -2,21 +2,20 @@
 
 Each round (num_iterations updates) takes total_batch_size / num_generations prompts
 (PromptLoader: a pure function of seed and step), samples num_generations completions of each
-from the live parameters the loop hands to `next(step, state)` (the serving engine,
-`serving.Engine`, on the run's mesh or on devices of its own), scores them with the reward
-functions on the host, turns the rewards into advantages per group and lays the rows out as the
-train step's batch (with dynamic sampling, a group whose rewards are all equal is first replaced
-by a group of another prompt, drawn by seed and round, in up to dynamic_sampling_passes more
-passes). The later updates of a round reuse its batch (with the log-probs of the policy that
-sampled it); a checkpoint inside a round keeps the batch (grpo_round.py, through
-`checkpoint_extra`), so a resume is exact. With tools (GRPOTrainer's `tools`,
-`environment_factory`) a rollout goes on through its tool calls, the tools' answers appended to
-its tokens and masked out of the loss (grpo_sampler.py, tool_rollouts.py, rollout_rows.py). The
-train step's shapes are fixed (a row is a prompt of at most max_prompt_length tokens, then its
-completion, right-padded to their sum), so it compiles once; the engine compiles every bucket of
-its prefill and decode steps when it is made, before the first round samples (`Engine.warm_up`),
-and nothing after (a run of one round, or `rollout_warm_up=False`: each when first reached;
-grpo_sampler.warms_up).
+from the live parameters the loop hands to `next(step, state)` (`serving.Engine`, on the run's
+mesh or on devices of its own), scores them with the reward functions on the host, turns the
+rewards into advantages per group and lays the rows out as the train step's batch (with dynamic
+sampling, a group whose rewards are all equal is first replaced by a group of another prompt,
+drawn by seed and round, in up to dynamic_sampling_passes more passes). The later updates of a
+round reuse its batch (with the log-probs of the policy that sampled it); a checkpoint inside a
+round keeps the batch (grpo_round.py, through `checkpoint_extra`), so a resume is exact. With
+tools (GRPOTrainer's `tools`, `environment_factory`) a rollout goes on through its tool calls,
+the tools' answers appended to its tokens and masked out of the loss (grpo_sampler.py,
+tool_rollouts.py, rollout_rows.py). The train step's shapes are fixed (a row is a prompt of at
+most max_prompt_length tokens, then its completion, right-padded to their sum), so it compiles
+once; the engine compiles every bucket of its prefill and decode steps when it is made, before
+the first round samples (`Engine.warm_up`), and nothing after (a run of one round, or
+`rollout_warm_up=False`: each when first reached; grpo_sampler.warms_up).
 
 With max_staleness k > 0 the rounds after the current one are sampled in the background
 while it trains, from copies of the parameters of their time (rounds_ahead.py); their batches
